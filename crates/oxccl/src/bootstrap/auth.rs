@@ -1,0 +1,1 @@
+//! Mutual authentication of every connection (rendezvous and data) by the shared secret.

@@ -1,0 +1,104 @@
+//! Transports: how bytes move between two ranks.
+//!
+//! Every transport fills the same small interface, [`Link`]: an ordered, reliable,
+//! non-blocking byte stream to one peer, in both directions. Algorithms never see a
+//! transport; the executor ([`crate::exec`]) drives links and sleeps on their
+//! [`WaitSource`]s when none can progress.
+//!
+//! - [`shm`]: shared memory between ranks of one host (one single-producer/single-consumer
+//!   ring per ordered pair, futex doorbells).
+//! - [`tcp`]: TCP sockets between hosts (or everywhere, with `OXCCL_TRANSPORT=tcp`).
+//! - [`mem`]: in-process queues, for testing algorithms deterministically in one process.
+
+use std::fmt;
+use std::os::fd::BorrowedFd;
+
+use crate::wait::Doorbell;
+
+pub mod mem;
+pub mod shm;
+pub mod tcp;
+
+/// Which transport a link uses.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Shared memory (same host).
+    Shm,
+    /// TCP sockets.
+    Tcp,
+    /// In-process memory (tests).
+    Mem,
+}
+
+impl TransportKind {
+    /// Lower-case name, as printed by `oxccl perf` and accepted by `OXCCL_TRANSPORT`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Mem => "mem",
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a link failed. The executor turns it into an [`crate::Error`] naming the call.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The peer closed its end, exited or was killed.
+    #[error("peer closed the connection ({0})")]
+    Closed(String),
+    /// The peer sent something that breaks the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// An operating-system error.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// What a waiter sleeps on when a link cannot progress.
+#[derive(Debug, Clone, Copy)]
+pub enum WaitSource<'a> {
+    /// Sleep on this doorbell; the peer rings it when it writes or frees ring space.
+    Doorbell(&'a Doorbell),
+    /// Sleep in `poll(2)` on this descriptor (readable for receives, writable for sends).
+    Fd(BorrowedFd<'a>),
+}
+
+/// A reliable, ordered, non-blocking byte stream to one peer.
+///
+/// Both directions are independent: a rank may send and receive on the same link at the same
+/// time (the ring algorithms depend on it). Neither call blocks.
+pub trait Link: Send {
+    /// The transport this link uses.
+    fn kind(&self) -> TransportKind;
+
+    /// Copies a prefix of `data` into the link and returns its length; 0 when the link has no
+    /// room now (the peer has not consumed earlier bytes). `data` may be empty.
+    fn try_send(&mut self, data: &[u8]) -> Result<usize, LinkError>;
+
+    /// Offers the bytes that have arrived, in order, to `consume`, which returns how many of
+    /// them it took (a prefix; it may take fewer than offered, e.g. to keep whole elements,
+    /// and the rest is offered again next time). The link may call `consume` more than once
+    /// (e.g. across the wrap of a ring) and stops once `consume` takes less than offered.
+    /// Returns the total taken; 0 when nothing has arrived.
+    fn try_recv(&mut self, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, LinkError>;
+
+    /// What to sleep on until [`try_send`](Self::try_send) may accept more bytes.
+    fn send_wait(&self) -> WaitSource<'_>;
+
+    /// What to sleep on until [`try_recv`](Self::try_recv) may offer bytes.
+    fn recv_wait(&self) -> WaitSource<'_>;
+
+    /// Called by the executor every so often while it sleeps on this link, to notice a peer
+    /// that died without closing anything (a killed process holding shared memory). The
+    /// default checks nothing.
+    fn check_alive(&mut self) -> Result<(), LinkError> {
+        Ok(())
+    }
+}

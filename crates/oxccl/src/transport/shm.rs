@@ -1,0 +1,1 @@
+//! Shared-memory transport between ranks of one host.
