@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod env;
+pub mod local;
 mod unique_id;
 
 use std::net::IpAddr;
@@ -32,6 +33,23 @@ pub struct PeerInfo {
     /// The address this rank's data connections listen on (the interface that routes to the
     /// rendezvous, or `OXCCL_SOCKET_IFNAME`'s).
     pub ip: IpAddr,
+}
+
+/// Out-of-band exchange between the ranks of a communicator: what transports use to set up
+/// their links. [`Bootstrap`] implements it over TCP; [`local::LocalExchange`] over threads,
+/// for tests.
+pub trait Exchange: Send {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn world_size(&self) -> usize;
+    /// Every rank contributes `mine`; every rank gets all contributions, indexed by rank.
+    /// Collective: every rank must call it, in the same order as the others.
+    fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<()> {
+        self.allgather(&[]).map(|_| ())
+    }
 }
 
 /// A rank's connection to the rendezvous, kept open for out-of-band exchanges.

@@ -1,0 +1,39 @@
+//! oxccl: collective communication for groups of processes, on one host or many.
+//!
+//! A group of processes ("ranks") builds a [`Communicator`], then calls collectives on it:
+//! [`all_reduce`](Communicator::all_reduce), [`broadcast`](Communicator::broadcast),
+//! [`reduce`](Communicator::reduce), [`all_gather`](Communicator::all_gather),
+//! [`reduce_scatter`](Communicator::reduce_scatter), [`all_to_all`](Communicator::all_to_all),
+//! [`send`](Communicator::send)/[`recv`](Communicator::recv) and
+//! [`barrier`](Communicator::barrier). Ranks of one host talk through shared memory, ranks of
+//! different hosts through TCP.
+//!
+//! The tree follows the communicator's life: [`bootstrap`] (rendezvous), [`topo`] (who shares
+//! a host), [`transport`] (links to peers), [`tune`] (which algorithm), [`algo`] (each
+//! algorithm as a schedule of sends and receives, no I/O), [`exec`] (runs a schedule over
+//! links), [`reduce`] (the reduction kernels), [`comm`] (the public API).
+
+#![warn(missing_docs)]
+
+pub mod algo;
+pub mod bootstrap;
+pub mod comm;
+pub mod debug;
+pub mod dtype;
+pub mod error;
+pub mod exec;
+pub mod op;
+pub mod param;
+pub mod reduce;
+pub mod topo;
+pub mod transport;
+pub mod tune;
+pub mod wait;
+
+pub use bootstrap::UniqueId;
+// pub use comm::Communicator;
+pub use dtype::{DataType, Element};
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use op::ReduceOp;
+pub use param::Config;
