@@ -1,0 +1,24 @@
+//! Ring all-gather: each rank's block travels once around the ring.
+//!
+//! Rank `r` first places its input at block `r` of the output. In step `s` (0..n-1) it sends
+//! block `r-s` to the right and stores block `r-s-1` from the left. Each rank sends
+//! `(n-1)/n` of the output in `n-1` steps.
+
+use super::{sub_mod, Buf, Coll, Combine, Local, Region, Schedule, Xfer};
+
+/// The ring all-gather schedule for `c` (`c.count` = elements per rank).
+pub fn schedule(c: &Coll) -> Schedule {
+    let (n, r) = (c.nranks, c.rank);
+    let bytes = c.count * c.dtype.size();
+    let blk = |i: usize| Region::new(Buf::Output, i * bytes, bytes);
+    let mut s = Schedule::new("ring");
+    s.push_local(Local::Copy { src: Region::new(Buf::Input, 0, bytes), dst: blk(r) });
+    let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+    for step in 0..n.saturating_sub(1) {
+        s.push_xfers([
+            Xfer::Send { peer: right, src: blk(sub_mod(r, step, n)) },
+            Xfer::Recv { peer: left, dst: blk(sub_mod(r, step + 1, n)), combine: Combine::Store },
+        ]);
+    }
+    s
+}

@@ -1,0 +1,38 @@
+//! Ring reduce-scatter: partial sums travel around the ring and end at their owner.
+//!
+//! In step `s` (0..n-1) rank `r` sends the partial sum of block `r-s-1` to the right and
+//! receives that of block `r-s-2` from the left, adding its own input block. Partial sums live
+//! in two alternating scratch blocks; the last step (block `r`) lands in the output. Each rank
+//! sends `(n-1)/n` of the input in `n-1` steps.
+
+use super::{sub_mod, Buf, Coll, Combine, Local, Region, ReduceOp, Schedule, Xfer};
+
+/// The ring reduce-scatter schedule for `c` (`c.count` = elements per rank's block).
+pub fn schedule(c: &Coll) -> Schedule {
+    let (n, r) = (c.nranks, c.rank);
+    let bytes = c.count * c.dtype.size();
+    let input = |i: usize| Region::new(Buf::Input, i * bytes, bytes);
+    let out = Region::new(Buf::Output, 0, bytes);
+    let mut s = Schedule::new("ring");
+    if n == 1 {
+        s.push_local(Local::Copy { src: input(0), dst: out });
+        return s;
+    }
+    s.scratch_bytes = if n > 2 { 2 * bytes } else { 0 };
+    let scratch = |i: usize| Region::new(Buf::Scratch, (i % 2) * bytes, bytes);
+    let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+    for step in 0..n - 1 {
+        let send_b = sub_mod(r, step + 1, n);
+        let recv_b = sub_mod(r, step + 2, n);
+        let src = if step == 0 { input(send_b) } else { scratch(step - 1) };
+        let dst = if step == n - 2 { out } else { scratch(step) };
+        s.push_xfers([
+            Xfer::Send { peer: right, src },
+            Xfer::Recv { peer: left, dst, combine: Combine::Reduce { with: input(recv_b) } },
+        ]);
+    }
+    if c.op == ReduceOp::Avg {
+        s.push_local(Local::DivideByRanks(out));
+    }
+    s
+}

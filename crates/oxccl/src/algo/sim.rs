@@ -1,0 +1,250 @@
+//! A deterministic, single-threaded simulator that runs every rank's schedule over unbounded
+//! in-memory queues, whole messages at a time. It checks what each algorithm computes, with no
+//! transport and no threads (the executor's streaming and flow control are tested with the
+//! in-memory transport instead).
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{Algo, Buf, Coll, CollKind, Combine, Local, Region, Schedule, Xfer};
+use crate::dtype::DataType;
+use crate::op::ReduceOp;
+use crate::reduce;
+
+/// One rank's buffers.
+#[derive(Clone, Debug, Default)]
+pub struct Bufs {
+    /// Input bytes.
+    pub input: Vec<u8>,
+    /// Output bytes.
+    pub output: Vec<u8>,
+    /// Scratch bytes.
+    pub scratch: Vec<u8>,
+}
+
+impl Bufs {
+    fn get(&self, r: Region) -> &[u8] {
+        let b = match r.buf {
+            Buf::Input => &self.input,
+            Buf::Output => &self.output,
+            Buf::Scratch => &self.scratch,
+        };
+        &b[r.off..r.off + r.len]
+    }
+    fn get_mut(&mut self, r: Region) -> &mut [u8] {
+        let b = match r.buf {
+            Buf::Input => &mut self.input,
+            Buf::Output => &mut self.output,
+            Buf::Scratch => &mut self.scratch,
+        };
+        &mut b[r.off..r.off + r.len]
+    }
+}
+
+fn local(b: &mut Bufs, l: &Local, dtype: DataType, n: usize) {
+    match *l {
+        Local::Copy { src, dst } => {
+            let data = b.get(src).to_vec();
+            b.get_mut(dst).copy_from_slice(&data);
+        }
+        Local::DivideByRanks(r) => reduce::divide_by(dtype, b.get_mut(r), n),
+    }
+}
+
+/// Runs the schedules of every rank (`colls[r]`, `bufs[r]`) to completion. Panics on deadlock.
+pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
+    let n = colls.len();
+    let scheds: Vec<Schedule> = colls.iter().map(|c| algo.schedule(c)).collect();
+    for (r, s) in scheds.iter().enumerate() {
+        s.validate(r).unwrap();
+        bufs[r].scratch = vec![0; s.scratch_bytes];
+    }
+    let mut queues: HashMap<(usize, usize), VecDeque<Vec<u8>>> = HashMap::new();
+    let mut pc = vec![0usize; n];
+    let mut done: Vec<Vec<bool>> = vec![Vec::new(); n];
+    loop {
+        let mut progress = false;
+        for r in 0..n {
+            let Some(step) = scheds[r].steps.get(pc[r]) else { continue };
+            let (dtype, op) = (colls[r].dtype, colls[r].op);
+            if done[r].is_empty() {
+                for l in &step.before {
+                    local(&mut bufs[r], l, dtype, n);
+                }
+                done[r] = vec![false; step.xfers.len()];
+                progress = true;
+            }
+            for (i, x) in step.xfers.iter().enumerate() {
+                if done[r][i] {
+                    continue;
+                }
+                match *x {
+                    Xfer::Send { peer, src } => {
+                        queues.entry((r, peer)).or_default().push_back(bufs[r].get(src).to_vec());
+                        done[r][i] = true;
+                        progress = true;
+                    }
+                    Xfer::Recv { peer, dst, combine } => {
+                        let Some(msg) = queues.entry((peer, r)).or_default().pop_front() else { continue };
+                        assert_eq!(msg.len(), dst.len, "rank {r} step {}: message from {peer} has wrong size", pc[r]);
+                        match combine {
+                            Combine::Store => bufs[r].get_mut(dst).copy_from_slice(&msg),
+                            Combine::Reduce { with } => {
+                                let a = bufs[r].get(with).to_vec();
+                                reduce::reduce_into(dtype, op, bufs[r].get_mut(dst), &a, &msg);
+                            }
+                        }
+                        done[r][i] = true;
+                        progress = true;
+                    }
+                }
+            }
+            if done[r].iter().all(|d| *d) {
+                for l in &step.after {
+                    local(&mut bufs[r], l, dtype, n);
+                }
+                done[r].clear();
+                pc[r] += 1;
+                progress = true;
+            }
+        }
+        if pc.iter().zip(&scheds).all(|(p, s)| *p == s.steps.len()) {
+            assert!(queues.values().all(|q| q.is_empty()), "messages left over");
+            return;
+        }
+        assert!(progress, "deadlock: ranks stuck at steps {pc:?}");
+    }
+}
+
+fn val(rank: usize, i: usize) -> i64 {
+    ((rank * 7 + i * 3) % 11) as i64 - 5
+}
+
+fn bytes(v: &[i64]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root: usize) -> Coll {
+    Coll { kind, rank, nranks: n, count, dtype: DataType::I64, op, root, chunk_bytes: 24 }
+}
+
+fn reduce_ref(n: usize, i: usize, op: ReduceOp) -> i64 {
+    let vals = (0..n).map(|r| val(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<i64>() / n as i64,
+        ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
+        ReduceOp::Min => vals.min().unwrap(),
+        ReduceOp::Max => vals.max().unwrap(),
+    }
+}
+
+#[test]
+fn every_algorithm_matches_reference() {
+    for n in 1..=9usize {
+        for count in [0usize, 1, 2, 5, 9, 17, 64] {
+            for op in ReduceOp::ALL {
+                // all_reduce
+                let colls: Vec<_> = (0..n).map(|r| coll(CollKind::AllReduce, r, n, count, op, 0)).collect();
+                let mut bufs: Vec<Bufs> = (0..n)
+                    .map(|r| Bufs {
+                        input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                        output: vec![0; count * 8],
+                        ..Default::default()
+                    })
+                    .collect();
+                run(Algo::Ring, &colls, &mut bufs);
+                let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+                for b in &bufs {
+                    assert_eq!(b.output, want, "all_reduce n={n} count={count} op={op}");
+                }
+                // reduce_scatter: input n*count
+                let colls: Vec<_> = (0..n).map(|r| coll(CollKind::ReduceScatter, r, n, count, op, 0)).collect();
+                let mut bufs: Vec<Bufs> = (0..n)
+                    .map(|r| Bufs {
+                        input: bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                        output: vec![0; count * 8],
+                        ..Default::default()
+                    })
+                    .collect();
+                run(Algo::Ring, &colls, &mut bufs);
+                for (r, b) in bufs.iter().enumerate() {
+                    let want = bytes(&(0..count).map(|i| reduce_ref(n, r * count + i, op)).collect::<Vec<_>>());
+                    assert_eq!(b.output, want, "reduce_scatter n={n} count={count} op={op}");
+                }
+                // reduce, every root
+                for root in 0..n {
+                    let colls: Vec<_> = (0..n).map(|r| coll(CollKind::Reduce, r, n, count, op, root)).collect();
+                    let mut bufs: Vec<Bufs> = (0..n)
+                        .map(|r| Bufs {
+                            input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                            output: vec![0; if r == root { count * 8 } else { 0 }],
+                            ..Default::default()
+                        })
+                        .collect();
+                    run(Algo::Chain, &colls, &mut bufs);
+                    let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+                    assert_eq!(bufs[root].output, want, "reduce n={n} count={count} op={op} root={root}");
+                }
+            }
+            // broadcast, every root
+            for root in 0..n {
+                let colls: Vec<_> = (0..n).map(|r| coll(CollKind::Broadcast, r, n, count, ReduceOp::Sum, root)).collect();
+                let mut bufs: Vec<Bufs> = (0..n)
+                    .map(|r| Bufs {
+                        input: if r == root { bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()) } else { vec![] },
+                        output: vec![0; count * 8],
+                        ..Default::default()
+                    })
+                    .collect();
+                run(Algo::Chain, &colls, &mut bufs);
+                let want = bytes(&(0..count).map(|i| val(root, i)).collect::<Vec<_>>());
+                for b in &bufs {
+                    assert_eq!(b.output, want, "broadcast n={n} count={count} root={root}");
+                }
+            }
+            // all_gather and all_to_all
+            let colls: Vec<_> = (0..n).map(|r| coll(CollKind::AllGather, r, n, count, ReduceOp::Sum, 0)).collect();
+            let mut bufs: Vec<Bufs> = (0..n)
+                .map(|r| Bufs {
+                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    output: vec![0; n * count * 8],
+                    ..Default::default()
+                })
+                .collect();
+            run(Algo::Ring, &colls, &mut bufs);
+            let want = bytes(&(0..n * count).map(|j| val(j / count.max(1), j % count.max(1))).collect::<Vec<_>>());
+            for b in &bufs {
+                assert_eq!(b.output, want, "all_gather n={n} count={count}");
+            }
+            let colls: Vec<_> = (0..n).map(|r| coll(CollKind::AllToAll, r, n, count, ReduceOp::Sum, 0)).collect();
+            let mut bufs: Vec<Bufs> = (0..n)
+                .map(|r| Bufs {
+                    input: bytes(&(0..n * count).map(|j| val(r, j)).collect::<Vec<_>>()),
+                    output: vec![0; n * count * 8],
+                    ..Default::default()
+                })
+                .collect();
+            run(Algo::Pairwise, &colls, &mut bufs);
+            for (r, b) in bufs.iter().enumerate() {
+                // block p of rank r's output = block r of rank p's input
+                let want: Vec<i64> = (0..n * count).map(|j| val(j / count.max(1), r * count + j % count.max(1))).collect();
+                assert_eq!(b.output, bytes(&want), "all_to_all n={n} count={count}");
+            }
+        }
+        let colls: Vec<_> = (0..n).map(|r| coll(CollKind::Barrier, r, n, 0, ReduceOp::Sum, 0)).collect();
+        let mut bufs = vec![Bufs::default(); n];
+        run(Algo::Dissemination, &colls, &mut bufs);
+    }
+}
+
+#[test]
+fn bytes_on_the_wire() {
+    // Ring all-reduce sends 2(n-1)/n of the buffer; chain broadcast sends it once per hop.
+    let n = 4;
+    let c = coll(CollKind::AllReduce, 1, n, 400, ReduceOp::Sum, 0);
+    assert_eq!(Algo::Ring.schedule(&c).bytes_sent(), 2 * (n - 1) * 100 * 8);
+    let c = coll(CollKind::Broadcast, 0, n, 400, ReduceOp::Sum, 0);
+    assert_eq!(Algo::Chain.schedule(&c).bytes_sent(), 400 * 8);
+    let c = coll(CollKind::Broadcast, 3, n, 400, ReduceOp::Sum, 0);
+    assert_eq!(Algo::Chain.schedule(&c).bytes_sent(), 0, "the last rank of the chain only receives");
+}
