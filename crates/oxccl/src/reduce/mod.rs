@@ -88,17 +88,33 @@ fn combine3<T: bytemuck::Pod>(dst: &mut [T], a: &[T], src: &[u8], f: impl Fn(T, 
     }
 }
 
-fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
-    let f = match op {
+fn pick<T: Arith>(op: ReduceOp) -> fn(T, T) -> T {
+    match op {
         ReduceOp::Sum | ReduceOp::Avg => T::sum,
         ReduceOp::Prod => T::prod,
         ReduceOp::Min => T::min,
         ReduceOp::Max => T::max,
-    };
-    match a {
-        None => combine2(dst, src, f),
-        Some(a) => combine3(dst, bytemuck::cast_slice(a), src, f),
+    }
+}
+
+fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    let f = pick::<T>(op);
+    let a_ok = a.is_none_or(|a| bytemuck::try_cast_slice::<u8, T>(a).is_ok());
+    if a_ok {
+        if let Ok(d) = bytemuck::try_cast_slice_mut::<u8, T>(dst) {
+            match a {
+                None => combine2(d, src, f),
+                Some(a) => combine3(d, bytemuck::cast_slice(a), src, f),
+            }
+            return;
+        }
+    }
+    // Slow path for a misaligned destination or operand (never for the executor's buffers).
+    let es = std::mem::size_of::<T>();
+    for i in (0..dst.len()).step_by(es) {
+        let x: T = bytemuck::pod_read_unaligned(&a.unwrap_or(dst)[i..i + es]);
+        let y: T = bytemuck::pod_read_unaligned(&src[i..i + es]);
+        dst[i..i + es].copy_from_slice(bytemuck::bytes_of(&f(x, y)));
     }
 }
 
@@ -137,18 +153,15 @@ fn halves<H: Half>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     while off < dst.len() {
         let len = (dst.len() - off).min(bytes);
         let n = len / 2;
-        {
-            let left: &[H] = match a {
-                Some(a) => bytemuck::cast_slice(&a[off..off + len]),
-                None => bytemuck::cast_slice(&dst[off..off + len]),
-            };
-            H::widen(left, &mut fa[..n]);
-        }
-        // The incoming side may be unaligned: copy it into an aligned block first.
+        // Any side may be unaligned: go through aligned blocks.
+        let left = a.unwrap_or(dst);
+        bytemuck::cast_slice_mut::<H, u8>(&mut hb[..n]).copy_from_slice(&left[off..off + len]);
+        H::widen(&hb[..n], &mut fa[..n]);
         bytemuck::cast_slice_mut::<H, u8>(&mut hb[..n]).copy_from_slice(&src[off..off + len]);
         H::widen(&hb[..n], &mut fb[..n]);
-        typed::<f32>(op, bytemuck::cast_slice_mut(&mut fa[..n]), None, bytemuck::cast_slice(&fb[..n]));
-        H::narrow(&fa[..n], bytemuck::cast_slice_mut(&mut dst[off..off + len]));
+        combine2(&mut fa[..n], bytemuck::cast_slice(&fb[..n]), pick::<f32>(op));
+        H::narrow(&fa[..n], &mut hb[..n]);
+        dst[off..off + len].copy_from_slice(bytemuck::cast_slice(&hb[..n]));
         off += len;
     }
 }
@@ -182,21 +195,29 @@ fn dispatch(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src
 }
 
 fn div_typed<T: Arith>(buf: &mut [u8], n: usize) {
-    for x in bytemuck::cast_slice_mut::<u8, T>(buf) {
-        *x = T::div(*x, n);
+    match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        Ok(v) => v.iter_mut().for_each(|x| *x = T::div(*x, n)),
+        Err(_) => {
+            for e in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+                let x: T = bytemuck::pod_read_unaligned(e);
+                e.copy_from_slice(bytemuck::bytes_of(&T::div(x, n)));
+            }
+        }
     }
 }
 
 fn div_half<H: Half>(buf: &mut [u8], n: usize) {
     let mut f = [0f32; HALF_BLOCK];
+    let mut h = [H::zeroed(); HALF_BLOCK];
     for block in buf.chunks_mut(HALF_BLOCK * 2) {
-        let h: &mut [H] = bytemuck::cast_slice_mut(block);
-        let k = h.len();
-        H::widen(h, &mut f[..k]);
+        let k = block.len() / 2;
+        bytemuck::cast_slice_mut::<H, u8>(&mut h[..k]).copy_from_slice(block);
+        H::widen(&h[..k], &mut f[..k]);
         for x in &mut f[..k] {
             *x /= n as f32;
         }
-        H::narrow(&f[..k], h);
+        H::narrow(&f[..k], &mut h[..k]);
+        block.copy_from_slice(bytemuck::cast_slice(&h[..k]));
     }
 }
 
@@ -221,6 +242,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn from_bytes<A, T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+        b.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect()
+    }
+
     fn as_bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
         bytemuck::cast_slice(v).to_vec()
     }
@@ -232,10 +257,10 @@ mod tests {
         assert_eq!(d, vec![4, 7, 8]);
         let mut d = as_bytes(&[i32::MAX, -5]);
         reduce_inplace(DataType::I32, ReduceOp::Sum, &mut d, &as_bytes(&[1i32, 2]));
-        assert_eq!(bytemuck::cast_slice::<u8, i32>(&d), &[i32::MIN, -3]);
+        assert_eq!(from_bytes::<u8, i32>(&d), &[i32::MIN, -3]);
         let mut d = as_bytes(&[3i64, -9]);
         reduce_into(DataType::I64, ReduceOp::Max, &mut d, &as_bytes(&[5i64, -10]), &as_bytes(&[4i64, -11]));
-        assert_eq!(bytemuck::cast_slice::<u8, i64>(&d), &[5, -10]);
+        assert_eq!(from_bytes::<u8, i64>(&d), &[5, -10]);
     }
 
     #[test]
@@ -245,7 +270,7 @@ mod tests {
         padded[1..].copy_from_slice(&src);
         let mut d = as_bytes(&[1.0f32, 1.0, 1.0, 1.0]);
         reduce_inplace(DataType::F32, ReduceOp::Prod, &mut d, &padded[1..]);
-        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), &[1.5, 2.0, -3.0, 4.0]);
+        assert_eq!(from_bytes::<u8, f32>(&d), &[1.5, 2.0, -3.0, 4.0]);
     }
 
     #[test]
@@ -254,13 +279,13 @@ mod tests {
         let b: Vec<f16> = (0..1000).map(|i| f16::from_f32(2.0 * i as f32)).collect();
         let mut d = as_bytes(&a);
         reduce_inplace(DataType::F16, ReduceOp::Sum, &mut d, &as_bytes(&b));
-        let got: &[f16] = bytemuck::cast_slice(&d);
+        let got: Vec<f16> = from_bytes::<u8, _>(&d);
         for (i, x) in got.iter().enumerate() {
             assert_eq!(*x, f16::from_f32(3.0 * i as f32));
         }
         let mut d = as_bytes(&[bf16::from_f32(6.0), bf16::from_f32(-9.0)]);
         divide_by(DataType::Bf16, &mut d, 3);
-        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&d), &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]);
+        assert_eq!(from_bytes::<u8, bf16>(&d), &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]);
     }
 
     proptest! {
@@ -270,7 +295,7 @@ mod tests {
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
                 let mut d = vec![0u8; a.len() * 8];
                 reduce_into(DataType::F64, op, &mut d, &as_bytes(&a), &as_bytes(&b));
-                let got: &[f64] = bytemuck::cast_slice(&d);
+                let got: Vec<f64> = from_bytes::<u8, _>(&d);
                 for i in 0..a.len() {
                     let want = match op {
                         ReduceOp::Sum => a[i] + b[i],
