@@ -17,6 +17,7 @@
 
 pub mod algo;
 pub mod bootstrap;
+pub mod check;
 pub mod comm;
 pub mod debug;
 pub mod dtype;
@@ -31,7 +32,7 @@ pub mod tune;
 pub mod wait;
 
 pub use bootstrap::UniqueId;
-// pub use comm::Communicator;
+pub use comm::Communicator;
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

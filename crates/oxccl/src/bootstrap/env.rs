@@ -18,3 +18,10 @@ pub struct LaunchEnv {
     /// Which launcher's variables were used (`"torchrun"`, `"slurm"`, `"openmpi"`, `"pmi"`).
     pub launcher: &'static str,
 }
+
+impl LaunchEnv {
+    /// Placeholder until the bootstrap lands.
+    pub fn from_env() -> crate::Result<LaunchEnv> {
+        todo!()
+    }
+}

@@ -1,0 +1,127 @@
+//! Reference data and results for checking collectives (the tests, `oxccl perf -c 1`).
+//!
+//! Every rank fills its buffers with small integers ([`value`]) so that every reduction is
+//! exact in every type, bf16 included (sums stay below 256, products are powers of two), and
+//! the expected result of each collective can be computed independently, element by element,
+//! with wide arithmetic ([`reduced`]), then wrapped to the type's width as the integer kernels
+//! do.
+
+use half::{bf16, f16};
+
+use crate::dtype::DataType;
+use crate::op::ReduceOp;
+
+/// What `rank` contributes at global element index `g` for a call reducing with `op`.
+pub fn value(op: ReduceOp, rank: usize, g: usize) -> i64 {
+    match op {
+        // Products of 1s and 2s: powers of two, exact in every float type.
+        ReduceOp::Prod => 1 + ((rank + g) % 3 == 0) as i64,
+        _ => ((rank * 3 + g * 7) % 4) as i64,
+    }
+}
+
+/// The reduction over `nranks` ranks of [`value`] at element `g`, as a float of the
+/// result for float types (an average of integers need not be an integer).
+pub fn reduced(op: ReduceOp, nranks: usize, g: usize) -> f64 {
+    let vals = (0..nranks).map(|r| value(op, r, g));
+    match op {
+        ReduceOp::Sum => vals.sum::<i64>() as f64,
+        ReduceOp::Prod => vals.product::<i64>() as f64,
+        ReduceOp::Min => vals.min().unwrap_or(0) as f64,
+        ReduceOp::Max => vals.max().unwrap_or(0) as f64,
+        ReduceOp::Avg => vals.sum::<i64>() as f64 / nranks as f64,
+    }
+}
+
+/// `x` (an integer-valued or, for averages, any value) in `dtype`'s representation: integers
+/// truncate toward zero and wrap to the type's width, floats round to nearest.
+pub fn encode(dtype: DataType, x: f64, out: &mut [u8]) {
+    let w = x.trunc() as i128;
+    match dtype {
+        DataType::I8 => out.copy_from_slice(&(w as i8).to_ne_bytes()),
+        DataType::U8 => out.copy_from_slice(&(w as u8).to_ne_bytes()),
+        DataType::I32 => out.copy_from_slice(&(w as i32).to_ne_bytes()),
+        DataType::U32 => out.copy_from_slice(&(w as u32).to_ne_bytes()),
+        DataType::I64 => out.copy_from_slice(&(w as i64).to_ne_bytes()),
+        DataType::U64 => out.copy_from_slice(&(w as u64).to_ne_bytes()),
+        DataType::F16 => out.copy_from_slice(&f16::from_f64(x).to_ne_bytes()),
+        DataType::Bf16 => out.copy_from_slice(&bf16::from_f64(x).to_ne_bytes()),
+        DataType::F32 => out.copy_from_slice(&(x as f32).to_ne_bytes()),
+        DataType::F64 => out.copy_from_slice(&x.to_ne_bytes()),
+    }
+}
+
+/// Reads element bytes of `dtype` as f64.
+pub fn decode(dtype: DataType, b: &[u8]) -> f64 {
+    let a = |n: usize| -> [u8; 8] {
+        let mut x = [0u8; 8];
+        x[..n].copy_from_slice(&b[..n]);
+        x
+    };
+    match dtype {
+        DataType::I8 => b[0] as i8 as f64,
+        DataType::U8 => b[0] as f64,
+        DataType::I32 => i32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
+        DataType::U32 => u32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
+        DataType::I64 => i64::from_ne_bytes(a(8)) as f64,
+        DataType::U64 => u64::from_ne_bytes(a(8)) as f64,
+        DataType::F16 => f16::from_ne_bytes([b[0], b[1]]).to_f64(),
+        DataType::Bf16 => bf16::from_ne_bytes([b[0], b[1]]).to_f64(),
+        DataType::F32 => f32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
+        DataType::F64 => f64::from_ne_bytes(a(8)),
+    }
+}
+
+/// Fills `buf` (elements of `dtype`) with `f(element index)`.
+pub fn fill(dtype: DataType, buf: &mut [u8], f: impl Fn(usize) -> f64) {
+    for (i, e) in buf.chunks_exact_mut(dtype.size()).enumerate() {
+        encode(dtype, f(i), e);
+    }
+}
+
+/// Counts the elements of `got` that differ from `want(element index)` as encoded in
+/// `dtype` (exactly, except averages of floats, which may differ in the last place).
+pub fn count_wrong(dtype: DataType, op: ReduceOp, got: &[u8], want: impl Fn(usize) -> f64) -> usize {
+    let es = dtype.size();
+    let mut exp = [0u8; 8];
+    got.chunks_exact(es)
+        .enumerate()
+        .filter(|(i, g)| {
+            let w = want(*i);
+            encode(dtype, w, &mut exp[..es]);
+            if *g == &exp[..es] {
+                return false;
+            }
+            if op == ReduceOp::Avg && dtype.is_float() {
+                let tol = match dtype {
+                    DataType::F16 => 1e-3,
+                    DataType::Bf16 => 8e-3,
+                    _ => 1e-6,
+                };
+                return (decode(dtype, g) - w).abs() > tol * w.abs().max(1.0);
+            }
+            true
+        })
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_everywhere() {
+        for d in DataType::ALL {
+            for op in ReduceOp::ALL {
+                for n in [1, 2, 3, 8] {
+                    let want = |g: usize| reduced(op, n, g);
+                    let mut buf = vec![0u8; 64 * d.size()];
+                    fill(d, &mut buf, want);
+                    assert_eq!(count_wrong(d, op, &buf, want), 0, "{d} {op} {n}");
+                    buf[d.size() - 1] ^= 0x40;
+                    assert_eq!(count_wrong(d, op, &buf, want), 1, "a flipped bit is caught: {d} {op} {n}");
+                }
+            }
+        }
+    }
+}
