@@ -98,7 +98,8 @@ pub fn count_wrong(dtype: DataType, op: ReduceOp, got: &[u8], want: impl Fn(usiz
                     DataType::Bf16 => 8e-3,
                     _ => 1e-6,
                 };
-                return (decode(dtype, g) - w).abs() > tol * w.abs().max(1.0);
+                // Written so that NaN counts as wrong.
+                return !((decode(dtype, g) - w).abs() <= tol * w.abs().max(1.0));
             }
             true
         })
