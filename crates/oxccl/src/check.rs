@@ -99,7 +99,8 @@ pub fn count_wrong(dtype: DataType, op: ReduceOp, got: &[u8], want: impl Fn(usiz
                     _ => 1e-6,
                 };
                 // Written so that NaN counts as wrong.
-                return !((decode(dtype, g) - w).abs() <= tol * w.abs().max(1.0));
+                let err = (decode(dtype, g) - w).abs();
+                return err.is_nan() || err > tol * w.abs().max(1.0);
             }
             true
         })

@@ -245,7 +245,7 @@ impl Schedule {
 
     /// Appends a step made only of transfers (zero-length ones dropped).
     pub fn push_xfers(&mut self, xfers: impl IntoIterator<Item = Xfer>) {
-        let xfers: Vec<Xfer> = xfers.into_iter().filter(|x| x.len() > 0).collect();
+        let xfers: Vec<Xfer> = xfers.into_iter().filter(|x| !x.is_empty()).collect();
         if !xfers.is_empty() {
             self.steps.push(Step { xfers, ..Default::default() });
         }
@@ -253,7 +253,7 @@ impl Schedule {
 
     /// Appends local work to the last step (or a new step if there is none).
     pub fn push_local(&mut self, local: Local) {
-        if local.len() == 0 {
+        if local.is_empty() {
             return;
         }
         match self.steps.last_mut() {

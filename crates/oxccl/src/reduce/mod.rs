@@ -53,7 +53,7 @@ float_arith!(f32, f64);
 #[inline(always)]
 fn combine2<T: bytemuck::Pod>(dst: &mut [T], src: &[u8], f: impl Fn(T, T) -> T) {
     let es = std::mem::size_of::<T>();
-    debug_assert_eq!(dst.len() * es, src.len());
+    debug_assert_eq!(std::mem::size_of_val(dst), src.len());
     match bytemuck::try_cast_slice::<u8, T>(src) {
         Ok(s) => {
             for (d, s) in dst.iter_mut().zip(s) {
@@ -72,7 +72,7 @@ fn combine2<T: bytemuck::Pod>(dst: &mut [T], src: &[u8], f: impl Fn(T, T) -> T) 
 #[inline(always)]
 fn combine3<T: bytemuck::Pod>(dst: &mut [T], a: &[T], src: &[u8], f: impl Fn(T, T) -> T) {
     let es = std::mem::size_of::<T>();
-    debug_assert_eq!(dst.len() * es, src.len());
+    debug_assert_eq!(std::mem::size_of_val(dst), src.len());
     debug_assert_eq!(dst.len(), a.len());
     match bytemuck::try_cast_slice::<u8, T>(src) {
         Ok(s) => {
@@ -242,7 +242,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn from_bytes<A, T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+    fn from_bytes<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
         b.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect()
     }
 
@@ -257,10 +257,10 @@ mod tests {
         assert_eq!(d, vec![4, 7, 8]);
         let mut d = as_bytes(&[i32::MAX, -5]);
         reduce_inplace(DataType::I32, ReduceOp::Sum, &mut d, &as_bytes(&[1i32, 2]));
-        assert_eq!(from_bytes::<u8, i32>(&d), &[i32::MIN, -3]);
+        assert_eq!(from_bytes::<i32>(&d), &[i32::MIN, -3]);
         let mut d = as_bytes(&[3i64, -9]);
         reduce_into(DataType::I64, ReduceOp::Max, &mut d, &as_bytes(&[5i64, -10]), &as_bytes(&[4i64, -11]));
-        assert_eq!(from_bytes::<u8, i64>(&d), &[5, -10]);
+        assert_eq!(from_bytes::<i64>(&d), &[5, -10]);
     }
 
     #[test]
@@ -270,7 +270,7 @@ mod tests {
         padded[1..].copy_from_slice(&src);
         let mut d = as_bytes(&[1.0f32, 1.0, 1.0, 1.0]);
         reduce_inplace(DataType::F32, ReduceOp::Prod, &mut d, &padded[1..]);
-        assert_eq!(from_bytes::<u8, f32>(&d), &[1.5, 2.0, -3.0, 4.0]);
+        assert_eq!(from_bytes::<f32>(&d), &[1.5, 2.0, -3.0, 4.0]);
     }
 
     #[test]
@@ -279,13 +279,13 @@ mod tests {
         let b: Vec<f16> = (0..1000).map(|i| f16::from_f32(2.0 * i as f32)).collect();
         let mut d = as_bytes(&a);
         reduce_inplace(DataType::F16, ReduceOp::Sum, &mut d, &as_bytes(&b));
-        let got: Vec<f16> = from_bytes::<u8, _>(&d);
+        let got: Vec<f16> = from_bytes::<_>(&d);
         for (i, x) in got.iter().enumerate() {
             assert_eq!(*x, f16::from_f32(3.0 * i as f32));
         }
         let mut d = as_bytes(&[bf16::from_f32(6.0), bf16::from_f32(-9.0)]);
         divide_by(DataType::Bf16, &mut d, 3);
-        assert_eq!(from_bytes::<u8, bf16>(&d), &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]);
+        assert_eq!(from_bytes::<bf16>(&d), &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]);
     }
 
     proptest! {
@@ -295,7 +295,7 @@ mod tests {
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
                 let mut d = vec![0u8; a.len() * 8];
                 reduce_into(DataType::F64, op, &mut d, &as_bytes(&a), &as_bytes(&b));
-                let got: Vec<f64> = from_bytes::<u8, _>(&d);
+                let got: Vec<f64> = from_bytes::<_>(&d);
                 for i in 0..a.len() {
                     let want = match op {
                         ReduceOp::Sum => a[i] + b[i],
