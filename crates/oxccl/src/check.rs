@@ -8,8 +8,151 @@
 
 use half::{bf16, f16};
 
+use crate::algo::{Coll, CollKind};
+use crate::comm::{ByteBufs, Communicator};
 use crate::dtype::DataType;
+use crate::error::Result;
 use crate::op::ReduceOp;
+
+/// One collective call with reference data: buffers to fill, the call, and the check.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// The collective (`SendRecv` sends to `rank + 1` and receives from `rank - 1`).
+    pub kind: CollKind,
+    /// Element type.
+    pub dtype: DataType,
+    /// Reduction op (also selects the reference values).
+    pub op: ReduceOp,
+    /// Root of broadcast and reduce.
+    pub root: usize,
+    /// Elements, with NCCL's meaning per collective (see [`Coll`]).
+    pub count: usize,
+    /// Whether the call runs in place.
+    pub in_place: bool,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub nranks: usize,
+}
+
+impl Case {
+    fn coll(&self) -> Coll {
+        Coll {
+            kind: self.kind,
+            rank: self.rank,
+            nranks: self.nranks,
+            count: self.count,
+            dtype: self.dtype,
+            op: self.op,
+            root: self.root,
+            chunk_bytes: 1,
+        }
+    }
+
+    /// Bytes of the (send, recv) buffers; for in-place calls send is 0 and recv is the buffer.
+    pub fn sizes(&self) -> (usize, usize) {
+        let c = self.coll();
+        let (i, o) = (c.input_bytes(), c.output_bytes());
+        if self.in_place {
+            (0, i.max(o))
+        } else {
+            (i, o)
+        }
+    }
+
+    /// Zeroed, aligned (send, recv) buffers of the right sizes, as 8-byte words (view them with
+    /// `bytemuck::cast_slice`; the byte lengths are [`sizes`](Self::sizes)).
+    pub fn alloc(&self) -> (Vec<u64>, Vec<u64>) {
+        let (s, r) = self.sizes();
+        (vec![0; s.div_ceil(8)], vec![0; r.div_ceil(8)])
+    }
+
+    fn input_value(&self, g: usize) -> f64 {
+        value(self.op, self.rank, g) as f64
+    }
+
+    /// Fills the buffers with this rank's reference input (and a marker pattern where the
+    /// call must write).
+    pub fn fill(&self, send: &mut [u8], recv: &mut [u8]) {
+        let d = self.dtype;
+        let es = d.size();
+        recv.fill(0x55);
+        if !self.in_place {
+            fill(d, send, |g| self.input_value(g));
+            return;
+        }
+        let is_root = self.rank == self.root;
+        match self.kind {
+            CollKind::AllGather => {
+                let b = self.count * es;
+                fill(d, &mut recv[self.rank * b..(self.rank + 1) * b], |g| {
+                    self.input_value(g)
+                });
+            }
+            CollKind::Broadcast if !is_root => {}
+            _ => fill(d, recv, |g| self.input_value(g)),
+        }
+    }
+
+    /// Runs the call on `comm` with buffers prepared by [`fill`](Self::fill).
+    pub fn call(&self, comm: &Communicator, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let kind = match self.kind {
+            CollKind::SendRecv { .. } => CollKind::SendRecv {
+                to: (self.rank + 1) % self.nranks,
+                from: (self.rank + self.nranks - 1) % self.nranks,
+            },
+            k => k,
+        };
+        let bufs = if self.in_place {
+            ByteBufs::InPlace(recv)
+        } else {
+            ByteBufs::Separate { send, recv }
+        };
+        comm.call_bytes(kind, self.dtype, self.op, self.root, bufs)
+    }
+
+    /// Counts the wrong elements of the result in `recv`, against a reference computed here
+    /// element by element.
+    pub fn wrong(&self, recv: &[u8]) -> usize {
+        let (d, op, n, r, c) = (self.dtype, self.op, self.nranks, self.rank, self.count);
+        let es = d.size();
+        let is_root = r == self.root;
+        let nc = c.max(1);
+        match self.kind {
+            CollKind::AllReduce => count_wrong(d, op, recv, |g| reduced(op, n, g)),
+            CollKind::Broadcast => count_wrong(d, op, recv, |g| value(op, self.root, g) as f64),
+            CollKind::Reduce if is_root => count_wrong(d, op, recv, |g| reduced(op, n, g)),
+            CollKind::Reduce if self.in_place => {
+                count_wrong(d, op, recv, |g| value(op, r, g) as f64)
+            }
+            CollKind::Reduce => 0,
+            CollKind::AllGather => count_wrong(d, op, recv, |j| value(op, j / nc, j % nc) as f64),
+            CollKind::ReduceScatter => {
+                let out = if self.in_place {
+                    &recv[r * c * es..(r + 1) * c * es]
+                } else {
+                    recv
+                };
+                let mut wrong = count_wrong(d, op, out, |i| reduced(op, n, r * c + i));
+                if self.in_place {
+                    // The other blocks must be left as they were.
+                    wrong += count_wrong(d, op, &recv[..r * c * es], |g| value(op, r, g) as f64);
+                    wrong += count_wrong(d, op, &recv[(r + 1) * c * es..], |g| {
+                        value(op, r, (r + 1) * c + g) as f64
+                    });
+                }
+                wrong
+            }
+            CollKind::AllToAll => {
+                count_wrong(d, op, recv, |j| value(op, j / nc, r * c + j % nc) as f64)
+            }
+            CollKind::SendRecv { .. } => {
+                count_wrong(d, op, recv, |g| value(op, (r + n - 1) % n, g) as f64)
+            }
+            CollKind::Send { .. } | CollKind::Recv { .. } | CollKind::Barrier => 0,
+        }
+    }
+}
 
 /// What `rank` contributes at global element index `g` for a call reducing with `op`.
 pub fn value(op: ReduceOp, rank: usize, g: usize) -> i64 {
@@ -81,7 +224,12 @@ pub fn fill(dtype: DataType, buf: &mut [u8], f: impl Fn(usize) -> f64) {
 
 /// Counts the elements of `got` that differ from `want(element index)` as encoded in
 /// `dtype` (exactly, except averages of floats, which may differ in the last place).
-pub fn count_wrong(dtype: DataType, op: ReduceOp, got: &[u8], want: impl Fn(usize) -> f64) -> usize {
+pub fn count_wrong(
+    dtype: DataType,
+    op: ReduceOp,
+    got: &[u8],
+    want: impl Fn(usize) -> f64,
+) -> usize {
     let es = dtype.size();
     let mut exp = [0u8; 8];
     got.chunks_exact(es)
@@ -121,7 +269,11 @@ mod tests {
                     fill(d, &mut buf, want);
                     assert_eq!(count_wrong(d, op, &buf, want), 0, "{d} {op} {n}");
                     buf[d.size() - 1] ^= 0x40;
-                    assert_eq!(count_wrong(d, op, &buf, want), 1, "a flipped bit is caught: {d} {op} {n}");
+                    assert_eq!(
+                        count_wrong(d, op, &buf, want),
+                        1,
+                        "a flipped bit is caught: {d} {op} {n}"
+                    );
                 }
             }
         }

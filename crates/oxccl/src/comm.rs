@@ -87,7 +87,12 @@ impl Communicator {
     }
 
     /// As [`init`](Self::init), with explicit settings.
-    pub fn init_with_config(id: &UniqueId, rank: usize, world_size: usize, cfg: Config) -> Result<Self> {
+    pub fn init_with_config(
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+        cfg: Config,
+    ) -> Result<Self> {
         crate::debug::init_from_env();
         if world_size == 0 || rank >= world_size {
             return Err(Error::InvalidArgument {
@@ -101,9 +106,23 @@ impl Communicator {
         let mut boot = Bootstrap::init(id, rank, world_size, &cfg)?;
         let peers = boot.peers().to_vec();
         let topo = Topology::new(&peers);
-        let (shm_peers, tcp_peers) = topo::plan_links(rank, &peers, &topo, cfg.transport)
-            .map_err(|msg| Error::InvalidArgument { rank, call: "init", seq: 0, msg })?;
-        info!(rank, world_size, hosts = topo.hosts.len(), shm = shm_peers.len(), tcp = tcp_peers.len(), "init");
+        let (shm_peers, tcp_peers) =
+            topo::plan_links(rank, &peers, &topo, cfg.transport).map_err(|msg| {
+                Error::InvalidArgument {
+                    rank,
+                    call: "init",
+                    seq: 0,
+                    msg,
+                }
+            })?;
+        info!(
+            rank,
+            world_size,
+            hosts = topo.hosts.len(),
+            shm = shm_peers.len(),
+            tcp = tcp_peers.len(),
+            "init"
+        );
         let tag = boot.comm_tag();
         let secret = *boot.secret();
         let shm_links = shm::connect(&mut boot, &shm_peers, tag, &cfg)?;
@@ -115,19 +134,32 @@ impl Communicator {
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
-        comm.state.get_mut().unwrap_or_else(|e| e.into_inner())._boot = Some(boot);
+        comm.state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            ._boot = Some(boot);
         Ok(comm)
     }
 
     /// Builds a communicator over links made elsewhere, e.g. [`crate::transport::mem::group`]
     /// for ranks that are threads of one process. `links` holds `(peer, link)` for every other
     /// rank.
-    pub fn from_links(rank: usize, world_size: usize, links: Vec<(usize, Box<dyn Link>)>, cfg: Config) -> Result<Self> {
+    pub fn from_links(
+        rank: usize,
+        world_size: usize,
+        links: Vec<(usize, Box<dyn Link>)>,
+        cfg: Config,
+    ) -> Result<Self> {
         let forced_algo = parse_algo(&cfg)?;
         let mut slots: Vec<Option<Box<dyn Link>>> = (0..world_size).map(|_| None).collect();
         for (peer, link) in links {
             if peer >= world_size || peer == rank {
-                return Err(Error::InvalidArgument { rank, call: "init", seq: 0, msg: format!("link to invalid peer {peer}") });
+                return Err(Error::InvalidArgument {
+                    rank,
+                    call: "init",
+                    seq: 0,
+                    msg: format!("link to invalid peer {peer}"),
+                });
             }
             slots[peer] = Some(link);
         }
@@ -142,7 +174,12 @@ impl Communicator {
         forced_algo: Option<Algo>,
     ) -> Result<Self> {
         if let Some(p) = (0..nranks).find(|&p| p != rank && links[p].is_none()) {
-            return Err(Error::InvalidArgument { rank, call: "init", seq: 0, msg: format!("no link to rank {p}") });
+            return Err(Error::InvalidArgument {
+                rank,
+                call: "init",
+                seq: 0,
+                msg: format!("no link to rank {p}"),
+            });
         }
         let mut transports: Vec<TransportKind> = links.iter().flatten().map(|l| l.kind()).collect();
         transports.sort_by_key(|k| k.name());
@@ -155,7 +192,14 @@ impl Communicator {
             cfg,
             forced_algo,
             transports,
-            state: Mutex::new(State { links, seq: 0, scratch: Vec::new(), broken: None, last_algo: "", _boot: None }),
+            state: Mutex::new(State {
+                links,
+                seq: 0,
+                scratch: Vec::new(),
+                broken: None,
+                last_algo: "",
+                _boot: None,
+            }),
         })
     }
 
@@ -189,7 +233,11 @@ impl Communicator {
         if self.transports.is_empty() {
             return "none".into();
         }
-        self.transports.iter().map(|t| t.name()).collect::<Vec<_>>().join("+")
+        self.transports
+            .iter()
+            .map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join("+")
     }
 
     /// The algorithm the last call ran (`"ring"`, `"chain"`, ...), empty before any call.
@@ -207,22 +255,39 @@ impl Communicator {
     }
 
     fn bad(&self, call: &'static str, seq: u64, msg: String) -> Error {
-        Error::InvalidArgument { rank: self.rank, call, seq, msg }
+        Error::InvalidArgument {
+            rank: self.rank,
+            call,
+            seq,
+            msg,
+        }
     }
 
     fn check_root(&self, call: &'static str, seq: u64, root: usize) -> Result<()> {
         if root >= self.nranks {
-            return Err(self.bad(call, seq, format!("root {root} is out of range (world size {})", self.nranks)));
+            return Err(self.bad(
+                call,
+                seq,
+                format!("root {root} is out of range (world size {})", self.nranks),
+            ));
         }
         Ok(())
     }
 
     fn check_peer(&self, call: &'static str, seq: u64, peer: usize) -> Result<()> {
         if peer >= self.nranks {
-            return Err(self.bad(call, seq, format!("peer {peer} is out of range (world size {})", self.nranks)));
+            return Err(self.bad(
+                call,
+                seq,
+                format!("peer {peer} is out of range (world size {})", self.nranks),
+            ));
         }
         if peer == self.rank {
-            return Err(self.bad(call, seq, format!("rank {peer} cannot {call} to or from itself")));
+            return Err(self.bad(
+                call,
+                seq,
+                format!("rank {peer} cannot {call} to or from itself"),
+            ));
         }
         Ok(())
     }
@@ -239,7 +304,10 @@ impl Communicator {
         st.seq += 1;
         let seq = st.seq;
         if let Some(why) = &st.broken {
-            return Err(Error::Aborted { rank: self.rank, msg: format!("{name} (call #{seq}) after an earlier failure: {why}") });
+            return Err(Error::Aborted {
+                rank: self.rank,
+                msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
+            });
         }
         let call = validate(seq)?;
         let algo = tune::choose(call.kind, self.forced_algo);
@@ -254,7 +322,11 @@ impl Communicator {
             chunk_bytes: self.cfg.chunk_bytes,
         };
         let sched = algo.schedule(&coll);
-        debug_assert!(sched.validate(self.rank).is_ok(), "{:?}", sched.validate(self.rank));
+        debug_assert!(
+            sched.validate(self.rank).is_ok(),
+            "{:?}",
+            sched.validate(self.rank)
+        );
         debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = sched.algo, "call");
         st.last_algo = sched.algo;
         let State { links, scratch, .. } = &mut *st;
@@ -278,282 +350,337 @@ impl Communicator {
         res
     }
 
+    /// The byte-level entry behind every collective: `kind` on buffers of `dtype` elements,
+    /// for callers that know the type only at run time (the benchmark, the Python package).
+    /// Lengths are in bytes and must be multiples of the element size, and the buffers aligned
+    /// for it; what each buffer holds follows the typed methods ([`all_reduce`](Self::all_reduce)
+    /// and friends, and their `_in_place` forms).
+    pub fn call_bytes(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        let name = kind.name();
+        let (n, r, es) = (self.nranks, self.rank, dtype.size());
+        let (in_len, out_len, in_place, ptrs) = match &bufs {
+            ByteBufs::Separate { send, recv } => (
+                send.len(),
+                recv.len(),
+                false,
+                [send.as_ptr() as usize, recv.as_ptr() as usize],
+            ),
+            ByteBufs::InPlace(b) => (b.len(), b.len(), true, [b.as_ptr() as usize; 2]),
+        };
+        let is_root = root == r;
+        // Validation needs the call's sequence number: it runs inside `run`.
+        let validate = |seq: u64| -> Result<Call> {
+            let bad = |msg: String| Err(self.bad(name, seq, msg));
+            if in_len % es != 0 || out_len % es != 0 {
+                return bad(format!("buffer lengths {in_len} and {out_len} bytes are not multiples of the {dtype} size {es}"));
+            }
+            if ptrs.iter().any(|p| p % es != 0) {
+                return bad(format!("buffers are not aligned for {dtype}"));
+            }
+            let (ic, oc) = (in_len / es, out_len / es);
+            let call = |kind, count| {
+                Ok(Call {
+                    kind,
+                    count,
+                    dtype,
+                    op,
+                    root,
+                })
+            };
+            match kind {
+                CollKind::AllReduce => {
+                    if ic != oc {
+                        return bad(format!("send has {ic} elements, recv {oc}"));
+                    }
+                    call(kind, oc)
+                }
+                CollKind::Broadcast | CollKind::Reduce => {
+                    self.check_root(name, seq, root)?;
+                    if is_root && ic != oc {
+                        return bad(format!("the root's send has {ic} elements, recv {oc}"));
+                    }
+                    call(kind, if kind == CollKind::Broadcast { oc } else { ic })
+                }
+                CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll if in_place => {
+                    if oc % n != 0 {
+                        return bad(format!("{oc} elements do not divide among {n} ranks"));
+                    }
+                    call(kind, oc / n)
+                }
+                CollKind::AllGather => {
+                    if Some(oc) != ic.checked_mul(n) {
+                        return bad(format!(
+                            "recv has {oc} elements; expected world size {n} x send {ic}"
+                        ));
+                    }
+                    call(kind, ic)
+                }
+                CollKind::ReduceScatter => {
+                    if Some(ic) != oc.checked_mul(n) {
+                        return bad(format!(
+                            "send has {ic} elements; expected world size {n} x recv {oc}"
+                        ));
+                    }
+                    call(kind, oc)
+                }
+                CollKind::AllToAll => {
+                    if ic != oc || ic % n != 0 {
+                        return bad(format!("send ({ic}) and recv ({oc}) must have one length, divisible by the world size {n}"));
+                    }
+                    call(kind, ic / n)
+                }
+                CollKind::Send { peer } | CollKind::Recv { peer } => {
+                    self.check_peer(name, seq, peer)?;
+                    if in_place {
+                        return bad(format!("{name} has no in-place form"));
+                    }
+                    call(
+                        kind,
+                        if matches!(kind, CollKind::Send { .. }) {
+                            ic
+                        } else {
+                            oc
+                        },
+                    )
+                }
+                CollKind::SendRecv { to, from } => {
+                    if ic != oc {
+                        return bad(format!("send has {ic} elements, recv {oc}"));
+                    }
+                    if !(to == r && from == r) {
+                        self.check_peer(name, seq, to)?;
+                        self.check_peer(name, seq, from)?;
+                    }
+                    call(kind, ic)
+                }
+                CollKind::Barrier => call(kind, 0),
+            }
+        };
+        match bufs {
+            ByteBufs::Separate { send, recv } => {
+                let send: &[u8] = if kind == CollKind::Broadcast && !is_root {
+                    &[]
+                } else {
+                    send
+                };
+                let recv: &mut [u8] = if kind == CollKind::Reduce && !is_root {
+                    &mut []
+                } else {
+                    recv
+                };
+                self.run(name, validate, Buffers::new(send, recv))
+            }
+            ByteBufs::InPlace(buf) => {
+                let len = buf.len();
+                let blk = |count: usize| r * count * es..(r + 1) * count * es;
+                let (input, output) = match kind {
+                    CollKind::Broadcast if !is_root => (0..0, 0..len),
+                    CollKind::Reduce if !is_root => (0..len, 0..0),
+                    CollKind::AllGather => (blk(len / es / n), 0..len),
+                    CollKind::ReduceScatter => (0..len, blk(len / es / n)),
+                    CollKind::AllToAll => {
+                        // An aligned copy of the input (a Vec<u8> need not be aligned).
+                        let mut words = vec![0u64; len.div_ceil(8)];
+                        let copy = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len];
+                        copy.copy_from_slice(buf);
+                        return self.call_bytes(
+                            kind,
+                            dtype,
+                            op,
+                            root,
+                            ByteBufs::Separate {
+                                send: copy,
+                                recv: buf,
+                            },
+                        );
+                    }
+                    _ => (0..len, 0..len),
+                };
+                self.run(name, validate, Buffers::in_place(buf, input, output))
+            }
+        }
+    }
+
+    fn typed<T: Element>(
+        &self,
+        kind: CollKind,
+        op: ReduceOp,
+        root: usize,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<()> {
+        let bufs = ByteBufs::Separate {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.call_bytes(kind, T::DTYPE, op, root, bufs)
+    }
+
+    fn typed_in_place<T: Element>(
+        &self,
+        kind: CollKind,
+        op: ReduceOp,
+        root: usize,
+        buf: &mut [T],
+    ) -> Result<()> {
+        self.call_bytes(
+            kind,
+            T::DTYPE,
+            op,
+            root,
+            ByteBufs::InPlace(bytemuck::cast_slice_mut(buf)),
+        )
+    }
+
     /// Every rank gets the element-wise reduction of every rank's `send` in `recv`
     /// (same length as `send`).
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "all_reduce";
-        self.run(
-            call,
-            |seq| {
-                if sl != rl {
-                    return Err(self.bad(call, seq, format!("send has {} elements, recv {}", sl, rl)));
-                }
-                Ok(Call { kind: CollKind::AllReduce, count: sl, dtype: T::DTYPE, op, root: 0 })
-            },
-            Buffers::new(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv)),
-        )
+        self.typed(CollKind::AllReduce, op, 0, send, recv)
     }
 
     /// [`all_reduce`](Self::all_reduce) in place.
     pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let bl = buf.len();
-        let n = std::mem::size_of_val(buf);
-        self.run(
-            "all_reduce",
-            |_| Ok(Call { kind: CollKind::AllReduce, count: bl, dtype: T::DTYPE, op, root: 0 }),
-            Buffers::in_place(bytemuck::cast_slice_mut(buf), 0..n, 0..n),
-        )
+        self.typed_in_place(CollKind::AllReduce, op, 0, buf)
     }
 
     /// Every rank gets `root`'s `send` in `recv`. `send` is read on the root only (other
     /// ranks may pass an empty slice); on the root it must have `recv`'s length.
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "broadcast";
-        let is_root = root == self.rank;
-        self.run(
-            call,
-            |seq| {
-                self.check_root(call, seq, root)?;
-                if is_root && sl != rl {
-                    return Err(self.bad(call, seq, format!("root's send has {} elements, recv {}", sl, rl)));
-                }
-                Ok(Call { kind: CollKind::Broadcast, count: rl, dtype: T::DTYPE, op: ReduceOp::Sum, root })
-            },
-            Buffers::new(if is_root { bytemuck::cast_slice(send) } else { &[] }, bytemuck::cast_slice_mut(recv)),
-        )
+        self.typed(CollKind::Broadcast, ReduceOp::Sum, root, send, recv)
     }
 
     /// [`broadcast`](Self::broadcast) in place: `buf` is the source on the root and the
     /// destination elsewhere.
     pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let bl = buf.len();
-        let call = "broadcast";
-        let n = std::mem::size_of_val(buf);
-        let input = if root == self.rank { 0..n } else { 0..0 };
-        self.run(
-            call,
-            |seq| {
-                self.check_root(call, seq, root)?;
-                Ok(Call { kind: CollKind::Broadcast, count: bl, dtype: T::DTYPE, op: ReduceOp::Sum, root })
-            },
-            Buffers::in_place(bytemuck::cast_slice_mut(buf), input, 0..n),
-        )
+        self.typed_in_place(CollKind::Broadcast, ReduceOp::Sum, root, buf)
     }
 
     /// `root` gets the element-wise reduction of every rank's `send` in `recv`. `recv` is
     /// written on the root only (other ranks may pass an empty slice); on the root it must have
     /// `send`'s length.
-    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "reduce";
-        let is_root = root == self.rank;
-        self.run(
-            call,
-            |seq| {
-                self.check_root(call, seq, root)?;
-                if is_root && sl != rl {
-                    return Err(self.bad(call, seq, format!("send has {} elements, root's recv {}", sl, rl)));
-                }
-                Ok(Call { kind: CollKind::Reduce, count: sl, dtype: T::DTYPE, op, root })
-            },
-            Buffers::new(bytemuck::cast_slice(send), if is_root { bytemuck::cast_slice_mut(recv) } else { &mut [] }),
-        )
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.typed(CollKind::Reduce, op, root, send, recv)
     }
 
     /// [`reduce`](Self::reduce) in place: on the root `buf` is replaced by the result; other
     /// ranks' `buf` is only read.
-    pub fn reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let bl = buf.len();
-        let call = "reduce";
-        let n = std::mem::size_of_val(buf);
-        let output = if root == self.rank { 0..n } else { 0..0 };
-        self.run(
-            call,
-            |seq| {
-                self.check_root(call, seq, root)?;
-                Ok(Call { kind: CollKind::Reduce, count: bl, dtype: T::DTYPE, op, root })
-            },
-            Buffers::in_place(bytemuck::cast_slice_mut(buf), 0..n, output),
-        )
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.typed_in_place(CollKind::Reduce, op, root, buf)
     }
 
     /// Every rank gets every rank's `send`, concatenated in rank order, in `recv`
     /// (`recv.len() == world_size * send.len()`).
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "all_gather";
-        self.run(
-            call,
-            |seq| {
-                if Some(rl) != sl.checked_mul(self.nranks) {
-                    return Err(self.bad(
-                        call,
-                        seq,
-                        format!("recv has {} elements; expected world size {} x send {}", rl, self.nranks, sl),
-                    ));
-                }
-                Ok(Call { kind: CollKind::AllGather, count: sl, dtype: T::DTYPE, op: ReduceOp::Sum, root: 0 })
-            },
-            Buffers::new(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv)),
-        )
+        self.typed(CollKind::AllGather, ReduceOp::Sum, 0, send, recv)
     }
 
     /// [`all_gather`](Self::all_gather) in place: this rank's contribution is already in its
     /// block of `buf` (`buf[rank * len / world_size..]`).
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let bl = buf.len();
-        let call = "all_gather";
-        let count = bl / self.nranks;
-        let es = std::mem::size_of::<T>();
-        let (n, r) = (std::mem::size_of_val(buf), self.rank);
-        self.run(
-            call,
-            |seq| {
-                if bl % self.nranks != 0 {
-                    return Err(self.bad(call, seq, format!("{} elements do not divide among {} ranks", bl, self.nranks)));
-                }
-                Ok(Call { kind: CollKind::AllGather, count, dtype: T::DTYPE, op: ReduceOp::Sum, root: 0 })
-            },
-            Buffers::in_place(bytemuck::cast_slice_mut(buf), r * count * es..(r + 1) * count * es, 0..n),
-        )
+        self.typed_in_place(CollKind::AllGather, ReduceOp::Sum, 0, buf)
     }
 
     /// Rank r gets block r of the element-wise reduction of every rank's `send`
     /// (`send.len() == world_size * recv.len()`).
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "reduce_scatter";
-        self.run(
-            call,
-            |seq| {
-                if Some(sl) != rl.checked_mul(self.nranks) {
-                    return Err(self.bad(
-                        call,
-                        seq,
-                        format!("send has {} elements; expected world size {} x recv {}", sl, self.nranks, rl),
-                    ));
-                }
-                Ok(Call { kind: CollKind::ReduceScatter, count: rl, dtype: T::DTYPE, op, root: 0 })
-            },
-            Buffers::new(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv)),
-        )
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.typed(CollKind::ReduceScatter, op, 0, send, recv)
     }
 
     /// [`reduce_scatter`](Self::reduce_scatter) in place: the result lands in this rank's
     /// block of `buf` (`buf[rank * len / world_size..][..len / world_size]`); the other blocks
     /// are left as they were.
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let bl = buf.len();
-        let call = "reduce_scatter";
-        let count = bl / self.nranks;
-        let es = std::mem::size_of::<T>();
-        let (n, r) = (std::mem::size_of_val(buf), self.rank);
-        self.run(
-            call,
-            |seq| {
-                if bl % self.nranks != 0 {
-                    return Err(self.bad(call, seq, format!("{} elements do not divide among {} ranks", bl, self.nranks)));
-                }
-                Ok(Call { kind: CollKind::ReduceScatter, count, dtype: T::DTYPE, op, root: 0 })
-            },
-            Buffers::in_place(bytemuck::cast_slice_mut(buf), 0..n, r * count * es..(r + 1) * count * es),
-        )
+        self.typed_in_place(CollKind::ReduceScatter, op, 0, buf)
     }
 
     /// Block p of this rank's `send` goes to rank p, which stores it as block r of its `recv`
     /// (both `world_size` equal blocks, same length).
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "all_to_all";
-        self.run(
-            call,
-            |seq| {
-                if sl != rl || sl % self.nranks != 0 {
-                    return Err(self.bad(
-                        call,
-                        seq,
-                        format!(
-                            "send ({}) and recv ({}) must have one length, divisible by the world size {}",
-                            sl,
-                            rl,
-                            self.nranks
-                        ),
-                    ));
-                }
-                Ok(Call { kind: CollKind::AllToAll, count: sl / self.nranks, dtype: T::DTYPE, op: ReduceOp::Sum, root: 0 })
-            },
-            Buffers::new(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv)),
-        )
+        self.typed(CollKind::AllToAll, ReduceOp::Sum, 0, send, recv)
     }
 
     /// [`all_to_all`](Self::all_to_all) in place (through a temporary copy of `buf`).
     pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let send = buf.to_vec();
-        self.all_to_all(&send, buf)
+        self.typed_in_place(CollKind::AllToAll, ReduceOp::Sum, 0, buf)
     }
 
     /// Sends `buf` to `peer`, which must call [`recv`](Self::recv) with the same length.
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        let bl = buf.len();
-        let call = "send";
-        self.run(
-            call,
-            |seq| {
-                self.check_peer(call, seq, peer)?;
-                Ok(Call { kind: CollKind::Send { peer }, count: bl, dtype: T::DTYPE, op: ReduceOp::Sum, root: 0 })
-            },
-            Buffers::new(bytemuck::cast_slice(buf), &mut []),
-        )
+        self.typed::<T>(CollKind::Send { peer }, ReduceOp::Sum, 0, buf, &mut [])
     }
 
     /// Receives `buf.len()` elements from `peer`'s [`send`](Self::send).
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        let bl = buf.len();
-        let call = "recv";
-        self.run(
-            call,
-            |seq| {
-                self.check_peer(call, seq, peer)?;
-                Ok(Call { kind: CollKind::Recv { peer }, count: bl, dtype: T::DTYPE, op: ReduceOp::Sum, root: 0 })
-            },
-            Buffers::new(&[], bytemuck::cast_slice_mut(buf)),
-        )
+        self.typed::<T>(CollKind::Recv { peer }, ReduceOp::Sum, 0, &[], buf)
     }
 
     /// Sends `send` to `to` while receiving `recv` from `from`, as `MPI_Sendrecv` (both of one
     /// length; `to == from == rank` copies locally).
-    pub fn sendrecv<T: Element>(&self, send: &[T], to: usize, recv: &mut [T], from: usize) -> Result<()> {
-        let (sl, rl) = (send.len(), recv.len());
-        let call = "sendrecv";
-        let me = self.rank;
-        self.run(
-            call,
-            |seq| {
-                if sl != rl {
-                    return Err(self.bad(call, seq, format!("send has {} elements, recv {}", sl, rl)));
-                }
-                if !(to == me && from == me) {
-                    self.check_peer(call, seq, to)?;
-                    self.check_peer(call, seq, from)?;
-                }
-                Ok(Call { kind: CollKind::SendRecv { to, from }, count: sl, dtype: T::DTYPE, op: ReduceOp::Sum, root: 0 })
-            },
-            Buffers::new(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv)),
+    pub fn sendrecv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        self.typed(
+            CollKind::SendRecv { to, from },
+            ReduceOp::Sum,
+            0,
+            send,
+            recv,
         )
     }
 
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
-        self.run(
-            "barrier",
-            |_| Ok(Call { kind: CollKind::Barrier, count: 0, dtype: DataType::U8, op: ReduceOp::Sum, root: 0 }),
-            Buffers::new(&[], &mut []),
-        )
+        self.typed::<u8>(CollKind::Barrier, ReduceOp::Sum, 0, &[], &mut [])
     }
 }
 
+/// The buffers of a byte-level call ([`Communicator::call_bytes`]).
+#[derive(Debug)]
+pub enum ByteBufs<'a> {
+    /// Separate input and output.
+    Separate {
+        /// The input.
+        send: &'a [u8],
+        /// The output.
+        recv: &'a mut [u8],
+    },
+    /// One buffer, used in place.
+    InPlace(&'a mut [u8]),
+}
+
 fn parse_algo(cfg: &Config) -> Result<Option<Algo>> {
-    cfg.algo.as_deref().map(|a| a.parse::<Algo>().map_err(|e| Error::Env(format!("OXCCL_ALGO: {e}")))).transpose()
+    cfg.algo
+        .as_deref()
+        .map(|a| {
+            a.parse::<Algo>()
+                .map_err(|e| Error::Env(format!("OXCCL_ALGO: {e}")))
+        })
+        .transpose()
 }

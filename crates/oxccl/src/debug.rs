@@ -19,17 +19,27 @@ pub const SUBSYSTEMS: &[(&str, &[&str])] = &[
 pub fn directives(level: &str, subsys: Option<&str>) -> Result<String, String> {
     let level = level.trim().to_ascii_lowercase();
     if !["error", "warn", "info", "debug", "trace"].contains(&level.as_str()) {
-        return Err(format!("OXCCL_DEBUG={level}: expected warn, info, debug or trace"));
+        return Err(format!(
+            "OXCCL_DEBUG={level}: expected warn, info, debug or trace"
+        ));
     }
-    let Some(subsys) = subsys.filter(|s| !s.trim().is_empty() && !s.eq_ignore_ascii_case("all")) else {
+    let Some(subsys) = subsys.filter(|s| !s.trim().is_empty() && !s.eq_ignore_ascii_case("all"))
+    else {
         return Ok(format!("oxccl={level}"));
     };
     let mut out = Vec::new();
     for name in subsys.split(',').map(|s| s.trim().to_ascii_lowercase()) {
-        let targets = SUBSYSTEMS.iter().find(|(n, _)| *n == name).map(|(_, t)| *t).ok_or_else(|| {
-            let names: Vec<_> = SUBSYSTEMS.iter().map(|(n, _)| *n).collect();
-            format!("OXCCL_DEBUG_SUBSYS: unknown subsystem '{name}' (known: {})", names.join(", "))
-        })?;
+        let targets = SUBSYSTEMS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, t)| *t)
+            .ok_or_else(|| {
+                let names: Vec<_> = SUBSYSTEMS.iter().map(|(n, _)| *n).collect();
+                format!(
+                    "OXCCL_DEBUG_SUBSYS: unknown subsystem '{name}' (known: {})",
+                    names.join(", ")
+                )
+            })?;
         out.extend(targets.iter().map(|t| format!("{t}={level}")));
     }
     Ok(out.join(","))
@@ -41,7 +51,9 @@ pub fn directives(level: &str, subsys: Option<&str>) -> Result<String, String> {
 pub fn init_from_env() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let Ok(level) = std::env::var("OXCCL_DEBUG") else { return };
+        let Ok(level) = std::env::var("OXCCL_DEBUG") else {
+            return;
+        };
         let subsys = std::env::var("OXCCL_DEBUG_SUBSYS").ok();
         match directives(&level, subsys.as_deref()) {
             Ok(d) => {
@@ -68,8 +80,13 @@ mod tests {
     #[test]
     fn builds_directives() {
         assert_eq!(directives("info", None).unwrap(), "oxccl=info");
-        assert_eq!(directives("DEBUG", Some("shm,net")).unwrap(), "oxccl::transport::shm=debug,oxccl::transport::tcp=debug");
+        assert_eq!(
+            directives("DEBUG", Some("shm,net")).unwrap(),
+            "oxccl::transport::shm=debug,oxccl::transport::tcp=debug"
+        );
         assert!(directives("loud", None).is_err());
-        assert!(directives("info", Some("gpu")).unwrap_err().contains("known: init"));
+        assert!(directives("info", Some("gpu"))
+            .unwrap_err()
+            .contains("known: init"));
     }
 }

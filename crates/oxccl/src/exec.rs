@@ -47,7 +47,11 @@ impl<'a> Buffers<'a> {
 
     /// One buffer used in place: the input is `buf[input]`, the output `buf[output]`.
     /// Panics if a range is out of bounds (callers compute them from validated lengths).
-    pub fn in_place(buf: &'a mut [u8], input: std::ops::Range<usize>, output: std::ops::Range<usize>) -> Self {
+    pub fn in_place(
+        buf: &'a mut [u8],
+        input: std::ops::Range<usize>,
+        output: std::ops::Range<usize>,
+    ) -> Self {
         assert!(input.start <= input.end && input.end <= buf.len());
         assert!(output.start <= output.end && output.end <= buf.len());
         let base = buf.as_mut_ptr();
@@ -117,7 +121,12 @@ impl Mem {
 
 /// Runs `sched` to completion. `scratch` is grown to the schedule's need and reused across
 /// calls.
-pub fn execute(ctx: &mut Ctx<'_>, sched: &Schedule, bufs: &mut Buffers<'_>, scratch: &mut Vec<u64>) -> Result<()> {
+pub fn execute(
+    ctx: &mut Ctx<'_>,
+    sched: &Schedule,
+    bufs: &mut Buffers<'_>,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
     let words = sched.scratch_bytes.div_ceil(8);
     if scratch.len() < words {
         scratch.resize(words, 0);
@@ -128,7 +137,11 @@ pub fn execute(ctx: &mut Ctx<'_>, sched: &Schedule, bufs: &mut Buffers<'_>, scra
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
     };
     let start = Instant::now();
-    let mut run = Runner { ctx, mem: &mem, start };
+    let mut run = Runner {
+        ctx,
+        mem: &mem,
+        start,
+    };
     for step in &sched.steps {
         run.step(step)?;
     }
@@ -143,15 +156,39 @@ struct Runner<'c, 'a, 'm> {
 
 impl Runner<'_, '_, '_> {
     fn internal(&self, msg: String) -> Error {
-        Error::Aborted { rank: self.ctx.rank, msg: format!("internal error in {} (call #{}): {msg}", self.ctx.call, self.ctx.seq) }
+        Error::Aborted {
+            rank: self.ctx.rank,
+            msg: format!(
+                "internal error in {} (call #{}): {msg}",
+                self.ctx.call, self.ctx.seq
+            ),
+        }
     }
 
     fn link_err(&self, peer: usize, e: LinkError) -> Error {
         let (rank, call, seq) = (self.ctx.rank, self.ctx.call, self.ctx.seq);
         match e {
-            LinkError::Protocol(msg) => Error::Protocol { rank, peer, call, seq, msg },
-            LinkError::Closed(reason) => Error::PeerLost { rank, peer, call, seq, reason },
-            LinkError::Io(e) => Error::PeerLost { rank, peer, call, seq, reason: e.to_string() },
+            LinkError::Protocol(msg) => Error::Protocol {
+                rank,
+                peer,
+                call,
+                seq,
+                msg,
+            },
+            LinkError::Closed(reason) => Error::PeerLost {
+                rank,
+                peer,
+                call,
+                seq,
+                reason,
+            },
+            LinkError::Io(e) => Error::PeerLost {
+                rank,
+                peer,
+                call,
+                seq,
+                reason: e.to_string(),
+            },
         }
     }
 
@@ -161,7 +198,9 @@ impl Runner<'_, '_, '_> {
                 let s = self.mem.ptr(src).map_err(|m| self.internal(m))?;
                 let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
                 if src.len != dst.len {
-                    return Err(self.internal(format!("copy of {} bytes into {}", src.len, dst.len)));
+                    return Err(
+                        self.internal(format!("copy of {} bytes into {}", src.len, dst.len))
+                    );
                 }
                 if s != d {
                     // SAFETY: both ranges are in bounds (checked by `ptr`); `std::ptr::copy`
@@ -248,20 +287,24 @@ impl Runner<'_, '_, '_> {
                     let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
                     let with = match combine {
                         Combine::Store => None,
-                        Combine::Reduce { with } => Some(self.mem.ptr(with).map_err(|m| self.internal(m))?),
+                        Combine::Reduce { with } => {
+                            Some(self.mem.ptr(with).map_err(|m| self.internal(m))?)
+                        }
                     };
                     let apply = |off: usize, bytes: &[u8]| {
                         // SAFETY: `off + bytes.len() <= len` (the consumer never takes more
                         // than the transfer's remaining length), and the destination range is
                         // in bounds and written by nobody else in this step (validated).
-                        let out = unsafe { std::slice::from_raw_parts_mut(d.add(off), bytes.len()) };
+                        let out =
+                            unsafe { std::slice::from_raw_parts_mut(d.add(off), bytes.len()) };
                         match with {
                             None => out.copy_from_slice(bytes),
                             Some(w) if w == d => reduce::reduce_inplace(dtype, op, out, bytes),
                             Some(w) => {
                                 // SAFETY: the operand has the destination's length (validated)
                                 // and is only read in this step.
-                                let a = unsafe { std::slice::from_raw_parts(w.add(off), bytes.len()) };
+                                let a =
+                                    unsafe { std::slice::from_raw_parts(w.add(off), bytes.len()) };
                                 reduce::reduce_into(dtype, op, out, a, bytes)
                             }
                         }
@@ -290,7 +333,9 @@ impl Runner<'_, '_, '_> {
             if s.done == x.len() {
                 continue;
             }
-            let Some(link) = self.ctx.links.get(x.peer()).and_then(|l| l.as_ref()) else { continue };
+            let Some(link) = self.ctx.links.get(x.peer()).and_then(|l| l.as_ref()) else {
+                continue;
+            };
             let (src, flags) = match x {
                 Xfer::Send { .. } => (link.send_wait(), PollFlags::OUT),
                 Xfer::Recv { .. } => (link.recv_wait(), PollFlags::IN),
@@ -321,21 +366,44 @@ impl Runner<'_, '_, '_> {
             return Ok(false);
         }
         // Sockets (maybe mixed with a doorbell: then poll briefly and come back to spin).
-        let timeout = if bell.is_some() { Duration::from_micros(200) } else { SLEEP_SLICE };
+        let timeout = if bell.is_some() {
+            Duration::from_micros(200)
+        } else {
+            SLEEP_SLICE
+        };
         // SAFETY: each fd belongs to a link in `ctx.links`, alive for this call.
-        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) }).collect();
-        let mut pfds: Vec<PollFd<'_>> = borrowed.iter().zip(&fds).map(|(fd, (_, fl))| PollFd::from_borrowed_fd(*fd, *fl)).collect();
-        let ts = rustix::time::Timespec { tv_sec: timeout.as_secs() as _, tv_nsec: timeout.subsec_nanos() as _ };
+        let borrowed: Vec<BorrowedFd<'_>> = fds
+            .iter()
+            .map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) })
+            .collect();
+        let mut pfds: Vec<PollFd<'_>> = borrowed
+            .iter()
+            .zip(&fds)
+            .map(|(fd, (_, fl))| PollFd::from_borrowed_fd(*fd, *fl))
+            .collect();
+        let ts = rustix::time::Timespec {
+            tv_sec: timeout.as_secs() as _,
+            tv_nsec: timeout.subsec_nanos() as _,
+        };
         match rustix::event::poll(&mut pfds, Some(&ts)) {
             Ok(_) | Err(rustix::io::Errno::INTR) => Ok(false),
-            Err(e) => Err(Error::Io { rank: self.ctx.rank, context: "poll".into(), source: e.into() }),
+            Err(e) => Err(Error::Io {
+                rank: self.ctx.rank,
+                context: "poll".into(),
+                source: e.into(),
+            }),
         }
     }
 
     /// Between sleeps: the deadline, and the liveness of the peers still awaited.
     fn check(&mut self, step: &Step, st: &[XState]) -> Result<()> {
-        let pending: Vec<usize> =
-            step.xfers.iter().zip(st).filter(|(x, s)| s.done < x.len()).map(|(x, _)| x.peer()).collect();
+        let pending: Vec<usize> = step
+            .xfers
+            .iter()
+            .zip(st)
+            .filter(|(x, s)| s.done < x.len())
+            .map(|(x, _)| x.peer())
+            .collect();
         for &peer in &pending {
             if let Some(link) = self.ctx.links.get_mut(peer).and_then(|l| l.as_mut()) {
                 if let Err(e) = link.check_alive() {
@@ -348,7 +416,13 @@ impl Runner<'_, '_, '_> {
             let mut waiting_on = pending;
             waiting_on.sort_unstable();
             waiting_on.dedup();
-            return Err(Error::Timeout { rank: self.ctx.rank, call: self.ctx.call, seq: self.ctx.seq, waiting_on, elapsed });
+            return Err(Error::Timeout {
+                rank: self.ctx.rank,
+                call: self.ctx.call,
+                seq: self.ctx.seq,
+                waiting_on,
+                elapsed,
+            });
         }
         Ok(())
     }
@@ -356,7 +430,13 @@ impl Runner<'_, '_, '_> {
 
 /// Takes bytes of a receive: completes a carried partial element, applies whole elements, and
 /// carries a trailing partial one. Never takes more than the transfer still needs.
-fn consume(s: &mut XState, len: usize, es: usize, data: &[u8], apply: &dyn Fn(usize, &[u8])) -> usize {
+fn consume(
+    s: &mut XState,
+    len: usize,
+    es: usize,
+    data: &[u8],
+    apply: &dyn Fn(usize, &[u8]),
+) -> usize {
     let mut taken = 0;
     if s.carry_len > 0 {
         let k = (es - s.carry_len).min(data.len());
@@ -407,7 +487,11 @@ mod tests {
         assert_eq!(s.done, 8);
         let mut more = data[11..].to_vec();
         more.extend_from_slice(&[99, 99]);
-        assert_eq!(consume(&mut s, 12, 4, &more, &apply), 1, "must not take the next message's bytes");
+        assert_eq!(
+            consume(&mut s, 12, 4, &more, &apply),
+            1,
+            "must not take the next message's bytes"
+        );
         assert_eq!(s.done, 12);
         assert_eq!(*out.borrow(), data);
     }

@@ -31,8 +31,9 @@ pub mod transport;
 pub mod tune;
 pub mod wait;
 
+pub use algo::CollKind;
 pub use bootstrap::UniqueId;
-pub use comm::Communicator;
+pub use comm::{ByteBufs, Communicator};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

@@ -33,8 +33,16 @@ mod tests {
     fn forced_only_where_it_fits() {
         assert_eq!(choose(CollKind::AllReduce, Some(Algo::Chain)), Algo::Ring);
         assert_eq!(choose(CollKind::Broadcast, Some(Algo::Chain)), Algo::Chain);
-        for k in [CollKind::AllReduce, CollKind::Broadcast, CollKind::Reduce, CollKind::AllGather,
-                  CollKind::ReduceScatter, CollKind::AllToAll, CollKind::Barrier, CollKind::Send { peer: 1 }] {
+        for k in [
+            CollKind::AllReduce,
+            CollKind::Broadcast,
+            CollKind::Reduce,
+            CollKind::AllGather,
+            CollKind::ReduceScatter,
+            CollKind::AllToAll,
+            CollKind::Barrier,
+            CollKind::Send { peer: 1 },
+        ] {
             assert!(default_algo(k).supports(k));
         }
     }

@@ -12,12 +12,22 @@ pub fn schedule(c: &Coll) -> Schedule {
     let bytes = c.count * c.dtype.size();
     let blk = |i: usize| Region::new(Buf::Output, i * bytes, bytes);
     let mut s = Schedule::new("ring");
-    s.push_local(Local::Copy { src: Region::new(Buf::Input, 0, bytes), dst: blk(r) });
+    s.push_local(Local::Copy {
+        src: Region::new(Buf::Input, 0, bytes),
+        dst: blk(r),
+    });
     let (left, right) = ((r + n - 1) % n, (r + 1) % n);
     for step in 0..n.saturating_sub(1) {
         s.push_xfers([
-            Xfer::Send { peer: right, src: blk(sub_mod(r, step, n)) },
-            Xfer::Recv { peer: left, dst: blk(sub_mod(r, step + 1, n)), combine: Combine::Store },
+            Xfer::Send {
+                peer: right,
+                src: blk(sub_mod(r, step, n)),
+            },
+            Xfer::Recv {
+                peer: left,
+                dst: blk(sub_mod(r, step + 1, n)),
+                combine: Combine::Store,
+            },
         ]);
     }
     s

@@ -6,7 +6,7 @@
 //! `s` it sends block `r+1-s` and stores block `r-s`. Each rank sends `2(n-1)/n` of the buffer
 //! in `2(n-1)` steps: bandwidth-optimal, latency linear in `n`.
 
-use super::{block, sub_mod, Buf, Coll, Combine, Local, Region, ReduceOp, Schedule, Xfer};
+use super::{block, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The ring all-reduce schedule for `c`.
 pub fn schedule(c: &Coll) -> Schedule {
@@ -18,7 +18,10 @@ pub fn schedule(c: &Coll) -> Schedule {
     };
     let all = c.count * es;
     if n == 1 {
-        s.push_local(Local::Copy { src: Region::new(Buf::Input, 0, all), dst: Region::new(Buf::Output, 0, all) });
+        s.push_local(Local::Copy {
+            src: Region::new(Buf::Input, 0, all),
+            dst: Region::new(Buf::Output, 0, all),
+        });
         return s;
     }
     let (left, right) = ((r + n - 1) % n, (r + 1) % n);
@@ -31,7 +34,9 @@ pub fn schedule(c: &Coll) -> Schedule {
             Xfer::Recv {
                 peer: left,
                 dst: blk(Buf::Output, recv_b),
-                combine: Combine::Reduce { with: blk(Buf::Input, recv_b) },
+                combine: Combine::Reduce {
+                    with: blk(Buf::Input, recv_b),
+                },
             },
         ]);
     }
@@ -40,8 +45,15 @@ pub fn schedule(c: &Coll) -> Schedule {
     }
     for step in 0..n - 1 {
         s.push_xfers([
-            Xfer::Send { peer: right, src: blk(Buf::Output, sub_mod(r + 1, step, n)) },
-            Xfer::Recv { peer: left, dst: blk(Buf::Output, sub_mod(r, step, n)), combine: Combine::Store },
+            Xfer::Send {
+                peer: right,
+                src: blk(Buf::Output, sub_mod(r + 1, step, n)),
+            },
+            Xfer::Recv {
+                peer: left,
+                dst: blk(Buf::Output, sub_mod(r, step, n)),
+                combine: Combine::Store,
+            },
         ]);
     }
     s

@@ -10,13 +10,23 @@ pub fn schedule(c: &Coll) -> Schedule {
     let bytes = c.count * c.dtype.size();
     let blk = |buf, i: usize| Region::new(buf, i * bytes, bytes);
     let mut s = Schedule::new("pairwise");
-    s.push_local(Local::Copy { src: blk(Buf::Input, r), dst: blk(Buf::Output, r) });
+    s.push_local(Local::Copy {
+        src: blk(Buf::Input, r),
+        dst: blk(Buf::Output, r),
+    });
     for step in 1..n {
         let to = (r + step) % n;
         let from = sub_mod(r, step, n);
         s.push_xfers([
-            Xfer::Send { peer: to, src: blk(Buf::Input, to) },
-            Xfer::Recv { peer: from, dst: blk(Buf::Output, from), combine: Combine::Store },
+            Xfer::Send {
+                peer: to,
+                src: blk(Buf::Input, to),
+            },
+            Xfer::Recv {
+                peer: from,
+                dst: blk(Buf::Output, from),
+                combine: Combine::Store,
+            },
         ]);
     }
     s

@@ -12,8 +12,15 @@ pub fn schedule(c: &Coll) -> Schedule {
     let mut dist = 1;
     while dist < n {
         s.push_xfers([
-            Xfer::Send { peer: (r + dist) % n, src: Region::new(Buf::Scratch, 0, 1) },
-            Xfer::Recv { peer: sub_mod(r, dist, n), dst: Region::new(Buf::Scratch, 1, 1), combine: Combine::Store },
+            Xfer::Send {
+                peer: (r + dist) % n,
+                src: Region::new(Buf::Scratch, 0, 1),
+            },
+            Xfer::Recv {
+                peer: sub_mod(r, dist, n),
+                dst: Region::new(Buf::Scratch, 1, 1),
+                combine: Combine::Store,
+            },
         ]);
         dist *= 2;
     }

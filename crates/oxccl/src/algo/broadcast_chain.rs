@@ -13,17 +13,27 @@ pub fn schedule(c: &Coll) -> Schedule {
     let mut s = Schedule::new("chain");
     let pos = sub_mod(r, c.root, n);
     if pos == 0 {
-        s.push_local(Local::Copy { src: Region::new(Buf::Input, 0, all), dst: Region::new(Buf::Output, 0, all) });
+        s.push_local(Local::Copy {
+            src: Region::new(Buf::Input, 0, all),
+            dst: Region::new(Buf::Output, 0, all),
+        });
     }
     if n == 1 {
         return s;
     }
     let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
-    let segs: Vec<Region> =
-        segments(c.count, es, c.chunk_bytes).map(|(st, len)| Region::new(Buf::Output, st * es, len * es)).collect();
+    let segs: Vec<Region> = segments(c.count, es, c.chunk_bytes)
+        .map(|(st, len)| Region::new(Buf::Output, st * es, len * es))
+        .collect();
     if pos == 0 {
         for seg in &segs {
-            s.push_xfers([Xfer::Send { peer: next, src: Region { buf: Buf::Input, ..*seg } }]);
+            s.push_xfers([Xfer::Send {
+                peer: next,
+                src: Region {
+                    buf: Buf::Input,
+                    ..*seg
+                },
+            }]);
         }
         return s;
     }
@@ -31,10 +41,17 @@ pub fn schedule(c: &Coll) -> Schedule {
     for k in 0..=segs.len() {
         let mut xfers = Vec::new();
         if let Some(seg) = segs.get(k) {
-            xfers.push(Xfer::Recv { peer: prev, dst: *seg, combine: Combine::Store });
+            xfers.push(Xfer::Recv {
+                peer: prev,
+                dst: *seg,
+                combine: Combine::Store,
+            });
         }
         if !last && k >= 1 {
-            xfers.push(Xfer::Send { peer: next, src: segs[k - 1] });
+            xfers.push(Xfer::Send {
+                peer: next,
+                src: segs[k - 1],
+            });
         }
         s.push_xfers(xfers);
     }

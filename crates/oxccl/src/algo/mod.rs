@@ -240,14 +240,20 @@ pub struct Schedule {
 impl Schedule {
     /// An empty schedule named `algo`.
     pub fn new(algo: &'static str) -> Self {
-        Schedule { algo, ..Default::default() }
+        Schedule {
+            algo,
+            ..Default::default()
+        }
     }
 
     /// Appends a step made only of transfers (zero-length ones dropped).
     pub fn push_xfers(&mut self, xfers: impl IntoIterator<Item = Xfer>) {
         let xfers: Vec<Xfer> = xfers.into_iter().filter(|x| !x.is_empty()).collect();
         if !xfers.is_empty() {
-            self.steps.push(Step { xfers, ..Default::default() });
+            self.steps.push(Step {
+                xfers,
+                ..Default::default()
+            });
         }
     }
 
@@ -258,7 +264,10 @@ impl Schedule {
         }
         match self.steps.last_mut() {
             Some(s) => s.after.push(local),
-            None => self.steps.push(Step { after: vec![local], ..Default::default() }),
+            None => self.steps.push(Step {
+                after: vec![local],
+                ..Default::default()
+            }),
         }
     }
 
@@ -310,10 +319,15 @@ impl Schedule {
                 }
             }
             for (k, w) in writes.iter().enumerate() {
-                let clash = writes.iter().enumerate().any(|(j, o)| j != k && overlaps(w, o))
+                let clash = writes
+                    .iter()
+                    .enumerate()
+                    .any(|(j, o)| j != k && overlaps(w, o))
                     || reads.iter().any(|r| overlaps(w, r));
                 if clash {
-                    return Err(format!("step {i}: written region {w:?} overlaps another region"));
+                    return Err(format!(
+                        "step {i}: written region {w:?} overlaps another region"
+                    ));
                 }
             }
         }
@@ -400,7 +414,13 @@ pub enum Algo {
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 5] = [Algo::Ring, Algo::Chain, Algo::Pairwise, Algo::Dissemination, Algo::Direct];
+    pub const ALL: [Algo; 5] = [
+        Algo::Ring,
+        Algo::Chain,
+        Algo::Pairwise,
+        Algo::Dissemination,
+        Algo::Direct,
+    ];
 
     /// The algorithm's name.
     pub fn name(self) -> &'static str {
@@ -417,11 +437,16 @@ impl Algo {
     pub fn supports(self, kind: CollKind) -> bool {
         matches!(
             (self, kind),
-            (Algo::Ring, CollKind::AllReduce | CollKind::AllGather | CollKind::ReduceScatter)
-                | (Algo::Chain, CollKind::Broadcast | CollKind::Reduce)
+            (
+                Algo::Ring,
+                CollKind::AllReduce | CollKind::AllGather | CollKind::ReduceScatter
+            ) | (Algo::Chain, CollKind::Broadcast | CollKind::Reduce)
                 | (Algo::Pairwise, CollKind::AllToAll)
                 | (Algo::Dissemination, CollKind::Barrier)
-                | (Algo::Direct, CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. })
+                | (
+                    Algo::Direct,
+                    CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. }
+                )
         )
     }
 

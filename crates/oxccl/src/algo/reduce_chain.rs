@@ -4,7 +4,7 @@
 //! its input into a scratch accumulator and forwards segment `k-1`; the root adds its input
 //! into the output. Each non-root rank sends the whole buffer once.
 
-use super::{segments, sub_mod, Buf, Coll, Combine, Local, Region, ReduceOp, Schedule, Xfer};
+use super::{segments, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The chain reduce schedule for `c`.
 pub fn schedule(c: &Coll) -> Schedule {
@@ -12,16 +12,24 @@ pub fn schedule(c: &Coll) -> Schedule {
     let all = c.count * es;
     let mut s = Schedule::new("chain");
     if n == 1 {
-        s.push_local(Local::Copy { src: Region::new(Buf::Input, 0, all), dst: Region::new(Buf::Output, 0, all) });
+        s.push_local(Local::Copy {
+            src: Region::new(Buf::Input, 0, all),
+            dst: Region::new(Buf::Output, 0, all),
+        });
         return s;
     }
     let pos = sub_mod(r, c.root + 1, n);
     let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
-    let segs: Vec<(usize, usize)> = segments(c.count, es, c.chunk_bytes).map(|(st, l)| (st * es, l * es)).collect();
+    let segs: Vec<(usize, usize)> = segments(c.count, es, c.chunk_bytes)
+        .map(|(st, l)| (st * es, l * es))
+        .collect();
     let input = |(off, len): (usize, usize)| Region::new(Buf::Input, off, len);
     if pos == 0 {
         for &seg in &segs {
-            s.push_xfers([Xfer::Send { peer: next, src: input(seg) }]);
+            s.push_xfers([Xfer::Send {
+                peer: next,
+                src: input(seg),
+            }]);
         }
     } else if r == c.root {
         for &seg in &segs {
@@ -40,10 +48,17 @@ pub fn schedule(c: &Coll) -> Schedule {
         for k in 0..=segs.len() {
             let mut xfers = Vec::new();
             if let Some(&seg) = segs.get(k) {
-                xfers.push(Xfer::Recv { peer: prev, dst: acc(seg), combine: Combine::Reduce { with: input(seg) } });
+                xfers.push(Xfer::Recv {
+                    peer: prev,
+                    dst: acc(seg),
+                    combine: Combine::Reduce { with: input(seg) },
+                });
             }
             if k >= 1 {
-                xfers.push(Xfer::Send { peer: next, src: acc(segs[k - 1]) });
+                xfers.push(Xfer::Send {
+                    peer: next,
+                    src: acc(segs[k - 1]),
+                });
             }
             s.push_xfers(xfers);
         }

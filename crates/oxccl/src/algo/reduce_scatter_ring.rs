@@ -5,7 +5,7 @@
 //! in two alternating scratch blocks; the last step (block `r`) lands in the output. Each rank
 //! sends `(n-1)/n` of the input in `n-1` steps.
 
-use super::{sub_mod, Buf, Coll, Combine, Local, Region, ReduceOp, Schedule, Xfer};
+use super::{sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The ring reduce-scatter schedule for `c` (`c.count` = elements per rank's block).
 pub fn schedule(c: &Coll) -> Schedule {
@@ -15,7 +15,10 @@ pub fn schedule(c: &Coll) -> Schedule {
     let out = Region::new(Buf::Output, 0, bytes);
     let mut s = Schedule::new("ring");
     if n == 1 {
-        s.push_local(Local::Copy { src: input(0), dst: out });
+        s.push_local(Local::Copy {
+            src: input(0),
+            dst: out,
+        });
         return s;
     }
     s.scratch_bytes = if n > 2 { 2 * bytes } else { 0 };
@@ -24,11 +27,21 @@ pub fn schedule(c: &Coll) -> Schedule {
     for step in 0..n - 1 {
         let send_b = sub_mod(r, step + 1, n);
         let recv_b = sub_mod(r, step + 2, n);
-        let src = if step == 0 { input(send_b) } else { scratch(step - 1) };
+        let src = if step == 0 {
+            input(send_b)
+        } else {
+            scratch(step - 1)
+        };
         let dst = if step == n - 2 { out } else { scratch(step) };
         s.push_xfers([
             Xfer::Send { peer: right, src },
-            Xfer::Recv { peer: left, dst, combine: Combine::Reduce { with: input(recv_b) } },
+            Xfer::Recv {
+                peer: left,
+                dst,
+                combine: Combine::Reduce {
+                    with: input(recv_b),
+                },
+            },
         ]);
     }
     if c.op == ReduceOp::Avg {

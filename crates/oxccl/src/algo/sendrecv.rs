@@ -11,14 +11,28 @@ pub fn schedule(c: &Coll) -> Schedule {
     let mut s = Schedule::new("direct");
     match c.kind {
         CollKind::SendRecv { to, from } if to == c.rank && from == c.rank => {
-            s.push_local(Local::Copy { src: input, dst: output });
+            s.push_local(Local::Copy {
+                src: input,
+                dst: output,
+            });
         }
         CollKind::SendRecv { to, from } => s.push_xfers([
-            Xfer::Send { peer: to, src: input },
-            Xfer::Recv { peer: from, dst: output, combine: Combine::Store },
+            Xfer::Send {
+                peer: to,
+                src: input,
+            },
+            Xfer::Recv {
+                peer: from,
+                dst: output,
+                combine: Combine::Store,
+            },
         ]),
         CollKind::Send { peer } => s.push_xfers([Xfer::Send { peer, src: input }]),
-        CollKind::Recv { peer } => s.push_xfers([Xfer::Recv { peer, dst: output, combine: Combine::Store }]),
+        CollKind::Recv { peer } => s.push_xfers([Xfer::Recv {
+            peer,
+            dst: output,
+            combine: Combine::Store,
+        }]),
         _ => {}
     }
     s

@@ -64,7 +64,9 @@ pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
     loop {
         let mut progress = false;
         for r in 0..n {
-            let Some(step) = scheds[r].steps.get(pc[r]) else { continue };
+            let Some(step) = scheds[r].steps.get(pc[r]) else {
+                continue;
+            };
             let (dtype, op) = (colls[r].dtype, colls[r].op);
             if done[r].is_empty() {
                 for l in &step.before {
@@ -79,13 +81,23 @@ pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
                 }
                 match *x {
                     Xfer::Send { peer, src } => {
-                        queues.entry((r, peer)).or_default().push_back(bufs[r].get(src).to_vec());
+                        queues
+                            .entry((r, peer))
+                            .or_default()
+                            .push_back(bufs[r].get(src).to_vec());
                         done[r][i] = true;
                         progress = true;
                     }
                     Xfer::Recv { peer, dst, combine } => {
-                        let Some(msg) = queues.entry((peer, r)).or_default().pop_front() else { continue };
-                        assert_eq!(msg.len(), dst.len, "rank {r} step {}: message from {peer} has wrong size", pc[r]);
+                        let Some(msg) = queues.entry((peer, r)).or_default().pop_front() else {
+                            continue;
+                        };
+                        assert_eq!(
+                            msg.len(),
+                            dst.len,
+                            "rank {r} step {}: message from {peer} has wrong size",
+                            pc[r]
+                        );
                         match combine {
                             Combine::Store => bufs[r].get_mut(dst).copy_from_slice(&msg),
                             Combine::Reduce { with } => {
@@ -124,7 +136,16 @@ fn bytes(v: &[i64]) -> Vec<u8> {
 }
 
 fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root: usize) -> Coll {
-    Coll { kind, rank, nranks: n, count, dtype: DataType::I64, op, root, chunk_bytes: 24 }
+    Coll {
+        kind,
+        rank,
+        nranks: n,
+        count,
+        dtype: DataType::I64,
+        op,
+        root,
+        chunk_bytes: 24,
+    }
 }
 
 fn reduce_ref(n: usize, i: usize, op: ReduceOp) -> i64 {
@@ -144,7 +165,9 @@ fn every_algorithm_matches_reference() {
         for count in [0usize, 1, 2, 5, 9, 17, 64] {
             for op in ReduceOp::ALL {
                 // all_reduce
-                let colls: Vec<_> = (0..n).map(|r| coll(CollKind::AllReduce, r, n, count, op, 0)).collect();
+                let colls: Vec<_> = (0..n)
+                    .map(|r| coll(CollKind::AllReduce, r, n, count, op, 0))
+                    .collect();
                 let mut bufs: Vec<Bufs> = (0..n)
                     .map(|r| Bufs {
                         input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
@@ -158,7 +181,9 @@ fn every_algorithm_matches_reference() {
                     assert_eq!(b.output, want, "all_reduce n={n} count={count} op={op}");
                 }
                 // reduce_scatter: input n*count
-                let colls: Vec<_> = (0..n).map(|r| coll(CollKind::ReduceScatter, r, n, count, op, 0)).collect();
+                let colls: Vec<_> = (0..n)
+                    .map(|r| coll(CollKind::ReduceScatter, r, n, count, op, 0))
+                    .collect();
                 let mut bufs: Vec<Bufs> = (0..n)
                     .map(|r| Bufs {
                         input: bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
@@ -168,12 +193,18 @@ fn every_algorithm_matches_reference() {
                     .collect();
                 run(Algo::Ring, &colls, &mut bufs);
                 for (r, b) in bufs.iter().enumerate() {
-                    let want = bytes(&(0..count).map(|i| reduce_ref(n, r * count + i, op)).collect::<Vec<_>>());
+                    let want = bytes(
+                        &(0..count)
+                            .map(|i| reduce_ref(n, r * count + i, op))
+                            .collect::<Vec<_>>(),
+                    );
                     assert_eq!(b.output, want, "reduce_scatter n={n} count={count} op={op}");
                 }
                 // reduce, every root
                 for root in 0..n {
-                    let colls: Vec<_> = (0..n).map(|r| coll(CollKind::Reduce, r, n, count, op, root)).collect();
+                    let colls: Vec<_> = (0..n)
+                        .map(|r| coll(CollKind::Reduce, r, n, count, op, root))
+                        .collect();
                     let mut bufs: Vec<Bufs> = (0..n)
                         .map(|r| Bufs {
                             input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
@@ -183,15 +214,24 @@ fn every_algorithm_matches_reference() {
                         .collect();
                     run(Algo::Chain, &colls, &mut bufs);
                     let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
-                    assert_eq!(bufs[root].output, want, "reduce n={n} count={count} op={op} root={root}");
+                    assert_eq!(
+                        bufs[root].output, want,
+                        "reduce n={n} count={count} op={op} root={root}"
+                    );
                 }
             }
             // broadcast, every root
             for root in 0..n {
-                let colls: Vec<_> = (0..n).map(|r| coll(CollKind::Broadcast, r, n, count, ReduceOp::Sum, root)).collect();
+                let colls: Vec<_> = (0..n)
+                    .map(|r| coll(CollKind::Broadcast, r, n, count, ReduceOp::Sum, root))
+                    .collect();
                 let mut bufs: Vec<Bufs> = (0..n)
                     .map(|r| Bufs {
-                        input: if r == root { bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()) } else { vec![] },
+                        input: if r == root {
+                            bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>())
+                        } else {
+                            vec![]
+                        },
                         output: vec![0; count * 8],
                         ..Default::default()
                     })
@@ -203,7 +243,9 @@ fn every_algorithm_matches_reference() {
                 }
             }
             // all_gather and all_to_all
-            let colls: Vec<_> = (0..n).map(|r| coll(CollKind::AllGather, r, n, count, ReduceOp::Sum, 0)).collect();
+            let colls: Vec<_> = (0..n)
+                .map(|r| coll(CollKind::AllGather, r, n, count, ReduceOp::Sum, 0))
+                .collect();
             let mut bufs: Vec<Bufs> = (0..n)
                 .map(|r| Bufs {
                     input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
@@ -212,11 +254,17 @@ fn every_algorithm_matches_reference() {
                 })
                 .collect();
             run(Algo::Ring, &colls, &mut bufs);
-            let want = bytes(&(0..n * count).map(|j| val(j / count.max(1), j % count.max(1))).collect::<Vec<_>>());
+            let want = bytes(
+                &(0..n * count)
+                    .map(|j| val(j / count.max(1), j % count.max(1)))
+                    .collect::<Vec<_>>(),
+            );
             for b in &bufs {
                 assert_eq!(b.output, want, "all_gather n={n} count={count}");
             }
-            let colls: Vec<_> = (0..n).map(|r| coll(CollKind::AllToAll, r, n, count, ReduceOp::Sum, 0)).collect();
+            let colls: Vec<_> = (0..n)
+                .map(|r| coll(CollKind::AllToAll, r, n, count, ReduceOp::Sum, 0))
+                .collect();
             let mut bufs: Vec<Bufs> = (0..n)
                 .map(|r| Bufs {
                     input: bytes(&(0..n * count).map(|j| val(r, j)).collect::<Vec<_>>()),
@@ -227,11 +275,15 @@ fn every_algorithm_matches_reference() {
             run(Algo::Pairwise, &colls, &mut bufs);
             for (r, b) in bufs.iter().enumerate() {
                 // block p of rank r's output = block r of rank p's input
-                let want: Vec<i64> = (0..n * count).map(|j| val(j / count.max(1), r * count + j % count.max(1))).collect();
+                let want: Vec<i64> = (0..n * count)
+                    .map(|j| val(j / count.max(1), r * count + j % count.max(1)))
+                    .collect();
                 assert_eq!(b.output, bytes(&want), "all_to_all n={n} count={count}");
             }
         }
-        let colls: Vec<_> = (0..n).map(|r| coll(CollKind::Barrier, r, n, 0, ReduceOp::Sum, 0)).collect();
+        let colls: Vec<_> = (0..n)
+            .map(|r| coll(CollKind::Barrier, r, n, 0, ReduceOp::Sum, 0))
+            .collect();
         let mut bufs = vec![Bufs::default(); n];
         run(Algo::Dissemination, &colls, &mut bufs);
     }
@@ -246,5 +298,9 @@ fn bytes_on_the_wire() {
     let c = coll(CollKind::Broadcast, 0, n, 400, ReduceOp::Sum, 0);
     assert_eq!(Algo::Chain.schedule(&c).bytes_sent(), 400 * 8);
     let c = coll(CollKind::Broadcast, 3, n, 400, ReduceOp::Sum, 0);
-    assert_eq!(Algo::Chain.schedule(&c).bytes_sent(), 0, "the last rank of the chain only receives");
+    assert_eq!(
+        Algo::Chain.schedule(&c).bytes_sent(),
+        0,
+        "the last rank of the chain only receives"
+    );
 }

@@ -60,7 +60,12 @@ pub struct Bootstrap {
 impl Bootstrap {
     /// Joins the rendezvous of `id` as `rank` of `world_size`; blocks until every rank has
     /// joined or `cfg.timeout` passes.
-    pub fn init(_id: &UniqueId, _rank: usize, _world_size: usize, _cfg: &Config) -> Result<Bootstrap> {
+    pub fn init(
+        _id: &UniqueId,
+        _rank: usize,
+        _world_size: usize,
+        _cfg: &Config,
+    ) -> Result<Bootstrap> {
         todo!("bootstrap")
     }
 

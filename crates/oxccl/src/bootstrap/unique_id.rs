@@ -16,7 +16,9 @@ pub struct UniqueId {
 impl std::fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never print the secret.
-        f.debug_struct("UniqueId").field("addr", &self.addr).finish_non_exhaustive()
+        f.debug_struct("UniqueId")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
     }
 }
 

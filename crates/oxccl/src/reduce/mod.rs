@@ -159,7 +159,11 @@ fn halves<H: Half>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
         H::widen(&hb[..n], &mut fa[..n]);
         bytemuck::cast_slice_mut::<H, u8>(&mut hb[..n]).copy_from_slice(&src[off..off + len]);
         H::widen(&hb[..n], &mut fb[..n]);
-        combine2(&mut fa[..n], bytemuck::cast_slice(&fb[..n]), pick::<f32>(op));
+        combine2(
+            &mut fa[..n],
+            bytemuck::cast_slice(&fb[..n]),
+            pick::<f32>(op),
+        );
         H::narrow(&fa[..n], &mut hb[..n]);
         dst[off..off + len].copy_from_slice(bytemuck::cast_slice(&hb[..n]));
         off += len;
@@ -243,7 +247,9 @@ mod tests {
     use proptest::prelude::*;
 
     fn from_bytes<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
-        b.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect()
+        b.chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect()
     }
 
     fn as_bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
@@ -259,7 +265,13 @@ mod tests {
         reduce_inplace(DataType::I32, ReduceOp::Sum, &mut d, &as_bytes(&[1i32, 2]));
         assert_eq!(from_bytes::<i32>(&d), &[i32::MIN, -3]);
         let mut d = as_bytes(&[3i64, -9]);
-        reduce_into(DataType::I64, ReduceOp::Max, &mut d, &as_bytes(&[5i64, -10]), &as_bytes(&[4i64, -11]));
+        reduce_into(
+            DataType::I64,
+            ReduceOp::Max,
+            &mut d,
+            &as_bytes(&[5i64, -10]),
+            &as_bytes(&[4i64, -11]),
+        );
         assert_eq!(from_bytes::<i64>(&d), &[5, -10]);
     }
 
@@ -285,7 +297,10 @@ mod tests {
         }
         let mut d = as_bytes(&[bf16::from_f32(6.0), bf16::from_f32(-9.0)]);
         divide_by(DataType::Bf16, &mut d, 3);
-        assert_eq!(from_bytes::<bf16>(&d), &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]);
+        assert_eq!(
+            from_bytes::<bf16>(&d),
+            &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]
+        );
     }
 
     proptest! {

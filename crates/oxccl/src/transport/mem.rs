@@ -102,7 +102,16 @@ impl Drop for MemLink {
 pub fn group(n: usize, cap: usize) -> Vec<Vec<(usize, Box<dyn Link>)>> {
     let bells: Vec<Arc<Doorbell>> = (0..n).map(|_| Arc::new(Doorbell::new())).collect();
     let pipes: Vec<Vec<Arc<Pipe>>> = (0..n)
-        .map(|_| (0..n).map(|_| Arc::new(Pipe { cap: cap.max(1), state: Mutex::default() })).collect())
+        .map(|_| {
+            (0..n)
+                .map(|_| {
+                    Arc::new(Pipe {
+                        cap: cap.max(1),
+                        state: Mutex::default(),
+                    })
+                })
+                .collect()
+        })
         .collect();
     (0..n)
         .map(|r| {
@@ -148,7 +157,10 @@ mod tests {
         .unwrap();
         assert_eq!(got, b"hello w");
         drop(a);
-        assert!(matches!(b.try_recv(&mut |d| d.len()), Err(LinkError::Closed(_))));
+        assert!(matches!(
+            b.try_recv(&mut |d| d.len()),
+            Err(LinkError::Closed(_))
+        ));
         assert!(matches!(b.try_send(b"x"), Err(LinkError::Closed(_))));
     }
 }

@@ -1,0 +1,234 @@
+//! Every collective × dtype × op × size class × in/out of place, with ranks as threads over
+//! the in-memory transport (small queues, so every stream waits on flow control), checked
+//! element by element against the reference in `oxccl::check`.
+
+use std::time::Duration;
+
+use oxccl::check::Case;
+use oxccl::transport::mem;
+use oxccl::{CollKind, Communicator, Config, DataType, ReduceOp};
+
+fn kinds(n: usize) -> Vec<(CollKind, usize)> {
+    let mut k = vec![
+        (CollKind::AllReduce, 0),
+        (CollKind::AllGather, 0),
+        (CollKind::ReduceScatter, 0),
+        (CollKind::AllToAll, 0),
+        (CollKind::SendRecv { to: 0, from: 0 }, 0),
+    ];
+    for root in [0, n - 1] {
+        k.push((CollKind::Broadcast, root));
+        k.push((CollKind::Reduce, root));
+    }
+    k
+}
+
+fn reduces(kind: CollKind) -> bool {
+    matches!(
+        kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    )
+}
+
+/// Runs `cases(rank)` on `n` threads, each with its own communicator; returns failures.
+fn run_group(n: usize, cap: usize, cases: impl Fn(usize) -> Vec<Case> + Sync) {
+    let cfg = Config {
+        timeout: Duration::from_secs(60),
+        spin: 200,
+        chunk_bytes: 4096,
+        ..Config::default()
+    };
+    let groups = mem::group(n, cap);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, links)| {
+                let cfg = cfg.clone();
+                let cases = &cases;
+                s.spawn(move || {
+                    let comm = Communicator::from_links(rank, n, links, cfg).unwrap();
+                    for case in cases(rank) {
+                        let (mut send, mut recv) = case.alloc();
+                        let (sl, rl) = case.sizes();
+                        let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut send)[..sl];
+                        let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut recv)[..rl];
+                        case.fill(send, recv);
+                        case.call(&comm, send, recv)
+                            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+                        let wrong = case.wrong(recv);
+                        assert_eq!(wrong, 0, "rank {rank}: {case:?}");
+                    }
+                    comm.barrier().unwrap();
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("rank thread panicked");
+        }
+    });
+}
+
+fn matrix(n: usize) {
+    run_group(n, 96, |rank| {
+        let mut cases = Vec::new();
+        for (kind, root) in kinds(n) {
+            for dtype in DataType::ALL {
+                let ops: &[ReduceOp] = if reduces(kind) {
+                    &ReduceOp::ALL
+                } else {
+                    &[ReduceOp::Sum]
+                };
+                for &op in ops {
+                    for count in [0usize, 1, 7, 13, 200] {
+                        for in_place in [false, true] {
+                            cases.push(Case {
+                                kind,
+                                dtype,
+                                op,
+                                root,
+                                count,
+                                in_place,
+                                rank,
+                                nranks: n,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        cases
+    });
+}
+
+#[test]
+fn matrix_1_rank() {
+    matrix(1);
+}
+
+#[test]
+fn matrix_2_ranks() {
+    matrix(2);
+}
+
+#[test]
+fn matrix_3_ranks() {
+    matrix(3);
+}
+
+#[test]
+fn matrix_4_ranks() {
+    matrix(4);
+}
+
+#[test]
+fn matrix_8_ranks() {
+    matrix(8);
+}
+
+#[test]
+fn larger_than_the_queues() {
+    for n in [2, 3] {
+        run_group(n, 64 << 10, |rank| {
+            kinds(n)
+                .into_iter()
+                .map(|(kind, root)| Case {
+                    kind,
+                    dtype: DataType::F32,
+                    op: ReduceOp::Sum,
+                    root,
+                    count: 300_001,
+                    in_place: false,
+                    rank,
+                    nranks: n,
+                })
+                .collect()
+        });
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let groups = mem::group(2, 1024);
+    let mut it = groups.into_iter();
+    let comm = Communicator::from_links(0, 2, it.next().unwrap(), Config::default()).unwrap();
+    let mut out = vec![0f32; 3];
+    let e = comm
+        .all_reduce(&[1.0f32; 4], &mut out, ReduceOp::Sum)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("all_reduce") && e.to_string().contains("rank 0"),
+        "{e}"
+    );
+    let e = comm.broadcast_in_place(&mut out, 2).unwrap_err();
+    assert!(e.to_string().contains("root 2 is out of range"), "{e}");
+    let e = comm.send(&[1u8], 0).unwrap_err();
+    assert!(e.to_string().contains("itself"), "{e}");
+    let e = comm.all_gather(&[1i32; 2], &mut [0i32; 3]).unwrap_err();
+    assert!(e.to_string().contains("expected world size 2"), "{e}");
+    let e = comm
+        .reduce_scatter_in_place(&mut [0u64; 3], ReduceOp::Max)
+        .unwrap_err();
+    assert!(e.to_string().contains("do not divide"), "{e}");
+    let e = comm.all_to_all(&[0u8; 4], &mut [0u8; 6]).unwrap_err();
+    assert!(e.to_string().contains("divisible"), "{e}");
+    // Sequence numbers advance with every call, rejected or not.
+    let e = comm.recv(&mut [0u8; 1], 7).unwrap_err();
+    assert!(e.to_string().contains("call #7"), "{e}");
+    // Bad arguments do not break the communicator: no error is fatal.
+    assert!(!e.is_fatal());
+}
+
+#[test]
+fn lost_peer_is_an_error_not_a_hang() {
+    let groups = mem::group(2, 1024);
+    let mut it = groups.into_iter();
+    let cfg = Config {
+        timeout: Duration::from_secs(20),
+        ..Config::default()
+    };
+    let comm = Communicator::from_links(0, 2, it.next().unwrap(), cfg).unwrap();
+    let peer_links = it.next().unwrap();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        drop(peer_links);
+    });
+    let mut buf = vec![1.0f32; 10_000];
+    let e = comm
+        .all_reduce_in_place(&mut buf, ReduceOp::Sum)
+        .unwrap_err();
+    t.join().unwrap();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("lost peer rank 1") && msg.contains("all_reduce") && msg.contains("call #1"),
+        "{msg}"
+    );
+    // The communicator is now unusable, and says so.
+    let e = comm.barrier().unwrap_err();
+    assert!(e.to_string().contains("earlier failure"), "{e}");
+}
+
+#[test]
+fn timeout_names_the_missing_rank() {
+    let groups = mem::group(3, 1024);
+    let mut it = groups.into_iter();
+    let cfg = Config {
+        timeout: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let comm = Communicator::from_links(0, 3, it.next().unwrap(), cfg).unwrap();
+    let _keep = it.collect::<Vec<_>>(); // peers alive but silent
+    let start = std::time::Instant::now();
+    let e = comm.barrier().unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5));
+    match e {
+        oxccl::Error::Timeout {
+            rank: 0,
+            call: "barrier",
+            seq: 1,
+            ref waiting_on,
+            ..
+        } => assert!(!waiting_on.is_empty()),
+        e => panic!("unexpected {e}"),
+    }
+}
