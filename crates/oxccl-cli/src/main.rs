@@ -1,1 +1,40 @@
-fn main() {}
+//! `oxccl`: the command-line tool of the oxccl collective communication library.
+//!
+//! - `oxccl perf COLLECTIVE ...`: an nccl-tests-style benchmark (see `perf.rs`).
+//! - `oxccl run -n N -- PROGRAM ARGS...`: starts N local ranks (see `launch.rs`).
+//! - `oxccl info`: what this host offers (see `info.rs`).
+
+mod info;
+mod launch;
+mod perf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "oxccl", version, about = "oxccl collective communication: benchmark, launcher, host info")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Benchmark a collective, as nccl-tests' *_perf (starts --ranks local ranks itself, or
+    /// runs as one rank under torchrun, srun, mpirun or `oxccl run`).
+    Perf(perf::Args),
+    /// Start N local ranks of a program with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    /// MASTER_PORT and OXCCL_SECRET set; output lines are prefixed with the rank.
+    Run(launch::RunArgs),
+    /// Show version, host identity, cores, /dev/shm space, interfaces and usable transports.
+    Info,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Perf(a) => perf::main(a),
+        Cmd::Run(a) => launch::run_main(a),
+        Cmd::Info => info::main(),
+    };
+    std::process::exit(code);
+}

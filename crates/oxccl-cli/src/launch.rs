@@ -1,0 +1,178 @@
+//! Starting local ranks: `oxccl run`, and `oxccl perf` re-executing itself.
+//!
+//! Every rank gets the variables torchrun sets (`RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
+//! MASTER_ADDR MASTER_PORT`) plus a fresh random `OXCCL_SECRET`. When a rank fails, the
+//! others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher says
+//! which rank failed and how.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+/// `oxccl run` arguments.
+#[derive(Args)]
+pub struct RunArgs {
+    /// Number of ranks to start on this host.
+    #[arg(short = 'n', long = "nproc", default_value_t = 2)]
+    nproc: usize,
+    /// Do not prefix output lines with the rank.
+    #[arg(long)]
+    no_prefix: bool,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    command: Vec<String>,
+}
+
+/// How the launcher treats the ranks' output.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Prefix each line with `[rank] `.
+    Prefixed,
+    /// Pass it through unchanged.
+    Raw,
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn random_secret() -> std::io::Result<String> {
+    let mut s = [0u8; 16];
+    getrandom::fill(&mut s).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(s.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => format!("was killed by signal {s}{}", if s == 9 { " (SIGKILL)" } else { "" }),
+        _ => "ended abnormally".into(),
+    }
+}
+
+fn pump(rank: usize, src: impl std::io::Read + Send + 'static, to_stderr: bool, mode: Output) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(src);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match r.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    let mut out: Box<dyn Write> =
+                        if to_stderr { Box::new(std::io::stderr().lock()) } else { Box::new(std::io::stdout().lock()) };
+                    if mode == Output::Prefixed {
+                        let _ = write!(out, "[{rank}] ");
+                    }
+                    let _ = out.write_all(&line);
+                    let _ = out.flush();
+                }
+            }
+        }
+    })
+}
+
+/// Starts `n` ranks of `program args`, waits for them, and returns the exit code: 0 when all
+/// succeed; otherwise the failing rank is reported, the others stopped, and 1 returned.
+pub fn launch(n: usize, program: &str, args: &[String], mode: Output, extra_env: &[(&str, String)]) -> i32 {
+    if n == 0 {
+        eprintln!("oxccl: need at least one rank");
+        return 2;
+    }
+    let (port, secret) = match (free_port(), random_secret()) {
+        (Ok(p), Ok(s)) => (p, s),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("oxccl: cannot prepare the rendezvous: {e}");
+            return 1;
+        }
+    };
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut pumps = Vec::new();
+    for rank in 0..n {
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("OXCCL_SECRET", &secret)
+            .stdin(Stdio::null());
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        if mode == Output::Prefixed {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        match cmd.spawn() {
+            Ok(mut child) => {
+                if let Some(o) = child.stdout.take() {
+                    pumps.push(pump(rank, o, false, mode));
+                }
+                if let Some(e) = child.stderr.take() {
+                    pumps.push(pump(rank, e, true, mode));
+                }
+                children.push((rank, child));
+            }
+            Err(e) => {
+                eprintln!("oxccl: cannot start rank {rank} ({program}): {e}");
+                stop_all(&mut children);
+                return 1;
+            }
+        }
+    }
+    let mut code = 0;
+    let mut running: Vec<(usize, Child)> = children;
+    while !running.is_empty() {
+        let mut failed = None;
+        running.retain_mut(|(rank, child)| match child.try_wait() {
+            Ok(Some(st)) => {
+                if !st.success() && failed.is_none() {
+                    failed = Some((*rank, st));
+                }
+                false
+            }
+            Ok(None) => true,
+            Err(_) => false,
+        });
+        if let Some((rank, st)) = failed {
+            eprintln!("oxccl: rank {rank} {}; stopping the other {} rank(s)", describe(st), running.len());
+            stop_all(&mut running);
+            code = 1;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    code
+}
+
+fn stop_all(children: &mut Vec<(usize, Child)>) {
+    for (_, c) in children.iter() {
+        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (_, c) in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    children.clear();
+}
+
+/// `oxccl run`.
+pub fn run_main(a: RunArgs) -> i32 {
+    let mode = if a.no_prefix { Output::Raw } else { Output::Prefixed };
+    launch(a.nproc, &a.command[0], &a.command[1..], mode, &[])
+}

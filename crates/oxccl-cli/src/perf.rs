@@ -1,0 +1,368 @@
+//! `oxccl perf`: nccl-tests' `*_perf` for oxccl.
+//!
+//! Columns, sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md there): `size` is the
+//! buffer for all_reduce, broadcast, reduce and sendrecv, the gathered output for all_gather,
+//! the input for reduce_scatter, and the whole send buffer for all_to_all; `algbw = size /
+//! time`; `busbw = algbw × factor` with factor 2(n-1)/n for all_reduce, (n-1)/n for
+//! all_gather, reduce_scatter and all_to_all, and 1 for broadcast, reduce and sendrecv.
+//! Times are averages over `-n` iterations after `-w` warm-up ones, the slowest rank's.
+
+use std::fs::File;
+use std::io::Write;
+use std::time::Instant;
+
+use clap::Args as ClapArgs;
+use oxccl::check::Case;
+use oxccl::param::parse_bytes;
+use oxccl::{CollKind, Communicator, DataType, ReduceOp};
+use serde::Serialize;
+
+use crate::launch::{launch, Output};
+
+/// `oxccl perf` arguments (nccl-tests' names).
+#[derive(ClapArgs, Clone)]
+pub struct Args {
+    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv.
+    collective: String,
+    /// Smallest size in bytes (K, M, G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = parse_bytes)]
+    minbytes: usize,
+    /// Largest size in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = parse_bytes)]
+    maxbytes: usize,
+    /// Multiply the size by this factor between rows.
+    #[arg(short = 'f', long = "stepfactor")]
+    stepfactor: Option<usize>,
+    /// Add this many bytes between rows (instead of -f).
+    #[arg(short = 'i', long = "stepbytes", value_parser = parse_bytes)]
+    stepbytes: Option<usize>,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Warm-up iterations per size.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// Check results (1) and count wrong elements, or not (0).
+    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    check: u8,
+    /// Data type (float, half, bfloat16, int32, ...) or `all`.
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    datatype: String,
+    /// Reduction op (sum, prod, min, max, avg) or `all`.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    op: String,
+    /// Root of broadcast and reduce.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    root: usize,
+    /// Ranks to start on this host (ignored under a launcher, which says how many).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Transport: auto, shm or tcp (sets OXCCL_TRANSPORT for the ranks).
+    #[arg(long)]
+    transport: Option<String>,
+    /// Force an algorithm (sets OXCCL_ALGO for the ranks).
+    #[arg(long)]
+    algo: Option<String>,
+    /// Also write one JSON object per row and placement to this file.
+    #[arg(long)]
+    json: Option<String>,
+}
+
+fn under_launcher() -> bool {
+    ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"].iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// Entry point: start ranks, or be one.
+pub fn main(a: Args) -> i32 {
+    if let Err(e) = validate(&a) {
+        eprintln!("oxccl perf: {e}");
+        return 2;
+    }
+    if under_launcher() {
+        return match rank_main(&a) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("oxccl perf: {e}");
+                1
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(p) => p.to_string_lossy().into_owned(),
+        Err(e) => {
+            eprintln!("oxccl perf: cannot find my own executable: {e}");
+            return 1;
+        }
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut env = Vec::new();
+    if let Some(t) = &a.transport {
+        env.push(("OXCCL_TRANSPORT", t.clone()));
+    }
+    if let Some(al) = &a.algo {
+        env.push(("OXCCL_ALGO", al.clone()));
+    }
+    launch(a.ranks, &exe, &args, Output::Raw, &env)
+}
+
+fn kind_of(name: &str) -> Result<CollKind, String> {
+    Ok(match name.trim_end_matches("_perf") {
+        "all_reduce" | "allreduce" => CollKind::AllReduce,
+        "broadcast" | "bcast" => CollKind::Broadcast,
+        "reduce" => CollKind::Reduce,
+        "all_gather" | "allgather" => CollKind::AllGather,
+        "reduce_scatter" | "reducescatter" => CollKind::ReduceScatter,
+        "all_to_all" | "alltoall" => CollKind::AllToAll,
+        "sendrecv" => CollKind::SendRecv { to: 0, from: 0 },
+        _ => {
+            return Err(format!(
+                "unknown collective '{name}' (expected all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv)"
+            ))
+        }
+    })
+}
+
+fn dtypes(s: &str) -> Result<Vec<DataType>, String> {
+    if s == "all" {
+        return Ok(DataType::ALL.to_vec());
+    }
+    s.split(',').map(|d| d.parse()).collect()
+}
+
+fn ops(s: &str, kind: CollKind) -> Result<Vec<ReduceOp>, String> {
+    if !matches!(kind, CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter) {
+        return Ok(vec![ReduceOp::Sum]);
+    }
+    if s == "all" {
+        return Ok(ReduceOp::ALL.to_vec());
+    }
+    s.split(',').map(|o| o.parse()).collect()
+}
+
+fn validate(a: &Args) -> Result<(), String> {
+    let kind = kind_of(&a.collective)?;
+    dtypes(&a.datatype)?;
+    ops(&a.op, kind)?;
+    if a.minbytes > a.maxbytes {
+        return Err(format!("-b {} is larger than -e {}", a.minbytes, a.maxbytes));
+    }
+    if a.stepfactor == Some(0) || a.stepfactor == Some(1) && a.minbytes != a.maxbytes {
+        return Err("-f must be at least 2".into());
+    }
+    if a.stepbytes == Some(0) {
+        return Err("-i must be positive".into());
+    }
+    if a.iters == 0 {
+        return Err("-n must be at least 1".into());
+    }
+    if a.check > 1 {
+        return Err("-c takes 0 or 1".into());
+    }
+    Ok(())
+}
+
+fn sizes(a: &Args) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = a.minbytes;
+    loop {
+        v.push(s);
+        let next = match (a.stepbytes, a.stepfactor) {
+            (Some(i), None) => s + i,
+            (_, f) => s.saturating_mul(f.unwrap_or(2)).max(s + 1),
+        };
+        if next > a.maxbytes {
+            break;
+        }
+        s = next;
+    }
+    v
+}
+
+fn bus_factor(kind: CollKind, n: usize) -> f64 {
+    let n = n as f64;
+    match kind {
+        CollKind::AllReduce => 2.0 * (n - 1.0) / n,
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// (count for the Case, elements printed in the count column, bytes actually moved).
+fn shape(kind: CollKind, bytes: usize, es: usize, n: usize) -> (usize, usize, usize) {
+    let elems = bytes / es;
+    match kind {
+        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll => {
+            let per = elems / n;
+            (per, per * n, per * n * es)
+        }
+        _ => (elems, elems, elems * es),
+    }
+}
+
+#[derive(Serialize)]
+struct Row<'a> {
+    collective: &'a str,
+    bytes: usize,
+    count: usize,
+    dtype: &'a str,
+    op: &'a str,
+    root: i64,
+    ranks: usize,
+    transport: &'a str,
+    algo: &'a str,
+    in_place: bool,
+    time_us: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+    wrong: Option<u64>,
+}
+
+struct Measured {
+    time_us: f64,
+    wrong: Option<u64>,
+    algo: &'static str,
+}
+
+fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured> {
+    let (mut send_w, mut recv_w) = case.alloc();
+    let (sl, rl) = case.sizes();
+    let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut send_w)[..sl];
+    let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut recv_w)[..rl];
+    case.fill(send, recv);
+    for _ in 0..a.warmup {
+        case.call(comm, send, recv)?;
+    }
+    comm.barrier()?;
+    let t = Instant::now();
+    for _ in 0..a.iters {
+        case.call(comm, send, recv)?;
+    }
+    let mut secs = [t.elapsed().as_secs_f64() / a.iters as f64];
+    let algo = comm.last_algo();
+    comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
+    let wrong = if a.check == 1 {
+        case.fill(send, recv);
+        case.call(comm, send, recv)?;
+        let mut w = [case.wrong(recv) as u64];
+        comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+        Some(w[0])
+    } else {
+        None
+    };
+    Ok(Measured { time_us: secs[0] * 1e6, wrong, algo })
+}
+
+fn rank_main(a: &Args) -> Result<(), String> {
+    let kind = kind_of(&a.collective)?;
+    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let (n, rank) = (comm.world_size(), comm.rank());
+    if rank == 0 && n != a.ranks && a.ranks != 2 {
+        eprintln!("oxccl perf: running with the launcher's {n} ranks, not --ranks {}", a.ranks);
+    }
+    if a.root >= n && matches!(kind, CollKind::Broadcast | CollKind::Reduce) {
+        return Err(format!("root {} is out of range for {n} ranks", a.root));
+    }
+    let transport = comm.transport_summary();
+    let mut json = match (&a.json, rank) {
+        (Some(p), 0) => Some(File::create(p).map_err(|e| format!("--json {p}: {e}"))?),
+        _ => None,
+    };
+    let name = a.collective.trim_end_matches("_perf");
+    let out = &mut std::io::stdout();
+    if rank == 0 {
+        let _ = writeln!(out, "# oxccl {} perf: {n} ranks, transport {transport}", kind.name());
+        let _ = writeln!(out, "#  iters {} warmup {} check {}", a.iters, a.warmup, a.check);
+        let _ = writeln!(out, "#{:>86}{:>36}", "out-of-place", "in-place");
+        let _ = writeln!(
+            out,
+            "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>6} {:>10} {:>7} {:>7} {:>6} {:>10} {:>7} {:>7} {:>6}",
+            "size", "count", "type", "redop", "root", "algo", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"
+        );
+        let _ = writeln!(
+            out,
+            "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>6} {:>10} {:>7} {:>7} {:>6} {:>10} {:>7} {:>7} {:>6}",
+            "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""
+        );
+        let _ = out.flush();
+    }
+    let factor = bus_factor(kind, n);
+    let (mut bw_sum, mut rows, mut total_wrong) = (0.0, 0usize, 0u64);
+    let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
+    for dtype in dtypes(&a.datatype)? {
+        for op in ops(&a.op, kind)? {
+            for size in sizes(a) {
+                let (count, elems, bytes) = shape(kind, size, dtype.size(), n);
+                let mut line = format!(
+                    " {:>11} {:>12} {:>8} {:>6} {:>6}",
+                    bytes,
+                    elems,
+                    dtype.name(),
+                    if rooted || matches!(kind, CollKind::AllReduce | CollKind::ReduceScatter) { op.name() } else { "none" },
+                    if rooted { a.root as i64 } else { -1 }
+                );
+                let mut algo_col = "";
+                let mut cols = String::new();
+                for in_place in [false, true] {
+                    let case = Case { kind, dtype, op, root: a.root, count, in_place, rank, nranks: n };
+                    let m = measure(&comm, &case, a).map_err(|e| e.to_string())?;
+                    let algbw = if m.time_us > 0.0 { bytes as f64 / (m.time_us * 1e-6) / 1e9 } else { 0.0 };
+                    let busbw = algbw * factor;
+                    algo_col = m.algo;
+                    let wrong = m.wrong.map_or("N/A".to_string(), |w| w.to_string());
+                    total_wrong += m.wrong.unwrap_or(0);
+                    cols += &format!(" {:>10.2} {:>7.3} {:>7.3} {:>6}", m.time_us, algbw, busbw, wrong);
+                    bw_sum += busbw;
+                    rows += 1;
+                    if let Some(f) = json.as_mut() {
+                        let row = Row {
+                            collective: name,
+                            bytes,
+                            count: elems,
+                            dtype: dtype.name(),
+                            op: op.name(),
+                            root: if rooted { a.root as i64 } else { -1 },
+                            ranks: n,
+                            transport: &transport,
+                            algo: m.algo,
+                            in_place,
+                            time_us: m.time_us,
+                            algbw_gbps: algbw,
+                            busbw_gbps: busbw,
+                            wrong: m.wrong,
+                        };
+                        let s = serde_json::to_string(&row).map_err(|e| e.to_string())?;
+                        writeln!(f, "{s}").map_err(|e| format!("--json: {e}"))?;
+                    }
+                }
+                line += &format!(" {:>6}", algo_col);
+                line += &cols;
+                if rank == 0 {
+                    let _ = writeln!(out, "{line}");
+                    let _ = out.flush();
+                }
+            }
+        }
+    }
+    if rank == 0 {
+        let _ = writeln!(out, "# Out of bounds values : {} {}", total_wrong, if total_wrong == 0 { "OK" } else { "FAILED" });
+        let _ = writeln!(out, "# Avg bus bandwidth    : {:.3} ", if rows > 0 { bw_sum / rows as f64 } else { 0.0 });
+    }
+    comm.barrier().map_err(|e| e.to_string())?;
+    if total_wrong > 0 {
+        return Err(format!("{total_wrong} wrong element(s)"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_follow_nccl_tests() {
+        assert_eq!(shape(CollKind::AllGather, 100, 4, 3), (8, 24, 96));
+        assert_eq!(shape(CollKind::AllReduce, 100, 4, 3), (25, 25, 100));
+        assert_eq!(shape(CollKind::ReduceScatter, 8, 4, 3), (0, 0, 0));
+        assert!((bus_factor(CollKind::AllReduce, 4) - 1.5).abs() < 1e-12);
+    }
+}
