@@ -3,7 +3,9 @@
 /// Prints version, host identity, cores, /dev/shm space, interfaces and usable transports.
 pub fn main() -> i32 {
     println!("oxccl {}", env!("CARGO_PKG_VERSION"));
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     println!("cores:      {cores}");
     match rustix::fs::statvfs("/dev/shm") {
         Ok(s) => {

@@ -49,12 +49,20 @@ fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with code {c}"),
-        (None, Some(s)) => format!("was killed by signal {s}{}", if s == 9 { " (SIGKILL)" } else { "" }),
+        (None, Some(s)) => format!(
+            "was killed by signal {s}{}",
+            if s == 9 { " (SIGKILL)" } else { "" }
+        ),
         _ => "ended abnormally".into(),
     }
 }
 
-fn pump(rank: usize, src: impl std::io::Read + Send + 'static, to_stderr: bool, mode: Output) -> std::thread::JoinHandle<()> {
+fn pump(
+    rank: usize,
+    src: impl std::io::Read + Send + 'static,
+    to_stderr: bool,
+    mode: Output,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(src);
         let mut line = Vec::new();
@@ -63,8 +71,11 @@ fn pump(rank: usize, src: impl std::io::Read + Send + 'static, to_stderr: bool, 
             match r.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
-                    let mut out: Box<dyn Write> =
-                        if to_stderr { Box::new(std::io::stderr().lock()) } else { Box::new(std::io::stdout().lock()) };
+                    let mut out: Box<dyn Write> = if to_stderr {
+                        Box::new(std::io::stderr().lock())
+                    } else {
+                        Box::new(std::io::stdout().lock())
+                    };
                     if mode == Output::Prefixed {
                         let _ = write!(out, "[{rank}] ");
                     }
@@ -78,7 +89,13 @@ fn pump(rank: usize, src: impl std::io::Read + Send + 'static, to_stderr: bool, 
 
 /// Starts `n` ranks of `program args`, waits for them, and returns the exit code: 0 when all
 /// succeed; otherwise the failing rank is reported, the others stopped, and 1 returned.
-pub fn launch(n: usize, program: &str, args: &[String], mode: Output, extra_env: &[(&str, String)]) -> i32 {
+pub fn launch(
+    n: usize,
+    program: &str,
+    args: &[String],
+    mode: Output,
+    extra_env: &[(&str, String)],
+) -> i32 {
     if n == 0 {
         eprintln!("oxccl: need at least one rank");
         return 2;
@@ -141,7 +158,11 @@ pub fn launch(n: usize, program: &str, args: &[String], mode: Output, extra_env:
             Err(_) => false,
         });
         if let Some((rank, st)) = failed {
-            eprintln!("oxccl: rank {rank} {}; stopping the other {} rank(s)", describe(st), running.len());
+            eprintln!(
+                "oxccl: rank {rank} {}; stopping the other {} rank(s)",
+                describe(st),
+                running.len()
+            );
             stop_all(&mut running);
             code = 1;
             break;
@@ -161,7 +182,11 @@ fn stop_all(children: &mut Vec<(usize, Child)>) {
         }
     }
     let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+    while Instant::now() < deadline
+        && children
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
     for (_, c) in children.iter_mut() {
@@ -173,6 +198,10 @@ fn stop_all(children: &mut Vec<(usize, Child)>) {
 
 /// `oxccl run`.
 pub fn run_main(a: RunArgs) -> i32 {
-    let mode = if a.no_prefix { Output::Raw } else { Output::Prefixed };
+    let mode = if a.no_prefix {
+        Output::Raw
+    } else {
+        Output::Prefixed
+    };
     launch(a.nproc, &a.command[0], &a.command[1..], mode, &[])
 }

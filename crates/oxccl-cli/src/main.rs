@@ -11,7 +11,11 @@ mod perf;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "oxccl", version, about = "oxccl collective communication: benchmark, launcher, host info")]
+#[command(
+    name = "oxccl",
+    version,
+    about = "oxccl collective communication: benchmark, launcher, host info"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

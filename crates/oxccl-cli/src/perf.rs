@@ -69,7 +69,9 @@ pub struct Args {
 }
 
 fn under_launcher() -> bool {
-    ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"].iter().any(|v| std::env::var_os(v).is_some())
+    ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
 }
 
 /// Entry point: start ranks, or be one.
@@ -130,7 +132,10 @@ fn dtypes(s: &str) -> Result<Vec<DataType>, String> {
 }
 
 fn ops(s: &str, kind: CollKind) -> Result<Vec<ReduceOp>, String> {
-    if !matches!(kind, CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter) {
+    if !matches!(
+        kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    ) {
         return Ok(vec![ReduceOp::Sum]);
     }
     if s == "all" {
@@ -144,7 +149,10 @@ fn validate(a: &Args) -> Result<(), String> {
     dtypes(&a.datatype)?;
     ops(&a.op, kind)?;
     if a.minbytes > a.maxbytes {
-        return Err(format!("-b {} is larger than -e {}", a.minbytes, a.maxbytes));
+        return Err(format!(
+            "-b {} is larger than -e {}",
+            a.minbytes, a.maxbytes
+        ));
     }
     if a.stepfactor == Some(0) || a.stepfactor == Some(1) && a.minbytes != a.maxbytes {
         return Err("-f must be at least 2".into());
@@ -249,7 +257,11 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     } else {
         None
     };
-    Ok(Measured { time_us: secs[0] * 1e6, wrong, algo })
+    Ok(Measured {
+        time_us: secs[0] * 1e6,
+        wrong,
+        algo,
+    })
 }
 
 fn rank_main(a: &Args) -> Result<(), String> {
@@ -257,7 +269,10 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let comm = Communicator::from_env().map_err(|e| e.to_string())?;
     let (n, rank) = (comm.world_size(), comm.rank());
     if rank == 0 && n != a.ranks && a.ranks != 2 {
-        eprintln!("oxccl perf: running with the launcher's {n} ranks, not --ranks {}", a.ranks);
+        eprintln!(
+            "oxccl perf: running with the launcher's {n} ranks, not --ranks {}",
+            a.ranks
+        );
     }
     if a.root >= n && matches!(kind, CollKind::Broadcast | CollKind::Reduce) {
         return Err(format!("root {} is out of range for {n} ranks", a.root));
@@ -270,8 +285,16 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let name = a.collective.trim_end_matches("_perf");
     let out = &mut std::io::stdout();
     if rank == 0 {
-        let _ = writeln!(out, "# oxccl {} perf: {n} ranks, transport {transport}", kind.name());
-        let _ = writeln!(out, "#  iters {} warmup {} check {}", a.iters, a.warmup, a.check);
+        let _ = writeln!(
+            out,
+            "# oxccl {} perf: {n} ranks, transport {transport}",
+            kind.name()
+        );
+        let _ = writeln!(
+            out,
+            "#  iters {} warmup {} check {}",
+            a.iters, a.warmup, a.check
+        );
         let _ = writeln!(out, "#{:>86}{:>36}", "out-of-place", "in-place");
         let _ = writeln!(
             out,
@@ -297,20 +320,40 @@ fn rank_main(a: &Args) -> Result<(), String> {
                     bytes,
                     elems,
                     dtype.name(),
-                    if rooted || matches!(kind, CollKind::AllReduce | CollKind::ReduceScatter) { op.name() } else { "none" },
+                    if rooted || matches!(kind, CollKind::AllReduce | CollKind::ReduceScatter) {
+                        op.name()
+                    } else {
+                        "none"
+                    },
                     if rooted { a.root as i64 } else { -1 }
                 );
                 let mut algo_col = "";
                 let mut cols = String::new();
                 for in_place in [false, true] {
-                    let case = Case { kind, dtype, op, root: a.root, count, in_place, rank, nranks: n };
+                    let case = Case {
+                        kind,
+                        dtype,
+                        op,
+                        root: a.root,
+                        count,
+                        in_place,
+                        rank,
+                        nranks: n,
+                    };
                     let m = measure(&comm, &case, a).map_err(|e| e.to_string())?;
-                    let algbw = if m.time_us > 0.0 { bytes as f64 / (m.time_us * 1e-6) / 1e9 } else { 0.0 };
+                    let algbw = if m.time_us > 0.0 {
+                        bytes as f64 / (m.time_us * 1e-6) / 1e9
+                    } else {
+                        0.0
+                    };
                     let busbw = algbw * factor;
                     algo_col = m.algo;
                     let wrong = m.wrong.map_or("N/A".to_string(), |w| w.to_string());
                     total_wrong += m.wrong.unwrap_or(0);
-                    cols += &format!(" {:>10.2} {:>7.3} {:>7.3} {:>6}", m.time_us, algbw, busbw, wrong);
+                    cols += &format!(
+                        " {:>10.2} {:>7.3} {:>7.3} {:>6}",
+                        m.time_us, algbw, busbw, wrong
+                    );
                     bw_sum += busbw;
                     rows += 1;
                     if let Some(f) = json.as_mut() {
@@ -344,8 +387,17 @@ fn rank_main(a: &Args) -> Result<(), String> {
         }
     }
     if rank == 0 {
-        let _ = writeln!(out, "# Out of bounds values : {} {}", total_wrong, if total_wrong == 0 { "OK" } else { "FAILED" });
-        let _ = writeln!(out, "# Avg bus bandwidth    : {:.3} ", if rows > 0 { bw_sum / rows as f64 } else { 0.0 });
+        let _ = writeln!(
+            out,
+            "# Out of bounds values : {} {}",
+            total_wrong,
+            if total_wrong == 0 { "OK" } else { "FAILED" }
+        );
+        let _ = writeln!(
+            out,
+            "# Avg bus bandwidth    : {:.3} ",
+            if rows > 0 { bw_sum / rows as f64 } else { 0.0 }
+        );
     }
     comm.barrier().map_err(|e| e.to_string())?;
     if total_wrong > 0 {

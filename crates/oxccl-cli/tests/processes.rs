@@ -1,0 +1,335 @@
+//! Real processes: every collective × dtype × op × size class × placement with 1, 2, 3, 4 and
+//! 8 ranks over shared memory and over TCP, launched by `oxccl run`; the benchmark's JSON;
+//! the launcher's failure handling; a rank killed mid-collective.
+//!
+//! The ranks are this test binary itself, re-executed by `oxccl run` to run the ignored test
+//! `child` with `OXCCL_TEST_CHILD` set.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use oxccl::check::Case;
+use oxccl::{CollKind, Communicator, DataType, ReduceOp};
+
+const OXCCL: &str = env!("CARGO_BIN_EXE_oxccl");
+
+fn launch(n: usize, transport: &str, mode: &str) -> Output {
+    let me = std::env::current_exe().unwrap();
+    Command::new(OXCCL)
+        .args(["run", "-n", &n.to_string(), "--"])
+        .arg(me)
+        .args([
+            "--exact",
+            "child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("OXCCL_TEST_CHILD", mode)
+        .env("OXCCL_TRANSPORT", transport)
+        .env("OXCCL_TIMEOUT", "120")
+        .output()
+        .unwrap()
+}
+
+fn assert_ok(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn kinds(n: usize) -> Vec<(CollKind, usize)> {
+    let mut k = vec![
+        (CollKind::AllReduce, 0),
+        (CollKind::AllGather, 0),
+        (CollKind::ReduceScatter, 0),
+        (CollKind::AllToAll, 0),
+        (CollKind::SendRecv { to: 0, from: 0 }, 0),
+    ];
+    for root in [0, n - 1] {
+        k.push((CollKind::Broadcast, root));
+        k.push((CollKind::Reduce, root));
+    }
+    k
+}
+
+fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
+    let mut v = Vec::new();
+    match mode {
+        "matrix" => {
+            for (kind, root) in kinds(n) {
+                let reduces = matches!(
+                    kind,
+                    CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+                );
+                for dtype in DataType::ALL {
+                    let ops: &[ReduceOp] = if reduces {
+                        &ReduceOp::ALL
+                    } else {
+                        &[ReduceOp::Sum]
+                    };
+                    for &op in ops {
+                        // 0, 1, odd, not divisible by the rank count, a few pages.
+                        for count in [0usize, 1, 7, 13, 2049] {
+                            for in_place in [false, true] {
+                                v.push(Case {
+                                    kind,
+                                    dtype,
+                                    op,
+                                    root,
+                                    count,
+                                    in_place,
+                                    rank,
+                                    nranks: n,
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        "large" => {
+            // 64 MiB buffers: larger than every transport buffer (shm rings 4 MiB, sockets).
+            for (kind, root) in kinds(n) {
+                let bytes = 64usize << 20;
+                let count = match kind {
+                    CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll => {
+                        bytes / 4 / n
+                    }
+                    _ => bytes / 4,
+                } + 1;
+                v.push(Case {
+                    kind,
+                    dtype: DataType::F32,
+                    op: ReduceOp::Sum,
+                    root,
+                    count,
+                    in_place: false,
+                    rank,
+                    nranks: n,
+                });
+            }
+            v.push(Case {
+                kind: CollKind::AllReduce,
+                dtype: DataType::Bf16,
+                op: ReduceOp::Max,
+                root: 0,
+                count: (32 << 20) + 3,
+                in_place: true,
+                rank,
+                nranks: n,
+            });
+        }
+        _ => panic!("unknown mode {mode}"),
+    }
+    v
+}
+
+/// The rank side: runs when re-executed by `oxccl run`.
+#[test]
+#[ignore = "runs only as a rank under `oxccl run`"]
+fn child() {
+    let Ok(mode) = std::env::var("OXCCL_TEST_CHILD") else {
+        return;
+    };
+    if mode == "die" {
+        let comm = Communicator::from_env().unwrap();
+        if comm.rank() == 1 {
+            std::process::exit(7);
+        }
+        let mut buf = vec![1.0f32; 1 << 20];
+        let start = Instant::now();
+        let e = comm
+            .all_reduce_in_place(&mut buf, ReduceOp::Sum)
+            .unwrap_err();
+        println!("survivor error after {:?}: {e}", start.elapsed());
+        assert!(e.to_string().contains("lost peer rank 1"), "{e}");
+        std::process::exit(0);
+    }
+    let comm = Communicator::from_env().unwrap();
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let mut failures = Vec::new();
+    for case in cases(&mode, rank, n) {
+        let (mut s, mut r) = case.alloc();
+        let (sl, rl) = case.sizes();
+        let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut s)[..sl];
+        let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut r)[..rl];
+        case.fill(send, recv);
+        case.call(&comm, send, recv)
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        let wrong = case.wrong(recv);
+        if wrong > 0 {
+            failures.push(format!("{wrong} wrong: {case:?}"));
+        }
+    }
+    comm.barrier().unwrap();
+    assert!(
+        failures.is_empty(),
+        "rank {rank} of {n} ({}): {failures:#?}",
+        comm.transport_summary()
+    );
+    println!(
+        "rank {rank}: all cases correct over {}",
+        comm.transport_summary()
+    );
+}
+
+macro_rules! matrix {
+    ($($name:ident: $n:expr, $t:expr, $mode:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            let out = launch($n, $t, $mode);
+            assert_ok(&out, stringify!($name));
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(stdout.matches("all cases correct").count(), $n, "{stdout}");
+            if $n > 1 {
+                assert!(stdout.contains(&format!("over {}", $t)), "{stdout}");
+            }
+        }
+    )*};
+}
+
+matrix! {
+    matrix_shm_1: 1, "shm", "matrix";
+    matrix_shm_2: 2, "shm", "matrix";
+    matrix_shm_3: 3, "shm", "matrix";
+    matrix_shm_4: 4, "shm", "matrix";
+    matrix_shm_8: 8, "shm", "matrix";
+    matrix_tcp_2: 2, "tcp", "matrix";
+    matrix_tcp_3: 3, "tcp", "matrix";
+    matrix_tcp_4: 4, "tcp", "matrix";
+    matrix_tcp_8: 8, "tcp", "matrix";
+    large_shm_2: 2, "shm", "large";
+    large_shm_3: 3, "shm", "large";
+    large_tcp_2: 2, "tcp", "large";
+    large_tcp_3: 3, "tcp", "large";
+}
+
+#[test]
+fn a_dead_rank_is_an_error_on_the_survivors() {
+    for transport in ["shm", "tcp"] {
+        let start = Instant::now();
+        let out = launch(3, transport, "die");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains("rank 1 exited with code 7"), "{stderr}");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+#[test]
+fn run_reports_the_failed_rank_and_stops_the_others() {
+    let start = Instant::now();
+    let out = Command::new(OXCCL)
+        .args([
+            "run",
+            "-n",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            "echo hello $RANK/$WORLD_SIZE; if [ $RANK = 2 ]; then exit 3; fi; sleep 60",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "the sleeping ranks were not stopped"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("[2] hello 2/3") && stdout.contains("[0] hello 0/3"),
+        "{stdout}"
+    );
+    assert!(stderr.contains("rank 2 exited with code 3"), "{stderr}");
+}
+
+#[test]
+fn perf_prints_rows_and_json() {
+    let dir = std::env::temp_dir().join(format!("oxccl-perf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("rows.jsonl");
+    for (coll, transport) in [
+        ("all_reduce", "shm"),
+        ("reduce_scatter", "tcp"),
+        ("broadcast", "shm"),
+        ("all_to_all", "shm"),
+    ] {
+        let out = Command::new(OXCCL)
+            .args([
+                "perf",
+                coll,
+                "--ranks",
+                "3",
+                "-b",
+                "8",
+                "-e",
+                "1M",
+                "-f",
+                "8",
+                "-n",
+                "3",
+                "-w",
+                "1",
+                "--transport",
+                transport,
+            ])
+            .arg("--json")
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert_ok(&out, coll);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("# Avg bus bandwidth")
+                && stdout.contains("Out of bounds values : 0 OK"),
+            "{stdout}"
+        );
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(&json)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(rows.len() >= 2 * 3, "{rows:?}");
+        for r in &rows {
+            for key in [
+                "collective",
+                "bytes",
+                "count",
+                "dtype",
+                "op",
+                "root",
+                "ranks",
+                "transport",
+                "algo",
+                "in_place",
+                "time_us",
+                "algbw_gbps",
+                "busbw_gbps",
+                "wrong",
+            ] {
+                assert!(r.get(key).is_some(), "missing {key} in {r}");
+            }
+            assert_eq!(r["wrong"], 0, "{r}");
+            assert_eq!(r["ranks"], 3);
+            assert_eq!(r["transport"], transport);
+            assert!(r["in_place"].is_boolean());
+        }
+    }
+    let out = Command::new(OXCCL)
+        .args(["perf", "all_reduce", "-d", "complex"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown data type"));
+}
