@@ -23,7 +23,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -371,10 +371,11 @@ pub(crate) enum AcceptStop {
 /// time, e.g. with [`Deadlined`] and [`HANDSHAKE_TIMEOUT`]), so a silent stranger never
 /// stalls the others; failed handshakes are logged and dropped. `on_ready` runs in the
 /// caller's thread for each successful handshake and returns `Ok(true)` once it has all it
-/// needs; an error from it ends the loop.
+/// needs; an error from it ends the loop. Setting `cancel` ends the loop like the deadline.
 pub(crate) fn accept_loop<T, H, R>(
     listener: &TcpListener,
     deadline: Instant,
+    cancel: &AtomicBool,
     handshake: H,
     mut on_ready: R,
 ) -> std::result::Result<Result<()>, AcceptStop>
@@ -407,7 +408,7 @@ where
         if let Some(d) = done {
             break Ok(d);
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline || cancel.load(Ordering::SeqCst) {
             break Err(AcceptStop::Deadline);
         }
         match listener.accept() {

@@ -323,7 +323,7 @@ impl Bootstrap {
             let mut joined = 1;
             let mut offender: Option<TcpStream> = None;
             let world = n;
-            let res = auth::accept_loop(&listener, deadline, handshake, |(hello, join, stream, from)| {
+            let res = auth::accept_loop(&listener, deadline, &std::sync::atomic::AtomicBool::new(false), handshake, |(hello, join, stream, from)| {
                 let fail = |msg: String, off: &mut Option<TcpStream>, s: TcpStream| {
                     *off = Some(s);
                     Err(Error::Rendezvous { rank: 0, addr: root.to_string(), msg })
