@@ -104,7 +104,11 @@ impl Hello {
         let purpose = Purpose::from_code(b[4])?;
         let mut t = [0u8; 8];
         t.copy_from_slice(&b[5..]);
-        Some(Hello { rank, purpose, tag: u64::from_le_bytes(t) })
+        Some(Hello {
+            rank,
+            purpose,
+            tag: u64::from_le_bytes(t),
+        })
     }
 }
 
@@ -157,7 +161,8 @@ pub fn comm_tag(secret: &[u8; 16]) -> u64 {
 
 fn mac(secret: &[u8; 16], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC accepts keys of any length: this cannot fail.
-    let mut m = <HmacSha256 as KeyInit>::new_from_slice(secret).unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
+    let mut m = <HmacSha256 as KeyInit>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
     for p in parts {
         m.update(p);
     }
@@ -166,7 +171,11 @@ fn mac(secret: &[u8; 16], parts: &[&[u8]]) -> HmacSha256 {
 
 fn nonce(rank: usize, addr: &str) -> Result<[u8; NONCE]> {
     let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n).map_err(|e| Error::Auth { rank, addr: addr.to_string(), msg: format!("no randomness for a nonce: {e}") })?;
+    getrandom::fill(&mut n).map_err(|e| Error::Auth {
+        rank,
+        addr: addr.to_string(),
+        msg: format!("no randomness for a nonce: {e}"),
+    })?;
     Ok(n)
 }
 
@@ -176,16 +185,28 @@ fn io_auth(rank: usize, addr: &str, step: &str, e: io::Error) -> Error {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!("{step}: timed out"),
         _ => format!("{step}: {e}"),
     };
-    Error::Auth { rank, addr: addr.to_string(), msg }
+    Error::Auth {
+        rank,
+        addr: addr.to_string(),
+        msg,
+    }
 }
 
 fn io_client(rank: usize, addr: &str, step: &str, source: io::Error) -> Error {
-    Error::Io { rank, context: format!("handshake with {addr}: {step}"), source }
+    Error::Io {
+        rank,
+        context: format!("handshake with {addr}: {step}"),
+        source,
+    }
 }
 
 fn check_magic(b: &[u8], rank: usize, addr: &str) -> Result<()> {
     if b[..8] != MAGIC {
-        return Err(Error::Auth { rank, addr: addr.to_string(), msg: "not an oxccl peer (bad magic)".into() });
+        return Err(Error::Auth {
+            rank,
+            addr: addr.to_string(),
+            msg: "not an oxccl peer (bad magic)".into(),
+        });
     }
     let v = u16::from_le_bytes([b[8], b[9]]);
     if v != VERSION {
@@ -203,36 +224,56 @@ fn check_magic(b: &[u8], rank: usize, addr: &str) -> Result<()> {
 /// [`Error::Auth`] when the acceptor does not know the secret, is no oxccl peer or refuses
 /// us (retrying cannot help), and with [`Error::Io`] when the connection fails or times out
 /// (a retry may succeed).
-pub fn client_handshake<S: Read + Write>(s: &mut S, secret: &[u8; 16], hello: &Hello, rank: usize, addr: &str) -> Result<()> {
+pub fn client_handshake<S: Read + Write>(
+    s: &mut S,
+    secret: &[u8; 16],
+    hello: &Hello,
+    rank: usize,
+    addr: &str,
+) -> Result<()> {
     let nonce_c = nonce(rank, addr)?;
     let mut m1 = [0u8; HELLO_C_LEN];
     m1[..8].copy_from_slice(&MAGIC);
     m1[8..10].copy_from_slice(&VERSION.to_le_bytes());
     m1[10..].copy_from_slice(&nonce_c);
-    s.write_all(&m1).and_then(|_| s.flush()).map_err(|e| io_client(rank, addr, "sending challenge", e))?;
+    s.write_all(&m1)
+        .and_then(|_| s.flush())
+        .map_err(|e| io_client(rank, addr, "sending challenge", e))?;
 
     let mut m2 = [0u8; HELLO_A_LEN];
-    s.read_exact(&mut m2).map_err(|e| io_client(rank, addr, "reading the acceptor's answer", e))?;
+    s.read_exact(&mut m2)
+        .map_err(|e| io_client(rank, addr, "reading the acceptor's answer", e))?;
     check_magic(&m2, rank, addr)?;
     let nonce_a = &m2[10..10 + NONCE];
     let tag_a = &m2[10 + NONCE..];
-    mac(secret, &[b"oxccl-acceptor", &nonce_c, nonce_a]).verify_slice(tag_a).map_err(|_| Error::Auth {
-        rank,
-        addr: addr.to_string(),
-        msg: "the acceptor does not know this communicator's secret".into(),
-    })?;
+    mac(secret, &[b"oxccl-acceptor", &nonce_c, nonce_a])
+        .verify_slice(tag_a)
+        .map_err(|_| Error::Auth {
+            rank,
+            addr: addr.to_string(),
+            msg: "the acceptor does not know this communicator's secret".into(),
+        })?;
 
     let payload = hello.encode();
-    let tag_c = mac(secret, &[b"oxccl-connector", nonce_a, &nonce_c, &payload]).finalize().into_bytes();
+    let tag_c = mac(secret, &[b"oxccl-connector", nonce_a, &nonce_c, &payload])
+        .finalize()
+        .into_bytes();
     let mut m3 = [0u8; PROOF_C_LEN];
     m3[..PAYLOAD_LEN].copy_from_slice(&payload);
     m3[PAYLOAD_LEN..].copy_from_slice(&tag_c);
-    s.write_all(&m3).and_then(|_| s.flush()).map_err(|e| io_client(rank, addr, "sending proof", e))?;
+    s.write_all(&m3)
+        .and_then(|_| s.flush())
+        .map_err(|e| io_client(rank, addr, "sending proof", e))?;
 
     let mut v = [0u8; 1];
-    s.read_exact(&mut v).map_err(|e| io_client(rank, addr, "reading the verdict", e))?;
+    s.read_exact(&mut v)
+        .map_err(|e| io_client(rank, addr, "reading the verdict", e))?;
     if v[0] != Verdict::Accepted.code() {
-        return Err(Error::Auth { rank, addr: addr.to_string(), msg: Verdict::describe(v[0]).to_string() });
+        return Err(Error::Auth {
+            rank,
+            addr: addr.to_string(),
+            msg: Verdict::describe(v[0]).to_string(),
+        });
     }
     Ok(())
 }
@@ -252,37 +293,62 @@ pub fn server_handshake<S: Read + Write>(
     addr: &str,
 ) -> Result<Hello> {
     let mut m1 = [0u8; HELLO_C_LEN];
-    s.read_exact(&mut m1).map_err(|e| io_auth(rank, addr, "reading the challenge", e))?;
+    s.read_exact(&mut m1)
+        .map_err(|e| io_auth(rank, addr, "reading the challenge", e))?;
     check_magic(&m1, rank, addr)?;
     let nonce_c = &m1[10..];
     let nonce_a = nonce(rank, addr)?;
-    let tag_a = mac(secret, &[b"oxccl-acceptor", nonce_c, &nonce_a]).finalize().into_bytes();
+    let tag_a = mac(secret, &[b"oxccl-acceptor", nonce_c, &nonce_a])
+        .finalize()
+        .into_bytes();
     let mut m2 = [0u8; HELLO_A_LEN];
     m2[..8].copy_from_slice(&MAGIC);
     m2[8..10].copy_from_slice(&VERSION.to_le_bytes());
     m2[10..10 + NONCE].copy_from_slice(&nonce_a);
     m2[10 + NONCE..].copy_from_slice(&tag_a);
-    s.write_all(&m2).and_then(|_| s.flush()).map_err(|e| io_auth(rank, addr, "answering the challenge", e))?;
+    s.write_all(&m2)
+        .and_then(|_| s.flush())
+        .map_err(|e| io_auth(rank, addr, "answering the challenge", e))?;
 
     let mut m3 = [0u8; PROOF_C_LEN];
-    s.read_exact(&mut m3).map_err(|e| io_auth(rank, addr, "reading the proof", e))?;
+    s.read_exact(&mut m3)
+        .map_err(|e| io_auth(rank, addr, "reading the proof", e))?;
     let mut payload = [0u8; PAYLOAD_LEN];
     payload.copy_from_slice(&m3[..PAYLOAD_LEN]);
     let refuse = |s: &mut S, msg: String| {
         let _ = send_verdict(s, Verdict::Refused);
-        Err(Error::Auth { rank, addr: addr.to_string(), msg })
+        Err(Error::Auth {
+            rank,
+            addr: addr.to_string(),
+            msg,
+        })
     };
-    if mac(secret, &[b"oxccl-connector", &nonce_a, nonce_c, &payload]).verify_slice(&m3[PAYLOAD_LEN..]).is_err() {
-        return refuse(s, "the connector does not know this communicator's secret".into());
+    if mac(secret, &[b"oxccl-connector", &nonce_a, nonce_c, &payload])
+        .verify_slice(&m3[PAYLOAD_LEN..])
+        .is_err()
+    {
+        return refuse(
+            s,
+            "the connector does not know this communicator's secret".into(),
+        );
     }
     let Some(hello) = Hello::decode(&payload) else {
         return refuse(s, "unknown connection purpose".into());
     };
     if hello.purpose != purpose {
-        return refuse(s, format!("connection for {:?}, expected {:?}", hello.purpose, purpose));
+        return refuse(
+            s,
+            format!("connection for {:?}, expected {:?}", hello.purpose, purpose),
+        );
     }
     if hello.tag != tag {
-        return refuse(s, format!("connection for communicator {:016x}, expected {tag:016x}", hello.tag));
+        return refuse(
+            s,
+            format!(
+                "connection for communicator {:016x}, expected {tag:016x}",
+                hello.tag
+            ),
+        );
     }
     Ok(hello)
 }
@@ -295,7 +361,8 @@ pub fn send_verdict<S: Write>(s: &mut S, v: Verdict) -> io::Result<()> {
 
 /// Writes one frame: a 4-byte little-endian length, then `data`.
 pub fn write_frame<W: Write>(w: &mut W, data: &[u8]) -> io::Result<()> {
-    let len = u32::try_from(data.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame over 4 GiB"))?;
+    let len = u32::try_from(data.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame over 4 GiB"))?;
     w.write_all(&len.to_le_bytes())?;
     w.write_all(data)?;
     w.flush()
@@ -308,7 +375,10 @@ pub fn read_frame<R: Read>(r: &mut R, max: usize) -> io::Result<Vec<u8>> {
     r.read_exact(&mut l)?;
     let len = u32::from_le_bytes(l) as usize;
     if len > max {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {len} bytes exceeds the limit of {max}")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {max}"),
+        ));
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf)?;
@@ -423,22 +493,27 @@ where
                 }
                 pending.fetch_add(1, Ordering::SeqCst);
                 let (h, p, tx) = (handshake.clone(), pending.clone(), tx.clone());
-                let spawned = std::thread::Builder::new().name("oxccl-handshake".into()).spawn(move || {
-                    match h(stream, from) {
-                        Ok(item) => {
-                            // The receiver is gone when the loop already ended: drop the item.
-                            let _ = tx.send(item);
+                let spawned = std::thread::Builder::new()
+                    .name("oxccl-handshake".into())
+                    .spawn(move || {
+                        match h(stream, from) {
+                            Ok(item) => {
+                                // The receiver is gone when the loop already ended: drop the item.
+                                let _ = tx.send(item);
+                            }
+                            Err(e) => tracing::debug!("refused connection from {from}: {e}"),
                         }
-                        Err(e) => tracing::debug!("refused connection from {from}: {e}"),
-                    }
-                    p.fetch_sub(1, Ordering::SeqCst);
-                });
+                        p.fetch_sub(1, Ordering::SeqCst);
+                    });
                 if spawned.is_err() {
                     pending.fetch_sub(1, Ordering::SeqCst);
                     refused += 1;
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
                 // Nothing to accept: wait a little for a handshake to finish instead.
                 if let Ok(item) = rx.recv_timeout(Duration::from_millis(2)) {
                     match on_ready(item) {
@@ -449,7 +524,11 @@ where
                 }
             }
             // A connection that died in the backlog, or too many open files for a moment.
-            Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+                ) => {}
             Err(e) if e.raw_os_error() == Some(24) || e.raw_os_error() == Some(23) => {
                 std::thread::sleep(Duration::from_millis(10));
             }
@@ -471,10 +550,20 @@ mod tests {
     const S2: [u8; 16] = [8; 16];
 
     fn hello(rank: usize) -> Hello {
-        Hello { rank, purpose: Purpose::Data, tag: comm_tag(&S1) }
+        Hello {
+            rank,
+            purpose: Purpose::Data,
+            tag: comm_tag(&S1),
+        }
     }
 
-    fn run_pair(cs: [u8; 16], ss: [u8; 16], h: Hello, purpose: Purpose, tag: u64) -> (Result<()>, Result<Hello>) {
+    fn run_pair(
+        cs: [u8; 16],
+        ss: [u8; 16],
+        h: Hello,
+        purpose: Purpose,
+        tag: u64,
+    ) -> (Result<()>, Result<Hello>) {
         let (mut a, mut b) = UnixStream::pair().unwrap();
         a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -537,7 +626,10 @@ mod tests {
     }
 
     fn scripted(input: Vec<u8>) -> Scripted {
-        Scripted { input: io::Cursor::new(input), out: Vec::new() }
+        Scripted {
+            input: io::Cursor::new(input),
+            out: Vec::new(),
+        }
     }
 
     #[test]
@@ -557,7 +649,10 @@ mod tests {
             assert!(matches!(r, Err(Error::Auth { .. })), "{r:?}");
             let mut s = scripted(s.out.clone());
             let r = client_handshake(&mut s, &S1, &hello(1), 1, "test");
-            assert!(matches!(r, Err(Error::Auth { .. } | Error::Io { .. })), "{r:?}");
+            assert!(
+                matches!(r, Err(Error::Auth { .. } | Error::Io { .. })),
+                "{r:?}"
+            );
         }
     }
 

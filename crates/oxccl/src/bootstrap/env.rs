@@ -61,8 +61,18 @@ impl std::fmt::Debug for LaunchEnv {
 /// (launcher, rank variable, size variable, local-rank variable), in order of precedence.
 const LAUNCHERS: [(&str, &str, &str, Option<&str>); 4] = [
     ("torchrun", "RANK", "WORLD_SIZE", Some("LOCAL_RANK")),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", Some("SLURM_LOCALID")),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", Some("OMPI_COMM_WORLD_LOCAL_RANK")),
+    (
+        "slurm",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        Some("SLURM_LOCALID"),
+    ),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        Some("OMPI_COMM_WORLD_LOCAL_RANK"),
+    ),
     ("pmi", "PMI_RANK", "PMI_SIZE", None),
 ];
 
@@ -77,11 +87,18 @@ impl LaunchEnv {
     /// As [`from_env`](Self::from_env), with variables looked up by `get` (for tests and
     /// embedders). Empty values count as unset.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
-        let var = |name: &str| get(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let var = |name: &str| {
+            get(name)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
         let num = |name: &str| -> Result<Option<usize>> {
             match var(name) {
                 None => Ok(None),
-                Some(v) => v.parse::<usize>().map(Some).map_err(|_| Error::Env(format!("{name}={v} is not a non-negative integer"))),
+                Some(v) => v
+                    .parse::<usize>()
+                    .map(Some)
+                    .map_err(|_| Error::Env(format!("{name}={v} is not a non-negative integer"))),
             }
         };
 
@@ -91,16 +108,28 @@ impl LaunchEnv {
             let size = num(size_var)?;
             let (rank, size) = match (rank, size) {
                 (None, None) => continue,
-                (Some(_), None) => return Err(Error::Env(format!("{rank_var} is set but {size_var} is not"))),
+                (Some(_), None) => {
+                    return Err(Error::Env(format!(
+                        "{rank_var} is set but {size_var} is not"
+                    )))
+                }
                 (None, Some(_)) if launcher == "slurm" => continue, // SLURM_NTASKS alone: an allocation, not a task
-                (None, Some(_)) => return Err(Error::Env(format!("{size_var} is set but {rank_var} is not"))),
+                (None, Some(_)) => {
+                    return Err(Error::Env(format!(
+                        "{size_var} is set but {rank_var} is not"
+                    )))
+                }
                 (Some(r), Some(s)) => (r, s),
             };
             if size == 0 {
-                return Err(Error::Env(format!("{size_var}=0: the world needs at least one rank")));
+                return Err(Error::Env(format!(
+                    "{size_var}=0: the world needs at least one rank"
+                )));
             }
             if rank >= size {
-                return Err(Error::Env(format!("{rank_var}={rank} is not below {size_var}={size}")));
+                return Err(Error::Env(format!(
+                    "{rank_var}={rank} is not below {size_var}={size}"
+                )));
             }
             let local_rank = match local_var {
                 Some(v) => num(v)?,
@@ -124,7 +153,7 @@ impl LaunchEnv {
             }
         }
 
-        let (root_text, root) = Self::root(&var)?;
+        let (root_text, root) = Self::root_addr(&var)?;
         let (secret, secret_derived) = match var("OXCCL_SECRET") {
             Some(s) => (
                 parse_secret_hex(&s).ok_or_else(|| {
@@ -161,11 +190,19 @@ impl LaunchEnv {
                 (s, true)
             }
         };
-        Ok(LaunchEnv { rank, world_size, local_rank, root, secret, launcher, secret_derived })
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            root,
+            secret,
+            launcher,
+            secret_derived,
+        })
     }
 
     /// The rendezvous address: its text as given (the same on every rank) and resolved.
-    fn root(var: &dyn Fn(&str) -> Option<String>) -> Result<(String, SocketAddr)> {
+    fn root_addr(var: &dyn Fn(&str) -> Option<String>) -> Result<(String, SocketAddr)> {
         let (name, text) = if let Some(r) = var("OXCCL_ROOT") {
             ("OXCCL_ROOT", r)
         } else {
@@ -192,7 +229,9 @@ impl LaunchEnv {
             .next()
             .ok_or_else(|| Error::Env(format!("{name}: '{text}' resolves to no address")))?;
         if addr.port() == 0 {
-            return Err(Error::Env(format!("{name}: '{text}' has port 0; rank 0 must listen on a known port")));
+            return Err(Error::Env(format!(
+                "{name}: '{text}' has port 0; rank 0 must listen on a known port"
+            )));
         }
         Ok((text, addr))
     }
@@ -209,7 +248,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> Result<LaunchEnv> {
-        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         LaunchEnv::from_vars(|k| m.get(k).cloned())
     }
 
@@ -224,16 +266,35 @@ mod tests {
 
     #[test]
     fn torchrun() {
-        let e = env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ROOT[0], ROOT[1]]).unwrap();
-        assert_eq!((e.rank, e.world_size, e.local_rank, e.launcher), (3, 8, Some(1), "torchrun"));
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ROOT[0],
+            ROOT[1],
+        ])
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.launcher),
+            (3, 8, Some(1), "torchrun")
+        );
         assert_eq!(e.root, "127.0.0.1:29500".parse().unwrap());
         assert!(e.secret_derived);
     }
 
     #[test]
     fn slurm() {
-        let e = env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "6"), ("SLURM_LOCALID", "2"), ("OXCCL_ROOT", "127.0.0.1:1234")]).unwrap();
-        assert_eq!((e.rank, e.world_size, e.local_rank, e.launcher), (5, 6, Some(2), "slurm"));
+        let e = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "2"),
+            ("OXCCL_ROOT", "127.0.0.1:1234"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.launcher),
+            (5, 6, Some(2), "slurm")
+        );
         assert_eq!(e.root, "127.0.0.1:1234".parse().unwrap());
     }
 
@@ -246,31 +307,74 @@ mod tests {
             ("OXCCL_ROOT", "[::1]:4000"),
         ])
         .unwrap();
-        assert_eq!((e.rank, e.world_size, e.local_rank, e.launcher), (1, 2, Some(0), "openmpi"));
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.launcher),
+            (1, 2, Some(0), "openmpi")
+        );
         assert_eq!(e.root, "[::1]:4000".parse().unwrap());
     }
 
     #[test]
     fn pmi() {
         let e = env(&[("PMI_RANK", "0"), ("PMI_SIZE", "1"), ROOT[0], ROOT[1]]).unwrap();
-        assert_eq!((e.rank, e.world_size, e.local_rank, e.launcher), (0, 1, None, "pmi"));
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.launcher),
+            (0, 1, None, "pmi")
+        );
     }
 
     #[test]
     fn precedence() {
         // torchrun under srun: RANK wins over SLURM_PROCID.
-        let e = env(&[("RANK", "7"), ("WORLD_SIZE", "16"), ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ROOT[0], ROOT[1]]).unwrap();
+        let e = env(&[
+            ("RANK", "7"),
+            ("WORLD_SIZE", "16"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ROOT[0],
+            ROOT[1],
+        ])
+        .unwrap();
         assert_eq!((e.rank, e.world_size, e.launcher), (7, 16, "torchrun"));
-        let e = env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("PMI_RANK", "0"), ("PMI_SIZE", "2"), ROOT[0], ROOT[1]]).unwrap();
+        let e = env(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+        ])
+        .unwrap();
         assert_eq!(e.launcher, "slurm");
-        let e = env(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("PMI_RANK", "0"), ("PMI_SIZE", "2"), ROOT[0], ROOT[1]])
-            .unwrap();
+        let e = env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+        ])
+        .unwrap();
         assert_eq!((e.rank, e.launcher), (1, "openmpi"));
         // SLURM_NTASKS alone (inside an allocation, not a task) falls through.
-        let e = env(&[("SLURM_NTASKS", "4"), ("PMI_RANK", "1"), ("PMI_SIZE", "2"), ROOT[0], ROOT[1]]).unwrap();
+        let e = env(&[
+            ("SLURM_NTASKS", "4"),
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+        ])
+        .unwrap();
         assert_eq!(e.launcher, "pmi");
         // OXCCL_ROOT wins over MASTER_ADDR.
-        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("OXCCL_ROOT", "127.0.0.2:9"), ROOT[0], ROOT[1]]).unwrap();
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("OXCCL_ROOT", "127.0.0.2:9"),
+            ROOT[0],
+            ROOT[1],
+        ])
+        .unwrap();
         assert_eq!(e.root, "127.0.0.2:9".parse().unwrap());
     }
 
@@ -279,26 +383,71 @@ mod tests {
         assert!(env_err(&[]).contains("RANK and WORLD_SIZE"));
         assert!(env_err(&[("RANK", "0"), ROOT[0], ROOT[1]]).contains("WORLD_SIZE"));
         assert!(env_err(&[("WORLD_SIZE", "2"), ROOT[0], ROOT[1]]).contains("RANK"));
-        assert!(env_err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1]]).contains("RANK=2"));
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "0"), ROOT[0], ROOT[1]]).contains("WORLD_SIZE=0"));
-        assert!(env_err(&[("RANK", "x"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1]]).contains("RANK=x"));
-        assert!(env_err(&[("OMPI_COMM_WORLD_RANK", "0"), ROOT[0], ROOT[1]]).contains("OMPI_COMM_WORLD_SIZE"));
+        assert!(
+            env_err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1]]).contains("RANK=2")
+        );
+        assert!(
+            env_err(&[("RANK", "0"), ("WORLD_SIZE", "0"), ROOT[0], ROOT[1]])
+                .contains("WORLD_SIZE=0")
+        );
+        assert!(
+            env_err(&[("RANK", "x"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1]]).contains("RANK=x")
+        );
+        assert!(env_err(&[("OMPI_COMM_WORLD_RANK", "0"), ROOT[0], ROOT[1]])
+            .contains("OMPI_COMM_WORLD_SIZE"));
         assert!(env_err(&[("PMI_SIZE", "2"), ROOT[0], ROOT[1]]).contains("PMI_RANK"));
         assert!(env_err(&[("SLURM_PROCID", "0"), ROOT[0], ROOT[1]]).contains("SLURM_NTASKS"));
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "-1"), ROOT[0], ROOT[1]]).contains("LOCAL_RANK"));
+        assert!(env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "-1"),
+            ROOT[0],
+            ROOT[1]
+        ])
+        .contains("LOCAL_RANK"));
     }
 
     #[test]
     fn root_errors() {
         let m = env_err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")]);
         assert!(m.contains("MASTER_ADDR") && m.contains("OXCCL_ROOT"), "{m}");
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")]).contains("MASTER_PORT"));
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]).contains("MASTER_ADDR"));
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "99999")]).contains("MASTER_PORT"));
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("OXCCL_ROOT", "127.0.0.1")]).contains("OXCCL_ROOT"));
-        assert!(env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("OXCCL_ROOT", "127.0.0.1:0")]).contains("port 0"));
+        assert!(env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1")
+        ])
+        .contains("MASTER_PORT"));
+        assert!(
+            env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")])
+                .contains("MASTER_ADDR")
+        );
+        assert!(env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "99999")
+        ])
+        .contains("MASTER_PORT"));
+        assert!(env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("OXCCL_ROOT", "127.0.0.1")
+        ])
+        .contains("OXCCL_ROOT"));
+        assert!(env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("OXCCL_ROOT", "127.0.0.1:0")
+        ])
+        .contains("port 0"));
         // Host names resolve.
-        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")]).unwrap();
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
         assert!(e.root.ip().is_loopback());
         assert_eq!(e.root.port(), 29500);
     }
@@ -306,21 +455,78 @@ mod tests {
     #[test]
     fn secrets() {
         let hex = "00112233445566778899aabbccddeeff";
-        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("OXCCL_SECRET", hex)]).unwrap();
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("OXCCL_SECRET", hex),
+        ])
+        .unwrap();
         assert_eq!(e.secret[..3], [0x00, 0x11, 0x22]);
         assert!(!e.secret_derived);
         assert!(!format!("{e:?}").contains("0x11") && !format!("{e:?}").contains("17"));
         assert_eq!(e.unique_id().secret, e.secret);
-        let m = env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("OXCCL_SECRET", "0011")]);
+        let m = env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("OXCCL_SECRET", "0011"),
+        ]);
         assert!(m.contains("OXCCL_SECRET"));
-        assert!(!env_err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("OXCCL_SECRET", &hex.replace('f', "g"))]).contains("aabb"));
+        assert!(!env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("OXCCL_SECRET", &hex.replace('f', "g"))
+        ])
+        .contains("aabb"));
 
         // Derived secrets: equal across ranks of one job, different across jobs.
-        let a0 = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("SLURM_JOB_ID", "11"), ("SLURM_STEP_ID", "0")]).unwrap();
-        let a1 = env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("SLURM_JOB_ID", "11"), ("SLURM_STEP_ID", "0")]).unwrap();
-        let b = env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("SLURM_JOB_ID", "11"), ("SLURM_STEP_ID", "1")]).unwrap();
-        let c = env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1], ("TORCHELASTIC_RUN_ID", "x")]).unwrap();
-        let d = env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ROOT[0], ("MASTER_PORT", "29501")]).unwrap();
+        let a0 = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("SLURM_JOB_ID", "11"),
+            ("SLURM_STEP_ID", "0"),
+        ])
+        .unwrap();
+        let a1 = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("SLURM_JOB_ID", "11"),
+            ("SLURM_STEP_ID", "0"),
+        ])
+        .unwrap();
+        let b = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("SLURM_JOB_ID", "11"),
+            ("SLURM_STEP_ID", "1"),
+        ])
+        .unwrap();
+        let c = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("TORCHELASTIC_RUN_ID", "x"),
+        ])
+        .unwrap();
+        let d = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ("MASTER_PORT", "29501"),
+        ])
+        .unwrap();
         let d0 = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ROOT[0], ROOT[1]]).unwrap();
         assert!(a0.secret_derived);
         assert_eq!(a0.secret, a1.secret);

@@ -70,7 +70,13 @@ impl PeerInfo {
             *s = String::from_utf8(take(r, len)?.to_vec()).ok()?;
         }
         let [host_id, hostname] = strs;
-        Some(PeerInfo { rank, host_id, hostname, pid, ip })
+        Some(PeerInfo {
+            rank,
+            host_id,
+            hostname,
+            pid,
+            ip,
+        })
     }
 }
 
@@ -126,16 +132,23 @@ pub fn local_host_id(cfg: &Config) -> String {
     if let Some(h) = &cfg.host_id {
         return h.clone();
     }
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_else(|_| "noboot".into());
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "noboot".into());
     let shm = {
         use std::os::unix::fs::MetadataExt;
-        std::fs::metadata("/dev/shm").map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_else(|_| "noshm".into())
+        std::fs::metadata("/dev/shm")
+            .map(|m| format!("{}:{}", m.dev(), m.ino()))
+            .unwrap_or_else(|_| "noshm".into())
     };
     format!("{}:{boot}:{shm}", hostname())
 }
 
 fn hostname() -> String {
-    rustix::system::uname().nodename().to_string_lossy().into_owned()
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// The address this rank's data connections should listen on: the first address of the
@@ -145,8 +158,16 @@ fn hostname() -> String {
 /// [`Error::Env`] listing the interfaces that exist.
 pub fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
     if let Some(name) = &cfg.socket_ifname {
-        let ifs = if_addrs::get_if_addrs().map_err(|e| Error::Env(format!("OXCCL_SOCKET_IFNAME={name}: cannot list network interfaces: {e}")))?;
-        let mine: Vec<IpAddr> = ifs.iter().filter(|i| &i.name == name).map(|i| i.ip()).collect();
+        let ifs = if_addrs::get_if_addrs().map_err(|e| {
+            Error::Env(format!(
+                "OXCCL_SOCKET_IFNAME={name}: cannot list network interfaces: {e}"
+            ))
+        })?;
+        let mine: Vec<IpAddr> = ifs
+            .iter()
+            .filter(|i| &i.name == name)
+            .map(|i| i.ip())
+            .collect();
         return mine.iter().find(|ip| ip.is_ipv4() == toward.is_ipv4()).or(mine.first()).copied().ok_or_else(|| {
             let mut names: Vec<&str> = ifs.iter().map(|i| i.name.as_str()).collect();
             names.sort_unstable();
@@ -154,7 +175,11 @@ pub fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
             Error::Env(format!("OXCCL_SOCKET_IFNAME={name}: no such interface with an address; this host has: {}", names.join(", ")))
         });
     }
-    let bind: SocketAddr = if toward.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
+    let bind: SocketAddr = if toward.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    };
     let probe = || -> io::Result<IpAddr> {
         let s = UdpSocket::bind(bind)?;
         s.connect(toward)?;
@@ -162,8 +187,14 @@ pub fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
     };
     match probe() {
         Ok(ip) if !ip.is_unspecified() => Ok(ip),
-        Ok(_) => Ok(if toward.is_ipv4() { Ipv4Addr::LOCALHOST.into() } else { Ipv6Addr::LOCALHOST.into() }),
-        Err(e) => Err(Error::Env(format!("no route to {toward} to pick a local address ({e}); set OXCCL_SOCKET_IFNAME"))),
+        Ok(_) => Ok(if toward.is_ipv4() {
+            Ipv4Addr::LOCALHOST.into()
+        } else {
+            Ipv6Addr::LOCALHOST.into()
+        }),
+        Err(e) => Err(Error::Env(format!(
+            "no route to {toward} to pick a local address ({e}); set OXCCL_SOCKET_IFNAME"
+        ))),
     }
 }
 
@@ -248,7 +279,9 @@ impl Bootstrap {
             ip: local_ip(cfg, id.addr)?,
         };
         if me.host_id.len() > MAX_NAME {
-            return Err(Error::Env(format!("OXCCL_HOSTID is longer than {MAX_NAME} bytes")));
+            return Err(Error::Env(format!(
+                "OXCCL_HOSTID is longer than {MAX_NAME} bytes"
+            )));
         }
         let deadline = Instant::now() + cfg.timeout;
         let mut b = Bootstrap {
@@ -266,12 +299,19 @@ impl Bootstrap {
         } else {
             b.init_member(me, deadline)?;
         }
-        tracing::debug!("rank {rank}/{world_size}: rendezvous at {} complete", id.addr);
+        tracing::debug!(
+            "rank {rank}/{world_size}: rendezvous at {} complete",
+            id.addr
+        );
         Ok(b)
     }
 
     fn rz_err(&self, msg: impl Into<String>) -> Error {
-        Error::Rendezvous { rank: self.rank, addr: self.root.to_string(), msg: msg.into() }
+        Error::Rendezvous {
+            rank: self.rank,
+            addr: self.root.to_string(),
+            msg: msg.into(),
+        }
     }
 
     fn bind_root(&self) -> Result<TcpListener> {
@@ -282,7 +322,11 @@ impl Bootstrap {
             return Err(self.rz_err("the rendezvous address has port 0 and no listener of UniqueId::new in this process"));
         }
         let bind = |addr: SocketAddr| -> io::Result<TcpListener> {
-            let s = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+            let s = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                None,
+            )?;
             s.set_reuse_address(true)?;
             s.bind(&addr.into())?;
             s.listen(128)?;
@@ -291,15 +335,27 @@ impl Bootstrap {
         match bind(self.root) {
             Ok(l) => Ok(l),
             Err(e) if e.kind() == io::ErrorKind::AddrNotAvailable => {
-                let any: IpAddr = if self.root.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
-                tracing::warn!("rank 0: {} is not an address of this host; listening on {any}:{} instead", self.root.ip(), self.root.port());
+                let any: IpAddr = if self.root.is_ipv4() {
+                    Ipv4Addr::UNSPECIFIED.into()
+                } else {
+                    Ipv6Addr::UNSPECIFIED.into()
+                };
+                tracing::warn!(
+                    "rank 0: {} is not an address of this host; listening on {any}:{} instead",
+                    self.root.ip(),
+                    self.root.port()
+                );
                 bind(SocketAddr::new(any, self.root.port())).map_err(|source| Error::Io {
                     rank: 0,
                     context: format!("binding the rendezvous port {}", self.root.port()),
                     source,
                 })
             }
-            Err(source) => Err(Error::Io { rank: 0, context: format!("binding the rendezvous address {}", self.root), source }),
+            Err(source) => Err(Error::Io {
+                rank: 0,
+                context: format!("binding the rendezvous address {}", self.root),
+                source,
+            }),
         }
     }
 
@@ -311,61 +367,88 @@ impl Bootstrap {
         infos[0] = Some(me);
         if n > 1 {
             let (secret, tag, root) = (self.secret, self.comm_tag(), self.root);
-            let handshake = move |stream: TcpStream, from: SocketAddr| -> Result<(Hello, Vec<u8>, TcpStream, SocketAddr)> {
+            let handshake = move |stream: TcpStream,
+                                  from: SocketAddr|
+                  -> Result<(Hello, Vec<u8>, TcpStream, SocketAddr)> {
                 let addr = from.to_string();
                 let mut d = Deadlined::new(&stream, Instant::now() + auth::HANDSHAKE_TIMEOUT);
-                let hello = auth::server_handshake(&mut d, &secret, Purpose::Rendezvous, tag, 0, &addr)?;
+                let hello =
+                    auth::server_handshake(&mut d, &secret, Purpose::Rendezvous, tag, 0, &addr)?;
                 let join = auth::send_verdict(&mut d, Verdict::Accepted)
                     .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
-                    .map_err(|e| Error::Rendezvous { rank: 0, addr: root.to_string(), msg: format!("reading the join message of {addr}: {e}") })?;
+                    .map_err(|e| Error::Rendezvous {
+                        rank: 0,
+                        addr: root.to_string(),
+                        msg: format!("reading the join message of {addr}: {e}"),
+                    })?;
                 Ok((hello, join, stream, from))
             };
             let mut joined = 1;
             let mut offender: Option<TcpStream> = None;
             let world = n;
-            let res = auth::accept_loop(&listener, deadline, &std::sync::atomic::AtomicBool::new(false), handshake, |(hello, join, stream, from)| {
-                let fail = |msg: String, off: &mut Option<TcpStream>, s: TcpStream| {
-                    *off = Some(s);
-                    Err(Error::Rendezvous { rank: 0, addr: root.to_string(), msg })
-                };
-                let mut r = &join[..];
-                let parsed = (|| {
-                    if take(&mut r, 1)?[0] != JOIN_VERSION {
-                        return None;
-                    }
-                    let ws = take_u32(&mut r)? as usize;
-                    Some((ws, PeerInfo::decode(&mut r)?))
-                })();
-                let Some((ws, info)) = parsed else {
-                    return fail(format!("malformed join message from {from} (claiming rank {})", hello.rank), &mut offender, stream);
-                };
-                if ws != world || info.rank != hello.rank {
-                    return fail(
+            let res = auth::accept_loop(
+                &listener,
+                deadline,
+                &std::sync::atomic::AtomicBool::new(false),
+                handshake,
+                |(hello, join, stream, from)| {
+                    let fail = |msg: String, off: &mut Option<TcpStream>, s: TcpStream| {
+                        *off = Some(s);
+                        Err(Error::Rendezvous {
+                            rank: 0,
+                            addr: root.to_string(),
+                            msg,
+                        })
+                    };
+                    let mut r = &join[..];
+                    let parsed = (|| {
+                        if take(&mut r, 1)?[0] != JOIN_VERSION {
+                            return None;
+                        }
+                        let ws = take_u32(&mut r)? as usize;
+                        Some((ws, PeerInfo::decode(&mut r)?))
+                    })();
+                    let Some((ws, info)) = parsed else {
+                        return fail(
+                            format!(
+                                "malformed join message from {from} (claiming rank {})",
+                                hello.rank
+                            ),
+                            &mut offender,
+                            stream,
+                        );
+                    };
+                    if ws != world || info.rank != hello.rank {
+                        return fail(
                         format!("rank {} at {from} was started with world size {ws}, rank 0 with {world}", info.rank),
                         &mut offender,
                         stream,
                     );
-                }
-                if info.rank == 0 || info.rank >= world || infos[info.rank].is_some() {
-                    let first = infos.get(info.rank).and_then(|i| i.as_ref()).map(|i| format!("{} (pid {})", i.hostname, i.pid));
-                    return fail(
-                        format!(
+                    }
+                    if info.rank == 0 || info.rank >= world || infos[info.rank].is_some() {
+                        let first = infos
+                            .get(info.rank)
+                            .and_then(|i| i.as_ref())
+                            .map(|i| format!("{} (pid {})", i.hostname, i.pid));
+                        return fail(
+                            format!(
                             "rank {} joined twice: from {from} ({}, pid {}) and earlier from {}",
                             info.rank,
                             info.hostname,
                             info.pid,
                             first.unwrap_or_default()
                         ),
-                        &mut offender,
-                        stream,
-                    );
-                }
-                let r = info.rank;
-                conns[r] = Some(stream);
-                infos[r] = Some(info);
-                joined += 1;
-                Ok(joined == world)
-            });
+                            &mut offender,
+                            stream,
+                        );
+                    }
+                    let r = info.rank;
+                    conns[r] = Some(stream);
+                    infos[r] = Some(info);
+                    joined += 1;
+                    Ok(joined == world)
+                },
+            );
             drop(listener);
             let err = match res {
                 Ok(Ok(())) => None,
@@ -380,9 +463,11 @@ impl Bootstrap {
                         elapsed: self.timeout,
                     })
                 }
-                Err(auth::AcceptStop::Io(source)) => {
-                    Some(Error::Io { rank: 0, context: format!("accepting on the rendezvous address {}", self.root), source })
-                }
+                Err(auth::AcceptStop::Io(source)) => Some(Error::Io {
+                    rank: 0,
+                    context: format!("accepting on the rendezvous address {}", self.root),
+                    source,
+                }),
             };
             if let Some(e) = err {
                 // Tell everyone who joined (and the offender) why the rendezvous failed.
@@ -415,7 +500,11 @@ impl Bootstrap {
 
     fn init_member(&mut self, me: PeerInfo, deadline: Instant) -> Result<()> {
         let addr = self.root.to_string();
-        let hello = Hello { rank: self.rank, purpose: Purpose::Rendezvous, tag: self.comm_tag() };
+        let hello = Hello {
+            rank: self.rank,
+            purpose: Purpose::Rendezvous,
+            tag: self.comm_tag(),
+        };
         let mut join = vec![JOIN_VERSION];
         join.extend_from_slice(&(self.world_size as u32).to_le_bytes());
         me.encode(&mut join);
@@ -424,7 +513,13 @@ impl Bootstrap {
         let stream = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(Error::Connect { rank: self.rank, peer: 0, addr, timeout: self.timeout, reason: last_err });
+                return Err(Error::Connect {
+                    rank: self.rank,
+                    peer: 0,
+                    addr,
+                    timeout: self.timeout,
+                    reason: last_err,
+                });
             }
             match TcpStream::connect_timeout(&self.root, left.min(Duration::from_secs(5))) {
                 Ok(s) => {
@@ -444,20 +539,30 @@ impl Bootstrap {
         let mut d = Deadlined::new(&stream, deadline);
         auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
         let table = auth::read_frame(&mut d, MAX_FRAME).map_err(|e| match e.kind() {
-            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
-                self.rz_err(format!("rank 0 did not send the peer table within {:?}: some rank has not joined", self.timeout))
-            }
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => self.rz_err(format!(
+                "rank 0 did not send the peer table within {:?}: some rank has not joined",
+                self.timeout
+            )),
             _ => self.lost(0, "init", e),
         })?;
         let mut r = &table[..];
         match take(&mut r, 1) {
             Some([0]) => {}
-            Some([1]) => return Err(self.rz_err(format!("rank 0 failed the rendezvous: {}", String::from_utf8_lossy(r)))),
+            Some([1]) => {
+                return Err(self.rz_err(format!(
+                    "rank 0 failed the rendezvous: {}",
+                    String::from_utf8_lossy(r)
+                )))
+            }
             _ => return Err(self.proto(0, "init", "malformed peer table")),
         }
-        let n = take_u32(&mut r).ok_or_else(|| self.proto(0, "init", "malformed peer table"))? as usize;
+        let n =
+            take_u32(&mut r).ok_or_else(|| self.proto(0, "init", "malformed peer table"))? as usize;
         if n != self.world_size {
-            return Err(self.rz_err(format!("rank 0 has world size {n}, this rank {}", self.world_size)));
+            return Err(self.rz_err(format!(
+                "rank 0 has world size {n}, this rank {}",
+                self.world_size
+            )));
         }
         let mut peers = Vec::with_capacity(n);
         for i in 0..n {
@@ -473,7 +578,13 @@ impl Bootstrap {
     }
 
     fn proto(&self, peer: usize, call: &'static str, msg: &str) -> Error {
-        Error::Protocol { rank: self.rank, peer, call, seq: self.seq, msg: msg.into() }
+        Error::Protocol {
+            rank: self.rank,
+            peer,
+            call,
+            seq: self.seq,
+            msg: msg.into(),
+        }
     }
 
     /// Turns an I/O error on the connection to `peer` into the error that says what it means.
@@ -494,7 +605,13 @@ impl Bootstrap {
                 seq: self.seq,
                 reason: "bootstrap connection closed".into(),
             },
-            _ => Error::PeerLost { rank: self.rank, peer, call, seq: self.seq, reason: format!("bootstrap connection: {e}") },
+            _ => Error::PeerLost {
+                rank: self.rank,
+                peer,
+                call,
+                seq: self.seq,
+                reason: format!("bootstrap connection: {e}"),
+            },
         }
     }
 
@@ -560,16 +677,29 @@ impl Exchange for Bootstrap {
 }
 
 impl Bootstrap {
-    fn allgather_root(&self, conns: &mut [Option<TcpStream>], mine: &[u8], seq: u64) -> Result<Vec<Vec<u8>>> {
+    fn allgather_root(
+        &self,
+        conns: &mut [Option<TcpStream>],
+        mine: &[u8],
+        seq: u64,
+    ) -> Result<Vec<Vec<u8>>> {
         let mut all = Vec::with_capacity(self.world_size);
         all.push(mine.to_vec());
         for (r, c) in conns.iter_mut().enumerate().skip(1) {
-            let s = c.as_mut().ok_or_else(|| self.lost(r, CALL, io::ErrorKind::NotConnected.into()))?;
+            let s = c
+                .as_mut()
+                .ok_or_else(|| self.lost(r, CALL, io::ErrorKind::NotConnected.into()))?;
             let f = auth::read_frame(s, MAX_FRAME).map_err(|e| self.lost(r, CALL, e))?;
             let mut rd = &f[..];
             match take_u64(&mut rd) {
                 Some(s) if s == seq => all.push(rd.to_vec()),
-                Some(s) => return Err(self.proto(r, CALL, &format!("rank {r} is at bootstrap exchange #{s}, rank 0 at #{seq}"))),
+                Some(s) => {
+                    return Err(self.proto(
+                        r,
+                        CALL,
+                        &format!("rank {r} is at bootstrap exchange #{s}, rank 0 at #{seq}"),
+                    ))
+                }
                 None => return Err(self.proto(r, CALL, "short message")),
             }
         }
@@ -609,7 +739,11 @@ impl Bootstrap {
         let mut all = Vec::with_capacity(self.world_size);
         for _ in 0..self.world_size {
             let len = take_u32(&mut r).ok_or_else(|| self.proto(0, CALL, "short answer"))? as usize;
-            all.push(take(&mut r, len).ok_or_else(|| self.proto(0, CALL, "short answer"))?.to_vec());
+            all.push(
+                take(&mut r, len)
+                    .ok_or_else(|| self.proto(0, CALL, "short answer"))?
+                    .to_vec(),
+            );
         }
         if !r.is_empty() {
             return Err(self.proto(0, CALL, "trailing bytes in answer"));

@@ -1,13 +1,16 @@
 //! Tests of the TCP rendezvous, all over loopback.
 
 use super::*;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::io::Write;
 use std::thread;
 
 fn cfg(timeout_ms: u64) -> Config {
-    Config { timeout: Duration::from_millis(timeout_ms), ..Config::default() }
+    Config {
+        timeout: Duration::from_millis(timeout_ms),
+        ..Config::default()
+    }
 }
 
 fn loopback_id() -> UniqueId {
@@ -29,11 +32,15 @@ fn ranks<T: Send + 'static>(n: usize, f: impl Fn(usize) -> T + Send + Sync + 'st
 fn check_allgathers(b: &mut Bootstrap) {
     let n = b.world_size();
     for round in 0..20usize {
-        let mine: Vec<u8> = (0..(b.rank() * 37 + round * 101) % 3000).map(|i| (i + b.rank() + round) as u8).collect();
+        let mine: Vec<u8> = (0..(b.rank() * 37 + round * 101) % 3000)
+            .map(|i| (i + b.rank() + round) as u8)
+            .collect();
         let all = b.allgather(&mine).unwrap();
         assert_eq!(all.len(), n);
         for (r, v) in all.iter().enumerate() {
-            let want: Vec<u8> = (0..(r * 37 + round * 101) % 3000).map(|i| (i + r + round) as u8).collect();
+            let want: Vec<u8> = (0..(r * 37 + round * 101) % 3000)
+                .map(|i| (i + r + round) as u8)
+                .collect();
             assert_eq!(v, &want, "round {round}, from rank {r}");
         }
     }
@@ -74,7 +81,11 @@ fn world_of_one() {
 #[test]
 fn root_binds_given_address() {
     // No UniqueId::new in this process: rank 0 binds the address itself.
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let id = UniqueId::with_addr(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port), [3; 16]);
     let res = ranks(3, move |r| {
         let mut b = Bootstrap::init(&id, r, 3, &cfg(20_000)).unwrap();
@@ -121,7 +132,11 @@ fn strangers_hammering_root_do_not_stop_init() {
                             let _ = s.write_all(&u32::MAX.to_le_bytes());
                         }
                         _ => {
-                            let h = Hello { rank: 1, purpose: Purpose::Rendezvous, tag: 0 };
+                            let h = Hello {
+                                rank: 1,
+                                purpose: Purpose::Rendezvous,
+                                tag: 0,
+                            };
                             let r = auth::client_handshake(&mut s, &[9; 16], &h, 1, "root");
                             assert!(r.is_err());
                         }
@@ -154,20 +169,33 @@ fn wrong_secret_is_refused() {
     assert!(matches!(e, Error::Auth { rank: 1, .. }), "{e}");
     let e = root.join().unwrap().unwrap_err();
     match e {
-        Error::Timeout { rank: 0, waiting_on, .. } => assert_eq!(waiting_on, vec![1]),
+        Error::Timeout {
+            rank: 0,
+            waiting_on,
+            ..
+        } => assert_eq!(waiting_on, vec![1]),
         e => panic!("{e}"),
     }
 }
 
 #[test]
 fn no_root_fails_after_timeout() {
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port);
     let start = Instant::now();
     let e = Bootstrap::init(&UniqueId::with_addr(addr, [1; 16]), 2, 3, &cfg(600)).unwrap_err();
     assert!(start.elapsed() >= Duration::from_millis(550));
     match &e {
-        Error::Connect { rank: 2, peer: 0, addr: a, .. } => assert_eq!(a, &addr.to_string()),
+        Error::Connect {
+            rank: 2,
+            peer: 0,
+            addr: a,
+            ..
+        } => assert_eq!(a, &addr.to_string()),
         e => panic!("{e}"),
     }
     assert!(e.to_string().contains(&addr.to_string()));
@@ -176,9 +204,13 @@ fn no_root_fails_after_timeout() {
 #[test]
 fn duplicate_rank_is_an_error() {
     let id = loopback_id();
-    let res = ranks(3, move |r| Bootstrap::init(&id, r.min(1), 3, &cfg(10_000)).map(|_| ()));
+    let res = ranks(3, move |r| {
+        Bootstrap::init(&id, r.min(1), 3, &cfg(10_000)).map(|_| ())
+    });
     match &res[0] {
-        Err(Error::Rendezvous { rank: 0, msg, .. }) => assert!(msg.contains("rank 1 joined twice"), "{msg}"),
+        Err(Error::Rendezvous { rank: 0, msg, .. }) => {
+            assert!(msg.contains("rank 1 joined twice"), "{msg}")
+        }
         other => panic!("{other:?}"),
     }
     for r in &res[1..] {
@@ -212,14 +244,19 @@ fn lost_peer_is_named() {
     b.barrier().unwrap();
     member.join().unwrap();
     match b.allgather(b"x").unwrap_err() {
-        Error::PeerLost { rank: 0, peer: 1, .. } => {}
+        Error::PeerLost {
+            rank: 0, peer: 1, ..
+        } => {}
         e => panic!("{e}"),
     }
 }
 
 #[test]
 fn host_id_and_interfaces() {
-    let c = Config { host_id: Some("nodeA".into()), ..Config::default() };
+    let c = Config {
+        host_id: Some("nodeA".into()),
+        ..Config::default()
+    };
     assert_eq!(local_host_id(&c), "nodeA");
     let h = local_host_id(&Config::default());
     assert!(h.starts_with(&hostname()), "{h}");
@@ -227,9 +264,15 @@ fn host_id_and_interfaces() {
 
     let to: SocketAddr = "127.0.0.1:1".parse().unwrap();
     assert!(local_ip(&Config::default(), to).unwrap().is_loopback());
-    let c = Config { socket_ifname: Some("lo".into()), ..Config::default() };
+    let c = Config {
+        socket_ifname: Some("lo".into()),
+        ..Config::default()
+    };
     assert_eq!(local_ip(&c, to).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
-    let c = Config { socket_ifname: Some("nonexistent0".into()), ..Config::default() };
+    let c = Config {
+        socket_ifname: Some("nonexistent0".into()),
+        ..Config::default()
+    };
     match local_ip(&c, to) {
         Err(Error::Env(m)) => assert!(m.contains("nonexistent0") && m.contains("lo"), "{m}"),
         other => panic!("{other:?}"),
@@ -238,7 +281,13 @@ fn host_id_and_interfaces() {
 
 #[test]
 fn peer_info_round_trip() {
-    let p = PeerInfo { rank: 3, host_id: "h:b:1:2".into(), hostname: "h".into(), pid: 42, ip: "::1".parse().unwrap() };
+    let p = PeerInfo {
+        rank: 3,
+        host_id: "h:b:1:2".into(),
+        hostname: "h".into(),
+        pid: 42,
+        ip: "::1".parse().unwrap(),
+    };
     let mut b = Vec::new();
     p.encode(&mut b);
     assert_eq!(PeerInfo::decode(&mut &b[..]), Some(p));

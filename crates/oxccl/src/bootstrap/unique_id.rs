@@ -26,7 +26,9 @@ pub struct UniqueId {
 impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never print the secret.
-        f.debug_struct("UniqueId").field("addr", &self.addr).finish_non_exhaustive()
+        f.debug_struct("UniqueId")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
     }
 }
 
@@ -51,11 +53,21 @@ pub fn default_ip() -> IpAddr {
         let ip = s.local_addr().ok()?.ip();
         (!ip.is_unspecified()).then_some(ip)
     };
-    probe((Ipv4Addr::UNSPECIFIED, 0).into(), (Ipv4Addr::new(8, 8, 8, 8), 53).into())
-        .or_else(|| {
-            probe((Ipv6Addr::UNSPECIFIED, 0).into(), (Ipv6Addr::new(0x2001, 0x4860, 0x4860, 0, 0, 0, 0, 0x8888), 53).into())
-        })
-        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+    probe(
+        (Ipv4Addr::UNSPECIFIED, 0).into(),
+        (Ipv4Addr::new(8, 8, 8, 8), 53).into(),
+    )
+    .or_else(|| {
+        probe(
+            (Ipv6Addr::UNSPECIFIED, 0).into(),
+            (
+                Ipv6Addr::new(0x2001, 0x4860, 0x4860, 0, 0, 0, 0, 0x8888),
+                53,
+            )
+                .into(),
+        )
+    })
+    .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
 fn random_secret() -> Result<[u8; 16]> {
@@ -102,10 +114,15 @@ impl UniqueId {
             context: format!("binding the rendezvous listener on {ip}"),
             source,
         })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| Error::Io { rank: 0, context: "reading the rendezvous address".into(), source })?;
-        PARKED.lock().unwrap_or_else(|e| e.into_inner()).push((addr, listener));
+        let addr = listener.local_addr().map_err(|source| Error::Io {
+            rank: 0,
+            context: "reading the rendezvous address".into(),
+            source,
+        })?;
+        PARKED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((addr, listener));
         Ok(UniqueId { addr, secret })
     }
 
@@ -156,7 +173,10 @@ impl UniqueId {
         let port = u16::from_be_bytes([b[21], b[22]]);
         let mut secret = [0u8; 16];
         secret.copy_from_slice(&b[23..39]);
-        Ok(UniqueId { addr: SocketAddr::new(ip, port), secret })
+        Ok(UniqueId {
+            addr: SocketAddr::new(ip, port),
+            secret,
+        })
     }
 }
 
@@ -178,11 +198,18 @@ impl FromStr for UniqueId {
     /// repeat the secret.
     fn from_str(s: &str) -> Result<UniqueId> {
         let s = s.trim();
-        let bad = |why: &str| Error::Env(format!("malformed UniqueId string: {why} (expected oxccl1:<ip:port>:<32 hex digits>)"));
-        let rest = s.strip_prefix("oxccl1:").ok_or_else(|| bad("missing 'oxccl1:' prefix"))?;
+        let bad = |why: &str| {
+            Error::Env(format!(
+                "malformed UniqueId string: {why} (expected oxccl1:<ip:port>:<32 hex digits>)"
+            ))
+        };
+        let rest = s
+            .strip_prefix("oxccl1:")
+            .ok_or_else(|| bad("missing 'oxccl1:' prefix"))?;
         let (addr, secret) = rest.rsplit_once(':').ok_or_else(|| bad("missing secret"))?;
         let addr: SocketAddr = addr.parse().map_err(|_| bad("bad address"))?;
-        let secret = parse_secret_hex(secret).ok_or_else(|| bad("the secret is not 32 hex digits"))?;
+        let secret =
+            parse_secret_hex(secret).ok_or_else(|| bad("the secret is not 32 hex digits"))?;
         Ok(UniqueId { addr, secret })
     }
 }
@@ -204,7 +231,14 @@ mod tests {
 
     #[test]
     fn malformed_ids_rejected() {
-        for s in ["", "oxccl1:", "oxccl2:127.0.0.1:1:00112233445566778899aabbccddeeff", "oxccl1:127.0.0.1:1:0011", "oxccl1:nohost:00112233445566778899aabbccddeeff", "oxccl1:127.0.0.1:1:zz112233445566778899aabbccddeeff"] {
+        for s in [
+            "",
+            "oxccl1:",
+            "oxccl2:127.0.0.1:1:00112233445566778899aabbccddeeff",
+            "oxccl1:127.0.0.1:1:0011",
+            "oxccl1:nohost:00112233445566778899aabbccddeeff",
+            "oxccl1:127.0.0.1:1:zz112233445566778899aabbccddeeff",
+        ] {
             assert!(matches!(s.parse::<UniqueId>(), Err(Error::Env(_))), "{s}");
         }
         assert!(UniqueId::from_bytes(&[0; 3]).is_err());

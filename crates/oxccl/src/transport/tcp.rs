@@ -24,7 +24,6 @@ const CALL: &str = "tcp_connect";
 const BLOB_VERSION: u8 = 1;
 
 /// One end of a TCP connection to a peer, non-blocking.
-#[derive(Debug)]
 pub struct TcpLink {
     stream: TcpStream,
     peer: usize,
@@ -34,6 +33,18 @@ pub struct TcpLink {
     eof: bool,
 }
 
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink")
+            .field("peer", &self.peer)
+            .field("local", &self.stream.local_addr().ok())
+            .field("remote", &self.stream.peer_addr().ok())
+            .field("buffered", &(self.end - self.start))
+            .field("eof", &self.eof)
+            .finish()
+    }
+}
+
 impl TcpLink {
     /// Wraps an established, authenticated connection to `peer` (made non-blocking here).
     pub fn new(stream: TcpStream, peer: usize) -> io::Result<TcpLink> {
@@ -41,7 +52,14 @@ impl TcpLink {
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(None)?;
         stream.set_nonblocking(true)?;
-        Ok(TcpLink { stream, peer, buf: vec![0u8; RECV_BUFFER].into_boxed_slice(), start: 0, end: 0, eof: false })
+        Ok(TcpLink {
+            stream,
+            peer,
+            buf: vec![0u8; RECV_BUFFER].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            eof: false,
+        })
     }
 
     /// The rank at the other end.
@@ -53,7 +71,10 @@ impl TcpLink {
 fn closed(e: &io::Error) -> bool {
     matches!(
         e.kind(),
-        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe | io::ErrorKind::NotConnected
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::NotConnected
     )
 }
 
@@ -75,7 +96,9 @@ impl Link for TcpLink {
                     let e = io::Error::from(e);
                     return match e.kind() {
                         io::ErrorKind::WouldBlock => Ok(0),
-                        _ if closed(&e) => Err(LinkError::Closed(format!("rank {}: {e}", self.peer))),
+                        _ if closed(&e) => {
+                            Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
+                        }
                         _ => Err(LinkError::Io(e)),
                     };
                 }
@@ -102,14 +125,19 @@ impl Link for TcpLink {
                     Ok(n) => self.end += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) if closed(&e) => return Err(LinkError::Closed(format!("rank {}: {e}", self.peer))),
+                    Err(e) if closed(&e) => {
+                        return Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
+                    }
                     Err(e) => return Err(LinkError::Io(e)),
                 }
             }
             let avail = self.end - self.start;
             if avail == 0 {
                 if self.eof && total == 0 {
-                    return Err(LinkError::Closed(format!("rank {} closed the connection", self.peer)));
+                    return Err(LinkError::Closed(format!(
+                        "rank {} closed the connection",
+                        self.peer
+                    )));
                 }
                 return Ok(total);
             }
@@ -141,7 +169,11 @@ fn tune(s: &TcpStream) {
 
 fn listen(ip: IpAddr) -> io::Result<TcpListener> {
     let addr = SocketAddr::new(ip, 0);
-    let s = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
     // Set before listen so that accepted sockets negotiate a large window.
     let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
     let _ = s.set_send_buffer_size(SOCKET_BUFFER);
@@ -151,7 +183,11 @@ fn listen(ip: IpAddr) -> io::Result<TcpListener> {
 }
 
 fn dial(addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
-    let s = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
     let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
     let _ = s.set_send_buffer_size(SOCKET_BUFFER);
     let _ = s.set_tcp_nodelay(true);
@@ -225,7 +261,12 @@ pub fn connect(
     let n = ex.world_size();
     let start = Instant::now();
     let deadline = start + cfg.timeout;
-    let invalid = |msg: String| Error::InvalidArgument { rank: me, call: CALL, seq: 0, msg };
+    let invalid = |msg: String| Error::InvalidArgument {
+        rank: me,
+        call: CALL,
+        seq: 0,
+        msg,
+    };
     let mut ranks: Vec<usize> = peers.iter().map(|p| p.0).collect();
     ranks.sort_unstable();
     for w in ranks.windows(2) {
@@ -234,43 +275,73 @@ pub fn connect(
         }
     }
     if let Some(&r) = ranks.iter().find(|&&r| r >= n || r == me) {
-        return Err(invalid(format!("peer rank {r} is this rank or not below the world size {n}")));
+        return Err(invalid(format!(
+            "peer rank {r} is this rank or not below the world size {n}"
+        )));
     }
 
     let listener = match peers.first() {
         Some(&(_, ip)) => {
             let my_ip = local_ip(cfg, SocketAddr::new(ip, 9))?;
-            Some(listen(my_ip).map_err(|source| Error::Io { rank: me, context: format!("listening on {my_ip}"), source })?)
+            Some(listen(my_ip).map_err(|source| Error::Io {
+                rank: me,
+                context: format!("listening on {my_ip}"),
+                source,
+            })?)
         }
         None => None,
     };
     let listen_addr = match &listener {
-        Some(l) => Some(l.local_addr().map_err(|source| Error::Io { rank: me, context: "reading the listen address".into(), source })?),
+        Some(l) => Some(l.local_addr().map_err(|source| Error::Io {
+            rank: me,
+            context: "reading the listen address".into(),
+            source,
+        })?),
         None => None,
     };
     let all = ex.allgather(&encode_blob(listen_addr, &ranks))?;
     if all.len() != n {
-        return Err(Error::Protocol { rank: me, peer: 0, call: CALL, seq: 0, msg: format!("exchange returned {} entries for {n} ranks", all.len()) });
+        return Err(Error::Protocol {
+            rank: me,
+            peer: 0,
+            call: CALL,
+            seq: 0,
+            msg: format!("exchange returned {} entries for {n} ranks", all.len()),
+        });
     }
     let mut lower = Vec::new();
     for &r in &ranks {
-        let proto = |msg: String| Error::Protocol { rank: me, peer: r, call: CALL, seq: 0, msg };
-        let (addr, theirs) = decode_blob(&all[r]).ok_or_else(|| proto("malformed port exchange".into()))?;
+        let proto = |msg: String| Error::Protocol {
+            rank: me,
+            peer: r,
+            call: CALL,
+            seq: 0,
+            msg,
+        };
+        let (addr, theirs) =
+            decode_blob(&all[r]).ok_or_else(|| proto("malformed port exchange".into()))?;
         if !theirs.contains(&me) {
-            return Err(proto(format!("rank {r} does not expect a TCP link to rank {me}")));
+            return Err(proto(format!(
+                "rank {r} does not expect a TCP link to rank {me}"
+            )));
         }
         if r < me {
             lower.push((r, addr.ok_or_else(|| proto("no listen address".into()))?));
         }
     }
     for (r, blob) in all.iter().enumerate() {
-        if r != me && !ranks.contains(&r) && decode_blob(blob).is_some_and(|(_, theirs)| theirs.contains(&me)) {
+        if r != me
+            && !ranks.contains(&r)
+            && decode_blob(blob).is_some_and(|(_, theirs)| theirs.contains(&me))
+        {
             return Err(Error::Protocol {
                 rank: me,
                 peer: r,
                 call: CALL,
                 seq: 0,
-                msg: format!("rank {r} expects a TCP link to rank {me}, which does not list it as a peer"),
+                msg: format!(
+                    "rank {r} expects a TCP link to rank {me}, which does not list it as a peer"
+                ),
             });
         }
     }
@@ -328,7 +399,12 @@ pub fn connect(
             cancel.store(true, Ordering::SeqCst);
         }
         let accepted = match acceptor {
-            Some(h) => h.join().unwrap_or_else(|_| Err(Error::Aborted { rank: me, msg: "the TCP accept thread panicked".into() })),
+            Some(h) => h.join().unwrap_or_else(|_| {
+                Err(Error::Aborted {
+                    rank: me,
+                    msg: "the TCP accept thread panicked".into(),
+                })
+            }),
             None => Ok(Vec::new()),
         };
         (accepted, connected)
@@ -338,7 +414,11 @@ pub fn connect(
     streams.sort_by_key(|(r, _)| *r);
     let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(streams.len());
     for (r, s) in streams {
-        let link = TcpLink::new(s, r).map_err(|source| Error::Io { rank: me, context: format!("setting up the link to rank {r}"), source })?;
+        let link = TcpLink::new(s, r).map_err(|source| Error::Io {
+            rank: me,
+            context: format!("setting up the link to rank {r}"),
+            source,
+        })?;
         links.push((r, Box::new(link)));
     }
     Ok(links)
@@ -353,7 +433,11 @@ fn connect_lower(
     timeout: Duration,
     deadline: Instant,
 ) -> Result<Vec<(usize, TcpStream)>> {
-    let hello = Hello { rank: me, purpose: Purpose::Data, tag };
+    let hello = Hello {
+        rank: me,
+        purpose: Purpose::Data,
+        tag,
+    };
     let mut out = Vec::with_capacity(lower.len());
     for &(peer, addr) in lower {
         let addr_s = addr.to_string();
@@ -362,10 +446,22 @@ fn connect_lower(
         let stream = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(Error::Connect { rank: me, peer, addr: addr_s, timeout, reason: last_err });
+                return Err(Error::Connect {
+                    rank: me,
+                    peer,
+                    addr: addr_s,
+                    timeout,
+                    reason: last_err,
+                });
             }
             match dial(addr, left.min(Duration::from_secs(5))) {
-                Ok(s) => match auth::client_handshake(&mut Deadlined::new(&s, deadline), secret, &hello, me, &addr_s) {
+                Ok(s) => match auth::client_handshake(
+                    &mut Deadlined::new(&s, deadline),
+                    secret,
+                    &hello,
+                    me,
+                    &addr_s,
+                ) {
                     Ok(()) => break s,
                     // The peer does not know our secret, or refused us: retrying cannot help.
                     Err(e @ Error::Auth { .. }) => return Err(e),

@@ -11,7 +11,10 @@ const SECRET: [u8; 16] = *b"tcp-test-secret!";
 const LO: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 fn cfg(timeout_ms: u64) -> Config {
-    Config { timeout: Duration::from_millis(timeout_ms), ..Config::default() }
+    Config {
+        timeout: Duration::from_millis(timeout_ms),
+        ..Config::default()
+    }
 }
 
 struct Rng(u64);
@@ -30,7 +33,9 @@ impl Rng {
 
 /// Byte `i` of the stream from rank `s` to rank `d`.
 fn pattern(s: usize, d: usize, i: usize) -> u8 {
-    ((i ^ (i >> 9) ^ (i >> 17)) as u8).wrapping_mul(31).wrapping_add((s * 16 + d) as u8)
+    ((i ^ (i >> 9) ^ (i >> 17)) as u8)
+        .wrapping_mul(31)
+        .wrapping_add((s * 16 + d) as u8)
 }
 
 fn all_peers(me: usize, n: usize) -> Vec<(usize, IpAddr)> {
@@ -40,13 +45,16 @@ fn all_peers(me: usize, n: usize) -> Vec<(usize, IpAddr)> {
 /// Streams `len` bytes to every peer and checks `len` bytes from each, all at once, with
 /// random chunk sizes and random partial consumption.
 fn stream_all(me: usize, links: &mut [(usize, Box<dyn Link>)], len: usize) {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (me as u64 + 1) * 0x1234_5678);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((me as u64 + 1) * 0x1234_5678));
     let mut sent = vec![0usize; links.len()];
     let mut got = vec![0usize; links.len()];
     let mut chunk = vec![0u8; 300_000];
     let deadline = Instant::now() + Duration::from_secs(60);
     while sent.iter().chain(&got).any(|&x| x < len) {
-        assert!(Instant::now() < deadline, "rank {me}: stuck at sent {sent:?} got {got:?}");
+        assert!(
+            Instant::now() < deadline,
+            "rank {me}: stuck at sent {sent:?} got {got:?}"
+        );
         let mut progress = false;
         for (i, (peer, link)) in links.iter_mut().enumerate() {
             let peer = *peer;
@@ -71,7 +79,12 @@ fn stream_all(me: usize, links: &mut [(usize, Box<dyn Link>)], len: usize) {
                             _ => (mode as usize >> 8) % (data.len() + 1),
                         };
                         for (j, &b) in data[..take].iter().enumerate() {
-                            assert_eq!(b, pattern(peer, me, *off + j), "rank {me} from {peer} at {}", *off + j);
+                            assert_eq!(
+                                b,
+                                pattern(peer, me, *off + j),
+                                "rank {me} from {peer} at {}",
+                                *off + j
+                            );
                         }
                         *off += take;
                         take
@@ -84,11 +97,17 @@ fn stream_all(me: usize, links: &mut [(usize, Box<dyn Link>)], len: usize) {
             let mut fds: Vec<rustix::event::PollFd> = links
                 .iter()
                 .map(|(_, l)| match l.recv_wait() {
-                    WaitSource::Fd(fd) => rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN | rustix::event::PollFlags::OUT),
+                    WaitSource::Fd(fd) => rustix::event::PollFd::from_borrowed_fd(
+                        fd,
+                        rustix::event::PollFlags::IN | rustix::event::PollFlags::OUT,
+                    ),
                     WaitSource::Doorbell(_) => panic!("TCP links wait on sockets"),
                 })
                 .collect();
-            let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 5_000_000 };
+            let ts = rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 5_000_000,
+            };
             let _ = rustix::event::poll(&mut fds, Some(&ts));
         }
     }
@@ -103,7 +122,10 @@ fn four_ranks_stream_both_ways() {
             thread::spawn(move || {
                 let me = ex.rank();
                 let mut links = connect(&mut ex, &all_peers(me, 4), &SECRET, &cfg(20_000)).unwrap();
-                assert_eq!(links.iter().map(|(r, _)| *r).collect::<Vec<_>>(), all_peers(me, 4).iter().map(|p| p.0).collect::<Vec<_>>());
+                assert_eq!(
+                    links.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+                    all_peers(me, 4).iter().map(|p| p.0).collect::<Vec<_>>()
+                );
                 assert!(links.iter().all(|(_, l)| l.kind() == TransportKind::Tcp));
                 stream_all(me, &mut links, len);
                 // Nothing may be left over.
@@ -222,7 +244,11 @@ fn strangers_are_refused_and_real_links_form() {
         .into_iter()
         .map(|inner| {
             let pause = Duration::from_millis(if inner.rank() == 0 { 0 } else { 400 });
-            let mut ex = Spy { inner, tx: tx.clone(), pause };
+            let mut ex = Spy {
+                inner,
+                tx: tx.clone(),
+                pause,
+            };
             thread::spawn(move || {
                 let me = ex.rank();
                 let mut links = connect(&mut ex, &all_peers(me, 3), &SECRET, &cfg(20_000)).unwrap();
@@ -240,13 +266,33 @@ fn strangers_are_refused_and_real_links_form() {
     let _ = g.write_all(&[0x55; 4096]);
     // Wrong secret.
     let s = TcpStream::connect(addr).unwrap();
-    let h = Hello { rank: 2, purpose: Purpose::Data, tag: auth::comm_tag(&SECRET) };
-    let r = auth::client_handshake(&mut Deadlined::new(&s, Instant::now() + Duration::from_secs(5)), &[0; 16], &h, 2, "rank 0");
+    let h = Hello {
+        rank: 2,
+        purpose: Purpose::Data,
+        tag: auth::comm_tag(&SECRET),
+    };
+    let r = auth::client_handshake(
+        &mut Deadlined::new(&s, Instant::now() + Duration::from_secs(5)),
+        &[0; 16],
+        &h,
+        2,
+        "rank 0",
+    );
     assert!(matches!(r, Err(Error::Auth { .. })), "{r:?}");
     // Right secret, but for the rendezvous, not data.
     let s = TcpStream::connect(addr).unwrap();
-    let h = Hello { rank: 2, purpose: Purpose::Rendezvous, tag: auth::comm_tag(&SECRET) };
-    let r = auth::client_handshake(&mut Deadlined::new(&s, Instant::now() + Duration::from_secs(5)), &SECRET, &h, 2, "rank 0");
+    let h = Hello {
+        rank: 2,
+        purpose: Purpose::Rendezvous,
+        tag: auth::comm_tag(&SECRET),
+    };
+    let r = auth::client_handshake(
+        &mut Deadlined::new(&s, Instant::now() + Duration::from_secs(5)),
+        &SECRET,
+        &h,
+        2,
+        "rank 0",
+    );
     assert!(matches!(r, Err(Error::Auth { .. })), "{r:?}");
     for h in hs {
         h.join().unwrap();
@@ -256,7 +302,11 @@ fn strangers_are_refused_and_real_links_form() {
 
 #[test]
 fn unreachable_peer_fails_with_connect_error() {
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let dead = SocketAddr::new(LO, port);
     let mut group = LocalExchange::group(2);
     let mut ex1 = group.pop().unwrap();
@@ -271,7 +321,12 @@ fn unreachable_peer_fails_with_connect_error() {
     fake.join().unwrap();
     assert!(start.elapsed() >= Duration::from_millis(450));
     match &e {
-        Error::Connect { rank: 1, peer: 0, addr, .. } => assert_eq!(addr, &dead.to_string()),
+        Error::Connect {
+            rank: 1,
+            peer: 0,
+            addr,
+            ..
+        } => assert_eq!(addr, &dead.to_string()),
         e => panic!("{e}"),
     }
 }
@@ -289,7 +344,11 @@ fn peer_that_never_connects_times_out() {
     };
     fake.join().unwrap();
     match e {
-        Error::Timeout { rank: 0, waiting_on, .. } => assert_eq!(waiting_on, vec![1]),
+        Error::Timeout {
+            rank: 0,
+            waiting_on,
+            ..
+        } => assert_eq!(waiting_on, vec![1]),
         e => panic!("{e}"),
     }
 }
@@ -297,19 +356,38 @@ fn peer_that_never_connects_times_out() {
 #[test]
 fn bad_arguments_and_asymmetric_peers() {
     let mut ex = LocalExchange::group(1).pop().unwrap();
-    assert!(matches!(connect(&mut ex, &[(0, LO)], &SECRET, &cfg(100)), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        connect(&mut ex, &[(0, LO)], &SECRET, &cfg(100)),
+        Err(Error::InvalidArgument { .. })
+    ));
     let mut g = LocalExchange::group(2);
     let mut ex1 = g.pop().unwrap();
     let mut ex0 = g.pop().unwrap();
-    assert!(matches!(connect(&mut ex0, &[(1, LO), (1, LO)], &SECRET, &cfg(100)), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        connect(&mut ex0, &[(1, LO), (1, LO)], &SECRET, &cfg(100)),
+        Err(Error::InvalidArgument { .. })
+    ));
     // Rank 0 wants rank 1, rank 1 wants nobody.
-    let t = thread::spawn(move || connect(&mut ex1, &[], &SECRET, &cfg(1000)).map(|l| l.len()).unwrap_err());
+    let t = thread::spawn(move || {
+        connect(&mut ex1, &[], &SECRET, &cfg(1000))
+            .map(|l| l.len())
+            .unwrap_err()
+    });
     match connect(&mut ex0, &[(1, LO)], &SECRET, &cfg(1000)) {
-        Err(Error::Protocol { rank: 0, peer: 1, .. }) => {}
+        Err(Error::Protocol {
+            rank: 0, peer: 1, ..
+        }) => {}
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("connected"),
     }
-    assert!(matches!(t.join().unwrap(), Error::Protocol { rank: 1, peer: 0, .. }));
+    assert!(matches!(
+        t.join().unwrap(),
+        Error::Protocol {
+            rank: 1,
+            peer: 0,
+            ..
+        }
+    ));
 }
 
 #[test]
