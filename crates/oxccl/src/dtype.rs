@@ -73,7 +73,10 @@ impl DataType {
 
     /// True for the floating-point types.
     pub const fn is_float(self) -> bool {
-        matches!(self, DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64)
+        matches!(
+            self,
+            DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64
+        )
     }
 }
 

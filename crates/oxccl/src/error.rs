@@ -115,7 +115,9 @@ pub enum Error {
         msg: String,
     },
     /// Ranks called different collectives, or the same one with different arguments.
-    #[error("rank {rank}: call #{seq} mismatch: this rank called {mine}, rank {peer} called {theirs}")]
+    #[error(
+        "rank {rank}: call #{seq} mismatch: this rank called {mine}, rank {peer} called {theirs}"
+    )]
     Mismatch {
         /// The rank that saw the error.
         rank: usize,

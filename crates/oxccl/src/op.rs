@@ -21,7 +21,13 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every op, in NCCL's order.
-    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg];
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+    ];
 
     /// The name nccl-tests prints.
     pub const fn name(self) -> &'static str {
@@ -50,7 +56,11 @@ impl FromStr for ReduceOp {
             "min" => ReduceOp::Min,
             "max" => ReduceOp::Max,
             "avg" | "mean" => ReduceOp::Avg,
-            _ => return Err(format!("unknown reduction op '{s}' (expected sum, prod, min, max or avg)")),
+            _ => {
+                return Err(format!(
+                    "unknown reduction op '{s}' (expected sum, prod, min, max or avg)"
+                ))
+            }
         })
     }
 }

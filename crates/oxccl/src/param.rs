@@ -25,7 +25,9 @@ impl std::str::FromStr for TransportChoice {
             "auto" | "" => Ok(TransportChoice::Auto),
             "shm" => Ok(TransportChoice::Shm),
             "tcp" | "socket" => Ok(TransportChoice::Tcp),
-            _ => Err(format!("unknown transport '{s}' (expected auto, shm or tcp)")),
+            _ => Err(format!(
+                "unknown transport '{s}' (expected auto, shm or tcp)"
+            )),
         }
     }
 }
@@ -71,12 +73,19 @@ impl Default for Config {
 }
 
 /// Reads `name` and parses it with `parse`; a malformed value is an error naming it.
-fn env_parse<T>(name: &str, parse: impl FnOnce(&str) -> std::result::Result<T, String>) -> Result<Option<T>> {
+fn env_parse<T>(
+    name: &str,
+    parse: impl FnOnce(&str) -> std::result::Result<T, String>,
+) -> Result<Option<T>> {
     match std::env::var(name) {
         Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => parse(v.trim()).map(Some).map_err(|e| Error::Env(format!("{name}={v}: {e}"))),
+        Ok(v) => parse(v.trim())
+            .map(Some)
+            .map_err(|e| Error::Env(format!("{name}={v}: {e}"))),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(Error::Env(format!("{name} is not valid UTF-8"))),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(Error::Env(format!("{name} is not valid UTF-8")))
+        }
     }
 }
 
@@ -90,14 +99,22 @@ pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
                 'M' => 1 << 20,
                 'G' => 1 << 30,
                 'B' => 1,
-                _ => return Err(format!("unknown size suffix '{c}' in '{s}' (use K, M or G)")),
+                _ => {
+                    return Err(format!(
+                        "unknown size suffix '{c}' in '{s}' (use K, M or G)"
+                    ))
+                }
             };
             (&s[..i], m)
         }
         _ => (s, 1),
     };
-    let n: usize = num.trim().parse().map_err(|_| format!("'{s}' is not a size"))?;
-    n.checked_mul(mult).ok_or_else(|| format!("'{s}' is too large"))
+    let n: usize = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("'{s}' is too large"))
 }
 
 impl Config {
@@ -118,11 +135,15 @@ impl Config {
         }
         if let Some(b) = env_parse("OXCCL_SHM_RING_BYTES", parse_bytes)? {
             if b < 4096 {
-                return Err(Error::Env(format!("OXCCL_SHM_RING_BYTES={b}: at least 4096 bytes")));
+                return Err(Error::Env(format!(
+                    "OXCCL_SHM_RING_BYTES={b}: at least 4096 bytes"
+                )));
             }
             c.shm_ring_bytes = b;
         }
-        if let Some(s) = env_parse("OXCCL_SPIN", |v| v.parse::<u32>().map_err(|e| e.to_string()))? {
+        if let Some(s) = env_parse("OXCCL_SPIN", |v| {
+            v.parse::<u32>().map_err(|e| e.to_string())
+        })? {
             c.spin = s;
         }
         c.host_id = env_parse("OXCCL_HOSTID", |v| Ok(v.to_string()))?;
@@ -130,7 +151,9 @@ impl Config {
         c.algo = env_parse("OXCCL_ALGO", |v| Ok(v.to_ascii_lowercase()))?;
         if let Some(b) = env_parse("OXCCL_CHUNK_BYTES", parse_bytes)? {
             if b < 64 {
-                return Err(Error::Env(format!("OXCCL_CHUNK_BYTES={b}: at least 64 bytes")));
+                return Err(Error::Env(format!(
+                    "OXCCL_CHUNK_BYTES={b}: at least 64 bytes"
+                )));
             }
             c.chunk_bytes = b;
         }

@@ -37,7 +37,10 @@ pub struct DoorbellToken(u32);
 impl Doorbell {
     /// A new doorbell (all zero, which is also the state of fresh shared memory).
     pub const fn new() -> Self {
-        Doorbell { seq: AtomicU32::new(0), sleepers: AtomicU32::new(0) }
+        Doorbell {
+            seq: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
+        }
     }
 
     /// Signals progress; wakes the owner if it sleeps. Cheap when nobody sleeps (one atomic
@@ -135,7 +138,10 @@ mod tests {
             }
             bell.wait(tok, Duration::from_secs(10));
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "woken by the ring, not the timeout");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "woken by the ring, not the timeout"
+        );
         t.join().unwrap();
     }
 

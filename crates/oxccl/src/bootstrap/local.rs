@@ -30,10 +30,18 @@ impl LocalExchange {
     pub fn group(n: usize) -> Vec<LocalExchange> {
         let shared = Arc::new(Shared {
             n,
-            state: Mutex::new(Round { slots: vec![None; n], ..Default::default() }),
+            state: Mutex::new(Round {
+                slots: vec![None; n],
+                ..Default::default()
+            }),
             cv: Condvar::new(),
         });
-        (0..n).map(|rank| LocalExchange { rank, shared: shared.clone() }).collect()
+        (0..n)
+            .map(|rank| LocalExchange {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
     }
 }
 
@@ -53,7 +61,11 @@ impl Exchange for LocalExchange {
         st.slots[self.rank] = Some(mine.to_vec());
         st.arrived += 1;
         if st.arrived == sh.n {
-            let all: Vec<Vec<u8>> = st.slots.iter_mut().map(|s| s.take().unwrap_or_default()).collect();
+            let all: Vec<Vec<u8>> = st
+                .slots
+                .iter_mut()
+                .map(|s| s.take().unwrap_or_default())
+                .collect();
             st.result = Arc::new(all);
             st.arrived = 0;
             st.generation += 1;
