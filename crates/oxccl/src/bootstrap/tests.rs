@@ -76,6 +76,14 @@ fn world_of_one() {
     assert_eq!(b.allgather(b"x").unwrap(), vec![b"x".to_vec()]);
     assert_eq!(b.peers().len(), 1);
     assert!(!format!("{b:?}").contains(&format!("{:?}", id.secret)));
+    assert!(matches!(
+        Bootstrap::init(&id, 1, 1, &cfg(100)),
+        Err(Error::InvalidArgument { rank: 1, .. })
+    ));
+    assert!(matches!(
+        Bootstrap::init(&id, 0, 0, &cfg(100)),
+        Err(Error::InvalidArgument { .. })
+    ));
 }
 
 #[test]

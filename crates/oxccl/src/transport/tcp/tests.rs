@@ -399,3 +399,31 @@ fn blob_round_trip() {
         assert_eq!(decode_blob(&b[..cut]), None);
     }
 }
+
+#[test]
+fn bootstrap_then_tcp_links() {
+    use crate::bootstrap::{Bootstrap, UniqueId};
+    let id = UniqueId::new_on(LO).unwrap();
+    let hs: Vec<_> = (0..3)
+        .map(|r| {
+            let id = id.clone();
+            thread::spawn(move || {
+                let c = cfg(20_000);
+                let mut boot = Bootstrap::init(&id, r, 3, &c).unwrap();
+                let peers: Vec<(usize, IpAddr)> = boot
+                    .peers()
+                    .iter()
+                    .filter(|p| p.rank != r)
+                    .map(|p| (p.rank, p.ip))
+                    .collect();
+                let secret = *boot.secret();
+                let mut links = connect(&mut boot, &peers, &secret, &c).unwrap();
+                stream_all(r, &mut links, 200_000);
+                boot.barrier().unwrap();
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+}
