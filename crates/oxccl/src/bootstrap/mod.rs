@@ -2,22 +2,35 @@
 //!
 //! Rank 0 hosts the rendezvous at the address in the [`UniqueId`] (or `MASTER_ADDR:MASTER_PORT`
 //! / `OXCCL_ROOT` under a launcher). Every rank connects to it, proves that it knows the
-//! secret, and sends its [`PeerInfo`]; rank 0 answers with everyone's. The connections stay
-//! open for the life of the communicator and carry small out-of-band exchanges
-//! ([`Bootstrap::allgather`], [`Bootstrap::barrier`]) that transports use to set up their links.
+//! secret ([`auth`]), and sends its [`PeerInfo`]; rank 0 answers with everyone's. The
+//! connections stay open for the life of the communicator and carry small out-of-band
+//! exchanges ([`Exchange::allgather`], [`Exchange::barrier`]) that transports use to set up
+//! their links: every rank sends its contribution to rank 0, which sends the concatenation
+//! back.
 
 pub mod auth;
 pub mod env;
 pub mod local;
 mod unique_id;
 
-use std::net::IpAddr;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
 
 pub use env::LaunchEnv;
-pub use unique_id::UniqueId;
+pub use unique_id::{default_ip, UniqueId};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::param::Config;
+use auth::{Deadlined, Hello, Purpose, Verdict};
+
+/// Largest frame a rank accepts on a bootstrap connection (an allgather result).
+pub const MAX_FRAME: usize = 256 << 20;
+/// Largest join message (a [`PeerInfo`]) rank 0 accepts.
+const MAX_JOIN: usize = 64 << 10;
+/// Longest host id or host name a [`PeerInfo`] may carry.
+const MAX_NAME: usize = 4096;
+const JOIN_VERSION: u8 = 1;
 
 /// What each rank tells the others at rendezvous.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,6 +46,156 @@ pub struct PeerInfo {
     /// The address this rank's data connections listen on (the interface that routes to the
     /// rendezvous, or `OXCCL_SOCKET_IFNAME`'s).
     pub ip: IpAddr,
+}
+
+impl PeerInfo {
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&(self.rank as u32).to_le_bytes());
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        encode_ip(self.ip, out);
+        for s in [&self.host_id, &self.hostname] {
+            let b = &s.as_bytes()[..s.len().min(MAX_NAME)];
+            out.extend_from_slice(&(b.len() as u16).to_le_bytes());
+            out.extend_from_slice(b);
+        }
+    }
+
+    fn decode(r: &mut &[u8]) -> Option<PeerInfo> {
+        let rank = take_u32(r)? as usize;
+        let pid = take_u32(r)?;
+        let ip = decode_ip(r)?;
+        let mut strs = [String::new(), String::new()];
+        for s in &mut strs {
+            let len = u16::from_le_bytes(take(r, 2)?.try_into().ok()?) as usize;
+            *s = String::from_utf8(take(r, len)?.to_vec()).ok()?;
+        }
+        let [host_id, hostname] = strs;
+        Some(PeerInfo {
+            rank,
+            host_id,
+            hostname,
+            pid,
+            ip,
+        })
+    }
+}
+
+fn take<'a>(r: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    if r.len() < n {
+        return None;
+    }
+    let (a, b) = r.split_at(n);
+    *r = b;
+    Some(a)
+}
+
+fn take_u32(r: &mut &[u8]) -> Option<u32> {
+    Some(u32::from_le_bytes(take(r, 4)?.try_into().ok()?))
+}
+
+fn take_u64(r: &mut &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(take(r, 8)?.try_into().ok()?))
+}
+
+/// Writes an address as a family byte (4 or 6) and 16 address bytes.
+pub(crate) fn encode_ip(ip: IpAddr, out: &mut Vec<u8>) {
+    let mut b = [0u8; 16];
+    match ip {
+        IpAddr::V4(v) => {
+            out.push(4);
+            b[..4].copy_from_slice(&v.octets());
+        }
+        IpAddr::V6(v) => {
+            out.push(6);
+            b.copy_from_slice(&v.octets());
+        }
+    }
+    out.extend_from_slice(&b);
+}
+
+/// Reads what [`encode_ip`] wrote.
+pub(crate) fn decode_ip(r: &mut &[u8]) -> Option<IpAddr> {
+    let fam = take(r, 1)?[0];
+    let b: [u8; 16] = take(r, 16)?.try_into().ok()?;
+    match fam {
+        4 => Some(IpAddr::V4(Ipv4Addr::new(b[0], b[1], b[2], b[3]))),
+        6 => Some(IpAddr::V6(Ipv6Addr::from(b))),
+        _ => None,
+    }
+}
+
+/// This host's identity for deciding who shares memory: `cfg.host_id` (`OXCCL_HOSTID`) if
+/// set, else `hostname:boot_id:dev:inode`, where the boot id comes from
+/// `/proc/sys/kernel/random/boot_id` and the device and inode are those of `/dev/shm` (so
+/// containers with separate `/dev/shm` mounts do not count as one host).
+pub fn local_host_id(cfg: &Config) -> String {
+    if let Some(h) = &cfg.host_id {
+        return h.clone();
+    }
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "noboot".into());
+    let shm = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/dev/shm")
+            .map(|m| format!("{}:{}", m.dev(), m.ino()))
+            .unwrap_or_else(|_| "noshm".into())
+    };
+    format!("{}:{boot}:{shm}", hostname())
+}
+
+fn hostname() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The address this rank's data connections should listen on: the first address of the
+/// interface `cfg.socket_ifname` names (preferring `toward`'s address family), else the
+/// local address of a UDP socket "connected" to `toward` (which picks the route without
+/// sending anything; no host name is looked up). An unknown interface name is an
+/// [`Error::Env`] listing the interfaces that exist.
+pub fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
+    if let Some(name) = &cfg.socket_ifname {
+        let ifs = if_addrs::get_if_addrs().map_err(|e| {
+            Error::Env(format!(
+                "OXCCL_SOCKET_IFNAME={name}: cannot list network interfaces: {e}"
+            ))
+        })?;
+        let mine: Vec<IpAddr> = ifs
+            .iter()
+            .filter(|i| &i.name == name)
+            .map(|i| i.ip())
+            .collect();
+        return mine.iter().find(|ip| ip.is_ipv4() == toward.is_ipv4()).or(mine.first()).copied().ok_or_else(|| {
+            let mut names: Vec<&str> = ifs.iter().map(|i| i.name.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            Error::Env(format!("OXCCL_SOCKET_IFNAME={name}: no such interface with an address; this host has: {}", names.join(", ")))
+        });
+    }
+    let bind: SocketAddr = if toward.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let probe = || -> io::Result<IpAddr> {
+        let s = UdpSocket::bind(bind)?;
+        s.connect(toward)?;
+        Ok(s.local_addr()?.ip())
+    };
+    match probe() {
+        Ok(ip) if !ip.is_unspecified() => Ok(ip),
+        Ok(_) => Ok(if toward.is_ipv4() {
+            Ipv4Addr::LOCALHOST.into()
+        } else {
+            Ipv6Addr::LOCALHOST.into()
+        }),
+        Err(e) => Err(Error::Env(format!(
+            "no route to {toward} to pick a local address ({e}); set OXCCL_SOCKET_IFNAME"
+        ))),
+    }
 }
 
 /// Out-of-band exchange between the ranks of a communicator: what transports use to set up
@@ -52,68 +215,542 @@ pub trait Exchange: Send {
     }
 }
 
+enum Links {
+    /// Rank 0: a connection to every other rank, indexed by rank (`None` at 0).
+    Root(Vec<Option<TcpStream>>),
+    /// Other ranks: the connection to rank 0.
+    Member(TcpStream),
+}
+
 /// A rank's connection to the rendezvous, kept open for out-of-band exchanges.
 pub struct Bootstrap {
-    _private: (),
+    rank: usize,
+    world_size: usize,
+    peers: Vec<PeerInfo>,
+    secret: [u8; 16],
+    root: SocketAddr,
+    timeout: Duration,
+    links: Links,
+    seq: u64,
+}
+
+impl std::fmt::Debug for Bootstrap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.debug_struct("Bootstrap")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("root", &self.root)
+            .field("comm_tag", &format_args!("{:016x}", self.comm_tag()))
+            .finish_non_exhaustive()
+    }
+}
+
+fn set_timeouts(s: &TcpStream, t: Duration) -> io::Result<()> {
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(t))?;
+    s.set_write_timeout(Some(t))?;
+    s.set_nodelay(true)
 }
 
 impl Bootstrap {
     /// Joins the rendezvous of `id` as `rank` of `world_size`; blocks until every rank has
     /// joined or `cfg.timeout` passes.
-    pub fn init(
-        _id: &UniqueId,
-        _rank: usize,
-        _world_size: usize,
-        _cfg: &Config,
-    ) -> Result<Bootstrap> {
-        todo!("bootstrap")
+    ///
+    /// Rank 0 takes over the listener [`UniqueId::new`] left in this process for `id.addr`,
+    /// or binds `id.addr`; it authenticates every connection, refuses strangers and goes on,
+    /// and fails with [`Error::Rendezvous`] when two connections claim one rank or a rank
+    /// has another world size (telling the ranks already joined). The other ranks connect
+    /// with retries until `cfg.timeout`, then fail with [`Error::Connect`].
+    pub fn init(id: &UniqueId, rank: usize, world_size: usize, cfg: &Config) -> Result<Bootstrap> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::InvalidArgument {
+                rank,
+                call: "init",
+                seq: 0,
+                msg: format!("rank {rank} is not below world size {world_size}"),
+            });
+        }
+        let me = PeerInfo {
+            rank,
+            host_id: local_host_id(cfg),
+            hostname: hostname(),
+            pid: std::process::id(),
+            ip: local_ip(cfg, id.addr)?,
+        };
+        if me.host_id.len() > MAX_NAME {
+            return Err(Error::Env(format!(
+                "OXCCL_HOSTID is longer than {MAX_NAME} bytes"
+            )));
+        }
+        let deadline = Instant::now() + cfg.timeout;
+        let mut b = Bootstrap {
+            rank,
+            world_size,
+            peers: Vec::new(),
+            secret: id.secret,
+            root: id.addr,
+            timeout: cfg.timeout,
+            links: Links::Root(Vec::new()),
+            seq: 0,
+        };
+        if rank == 0 {
+            b.init_root(me, deadline)?;
+        } else {
+            b.init_member(me, deadline)?;
+        }
+        tracing::debug!(
+            "rank {rank}/{world_size}: rendezvous at {} complete",
+            id.addr
+        );
+        Ok(b)
+    }
+
+    fn rz_err(&self, msg: impl Into<String>) -> Error {
+        Error::Rendezvous {
+            rank: self.rank,
+            addr: self.root.to_string(),
+            msg: msg.into(),
+        }
+    }
+
+    fn bind_root(&self) -> Result<TcpListener> {
+        if let Some(l) = unique_id::take_parked(self.root) {
+            return Ok(l);
+        }
+        if self.root.port() == 0 {
+            return Err(self.rz_err("the rendezvous address has port 0 and no listener of UniqueId::new in this process"));
+        }
+        let bind = |addr: SocketAddr| -> io::Result<TcpListener> {
+            let s = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                None,
+            )?;
+            s.set_reuse_address(true)?;
+            s.bind(&addr.into())?;
+            s.listen(128)?;
+            Ok(s.into())
+        };
+        match bind(self.root) {
+            Ok(l) => Ok(l),
+            Err(e) if e.kind() == io::ErrorKind::AddrNotAvailable => {
+                let any: IpAddr = if self.root.is_ipv4() {
+                    Ipv4Addr::UNSPECIFIED.into()
+                } else {
+                    Ipv6Addr::UNSPECIFIED.into()
+                };
+                tracing::warn!(
+                    "rank 0: {} is not an address of this host; listening on {any}:{} instead",
+                    self.root.ip(),
+                    self.root.port()
+                );
+                bind(SocketAddr::new(any, self.root.port())).map_err(|source| Error::Io {
+                    rank: 0,
+                    context: format!("binding the rendezvous port {}", self.root.port()),
+                    source,
+                })
+            }
+            Err(source) => Err(Error::Io {
+                rank: 0,
+                context: format!("binding the rendezvous address {}", self.root),
+                source,
+            }),
+        }
+    }
+
+    fn init_root(&mut self, me: PeerInfo, deadline: Instant) -> Result<()> {
+        let n = self.world_size;
+        let listener = self.bind_root()?;
+        let mut conns: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+        let mut infos: Vec<Option<PeerInfo>> = vec![None; n];
+        infos[0] = Some(me);
+        if n > 1 {
+            let (secret, tag, root) = (self.secret, self.comm_tag(), self.root);
+            let handshake = move |stream: TcpStream,
+                                  from: SocketAddr|
+                  -> Result<(Hello, Vec<u8>, TcpStream, SocketAddr)> {
+                let addr = from.to_string();
+                let mut d = Deadlined::new(&stream, Instant::now() + auth::HANDSHAKE_TIMEOUT);
+                let hello =
+                    auth::server_handshake(&mut d, &secret, Purpose::Rendezvous, tag, 0, &addr)?;
+                let join = auth::send_verdict(&mut d, Verdict::Accepted)
+                    .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
+                    .map_err(|e| Error::Rendezvous {
+                        rank: 0,
+                        addr: root.to_string(),
+                        msg: format!("reading the join message of {addr}: {e}"),
+                    })?;
+                Ok((hello, join, stream, from))
+            };
+            let mut joined = 1;
+            let mut offender: Option<TcpStream> = None;
+            let world = n;
+            let res = auth::accept_loop(
+                &listener,
+                deadline,
+                &std::sync::atomic::AtomicBool::new(false),
+                handshake,
+                |(hello, join, stream, from)| {
+                    let fail = |msg: String, off: &mut Option<TcpStream>, s: TcpStream| {
+                        *off = Some(s);
+                        Err(Error::Rendezvous {
+                            rank: 0,
+                            addr: root.to_string(),
+                            msg,
+                        })
+                    };
+                    let mut r = &join[..];
+                    let parsed = (|| {
+                        if take(&mut r, 1)?[0] != JOIN_VERSION {
+                            return None;
+                        }
+                        let ws = take_u32(&mut r)? as usize;
+                        Some((ws, PeerInfo::decode(&mut r)?))
+                    })();
+                    let Some((ws, info)) = parsed else {
+                        return fail(
+                            format!(
+                                "malformed join message from {from} (claiming rank {})",
+                                hello.rank
+                            ),
+                            &mut offender,
+                            stream,
+                        );
+                    };
+                    if ws != world || info.rank != hello.rank {
+                        return fail(
+                        format!("rank {} at {from} was started with world size {ws}, rank 0 with {world}", info.rank),
+                        &mut offender,
+                        stream,
+                    );
+                    }
+                    if info.rank == 0 || info.rank >= world || infos[info.rank].is_some() {
+                        let first = infos
+                            .get(info.rank)
+                            .and_then(|i| i.as_ref())
+                            .map(|i| format!("{} (pid {})", i.hostname, i.pid));
+                        return fail(
+                            format!(
+                            "rank {} joined twice: from {from} ({}, pid {}) and earlier from {}",
+                            info.rank,
+                            info.hostname,
+                            info.pid,
+                            first.unwrap_or_default()
+                        ),
+                            &mut offender,
+                            stream,
+                        );
+                    }
+                    let r = info.rank;
+                    conns[r] = Some(stream);
+                    infos[r] = Some(info);
+                    joined += 1;
+                    Ok(joined == world)
+                },
+            );
+            drop(listener);
+            let err = match res {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e),
+                Err(auth::AcceptStop::Deadline) => {
+                    let missing: Vec<usize> = (0..n).filter(|&r| infos[r].is_none()).collect();
+                    Some(Error::Timeout {
+                        rank: 0,
+                        call: "init",
+                        seq: 0,
+                        waiting_on: missing,
+                        elapsed: self.timeout,
+                    })
+                }
+                Err(auth::AcceptStop::Io(source)) => Some(Error::Io {
+                    rank: 0,
+                    context: format!("accepting on the rendezvous address {}", self.root),
+                    source,
+                }),
+            };
+            if let Some(e) = err {
+                // Tell everyone who joined (and the offender) why the rendezvous failed.
+                let mut msg = vec![1u8];
+                msg.extend_from_slice(e.to_string().as_bytes());
+                for s in conns.iter_mut().flatten().chain(offender.as_mut()) {
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = auth::write_frame(s, &msg);
+                }
+                return Err(e);
+            }
+        }
+        let peers: Vec<PeerInfo> = infos.into_iter().flatten().collect();
+        let mut table = vec![0u8];
+        table.extend_from_slice(&(n as u32).to_le_bytes());
+        for p in &peers {
+            p.encode(&mut table);
+        }
+        for (r, s) in conns.iter_mut().enumerate() {
+            if let Some(s) = s {
+                set_timeouts(s, self.timeout)
+                    .and_then(|_| auth::write_frame(s, &table))
+                    .map_err(|e| self.lost(r, "init", e))?;
+            }
+        }
+        self.peers = peers;
+        self.links = Links::Root(conns);
+        Ok(())
+    }
+
+    fn init_member(&mut self, me: PeerInfo, deadline: Instant) -> Result<()> {
+        let addr = self.root.to_string();
+        let hello = Hello {
+            rank: self.rank,
+            purpose: Purpose::Rendezvous,
+            tag: self.comm_tag(),
+        };
+        let mut join = vec![JOIN_VERSION];
+        join.extend_from_slice(&(self.world_size as u32).to_le_bytes());
+        me.encode(&mut join);
+        let mut last_err = String::from("no attempt made");
+        let mut pause = Duration::from_millis(20);
+        let stream = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Connect {
+                    rank: self.rank,
+                    peer: 0,
+                    addr,
+                    timeout: self.timeout,
+                    reason: last_err,
+                });
+            }
+            match TcpStream::connect_timeout(&self.root, left.min(Duration::from_secs(5))) {
+                Ok(s) => {
+                    let mut d = Deadlined::new(&s, deadline);
+                    match auth::client_handshake(&mut d, &self.secret, &hello, self.rank, &addr) {
+                        Ok(()) => break s,
+                        // Wrong secret or refused: retrying cannot help.
+                        Err(e @ Error::Auth { .. }) => return Err(e),
+                        Err(e) => last_err = e.to_string(),
+                    }
+                }
+                Err(e) => last_err = e.to_string(),
+            }
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(500));
+        };
+        let mut d = Deadlined::new(&stream, deadline);
+        auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
+        let table = auth::read_frame(&mut d, MAX_FRAME).map_err(|e| match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => self.rz_err(format!(
+                "rank 0 did not send the peer table within {:?}: some rank has not joined",
+                self.timeout
+            )),
+            _ => self.lost(0, "init", e),
+        })?;
+        let mut r = &table[..];
+        match take(&mut r, 1) {
+            Some([0]) => {}
+            Some([1]) => {
+                return Err(self.rz_err(format!(
+                    "rank 0 failed the rendezvous: {}",
+                    String::from_utf8_lossy(r)
+                )))
+            }
+            _ => return Err(self.proto(0, "init", "malformed peer table")),
+        }
+        let n =
+            take_u32(&mut r).ok_or_else(|| self.proto(0, "init", "malformed peer table"))? as usize;
+        if n != self.world_size {
+            return Err(self.rz_err(format!(
+                "rank 0 has world size {n}, this rank {}",
+                self.world_size
+            )));
+        }
+        let mut peers = Vec::with_capacity(n);
+        for i in 0..n {
+            match PeerInfo::decode(&mut r) {
+                Some(p) if p.rank == i => peers.push(p),
+                _ => return Err(self.proto(0, "init", "malformed peer table")),
+            }
+        }
+        set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
+        self.peers = peers;
+        self.links = Links::Member(stream);
+        Ok(())
+    }
+
+    fn proto(&self, peer: usize, call: &'static str, msg: &str) -> Error {
+        Error::Protocol {
+            rank: self.rank,
+            peer,
+            call,
+            seq: self.seq,
+            msg: msg.into(),
+        }
+    }
+
+    /// Turns an I/O error on the connection to `peer` into the error that says what it means.
+    fn lost(&self, peer: usize, call: &'static str, e: io::Error) -> Error {
+        match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Timeout {
+                rank: self.rank,
+                call,
+                seq: self.seq,
+                waiting_on: vec![peer],
+                elapsed: self.timeout,
+            },
+            io::ErrorKind::InvalidData => self.proto(peer, call, &e.to_string()),
+            io::ErrorKind::UnexpectedEof => Error::PeerLost {
+                rank: self.rank,
+                peer,
+                call,
+                seq: self.seq,
+                reason: "bootstrap connection closed".into(),
+            },
+            _ => Error::PeerLost {
+                rank: self.rank,
+                peer,
+                call,
+                seq: self.seq,
+                reason: format!("bootstrap connection: {e}"),
+            },
+        }
     }
 
     /// This rank.
     pub fn rank(&self) -> usize {
-        todo!()
+        self.rank
     }
 
     /// The number of ranks.
     pub fn world_size(&self) -> usize {
-        todo!()
+        self.world_size
     }
 
     /// Every rank's [`PeerInfo`], indexed by rank.
     pub fn peers(&self) -> &[PeerInfo] {
-        todo!()
-    }
-
-    /// A per-communicator tag derived from the secret (names shared-memory segments).
-    pub fn comm_tag(&self) -> u64 {
-        todo!()
+        &self.peers
     }
 
     /// The communicator's secret (from the [`UniqueId`]).
     pub fn secret(&self) -> &[u8; 16] {
-        todo!()
+        &self.secret
     }
 
-    /// Every rank contributes `mine`; every rank gets all contributions, indexed by rank.
-    /// Collective: every rank must call it.
-    pub fn allgather(&mut self, _mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        todo!()
+    /// A 64-bit tag naming this communicator, derived from its secret (it reveals nothing of
+    /// the secret): for naming shared-memory segments and telling communicators apart.
+    pub fn comm_tag(&self) -> u64 {
+        auth::comm_tag(&self.secret)
     }
 
-    /// Returns once every rank has called it.
+    /// Forwards to [`Exchange::allgather`].
+    pub fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        <Self as Exchange>::allgather(self, mine)
+    }
+
+    /// Forwards to [`Exchange::barrier`].
     pub fn barrier(&mut self) -> Result<()> {
-        self.allgather(&[]).map(|_| ())
+        <Self as Exchange>::barrier(self)
     }
 }
+
+const CALL: &str = "bootstrap_allgather";
 
 impl Exchange for Bootstrap {
     fn rank(&self) -> usize {
-        todo!()
+        self.rank
     }
+
     fn world_size(&self) -> usize {
-        todo!()
+        self.world_size
     }
-    fn allgather(&mut self, _mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        todo!()
+
+    fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.seq += 1;
+        let seq = self.seq;
+        let mut links = std::mem::replace(&mut self.links, Links::Root(Vec::new()));
+        let res = match &mut links {
+            Links::Root(conns) => self.allgather_root(conns, mine, seq),
+            Links::Member(s) => self.allgather_member(s, mine, seq),
+        };
+        self.links = links;
+        res
     }
 }
+
+impl Bootstrap {
+    fn allgather_root(
+        &self,
+        conns: &mut [Option<TcpStream>],
+        mine: &[u8],
+        seq: u64,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut all = Vec::with_capacity(self.world_size);
+        all.push(mine.to_vec());
+        for (r, c) in conns.iter_mut().enumerate().skip(1) {
+            let s = c
+                .as_mut()
+                .ok_or_else(|| self.lost(r, CALL, io::ErrorKind::NotConnected.into()))?;
+            let f = auth::read_frame(s, MAX_FRAME).map_err(|e| self.lost(r, CALL, e))?;
+            let mut rd = &f[..];
+            match take_u64(&mut rd) {
+                Some(s) if s == seq => all.push(rd.to_vec()),
+                Some(s) => {
+                    return Err(self.proto(
+                        r,
+                        CALL,
+                        &format!("rank {r} is at bootstrap exchange #{s}, rank 0 at #{seq}"),
+                    ))
+                }
+                None => return Err(self.proto(r, CALL, "short message")),
+            }
+        }
+        let total: usize = all.iter().map(|v| v.len() + 4).sum::<usize>() + 8;
+        if total > MAX_FRAME {
+            return Err(Error::InvalidArgument {
+                rank: 0,
+                call: CALL,
+                seq,
+                msg: format!("{total} bytes in all exceed the bootstrap limit of {MAX_FRAME}"),
+            });
+        }
+        let mut out = Vec::with_capacity(total);
+        out.extend_from_slice(&seq.to_le_bytes());
+        for v in &all {
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            out.extend_from_slice(v);
+        }
+        for (r, c) in conns.iter_mut().enumerate().skip(1) {
+            if let Some(s) = c {
+                auth::write_frame(s, &out).map_err(|e| self.lost(r, CALL, e))?;
+            }
+        }
+        Ok(all)
+    }
+
+    fn allgather_member(&self, s: &mut TcpStream, mine: &[u8], seq: u64) -> Result<Vec<Vec<u8>>> {
+        let mut msg = Vec::with_capacity(mine.len() + 8);
+        msg.extend_from_slice(&seq.to_le_bytes());
+        msg.extend_from_slice(mine);
+        auth::write_frame(s, &msg).map_err(|e| self.lost(0, CALL, e))?;
+        let f = auth::read_frame(s, MAX_FRAME).map_err(|e| self.lost(0, CALL, e))?;
+        let mut r = &f[..];
+        if take_u64(&mut r) != Some(seq) {
+            return Err(self.proto(0, CALL, "answer to another bootstrap exchange"));
+        }
+        let mut all = Vec::with_capacity(self.world_size);
+        for _ in 0..self.world_size {
+            let len = take_u32(&mut r).ok_or_else(|| self.proto(0, CALL, "short answer"))? as usize;
+            all.push(
+                take(&mut r, len)
+                    .ok_or_else(|| self.proto(0, CALL, "short answer"))?
+                    .to_vec(),
+            );
+        }
+        if !r.is_empty() {
+            return Err(self.proto(0, CALL, "trailing bytes in answer"));
+        }
+        Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests;

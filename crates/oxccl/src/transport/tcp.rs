@@ -1,16 +1,481 @@
 //! TCP transport.
+//!
+//! [`connect`] builds one authenticated TCP connection per pair of ranks that need one (the
+//! higher rank connects to the lower); [`TcpLink`] drives it as a non-blocking [`Link`].
 
-use crate::bootstrap::Exchange;
-use crate::error::Result;
+use std::io::{self, Read};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::auth::{self, AcceptStop, Deadlined, Hello, Purpose, Verdict};
+use crate::bootstrap::{decode_ip, encode_ip, local_ip, Exchange};
+use crate::error::{Error, Result};
 use crate::param::Config;
-use crate::transport::Link;
+use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
-/// Placeholder until the TCP transport lands.
-pub fn connect(
-    _ex: &mut dyn Exchange,
-    _peers: &[(usize, std::net::IpAddr)],
-    _secret: &[u8; 16],
-    _cfg: &Config,
-) -> Result<Vec<(usize, Box<dyn Link>)>> {
-    todo!("tcp")
+/// Bytes a [`TcpLink`] reads ahead from its socket.
+pub const RECV_BUFFER: usize = 512 << 10;
+/// Requested kernel socket buffer size, each direction (best effort: the kernel may cap it).
+pub const SOCKET_BUFFER: usize = 4 << 20;
+
+const CALL: &str = "tcp_connect";
+const BLOB_VERSION: u8 = 1;
+
+/// One end of a TCP connection to a peer, non-blocking.
+pub struct TcpLink {
+    stream: TcpStream,
+    peer: usize,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    eof: bool,
 }
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink")
+            .field("peer", &self.peer)
+            .field("local", &self.stream.local_addr().ok())
+            .field("remote", &self.stream.peer_addr().ok())
+            .field("buffered", &(self.end - self.start))
+            .field("eof", &self.eof)
+            .finish()
+    }
+}
+
+impl TcpLink {
+    /// Wraps an established, authenticated connection to `peer` (made non-blocking here).
+    pub fn new(stream: TcpStream, peer: usize) -> io::Result<TcpLink> {
+        tune(&stream);
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        stream.set_nonblocking(true)?;
+        Ok(TcpLink {
+            stream,
+            peer,
+            buf: vec![0u8; RECV_BUFFER].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            eof: false,
+        })
+    }
+
+    /// The rank at the other end.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+}
+
+fn closed(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::NotConnected
+    )
+}
+
+impl Link for TcpLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn try_send(&mut self, data: &[u8]) -> Result<usize, LinkError> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            // MSG_NOSIGNAL: a closed peer must give EPIPE, not kill the process with SIGPIPE.
+            match rustix::net::send(&self.stream, data, rustix::net::SendFlags::NOSIGNAL) {
+                Ok(n) => return Ok(n),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    let e = io::Error::from(e);
+                    return match e.kind() {
+                        io::ErrorKind::WouldBlock => Ok(0),
+                        _ if closed(&e) => {
+                            Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
+                        }
+                        _ => Err(LinkError::Io(e)),
+                    };
+                }
+            }
+        }
+    }
+
+    fn try_recv(&mut self, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, LinkError> {
+        let cap = self.buf.len();
+        let mut total = 0;
+        loop {
+            if self.start == self.end {
+                self.start = 0;
+                self.end = 0;
+            } else if self.end == cap && self.start > 0 {
+                // Keep the unconsumed tail: move it to the front to make room.
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            if self.end < cap && !self.eof {
+                match (&self.stream).read(&mut self.buf[self.end..]) {
+                    Ok(0) => self.eof = true,
+                    Ok(n) => self.end += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) if closed(&e) => {
+                        return Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
+                    }
+                    Err(e) => return Err(LinkError::Io(e)),
+                }
+            }
+            let avail = self.end - self.start;
+            if avail == 0 {
+                if self.eof && total == 0 {
+                    return Err(LinkError::Closed(format!(
+                        "rank {} closed the connection",
+                        self.peer
+                    )));
+                }
+                return Ok(total);
+            }
+            let taken = consume(&self.buf[self.start..self.end]).min(avail);
+            self.start += taken;
+            total += taken;
+            if taken < avail {
+                return Ok(total);
+            }
+        }
+    }
+
+    fn send_wait(&self) -> WaitSource<'_> {
+        WaitSource::Fd(self.stream.as_fd())
+    }
+
+    fn recv_wait(&self) -> WaitSource<'_> {
+        WaitSource::Fd(self.stream.as_fd())
+    }
+}
+
+/// TCP_NODELAY and large socket buffers, best effort.
+fn tune(s: &TcpStream) {
+    let r = socket2::SockRef::from(s);
+    let _ = r.set_tcp_nodelay(true);
+    let _ = r.set_send_buffer_size(SOCKET_BUFFER);
+    let _ = r.set_recv_buffer_size(SOCKET_BUFFER);
+}
+
+fn listen(ip: IpAddr) -> io::Result<TcpListener> {
+    let addr = SocketAddr::new(ip, 0);
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    // Set before listen so that accepted sockets negotiate a large window.
+    let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
+    let _ = s.set_send_buffer_size(SOCKET_BUFFER);
+    s.bind(&addr.into())?;
+    s.listen(128)?;
+    Ok(s.into())
+}
+
+fn dial(addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
+    let _ = s.set_send_buffer_size(SOCKET_BUFFER);
+    let _ = s.set_tcp_nodelay(true);
+    s.connect_timeout(&addr.into(), timeout)?;
+    Ok(s.into())
+}
+
+/// What each rank contributes to the exchange: its data port (if it listens) and the ranks
+/// it expects links with.
+fn encode_blob(listen: Option<SocketAddr>, peers: &[usize]) -> Vec<u8> {
+    let mut b = vec![BLOB_VERSION, listen.is_some() as u8];
+    if let Some(a) = listen {
+        encode_ip(a.ip(), &mut b);
+        b.extend_from_slice(&a.port().to_le_bytes());
+    }
+    b.extend_from_slice(&(peers.len() as u32).to_le_bytes());
+    for p in peers {
+        b.extend_from_slice(&(*p as u32).to_le_bytes());
+    }
+    b
+}
+
+fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
+    let mut r = b;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        if r.len() < n {
+            return None;
+        }
+        let (a, rest) = r.split_at(n);
+        r = rest;
+        Some(a)
+    };
+    if take(1)?[0] != BLOB_VERSION {
+        return None;
+    }
+    let listen = match take(1)?[0] {
+        0 => None,
+        1 => {
+            let mut ipb = take(17)?;
+            let ip = decode_ip(&mut ipb)?;
+            let port = u16::from_le_bytes(take(2)?.try_into().ok()?);
+            Some(SocketAddr::new(ip, port))
+        }
+        _ => return None,
+    };
+    let n = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
+    let mut peers = Vec::with_capacity(n.min(1 << 16));
+    for _ in 0..n {
+        peers.push(u32::from_le_bytes(take(4)?.try_into().ok()?) as usize);
+    }
+    Some((listen, peers))
+}
+
+/// Connects this rank to `peers` (rank and IP of each) over TCP. Collective: every rank of
+/// `ex` must call it, also one with no peers, because it exchanges listen ports through
+/// `ex`. For each pair the higher rank connects to the lower; every connection is
+/// authenticated with `secret` ([`auth`], purpose data); strangers are refused and
+/// accepting goes on. Connects are retried until `cfg.timeout`, then fail with
+/// [`Error::Connect`] naming the rank and address; ranks that never connect to us give
+/// [`Error::Timeout`]. Returns the links ordered by peer rank.
+///
+/// This rank listens on the address of `cfg.socket_ifname`, else on the local address that
+/// routes to its first peer, and tells the peers where; `peers`' addresses pick that route.
+pub fn connect(
+    ex: &mut dyn Exchange,
+    peers: &[(usize, IpAddr)],
+    secret: &[u8; 16],
+    cfg: &Config,
+) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    let me = ex.rank();
+    let n = ex.world_size();
+    let start = Instant::now();
+    let deadline = start + cfg.timeout;
+    let invalid = |msg: String| Error::InvalidArgument {
+        rank: me,
+        call: CALL,
+        seq: 0,
+        msg,
+    };
+    let mut ranks: Vec<usize> = peers.iter().map(|p| p.0).collect();
+    ranks.sort_unstable();
+    for w in ranks.windows(2) {
+        if w[0] == w[1] {
+            return Err(invalid(format!("peer rank {} listed twice", w[0])));
+        }
+    }
+    if let Some(&r) = ranks.iter().find(|&&r| r >= n || r == me) {
+        return Err(invalid(format!(
+            "peer rank {r} is this rank or not below the world size {n}"
+        )));
+    }
+
+    let listener = match peers.first() {
+        Some(&(_, ip)) => {
+            let my_ip = local_ip(cfg, SocketAddr::new(ip, 9))?;
+            Some(listen(my_ip).map_err(|source| Error::Io {
+                rank: me,
+                context: format!("listening on {my_ip}"),
+                source,
+            })?)
+        }
+        None => None,
+    };
+    let listen_addr = match &listener {
+        Some(l) => Some(l.local_addr().map_err(|source| Error::Io {
+            rank: me,
+            context: "reading the listen address".into(),
+            source,
+        })?),
+        None => None,
+    };
+    let all = ex.allgather(&encode_blob(listen_addr, &ranks))?;
+    if all.len() != n {
+        return Err(Error::Protocol {
+            rank: me,
+            peer: 0,
+            call: CALL,
+            seq: 0,
+            msg: format!("exchange returned {} entries for {n} ranks", all.len()),
+        });
+    }
+    let mut lower = Vec::new();
+    for &r in &ranks {
+        let proto = |msg: String| Error::Protocol {
+            rank: me,
+            peer: r,
+            call: CALL,
+            seq: 0,
+            msg,
+        };
+        let (addr, theirs) =
+            decode_blob(&all[r]).ok_or_else(|| proto("malformed port exchange".into()))?;
+        if !theirs.contains(&me) {
+            return Err(proto(format!(
+                "rank {r} does not expect a TCP link to rank {me}"
+            )));
+        }
+        if r < me {
+            lower.push((r, addr.ok_or_else(|| proto("no listen address".into()))?));
+        }
+    }
+    for (r, blob) in all.iter().enumerate() {
+        if r != me
+            && !ranks.contains(&r)
+            && decode_blob(blob).is_some_and(|(_, theirs)| theirs.contains(&me))
+        {
+            return Err(Error::Protocol {
+                rank: me,
+                peer: r,
+                call: CALL,
+                seq: 0,
+                msg: format!(
+                    "rank {r} expects a TCP link to rank {me}, which does not list it as a peer"
+                ),
+            });
+        }
+    }
+    let higher: Vec<usize> = ranks.iter().copied().filter(|&r| r > me).collect();
+    let tag = auth::comm_tag(secret);
+    let cancel = AtomicBool::new(false);
+
+    let (accepted, connected) = std::thread::scope(|scope| {
+        let acceptor = (!higher.is_empty()).then(|| {
+            let (listener, higher, cancel) = (listener.as_ref(), &higher, &cancel);
+            let secret = *secret;
+            scope.spawn(move || -> Result<Vec<(usize, TcpStream)>> {
+                let Some(listener) = listener else { return Ok(Vec::new()) };
+                let mut got: Vec<(usize, TcpStream)> = Vec::new();
+                let handshake = move |s: TcpStream, from: SocketAddr| -> Result<(Hello, TcpStream, SocketAddr)> {
+                    let mut d = Deadlined::new(&s, Instant::now() + auth::HANDSHAKE_TIMEOUT);
+                    let h = auth::server_handshake(&mut d, &secret, Purpose::Data, tag, me, &from.to_string())?;
+                    Ok((h, s, from))
+                };
+                let res = auth::accept_loop(listener, deadline, cancel, handshake, |(h, s, from)| {
+                    let verdict = if !higher.contains(&h.rank) {
+                        Verdict::UnexpectedRank
+                    } else if got.iter().any(|(r, _)| *r == h.rank) {
+                        Verdict::DuplicateRank
+                    } else {
+                        Verdict::Accepted
+                    };
+                    let sent = auth::send_verdict(&mut Deadlined::new(&s, Instant::now() + auth::HANDSHAKE_TIMEOUT), verdict);
+                    match (verdict, sent) {
+                        (Verdict::Accepted, Ok(())) => got.push((h.rank, s)),
+                        (Verdict::Accepted, Err(e)) => tracing::debug!("rank {me}: lost rank {} at {from} after its handshake: {e}", h.rank),
+                        (v, _) => {
+                            tracing::warn!("rank {me}: refused a data connection from {from} claiming rank {}: {v:?}", h.rank);
+                            let _ = s.shutdown(std::net::Shutdown::Both);
+                        }
+                    }
+                    Ok(got.len() == higher.len())
+                });
+                match res {
+                    Ok(Ok(())) => Ok(got),
+                    Ok(Err(e)) => Err(e),
+                    Err(AcceptStop::Deadline) => Err(Error::Timeout {
+                        rank: me,
+                        call: CALL,
+                        seq: 0,
+                        waiting_on: higher.iter().copied().filter(|r| !got.iter().any(|(g, _)| g == r)).collect(),
+                        elapsed: start.elapsed(),
+                    }),
+                    Err(AcceptStop::Io(source)) => Err(Error::Io { rank: me, context: "accepting data connections".into(), source }),
+                }
+            })
+        });
+        let connected = connect_lower(me, &lower, secret, tag, cfg.timeout, deadline);
+        if connected.is_err() {
+            cancel.store(true, Ordering::SeqCst);
+        }
+        let accepted = match acceptor {
+            Some(h) => h.join().unwrap_or_else(|_| {
+                Err(Error::Aborted {
+                    rank: me,
+                    msg: "the TCP accept thread panicked".into(),
+                })
+            }),
+            None => Ok(Vec::new()),
+        };
+        (accepted, connected)
+    });
+    let mut streams = connected?;
+    streams.extend(accepted?);
+    streams.sort_by_key(|(r, _)| *r);
+    let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(streams.len());
+    for (r, s) in streams {
+        let link = TcpLink::new(s, r).map_err(|source| Error::Io {
+            rank: me,
+            context: format!("setting up the link to rank {r}"),
+            source,
+        })?;
+        links.push((r, Box::new(link)));
+    }
+    Ok(links)
+}
+
+/// Connects to each lower-ranked peer in turn, retrying until `deadline`.
+fn connect_lower(
+    me: usize,
+    lower: &[(usize, SocketAddr)],
+    secret: &[u8; 16],
+    tag: u64,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>> {
+    let hello = Hello {
+        rank: me,
+        purpose: Purpose::Data,
+        tag,
+    };
+    let mut out = Vec::with_capacity(lower.len());
+    for &(peer, addr) in lower {
+        let addr_s = addr.to_string();
+        let mut last_err = String::from("no attempt made");
+        let mut pause = Duration::from_millis(10);
+        let stream = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Connect {
+                    rank: me,
+                    peer,
+                    addr: addr_s,
+                    timeout,
+                    reason: last_err,
+                });
+            }
+            match dial(addr, left.min(Duration::from_secs(5))) {
+                Ok(s) => match auth::client_handshake(
+                    &mut Deadlined::new(&s, deadline),
+                    secret,
+                    &hello,
+                    me,
+                    &addr_s,
+                ) {
+                    Ok(()) => break s,
+                    // The peer does not know our secret, or refused us: retrying cannot help.
+                    Err(e @ Error::Auth { .. }) => return Err(e),
+                    Err(e) => last_err = e.to_string(),
+                },
+                Err(e) => last_err = e.to_string(),
+            }
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(200));
+        };
+        out.push((peer, stream));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,305 @@
+//! Tests of the TCP rendezvous, all over loopback.
+
+use super::*;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+
+fn cfg(timeout_ms: u64) -> Config {
+    Config {
+        timeout: Duration::from_millis(timeout_ms),
+        ..Config::default()
+    }
+}
+
+fn loopback_id() -> UniqueId {
+    UniqueId::new_on(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap()
+}
+
+/// Runs `f(rank)` in `n` threads and returns the results by rank.
+fn ranks<T: Send + 'static>(n: usize, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
+    let f = Arc::new(f);
+    let hs: Vec<_> = (0..n)
+        .map(|r| {
+            let f = f.clone();
+            thread::spawn(move || f(r))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn check_allgathers(b: &mut Bootstrap) {
+    let n = b.world_size();
+    for round in 0..20usize {
+        let mine: Vec<u8> = (0..(b.rank() * 37 + round * 101) % 3000)
+            .map(|i| (i + b.rank() + round) as u8)
+            .collect();
+        let all = b.allgather(&mine).unwrap();
+        assert_eq!(all.len(), n);
+        for (r, v) in all.iter().enumerate() {
+            let want: Vec<u8> = (0..(r * 37 + round * 101) % 3000)
+                .map(|i| (i + r + round) as u8)
+                .collect();
+            assert_eq!(v, &want, "round {round}, from rank {r}");
+        }
+    }
+    b.barrier().unwrap();
+}
+
+#[test]
+fn four_ranks_init_and_allgather() {
+    let id = loopback_id();
+    let tables = ranks(4, move |r| {
+        let mut b = Bootstrap::init(&id, r, 4, &cfg(20_000)).unwrap();
+        assert_eq!((b.rank(), b.world_size()), (r, 4));
+        assert_eq!(b.secret(), &id.secret);
+        check_allgathers(&mut b);
+        (b.peers().to_vec(), b.comm_tag())
+    });
+    for (peers, tag) in &tables {
+        assert_eq!(peers, &tables[0].0);
+        assert_eq!(*tag, tables[0].1);
+    }
+    for (r, p) in tables[0].0.iter().enumerate() {
+        assert_eq!(p.rank, r);
+        assert_eq!(p.pid, std::process::id());
+        assert!(p.ip.is_loopback());
+        assert_eq!(p.host_id, tables[0].0[0].host_id);
+    }
+}
+
+#[test]
+fn world_of_one() {
+    let id = loopback_id();
+    let mut b = Bootstrap::init(&id, 0, 1, &cfg(1000)).unwrap();
+    assert_eq!(b.allgather(b"x").unwrap(), vec![b"x".to_vec()]);
+    assert_eq!(b.peers().len(), 1);
+    assert!(!format!("{b:?}").contains(&format!("{:?}", id.secret)));
+    assert!(matches!(
+        Bootstrap::init(&id, 1, 1, &cfg(100)),
+        Err(Error::InvalidArgument { rank: 1, .. })
+    ));
+    assert!(matches!(
+        Bootstrap::init(&id, 0, 0, &cfg(100)),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn root_binds_given_address() {
+    // No UniqueId::new in this process: rank 0 binds the address itself.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let id = UniqueId::with_addr(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port), [3; 16]);
+    let res = ranks(3, move |r| {
+        let mut b = Bootstrap::init(&id, r, 3, &cfg(20_000)).unwrap();
+        b.allgather(&[r as u8]).unwrap()
+    });
+    for all in res {
+        assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+    }
+}
+
+#[test]
+fn strangers_hammering_root_do_not_stop_init() {
+    let id = loopback_id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let addr = id.addr;
+    let mut strangers = Vec::new();
+    // A silent stranger that holds its connections open.
+    {
+        let stop = stop.clone();
+        strangers.push(thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stop.load(Ordering::SeqCst) && held.len() < 20 {
+                if let Ok(s) = TcpStream::connect(addr) {
+                    held.push(s);
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }));
+    }
+    // Garbage, huge length prefixes, and a wrong-secret handshake.
+    {
+        let stop = stop.clone();
+        strangers.push(thread::spawn(move || {
+            let mut i = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                i += 1;
+                if let Ok(mut s) = TcpStream::connect(addr) {
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+                    match i % 3 {
+                        0 => {
+                            let _ = s.write_all(&[0xff; 100]);
+                        }
+                        1 => {
+                            let _ = s.write_all(&u32::MAX.to_le_bytes());
+                        }
+                        _ => {
+                            let h = Hello {
+                                rank: 1,
+                                purpose: Purpose::Rendezvous,
+                                tag: 0,
+                            };
+                            let r = auth::client_handshake(&mut s, &[9; 16], &h, 1, "root");
+                            assert!(r.is_err());
+                        }
+                    }
+                }
+                thread::sleep(Duration::from_millis(2));
+            }
+        }));
+    }
+    thread::sleep(Duration::from_millis(100));
+    let res = ranks(4, move |r| {
+        thread::sleep(Duration::from_millis(50 * r as u64));
+        let mut b = Bootstrap::init(&id, r, 4, &cfg(20_000)).unwrap();
+        check_allgathers(&mut b);
+    });
+    assert_eq!(res.len(), 4);
+    stop.store(true, Ordering::SeqCst);
+    for s in strangers {
+        s.join().unwrap();
+    }
+}
+
+#[test]
+fn wrong_secret_is_refused() {
+    let id = loopback_id();
+    let mut other = id.clone();
+    other.secret[0] ^= 1;
+    let root = thread::spawn(move || Bootstrap::init(&id, 0, 2, &cfg(1500)));
+    let e = Bootstrap::init(&other, 1, 2, &cfg(1500)).unwrap_err();
+    assert!(matches!(e, Error::Auth { rank: 1, .. }), "{e}");
+    let e = root.join().unwrap().unwrap_err();
+    match e {
+        Error::Timeout {
+            rank: 0,
+            waiting_on,
+            ..
+        } => assert_eq!(waiting_on, vec![1]),
+        e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn no_root_fails_after_timeout() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port);
+    let start = Instant::now();
+    let e = Bootstrap::init(&UniqueId::with_addr(addr, [1; 16]), 2, 3, &cfg(600)).unwrap_err();
+    assert!(start.elapsed() >= Duration::from_millis(550));
+    match &e {
+        Error::Connect {
+            rank: 2,
+            peer: 0,
+            addr: a,
+            ..
+        } => assert_eq!(a, &addr.to_string()),
+        e => panic!("{e}"),
+    }
+    assert!(e.to_string().contains(&addr.to_string()));
+}
+
+#[test]
+fn duplicate_rank_is_an_error() {
+    let id = loopback_id();
+    let res = ranks(3, move |r| {
+        Bootstrap::init(&id, r.min(1), 3, &cfg(10_000)).map(|_| ())
+    });
+    match &res[0] {
+        Err(Error::Rendezvous { rank: 0, msg, .. }) => {
+            assert!(msg.contains("rank 1 joined twice"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+    for r in &res[1..] {
+        assert!(matches!(r, Err(Error::Rendezvous { rank: 1, .. })), "{r:?}");
+    }
+}
+
+#[test]
+fn world_size_mismatch_is_an_error() {
+    let id = loopback_id();
+    let id2 = id.clone();
+    let root = thread::spawn(move || Bootstrap::init(&id2, 0, 2, &cfg(10_000)).map(|_| ()));
+    let e = Bootstrap::init(&id, 1, 3, &cfg(10_000)).unwrap_err();
+    match &e {
+        Error::Rendezvous { rank: 1, msg, .. } => assert!(msg.contains("world size"), "{msg}"),
+        e => panic!("{e}"),
+    }
+    let e = root.join().unwrap().unwrap_err();
+    assert!(e.to_string().contains("world size 3"), "{e}");
+}
+
+#[test]
+fn lost_peer_is_named() {
+    let id = loopback_id();
+    let id2 = id.clone();
+    let member = thread::spawn(move || {
+        let mut b = Bootstrap::init(&id2, 1, 2, &cfg(10_000)).unwrap();
+        b.barrier().unwrap();
+    });
+    let mut b = Bootstrap::init(&id, 0, 2, &cfg(10_000)).unwrap();
+    b.barrier().unwrap();
+    member.join().unwrap();
+    match b.allgather(b"x").unwrap_err() {
+        Error::PeerLost {
+            rank: 0, peer: 1, ..
+        } => {}
+        e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn host_id_and_interfaces() {
+    let c = Config {
+        host_id: Some("nodeA".into()),
+        ..Config::default()
+    };
+    assert_eq!(local_host_id(&c), "nodeA");
+    let h = local_host_id(&Config::default());
+    assert!(h.starts_with(&hostname()), "{h}");
+    assert_eq!(h, local_host_id(&Config::default()));
+
+    let to: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    assert!(local_ip(&Config::default(), to).unwrap().is_loopback());
+    let c = Config {
+        socket_ifname: Some("lo".into()),
+        ..Config::default()
+    };
+    assert_eq!(local_ip(&c, to).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let c = Config {
+        socket_ifname: Some("nonexistent0".into()),
+        ..Config::default()
+    };
+    match local_ip(&c, to) {
+        Err(Error::Env(m)) => assert!(m.contains("nonexistent0") && m.contains("lo"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn peer_info_round_trip() {
+    let p = PeerInfo {
+        rank: 3,
+        host_id: "h:b:1:2".into(),
+        hostname: "h".into(),
+        pid: 42,
+        ip: "::1".parse().unwrap(),
+    };
+    let mut b = Vec::new();
+    p.encode(&mut b);
+    assert_eq!(PeerInfo::decode(&mut &b[..]), Some(p));
+    for cut in 0..b.len() {
+        assert_eq!(PeerInfo::decode(&mut &b[..cut]), None);
+    }
+}
