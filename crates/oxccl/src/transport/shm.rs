@@ -1,1 +1,0 @@
-//! Shared-memory transport between ranks of one host.
