@@ -283,10 +283,10 @@ impl Link for ShmLink {
         WaitSource::Doorbell(self.own.doorbell())
     }
 
+    /// `Closed` once nothing more can come from the peer: it closed its link and everything
+    /// it sent has been received, or its process is gone. (A send to a peer that closed
+    /// fails in [`try_send`](Link::try_send) itself, and its close rings this rank's doorbell.)
     fn check_alive(&mut self) -> std::result::Result<(), LinkError> {
-        if self.tx.consumer_closed() {
-            return Err(self.closed("closed its end of the shared-memory link"));
-        }
         if self.rx.producer_closed() && self.rx.pending()? == 0 {
             return Err(self.closed("closed its end of the shared-memory link"));
         }
