@@ -35,7 +35,11 @@ impl Exchange for FileExchange {
         self.n
     }
     fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let err = |msg: String| Error::Rendezvous { rank: self.rank, addr: self.dir.display().to_string(), msg };
+        let err = |msg: String| Error::Rendezvous {
+            rank: self.rank,
+            addr: self.dir.display().to_string(),
+            msg,
+        };
         let name = |r: usize| self.dir.join(format!("{}-{r}", self.round));
         let tmp = self.dir.join(format!("{}-{}.tmp", self.round, self.rank));
         std::fs::write(&tmp, mine).map_err(|e| err(e.to_string()))?;
@@ -49,7 +53,9 @@ impl Exchange for FileExchange {
                         out.push(v);
                         break;
                     }
-                    Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
                     Err(e) => return Err(err(format!("round {} rank {r}: {e}", self.round))),
                 }
             }
@@ -60,7 +66,11 @@ impl Exchange for FileExchange {
 }
 
 fn cfg() -> Config {
-    Config { shm_ring_bytes: 64 << 10, spin: 500, ..Config::default() }
+    Config {
+        shm_ring_bytes: 64 << 10,
+        spin: 500,
+        ..Config::default()
+    }
 }
 
 fn plan(tag: u64, bytes: u64) -> Plan {
@@ -94,10 +104,17 @@ fn temp_dir(tag: u64) -> PathBuf {
 /// The child's side; a no-op when the test binary runs normally.
 #[test]
 fn child_entry() {
-    let Ok(role) = std::env::var(ROLE) else { return };
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
     let dir = PathBuf::from(std::env::var(DIR).unwrap());
     let tag: u64 = std::env::var(TAG).unwrap().parse().unwrap();
-    let mut ex = FileExchange { dir, rank: 1, n: 2, round: 0 };
+    let mut ex = FileExchange {
+        dir,
+        rank: 1,
+        n: 2,
+        round: 0,
+    };
     let parent = std::os::unix::process::parent_id();
     let links = connect(&mut ex, &[(0, parent)], tag, &cfg()).unwrap();
     match role.as_str() {
@@ -133,7 +150,12 @@ fn two_processes_stream_both_ways() {
     let tag = random_tag();
     let dir = temp_dir(tag);
     let mut child = spawn_child("stream", &dir, tag);
-    let mut ex = FileExchange { dir: dir.clone(), rank: 0, n: 2, round: 0 };
+    let mut ex = FileExchange {
+        dir: dir.clone(),
+        rank: 0,
+        n: 2,
+        round: 0,
+    };
     let links = connect(&mut ex, &[(1, child.id())], tag, &cfg()).unwrap();
     let t0 = Instant::now();
     let stats = run_rank(0, links, &plan(tag, 32 << 20), 0);
@@ -146,7 +168,11 @@ fn two_processes_stream_both_ways() {
     assert!(status.success(), "child failed: {status}");
     eprintln!("2 processes, 32 MiB each way: {elapsed:?}, {stats:?}");
     assert_eq!(stats.sleep_timeouts, 0, "a sleeper was not woken");
-    assert!(leftover_segments(tag).is_empty(), "left in /dev/shm: {:?}", leftover_segments(tag));
+    assert!(
+        leftover_segments(tag).is_empty(),
+        "left in /dev/shm: {:?}",
+        leftover_segments(tag)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -163,7 +189,12 @@ fn killed_peer_is_detected() {
         let mut child = child;
         child.wait().unwrap()
     });
-    let mut ex = FileExchange { dir: dir.clone(), rank: 0, n: 2, round: 0 };
+    let mut ex = FileExchange {
+        dir: dir.clone(),
+        rank: 0,
+        n: 2,
+        round: 0,
+    };
     let mut links = connect(&mut ex, &[(1, pid)], tag, &cfg()).unwrap();
     let link: &mut Box<dyn Link> = &mut links[0].1;
     let seed = pair_seed(tag, 1, 0);
@@ -171,16 +202,27 @@ fn killed_peer_is_detected() {
     let mut killed_at: Option<Instant> = None;
     let start = Instant::now();
     let err = loop {
-        assert!(start.elapsed() < Duration::from_secs(60), "no data or no error");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no data or no error"
+        );
         if killed_at.is_none() && got >= 8 << 20 {
-            rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).unwrap(), rustix::process::Signal::KILL)
-                .unwrap();
+            rustix::process::kill_process(
+                rustix::process::Pid::from_raw(pid as i32).unwrap(),
+                rustix::process::Signal::KILL,
+            )
+            .unwrap();
             killed_at = Some(Instant::now());
         }
         let tok = bell(&**link).unwrap().prepare();
         let r = link.try_recv(&mut |b| {
             for (i, &x) in b.iter().enumerate() {
-                assert_eq!(x, stream_byte(seed, got + i as u64), "byte {}", got + i as u64);
+                assert_eq!(
+                    x,
+                    stream_byte(seed, got + i as u64),
+                    "byte {}",
+                    got + i as u64
+                );
             }
             got += b.len() as u64;
             b.len()
@@ -204,12 +246,23 @@ fn killed_peer_is_detected() {
     let killed_at = killed_at.expect("an error before the kill");
     let delay = killed_at.elapsed();
     assert!(matches!(err, LinkError::Closed(_)), "{err}");
-    assert!(err.to_string().contains(&format!("process {pid} of rank 1 exited")), "{err}");
-    assert!(delay < Duration::from_secs(2), "death noticed after {delay:?}");
+    assert!(
+        err.to_string()
+            .contains(&format!("process {pid} of rank 1 exited")),
+        "{err}"
+    );
+    assert!(
+        delay < Duration::from_secs(2),
+        "death noticed after {delay:?}"
+    );
     eprintln!("killed child noticed after {delay:?}, {got} bytes received");
     let status = reaper.join().unwrap();
     assert!(!status.success());
     drop(links);
-    assert!(leftover_segments(tag).is_empty(), "left in /dev/shm: {:?}", leftover_segments(tag));
+    assert!(
+        leftover_segments(tag).is_empty(),
+        "left in /dev/shm: {:?}",
+        leftover_segments(tag)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

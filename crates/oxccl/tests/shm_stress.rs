@@ -13,7 +13,11 @@ use oxccl::{Config, Error};
 use shm_common::*;
 
 fn cfg(ring: usize) -> Config {
-    Config { shm_ring_bytes: ring, spin: 200, ..Config::default() }
+    Config {
+        shm_ring_bytes: ring,
+        spin: 200,
+        ..Config::default()
+    }
 }
 
 /// `n` ranks in threads, all pairs over shm, each streaming `bytes` to every other; a rank
@@ -29,11 +33,18 @@ fn stress(n: usize, bytes: u64, ring: usize, spin: u32) {
             std::thread::spawn(move || {
                 let rank = ex.rank();
                 let pid = std::process::id();
-                let peers: Vec<(usize, u32)> = (0..n).filter(|&r| r != rank).map(|r| (r, pid)).collect();
+                let peers: Vec<(usize, u32)> =
+                    (0..n).filter(|&r| r != rank).map(|r| (r, pid)).collect();
                 let links = connect(&mut ex, &peers, tag, &cfg(ring)).unwrap();
-                assert_eq!(links.iter().map(|l| l.0).collect::<Vec<_>>(), (0..n).filter(|&r| r != rank).collect::<Vec<_>>());
+                assert_eq!(
+                    links.iter().map(|l| l.0).collect::<Vec<_>>(),
+                    (0..n).filter(|&r| r != rank).collect::<Vec<_>>()
+                );
                 assert!(links.iter().all(|l| l.1.kind() == TransportKind::Shm));
-                assert!(!shm::segment_path(tag, rank, pid).exists(), "own segment unlinked by connect");
+                assert!(
+                    !shm::segment_path(tag, rank, pid).exists(),
+                    "own segment unlinked by connect"
+                );
                 let plan = Plan {
                     bytes,
                     max_send: 3 * ring as u64,
@@ -47,9 +58,19 @@ fn stress(n: usize, bytes: u64, ring: usize, spin: u32) {
         })
         .collect();
     let stats: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-    eprintln!("{n} ranks, {bytes} B per pair, ring {ring}, spin {spin}: {:?}, {stats:?}", start.elapsed());
-    assert!(stats.iter().all(|s| s.sleep_timeouts == 0), "a sleeper was not woken: {stats:?}");
-    assert!(leftover_segments(tag).is_empty(), "left in /dev/shm: {:?}", leftover_segments(tag));
+    eprintln!(
+        "{n} ranks, {bytes} B per pair, ring {ring}, spin {spin}: {:?}, {stats:?}",
+        start.elapsed()
+    );
+    assert!(
+        stats.iter().all(|s| s.sleep_timeouts == 0),
+        "a sleeper was not woken: {stats:?}"
+    );
+    assert!(
+        leftover_segments(tag).is_empty(),
+        "left in /dev/shm: {:?}",
+        leftover_segments(tag)
+    );
 }
 
 #[test]
@@ -89,7 +110,10 @@ fn stress_rounded_ring() {
 }
 
 /// Runs `f(rank, exchange)` in `n` threads and returns the results by rank.
-fn in_threads<T: Send + 'static>(n: usize, f: impl Fn(&mut LocalExchange) -> T + Send + Sync + 'static) -> Vec<T> {
+fn in_threads<T: Send + 'static>(
+    n: usize,
+    f: impl Fn(&mut LocalExchange) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let f = std::sync::Arc::new(f);
     let ts: Vec<_> = LocalExchange::group(n)
         .into_iter()
@@ -120,11 +144,13 @@ fn rank_without_shm_peers_takes_part() {
         ex.barrier().unwrap();
         if ex.rank() == 1 {
             let mut got = Vec::new();
-            links[0].1.try_recv(&mut |b| {
-                got.extend_from_slice(b);
-                b.len()
-            })
-            .unwrap();
+            links[0]
+                .1
+                .try_recv(&mut |b| {
+                    got.extend_from_slice(b);
+                    b.len()
+                })
+                .unwrap();
             assert_eq!(got, b"hello");
         }
         ex.barrier().unwrap();
@@ -140,12 +166,21 @@ fn asymmetric_peer_lists_fail_on_every_rank() {
     let tag = random_tag();
     let pid = std::process::id();
     let out = in_threads(2, move |ex| {
-        let peers = if ex.rank() == 0 { vec![(1, pid)] } else { vec![] };
-        connect(ex, &peers, tag, &cfg(4096)).map(|l| l.len()).map_err(|e| e.to_string())
+        let peers = if ex.rank() == 0 {
+            vec![(1, pid)]
+        } else {
+            vec![]
+        };
+        connect(ex, &peers, tag, &cfg(4096))
+            .map(|l| l.len())
+            .map_err(|e| e.to_string())
     });
     for r in &out {
         let e = r.as_ref().unwrap_err();
-        assert!(e.contains("rank 1 has no shared-memory segment") || e.contains("rank 0 failed"), "{e}");
+        assert!(
+            e.contains("rank 1 has no shared-memory segment") || e.contains("rank 0 failed"),
+            "{e}"
+        );
     }
     assert!(leftover_segments(tag).is_empty());
 }
@@ -155,11 +190,20 @@ fn bad_peer_list_is_invalid_argument_everywhere() {
     let tag = random_tag();
     let pid = std::process::id();
     let out = in_threads(2, move |ex| {
-        let peers = if ex.rank() == 0 { vec![(0, pid)] } else { vec![(0, pid)] };
+        // Rank 0 lists itself (invalid); rank 1 lists rank 0 (valid).
+        let peers = vec![(0, pid)];
         connect(ex, &peers, tag, &cfg(4096)).map(|l| l.len())
     });
-    assert!(matches!(out[0], Err(Error::InvalidArgument { .. })), "{:?}", out[0]);
-    assert!(matches!(out[1], Err(Error::SharedMemory { .. })), "{:?}", out[1]);
+    assert!(
+        matches!(out[0], Err(Error::InvalidArgument { .. })),
+        "{:?}",
+        out[0]
+    );
+    assert!(
+        matches!(out[1], Err(Error::SharedMemory { .. })),
+        "{:?}",
+        out[1]
+    );
     assert!(leftover_segments(tag).is_empty());
 }
 
@@ -170,9 +214,15 @@ fn wrong_peer_pid_rejected() {
     let pid = std::process::id();
     let out = in_threads(2, move |ex| {
         let peer = 1 - ex.rank();
-        connect(ex, &[(peer, pid + 1)], tag, &cfg(4096)).map(|l| l.len()).map_err(|e| e.to_string())
+        connect(ex, &[(peer, pid + 1)], tag, &cfg(4096))
+            .map(|l| l.len())
+            .map_err(|e| e.to_string())
     });
-    assert!(out.iter().all(|r| r.as_ref().unwrap_err().contains("created by pid")), "{out:?}");
+    assert!(
+        out.iter()
+            .all(|r| r.as_ref().unwrap_err().contains("created by pid")),
+        "{out:?}"
+    );
     assert!(leftover_segments(tag).is_empty());
 }
 
@@ -195,7 +245,8 @@ fn drop_closes_link() {
             return Ok(());
         }
         rx.lock().unwrap().recv().unwrap();
-        link.check_alive().expect("closed, but data is still to be received");
+        link.check_alive()
+            .expect("closed, but data is still to be received");
         let mut got = Vec::new();
         let n = link
             .try_recv(&mut |b| {
@@ -210,7 +261,11 @@ fn drop_closes_link() {
         assert!(matches!(e, LinkError::Closed(_)), "{e}");
         Err(link.check_alive().unwrap_err().to_string())
     });
-    assert!(out[1].as_ref().unwrap_err().contains("rank 0 closed"), "{:?}", out[1]);
+    assert!(
+        out[1].as_ref().unwrap_err().contains("rank 0 closed"),
+        "{:?}",
+        out[1]
+    );
 }
 
 /// A sleeper on the doorbell is woken by the peer's send, well before its time slice.
@@ -239,7 +294,10 @@ fn sender_wakes_sleeping_receiver() {
                 }
                 bell(&**link).unwrap().wait(tok, Duration::from_secs(20));
             }
-            assert!(t0.elapsed() < Duration::from_secs(10), "woken by the doorbell");
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "woken by the doorbell"
+            );
         }
         ex.barrier().unwrap();
     });
@@ -250,8 +308,13 @@ fn sender_wakes_sleeping_receiver() {
 #[test]
 #[ignore]
 fn throughput() {
-    let total: u64 = std::env::var("OXCCL_BENCH_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(8 << 30);
-    let ring = oxccl::param::parse_bytes(&std::env::var("OXCCL_SHM_RING_BYTES").unwrap_or("4M".into())).unwrap();
+    let total: u64 = std::env::var("OXCCL_BENCH_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8 << 30);
+    let ring =
+        oxccl::param::parse_bytes(&std::env::var("OXCCL_SHM_RING_BYTES").unwrap_or("4M".into()))
+            .unwrap();
     let chunk = 1usize << 20;
     let tag = random_tag();
     let pid = std::process::id();
@@ -266,7 +329,8 @@ fn throughput() {
         let mut backoff = oxccl::wait::Backoff::new(2000);
         while done < total {
             let n = if ex.rank() == 0 {
-                link.try_send(&buf[..chunk.min((total - done) as usize)]).unwrap()
+                link.try_send(&buf[..chunk.min((total - done) as usize)])
+                    .unwrap()
             } else {
                 let mut pos = 0usize;
                 link.try_recv(&mut |b| {

@@ -102,7 +102,9 @@ fn round(
         if p.sent < plan.bytes {
             let n = rng.size(plan.max_send).min(plan.bytes - p.sent) as usize;
             fill(p.send_seed, p.sent, &mut buf[..n]);
-            let k = link.try_send(&buf[..n]).map_err(|e| format!("send to {}: {e}", p.peer))?;
+            let k = link
+                .try_send(&buf[..n])
+                .map_err(|e| format!("send to {}: {e}", p.peer))?;
             if k > n {
                 return Err(format!("try_send returned {k} > {n}"));
             }
@@ -131,7 +133,10 @@ fn round(
                 return Err(format!("byte {at} from rank {peer} is wrong"));
             }
             if pos != p.recvd + k as u64 {
-                return Err(format!("try_recv returned {k}, consume took {}", pos - p.recvd));
+                return Err(format!(
+                    "try_recv returned {k}, consume took {}",
+                    pos - p.recvd
+                ));
             }
             if p.recvd + k as u64 > plan.bytes {
                 return Err(format!("received more than sent from rank {peer}"));
@@ -146,7 +151,12 @@ fn round(
 /// Streams `plan.bytes` to and from every peer of `links`, verifying every byte; waits the
 /// documented way (spin with [`Backoff`], then prepare → re-check → wait with a time slice)
 /// on the links' doorbell. Fails when `plan.deadline` passes (a lost wake-up shows up so).
-pub fn run_rank(rank: usize, mut links: Vec<(usize, Box<dyn Link>)>, plan: &Plan, spin: u32) -> Result<Stats, String> {
+pub fn run_rank(
+    rank: usize,
+    mut links: Vec<(usize, Box<dyn Link>)>,
+    plan: &Plan,
+    spin: u32,
+) -> Result<Stats, String> {
     let start = Instant::now();
     let mut pairs: Vec<Pair> = links
         .iter()
@@ -163,7 +173,10 @@ pub fn run_rank(rank: usize, mut links: Vec<(usize, Box<dyn Link>)>, plan: &Plan
     let mut backoff = Backoff::new(spin);
     let mut stats = Stats::default();
     loop {
-        if pairs.iter().all(|p| p.sent == plan.bytes && p.recvd == plan.bytes) {
+        if pairs
+            .iter()
+            .all(|p| p.sent == plan.bytes && p.recvd == plan.bytes)
+        {
             return Ok(stats);
         }
         if round(&mut links, &mut pairs, plan, &mut rng, &mut buf)? {
@@ -207,7 +220,8 @@ pub fn run_rank(rank: usize, mut links: Vec<(usize, Box<dyn Link>)>, plan: &Plan
         }
         for ((_, l), p) in links.iter_mut().zip(&pairs) {
             if p.sent < plan.bytes || p.recvd < plan.bytes {
-                l.check_alive().map_err(|e| format!("rank {rank}: link to {}: {e}", p.peer))?;
+                l.check_alive()
+                    .map_err(|e| format!("rank {rank}: link to {}: {e}", p.peer))?;
             }
         }
         if start.elapsed() > plan.deadline {

@@ -32,7 +32,11 @@ use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// The path of the segment that `rank` (process `pid`) creates for communicator `tag`.
 pub fn segment_path(tag: u64, rank: usize, pid: u32) -> PathBuf {
-    PathBuf::from(format!("{}/{}{tag:016x}-{rank}-{pid}", segment::SHM_DIR, segment::PREFIX))
+    PathBuf::from(format!(
+        "{}/{}{tag:016x}-{rank}-{pid}",
+        segment::SHM_DIR,
+        segment::PREFIX
+    ))
 }
 
 /// Bytes of shared memory one rank reserves for `npeers` shared-memory peers with rings of
@@ -48,11 +52,19 @@ const ST_OK: u8 = 1;
 const ST_ERR: u8 = 2;
 
 fn shm_err(rank: usize, msg: impl Into<String>) -> Error {
-    Error::SharedMemory { rank, msg: msg.into() }
+    Error::SharedMemory {
+        rank,
+        msg: msg.into(),
+    }
 }
 
 fn invalid(rank: usize, msg: String) -> Error {
-    Error::InvalidArgument { rank, call: "init", seq: 0, msg }
+    Error::InvalidArgument {
+        rank,
+        call: "init",
+        seq: 0,
+        msg,
+    }
 }
 
 fn status_msg(r: &std::result::Result<Option<PathBuf>, String>) -> Vec<u8> {
@@ -73,20 +85,39 @@ fn status_msg(r: &std::result::Result<Option<PathBuf>, String>) -> Vec<u8> {
 
 /// The first failure another rank reported in an exchange round, as an error of this rank.
 fn peer_failure(rank: usize, all: &[Vec<u8>], what: &str) -> Option<Error> {
-    all.iter().enumerate().find(|(r, m)| *r != rank && m.first() == Some(&ST_ERR)).map(|(r, m)| {
-        shm_err(rank, format!("rank {r} failed to {what}: {}", String::from_utf8_lossy(&m[1..])))
-    })
+    all.iter()
+        .enumerate()
+        .find(|(r, m)| *r != rank && m.first() == Some(&ST_ERR))
+        .map(|(r, m)| {
+            shm_err(
+                rank,
+                format!(
+                    "rank {r} failed to {what}: {}",
+                    String::from_utf8_lossy(&m[1..])
+                ),
+            )
+        })
 }
 
 /// Checks `peers` against the world: every rank in range, not this rank, no duplicates.
-fn check_peers(rank: usize, world: usize, peers: &[(usize, u32)]) -> std::result::Result<(), Error> {
+fn check_peers(
+    rank: usize,
+    world: usize,
+    peers: &[(usize, u32)],
+) -> std::result::Result<(), Error> {
     let mut seen = vec![false; world];
     for &(p, _) in peers {
         if p >= world {
-            return Err(invalid(rank, format!("shm peer rank {p} out of range (world size {world})")));
+            return Err(invalid(
+                rank,
+                format!("shm peer rank {p} out of range (world size {world})"),
+            ));
         }
         if p == rank {
-            return Err(invalid(rank, format!("rank {rank} listed itself as a shm peer")));
+            return Err(invalid(
+                rank,
+                format!("rank {rank} listed itself as a shm peer"),
+            ));
         }
         if std::mem::replace(&mut seen[p], true) {
             return Err(invalid(rank, format!("shm peer rank {p} listed twice")));
@@ -127,7 +158,13 @@ pub fn connect(
         Ok(()) if peers.is_empty() => None,
         Ok(()) => {
             let producers: Vec<usize> = peers.iter().map(|p| p.0).collect();
-            match Segment::create(&segment_path(tag, rank, pid), tag, rank, &producers, cfg.shm_ring_bytes) {
+            match Segment::create(
+                &segment_path(tag, rank, pid),
+                tag,
+                rank,
+                &producers,
+                cfg.shm_ring_bytes,
+            ) {
                 Ok(s) => Some(Arc::new(s)),
                 Err(m) => {
                     local_err = Some(shm_err(rank, m));
@@ -148,7 +185,10 @@ pub fn connect(
         return Err(e);
     }
     if all.len() != world {
-        return Err(shm_err(rank, format!("exchange returned {} entries for {world} ranks", all.len())));
+        return Err(shm_err(
+            rank,
+            format!("exchange returned {} entries for {world} ranks", all.len()),
+        ));
     }
 
     // Phase 2: open every peer's segment and find the ring meant for this rank.
@@ -182,7 +222,9 @@ pub fn connect(
         .collect();
 
     // Everyone has opened (or failed to open) the segments it needs: the files can go.
-    let all2 = ex.allgather(&status_msg(&opened.as_ref().map(|_| None).map_err(|e| e.clone())));
+    let all2 = ex.allgather(&status_msg(
+        &opened.as_ref().map(|_| None).map_err(|e| e.clone()),
+    ));
     let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
     let all2 = all2?;
     let opened = opened.map_err(|m| shm_err(rank, m))?;
@@ -208,7 +250,11 @@ pub fn connect(
         let link = ShmLink {
             rank,
             peer: p,
-            peer_pid: if ppid == pid { None } else { rustix::process::Pid::from_raw(ppid as i32) },
+            peer_pid: if ppid == pid {
+                None
+            } else {
+                rustix::process::Pid::from_raw(ppid as i32)
+            },
             tx,
             rx,
             own: own.clone(),
@@ -263,7 +309,10 @@ impl Link for ShmLink {
         Ok(n)
     }
 
-    fn try_recv(&mut self, consume: &mut dyn FnMut(&[u8]) -> usize) -> std::result::Result<usize, LinkError> {
+    fn try_recv(
+        &mut self,
+        consume: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> std::result::Result<usize, LinkError> {
         // Load the flag before the data: everything written before the close is then seen.
         let closed = self.rx.producer_closed();
         let n = self.rx.read(consume)?;
@@ -292,7 +341,11 @@ impl Link for ShmLink {
         }
         if let Some(pid) = self.peer_pid {
             if let Err(rustix::io::Errno::SRCH) = rustix::process::test_kill_process(pid) {
-                return Err(LinkError::Closed(format!("process {} of rank {} exited", pid.as_raw_nonzero(), self.peer)));
+                return Err(LinkError::Closed(format!(
+                    "process {} of rank {} exited",
+                    pid.as_raw_nonzero(),
+                    self.peer
+                )));
             }
         }
         Ok(())

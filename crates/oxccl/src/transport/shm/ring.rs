@@ -100,7 +100,13 @@ impl Producer {
     /// most one `Producer` may exist for a ring.
     pub(crate) unsafe fn new(ctrl: NonNull<RingCtrl>, data: NonNull<u8>, cap: u64) -> Self {
         debug_assert!(cap.is_power_of_two());
-        Producer { ctrl, data, cap, head: 0, cached_tail: 0 }
+        Producer {
+            ctrl,
+            data,
+            cap,
+            head: 0,
+            cached_tail: 0,
+        }
     }
 
     fn ctrl(&self) -> &RingCtrl {
@@ -168,7 +174,10 @@ impl Producer {
 
     /// Marks the producer side closed (no more data will come).
     pub(crate) fn close(&self) {
-        self.ctrl().flags.producer_closed.store(1, Ordering::Release);
+        self.ctrl()
+            .flags
+            .producer_closed
+            .store(1, Ordering::Release);
     }
 
     /// True once the consumer has closed its side (nothing written will be read).
@@ -184,7 +193,13 @@ impl Consumer {
     /// As [`Producer::new`], with "at most one `Consumer`".
     pub(crate) unsafe fn new(ctrl: NonNull<RingCtrl>, data: NonNull<u8>, cap: u64) -> Self {
         debug_assert!(cap.is_power_of_two());
-        Consumer { ctrl, data, cap, tail: 0, cached_head: 0 }
+        Consumer {
+            ctrl,
+            data,
+            cap,
+            tail: 0,
+            cached_head: 0,
+        }
     }
 
     fn ctrl(&self) -> &RingCtrl {
@@ -260,7 +275,10 @@ impl Consumer {
 
     /// Marks the consumer side closed (nothing more will be read).
     pub(crate) fn close(&self) {
-        self.ctrl().flags.consumer_closed.store(1, Ordering::Release);
+        self.ctrl()
+            .flags
+            .consumer_closed
+            .store(1, Ordering::Release);
     }
 
     /// True once the producer has closed its side. Load it *before* draining: bytes written
@@ -346,7 +364,11 @@ pub(crate) mod tests {
         assert_eq!(p.write(&b).unwrap(), 50);
         let (got, calls) = read_all(&mut c);
         assert_eq!(got, b);
-        assert_eq!(calls, vec![24, 26], "offered up to the wrap, then from the start");
+        assert_eq!(
+            calls,
+            vec![24, 26],
+            "offered up to the wrap, then from the start"
+        );
         // The bytes really landed on both sides of the wrap.
         // SAFETY: test-local memory, no concurrent writer.
         let first = unsafe { *r.data().as_ptr().add(40) };
@@ -358,11 +380,19 @@ pub(crate) mod tests {
         let r = HeapRing::new(64);
         let (mut p, mut c) = r.ends();
         let a: Vec<u8> = (0..200).map(|i| i as u8).collect();
-        assert_eq!(p.write(&a).unwrap(), 64, "a write larger than the ring fills it");
+        assert_eq!(
+            p.write(&a).unwrap(),
+            64,
+            "a write larger than the ring fills it"
+        );
         assert_eq!(p.write(&a[64..]).unwrap(), 0, "full");
         assert_eq!(p.in_flight().unwrap(), 64);
         assert_eq!(read_all(&mut c).0, &a[..64]);
-        assert_eq!(p.write(&a[64..128]).unwrap(), 64, "exactly the capacity fits again");
+        assert_eq!(
+            p.write(&a[64..128]).unwrap(),
+            64,
+            "exactly the capacity fits again"
+        );
         assert_eq!(read_all(&mut c).0, &a[64..128]);
         assert_eq!(c.read(&mut |b| b.len()).unwrap(), 0, "empty");
         assert_eq!(p.write(&[]).unwrap(), 0);
@@ -425,7 +455,10 @@ pub(crate) mod tests {
         let (mut p, mut c) = r.ends();
         // Head more than a capacity ahead.
         r.ctrl_ref().head.head.store(65, Ordering::Relaxed);
-        assert!(matches!(c.read(&mut |b| b.len()), Err(LinkError::Protocol(_))));
+        assert!(matches!(
+            c.read(&mut |b| b.len()),
+            Err(LinkError::Protocol(_))
+        ));
         // Tail beyond head.
         p.write(&[0; 64]).unwrap();
         r.ctrl_ref().tail.tail.store(100, Ordering::Relaxed);

@@ -77,14 +77,24 @@ fn align_up(x: u64, a: u64) -> Option<u64> {
 impl SegLayout {
     /// The layout, or `None` if the numbers are out of range.
     pub(crate) fn new(nrings: u32, cap: u64) -> Option<SegLayout> {
-        if nrings == 0 || nrings > MAX_RINGS || !cap.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&cap) {
+        if nrings == 0
+            || nrings > MAX_RINGS
+            || !cap.is_power_of_two()
+            || !(MIN_RING..=MAX_RING).contains(&cap)
+        {
             return None;
         }
         let rings_offset = align_up(DIR_OFFSET + 4 * nrings as u64, PAGE)?;
         let stride = PAGE.checked_add(align_up(cap, PAGE)?)?;
         let total = rings_offset.checked_add(stride.checked_mul(nrings as u64)?)?;
         usize::try_from(total).ok()?;
-        Some(SegLayout { nrings, cap, rings_offset, stride, total })
+        Some(SegLayout {
+            nrings,
+            cap,
+            rings_offset,
+            stride,
+            total,
+        })
     }
 
     /// Offset of ring `i`'s control block (its data follows one page later).
@@ -95,12 +105,20 @@ impl SegLayout {
 
 /// Ring capacity for a requested size: the next power of two, at least [`MIN_RING`].
 pub(crate) fn ring_capacity(requested: usize) -> Option<u64> {
-    let c = (requested as u64).max(MIN_RING).checked_next_power_of_two()?;
+    let c = (requested as u64)
+        .max(MIN_RING)
+        .checked_next_power_of_two()?;
     (c <= MAX_RING).then_some(c)
 }
 
 /// The error message when `/dev/shm` lacks room: what is needed, what is free, what to do.
-pub(crate) fn space_message(dir: &str, needed: u64, free: u64, ring_bytes: u64, nrings: u32) -> String {
+pub(crate) fn space_message(
+    dir: &str,
+    needed: u64,
+    free: u64,
+    ring_bytes: u64,
+    nrings: u32,
+) -> String {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     format!(
         "{dir} has {free} bytes ({:.1} MiB) free, but this rank needs {needed} bytes ({:.1} MiB) for \
@@ -113,7 +131,13 @@ pub(crate) fn space_message(dir: &str, needed: u64, free: u64, ring_bytes: u64, 
 }
 
 /// `Err(message)` when `free` bytes cannot hold `needed`.
-pub(crate) fn check_space(dir: &str, needed: u64, free: u64, ring_bytes: u64, nrings: u32) -> Result<(), String> {
+pub(crate) fn check_space(
+    dir: &str,
+    needed: u64,
+    free: u64,
+    ring_bytes: u64,
+    nrings: u32,
+) -> Result<(), String> {
     if free >= needed {
         Ok(())
     } else {
@@ -175,11 +199,16 @@ impl Segment {
         producers: &[usize],
         ring_bytes: usize,
     ) -> Result<Segment, String> {
-        let cap = ring_capacity(ring_bytes)
-            .ok_or_else(|| format!("ring size {ring_bytes} is out of range ({MIN_RING}..={MAX_RING} bytes)"))?;
+        let cap = ring_capacity(ring_bytes).ok_or_else(|| {
+            format!("ring size {ring_bytes} is out of range ({MIN_RING}..={MAX_RING} bytes)")
+        })?;
         let nrings = u32::try_from(producers.len()).unwrap_or(u32::MAX);
-        let layout = SegLayout::new(nrings, cap)
-            .ok_or_else(|| format!("{} rings of {cap} bytes do not fit in one segment", producers.len()))?;
+        let layout = SegLayout::new(nrings, cap).ok_or_else(|| {
+            format!(
+                "{} rings of {cap} bytes do not fit in one segment",
+                producers.len()
+            )
+        })?;
         let owner_rank_u32 =
             u32::try_from(owner_rank).map_err(|_| format!("rank {owner_rank} is too large"))?;
         let dir = path.parent().and_then(Path::to_str).unwrap_or(SHM_DIR);
@@ -197,11 +226,18 @@ impl Segment {
         match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total) {
             Ok(()) => {}
             Err(rustix::io::Errno::NOSPC) => {
-                return Err(space_message(dir, layout.total, free_bytes(dir).unwrap_or(0), cap, nrings));
+                return Err(space_message(
+                    dir,
+                    layout.total,
+                    free_bytes(dir).unwrap_or(0),
+                    cap,
+                    nrings,
+                ));
             }
             Err(rustix::io::Errno::OPNOTSUPP) => {
                 // Not tmpfs (an unusual SHM_DIR): fall back to a plain size.
-                rustix::fs::ftruncate(&fd, layout.total).map_err(|e| io_msg("ftruncate", path, e))?;
+                rustix::fs::ftruncate(&fd, layout.total)
+                    .map_err(|e| io_msg("ftruncate", path, e))?;
             }
             Err(e) => return Err(io_msg("fallocate", path, e)),
         }
@@ -235,17 +271,27 @@ impl Segment {
     pub(crate) fn open(path: &Path, tag: u64, expect_rank: usize) -> Result<Segment, String> {
         let fd: OwnedFd = rustix::fs::open(path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| io_msg("cannot open", path, e))?;
-        let size = rustix::fs::fstat(&fd).map_err(|e| io_msg("fstat", path, e))?.st_size;
+        let size = rustix::fs::fstat(&fd)
+            .map_err(|e| io_msg("fstat", path, e))?
+            .st_size;
         let size = u64::try_from(size).unwrap_or(0);
         let bad = |what: String| format!("{}: bad segment header: {what}", path.display());
         if size < PAGE {
-            return Err(bad(format!("file is {size} bytes, smaller than a header page")));
+            return Err(bad(format!(
+                "file is {size} bytes, smaller than a header page"
+            )));
         }
         // Map the header page first, validate, then map the whole.
         let head = Segment {
             base: map(&fd, PAGE, path)?,
             // A one-page pseudo-layout: Drop unmaps exactly `total` bytes.
-            layout: SegLayout { nrings: 0, cap: 0, rings_offset: PAGE, stride: 0, total: PAGE },
+            layout: SegLayout {
+                nrings: 0,
+                cap: 0,
+                rings_offset: PAGE,
+                stride: 0,
+                total: PAGE,
+            },
             path: path.to_path_buf(),
             owner_pid: 0,
             to_unlink: AtomicBool::new(false),
@@ -263,7 +309,9 @@ impl Segment {
         }
         let got_tag = h.tag.load(Ordering::Relaxed);
         if got_tag != tag {
-            return Err(bad(format!("communicator tag {got_tag:#x}, expected {tag:#x}")));
+            return Err(bad(format!(
+                "communicator tag {got_tag:#x}, expected {tag:#x}"
+            )));
         }
         let owner = h.owner_rank.load(Ordering::Relaxed);
         if owner as usize != expect_rank {
@@ -273,13 +321,21 @@ impl Segment {
         let cap = h.ring_capacity.load(Ordering::Relaxed);
         let total = h.total_bytes.load(Ordering::Relaxed);
         let owner_pid = h.owner_pid.load(Ordering::Relaxed);
-        let layout = SegLayout::new(nrings, cap)
-            .ok_or_else(|| bad(format!("{nrings} rings of {cap} bytes is not a valid layout")))?;
+        let layout = SegLayout::new(nrings, cap).ok_or_else(|| {
+            bad(format!(
+                "{nrings} rings of {cap} bytes is not a valid layout"
+            ))
+        })?;
         if layout.total != total {
-            return Err(bad(format!("total size {total}, the layout needs {}", layout.total)));
+            return Err(bad(format!(
+                "total size {total}, the layout needs {}",
+                layout.total
+            )));
         }
         if size < total {
-            return Err(bad(format!("file is {size} bytes, the header says {total}")));
+            return Err(bad(format!(
+                "file is {size} bytes, the header says {total}"
+            )));
         }
         drop(head);
         Ok(Segment {
@@ -301,7 +357,13 @@ impl Segment {
         assert!(i < self.layout.nrings);
         // SAFETY: `i < nrings`, and the directory (4 bytes per ring from offset 256) ends
         // before `rings_offset` by construction of the validated layout; 4-byte aligned.
-        unsafe { &*self.base.as_ptr().add(DIR_OFFSET as usize + 4 * i as usize).cast::<AtomicU32>() }
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(DIR_OFFSET as usize + 4 * i as usize)
+                .cast::<AtomicU32>()
+        }
     }
 
     /// The owner's doorbell.
@@ -313,7 +375,8 @@ impl Segment {
 
     /// The ring whose producer is `producer_rank`, as an index, if there is one.
     pub(crate) fn find_ring(&self, producer_rank: usize) -> Option<u32> {
-        (0..self.layout.nrings).find(|&i| self.directory(i).load(Ordering::Relaxed) as usize == producer_rank)
+        (0..self.layout.nrings)
+            .find(|&i| self.directory(i).load(Ordering::Relaxed) as usize == producer_rank)
     }
 
     /// Pointers to ring `i`'s control block and data (`cap` bytes), and `cap`.
@@ -351,7 +414,10 @@ impl Segment {
 
 impl std::fmt::Debug for Segment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Segment").field("path", &self.path).field("layout", &self.layout).finish()
+        f.debug_struct("Segment")
+            .field("path", &self.path)
+            .field("layout", &self.layout)
+            .finish()
     }
 }
 
@@ -360,7 +426,8 @@ impl Drop for Segment {
         let _ = self.unlink();
         // SAFETY: `base` came from mmap of exactly `layout.total` bytes; no reference into
         // the mapping outlives the Segment (links hold an Arc to it).
-        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.layout.total as usize) };
+        let _ =
+            unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.layout.total as usize) };
     }
 }
 
@@ -381,7 +448,10 @@ mod tests {
 
     fn tmp_path(name: &str) -> PathBuf {
         let nonce = u64::from_le_bytes(rand8());
-        PathBuf::from(format!("{SHM_DIR}/{PREFIX}unittest-{name}-{}-{nonce:x}", std::process::id()))
+        PathBuf::from(format!(
+            "{SHM_DIR}/{PREFIX}unittest-{name}-{}-{nonce:x}",
+            std::process::id()
+        ))
     }
 
     fn rand8() -> [u8; 8] {
@@ -433,7 +503,9 @@ mod tests {
         let tok = peer.doorbell().prepare();
         own.doorbell().cancel(tok);
         assert!(Segment::open(&path, 0xabd, 2).unwrap_err().contains("tag"));
-        assert!(Segment::open(&path, 0xabc, 3).unwrap_err().contains("owner rank"));
+        assert!(Segment::open(&path, 0xabc, 3)
+            .unwrap_err()
+            .contains("owner rank"));
         // O_EXCL: a second create at the same path fails.
         assert!(Segment::create(&path, 0xabc, 2, &[0], 4096).is_err());
         own.unlink().unwrap();
@@ -483,12 +555,31 @@ mod tests {
         let good = SegLayout::new(1, 4096).unwrap().total;
         assert!(open_forged("short", b"xx", 10).contains("smaller than a header"));
         assert!(open_forged("magic", b"NOTOXCCL", 4096).contains("magic"));
-        assert!(open_forged("version", &header_bytes(99, 1, 4096, good), good as usize).contains("version"));
-        assert!(open_forged("cap", &header_bytes(VERSION, 1, 5000, good), good as usize).contains("valid layout"));
-        assert!(open_forged("rings", &header_bytes(VERSION, 0, 4096, good), good as usize).contains("valid layout"));
-        assert!(open_forged("total", &header_bytes(VERSION, 1, 4096, good + 1), good as usize).contains("total size"));
+        assert!(
+            open_forged("version", &header_bytes(99, 1, 4096, good), good as usize)
+                .contains("version")
+        );
+        assert!(
+            open_forged("cap", &header_bytes(VERSION, 1, 5000, good), good as usize)
+                .contains("valid layout")
+        );
+        assert!(open_forged(
+            "rings",
+            &header_bytes(VERSION, 0, 4096, good),
+            good as usize
+        )
+        .contains("valid layout"));
+        assert!(open_forged(
+            "total",
+            &header_bytes(VERSION, 1, 4096, good + 1),
+            good as usize
+        )
+        .contains("total size"));
         // The header claims more than the file holds: mapping it would SIGBUS on access.
-        assert!(open_forged("trunc", &header_bytes(VERSION, 1, 4096, good), 4096).contains("file is 4096 bytes"));
+        assert!(
+            open_forged("trunc", &header_bytes(VERSION, 1, 4096, good), 4096)
+                .contains("file is 4096 bytes")
+        );
         // The forged-but-valid header opens.
         let path = tmp_path("valid");
         let mut v = header_bytes(VERSION, 1, 4096, good);
