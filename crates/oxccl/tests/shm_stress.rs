@@ -323,16 +323,17 @@ fn throughput() {
         let mut links = connect(ex, &[(peer, pid)], tag, &cfg(ring)).unwrap();
         let link = &mut links[0].1;
         let mut buf = vec![7u8; chunk];
+        let ex_rank = ex.rank();
         ex.barrier().unwrap();
         let t0 = Instant::now();
         let mut done = 0u64;
         let mut backoff = oxccl::wait::Backoff::new(2000);
-        while done < total {
-            let n = if ex.rank() == 0 {
+        let mut pos = 0usize;
+        let mut step = |link: &mut Box<dyn oxccl::transport::Link>, done: u64| {
+            if ex_rank == 0 {
                 link.try_send(&buf[..chunk.min((total - done) as usize)])
                     .unwrap()
             } else {
-                let mut pos = 0usize;
                 link.try_recv(&mut |b| {
                     // Copy out, as a real receive into a user buffer does.
                     let mut taken = 0;
@@ -345,16 +346,26 @@ fn throughput() {
                     b.len()
                 })
                 .unwrap()
-            };
-            done += n as u64;
+            }
+        };
+        while done < total {
+            let mut n = step(link, done);
+            if n == 0 && backoff.should_sleep() {
+                let tok = bell(&**link).unwrap().prepare();
+                n = step(link, done);
+                if n > 0 {
+                    bell(&**link).unwrap().cancel(tok);
+                } else {
+                    bell(&**link).unwrap().wait(tok, Duration::from_millis(100));
+                }
+            }
             if n > 0 {
                 backoff.reset();
-            } else if backoff.should_sleep() {
-                let tok = bell(&**link).unwrap().prepare();
-                bell(&**link).unwrap().wait(tok, Duration::from_millis(1));
             }
+            done += n as u64;
         }
         let dt = t0.elapsed();
+        drop(step);
         std::hint::black_box(&buf);
         ex.barrier().unwrap();
         dt
