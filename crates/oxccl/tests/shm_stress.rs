@@ -365,7 +365,6 @@ fn throughput() {
             done += n as u64;
         }
         let dt = t0.elapsed();
-        drop(step);
         std::hint::black_box(&buf);
         ex.barrier().unwrap();
         dt
