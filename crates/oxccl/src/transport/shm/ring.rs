@@ -23,6 +23,12 @@
 //! `u64` byte counters cannot wrap in practice (2^64 bytes is 584 years at 1 TB/s).
 
 use std::ptr::NonNull;
+
+// Under `--cfg loom` the ring indices and flags are loom's atomics, and the data area is an
+// array of loom cells, so that the model checker sees every access (see `loom_tests`).
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::transport::LinkError;
@@ -59,8 +65,87 @@ pub(crate) struct RingCtrl {
     flags: FlagLine,
 }
 
+#[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<RingCtrl>() == 3 * LINE);
 const _: () = assert!(std::mem::align_of::<RingCtrl>() == LINE);
+
+/// Copies `src` to data offset `off`.
+///
+/// # Safety
+/// `[off, off + src.len())` lies inside the live data area `data`, and the ring protocol
+/// reserves it to the caller (no concurrent reader or writer).
+#[cfg(not(loom))]
+#[inline(always)]
+unsafe fn copy_in(data: NonNull<u8>, off: u64, src: &[u8]) {
+    // SAFETY: the caller's contract; `src` is local memory, disjoint from the mapping.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), data.as_ptr().add(off as usize), src.len())
+    }
+}
+
+/// Offers data bytes `[off, off + len)` to `consume`; returns what it took.
+///
+/// # Safety
+/// `[off, off + len)` lies inside the live data area `data` and holds published bytes that
+/// the protocol keeps from being written until the caller advances `tail` past them.
+#[cfg(not(loom))]
+#[inline(always)]
+unsafe fn offer(
+    data: NonNull<u8>,
+    off: u64,
+    len: u64,
+    consume: &mut dyn FnMut(&[u8]) -> usize,
+) -> usize {
+    // SAFETY: the caller's contract: in bounds, mapped, and nobody writes these bytes while
+    // the slice exists (a peer that breaks the protocol can only garble bytes, it cannot
+    // move the slice). The slice does not outlive this call (`consume` cannot keep it).
+    let chunk =
+        unsafe { std::slice::from_raw_parts(data.as_ptr().add(off as usize), len as usize) };
+    consume(chunk)
+}
+
+#[cfg(loom)]
+unsafe fn copy_in(data: NonNull<u8>, off: u64, src: &[u8]) {
+    let cells = data.as_ptr().cast::<loom::cell::UnsafeCell<u8>>();
+    for (i, &b) in src.iter().enumerate() {
+        // SAFETY: the caller's contract; loom checks that no other access races with this one.
+        unsafe { (*cells.add(off as usize + i)).with_mut(|p| *p = b) }
+    }
+}
+
+#[cfg(loom)]
+unsafe fn offer(
+    data: NonNull<u8>,
+    off: u64,
+    len: u64,
+    consume: &mut dyn FnMut(&[u8]) -> usize,
+) -> usize {
+    let cells = data.as_ptr().cast::<loom::cell::UnsafeCell<u8>>();
+    // SAFETY: the caller's contract; loom checks that no write races with these reads.
+    let v: Vec<u8> = (0..len as usize)
+        .map(|i| unsafe { (*cells.add(off as usize + i)).with(|p| *p) })
+        .collect();
+    consume(&v)
+}
+
+#[cfg(loom)]
+impl RingCtrl {
+    /// A fresh control block (loom atomics cannot be zero-initialized memory).
+    fn new() -> Self {
+        RingCtrl {
+            head: HeadLine {
+                head: AtomicU64::new(0),
+            },
+            tail: TailLine {
+                tail: AtomicU64::new(0),
+            },
+            flags: FlagLine {
+                producer_closed: AtomicU32::new(0),
+                consumer_closed: AtomicU32::new(0),
+            },
+        }
+    }
+}
 
 /// The writing end of a ring.
 pub(crate) struct Producer {
@@ -147,18 +232,13 @@ impl Producer {
         let off = self.head & (self.cap - 1);
         let first = n.min(self.cap - off);
         // SAFETY: `off < cap` and `first <= cap - off`, so `[off, off + first)` is inside the
-        // data area; `n <= free <= cap`, so `[0, n - first)` is too. The mapping outlives `self` (contract of `new`). Positions
-        // `[head, head + n)` are within `[head, tail + cap)`, which the protocol reserves to
-        // the producer: the consumer reads them only after the `head` store below. `src` is
-        // local memory, so the regions do not overlap.
+        // data area; `n <= free <= cap`, so `[0, n - first)` is too. The mapping outlives
+        // `self` (contract of `new`). Positions `[head, head + n)` are within
+        // `[head, tail + cap)`, which the protocol reserves to the producer: the consumer reads
+        // them only after the `head` store below.
         unsafe {
-            let dst = self.data.as_ptr();
-            std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(off as usize), first as usize);
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr().add(first as usize),
-                dst,
-                (n - first) as usize,
-            );
+            copy_in(self.data, off, &src[..first as usize]);
+            copy_in(self.data, 0, &src[first as usize..n as usize]);
         }
         self.head += n;
         self.ctrl().head.head.store(self.head, Ordering::Release);
@@ -166,7 +246,7 @@ impl Producer {
     }
 
     /// Bytes written and not yet consumed, as of a fresh load of `tail`.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn in_flight(&mut self) -> Result<u64, LinkError> {
         self.reload_tail()?;
         Ok(self.head - self.cached_tail)
@@ -250,17 +330,11 @@ impl Consumer {
         while taken < avail {
             let off = (self.tail + taken) & (self.cap - 1);
             let len = (avail - taken).min(self.cap - off);
-            // SAFETY: `off < cap` and `len <= cap - off`: the slice is inside the data area,
+            // SAFETY: `off < cap` and `len <= cap - off`: the region is inside the data area,
             // which stays mapped while `self` lives. Positions `[tail, head)` were published
             // by the producer's Release store of `head`, loaded with Acquire, and the
-            // producer does not write them again until our `tail` store passes them, so no
-            // one writes this memory while the slice exists (a peer that breaks the protocol
-            // can only garble bytes, it cannot move the slice). The slice does not outlive
-            // this call (`consume` cannot keep it).
-            let chunk = unsafe {
-                std::slice::from_raw_parts(self.data.as_ptr().add(off as usize), len as usize)
-            };
-            let took = (consume(chunk) as u64).min(len);
+            // producer does not write them again until our `tail` store passes them.
+            let took = (unsafe { offer(self.data, off, len, consume) } as u64).min(len);
             taken += took;
             if took < len {
                 break;
@@ -288,7 +362,7 @@ impl Consumer {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 pub(crate) mod tests {
     use super::*;
     use std::alloc::{alloc_zeroed, dealloc, Layout};
@@ -532,5 +606,103 @@ pub(crate) mod tests {
         }
         let mut p = t.join().unwrap();
         assert_eq!(p.in_flight().unwrap(), 0);
+    }
+}
+
+/// Model checking of the index protocol with loom: every interleaving (up to a preemption
+/// bound) of one producer and one consumer, with loom's cells standing in for the data
+/// area so that an unsynchronized data access is reported as a race.
+/// `RUSTFLAGS="--cfg loom" cargo test -p oxccl --lib --release --target-dir target/loom loom_`
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+
+    struct LoomRing {
+        ctrl: Box<RingCtrl>,
+        data: Box<[UnsafeCell<u8>]>,
+    }
+
+    // SAFETY: accessed only through loom atomics and loom cells, which check the accesses.
+    unsafe impl Send for LoomRing {}
+    // SAFETY: as above.
+    unsafe impl Sync for LoomRing {}
+
+    impl LoomRing {
+        fn new(cap: u64) -> Arc<Self> {
+            Arc::new(LoomRing {
+                ctrl: Box::new(RingCtrl::new()),
+                data: (0..cap).map(|_| UnsafeCell::new(0)).collect(),
+            })
+        }
+        fn ends(&self) -> (Producer, Consumer) {
+            let ctrl = NonNull::from(&*self.ctrl);
+            let data = NonNull::new(self.data.as_ptr() as *mut u8).unwrap();
+            let cap = self.data.len() as u64;
+            // SAFETY: the ring (kept alive by an Arc in each thread) outlives both ends.
+            unsafe {
+                (
+                    Producer::new(ctrl, data, cap),
+                    Consumer::new(ctrl, data, cap),
+                )
+            }
+        }
+    }
+
+    /// The producer writes `total` bytes in writes of up to `chunk` and then closes; the
+    /// consumer takes at most `take` bytes per call and must get every byte, in order, before
+    /// it sees the close.
+    fn model(cap: u64, total: u8, chunk: usize, take: usize) {
+        let mut b = loom::model::Builder::new();
+        b.preemption_bound = Some(3);
+        b.check(move || {
+            let ring = LoomRing::new(cap);
+            let (mut p, mut c) = ring.ends();
+            let r2 = ring.clone();
+            let t = loom::thread::spawn(move || {
+                let _keep = r2;
+                let src: Vec<u8> = (1..=total).collect();
+                let mut sent = 0;
+                while sent < src.len() {
+                    let end = (sent + chunk).min(src.len());
+                    let n = p.write(&src[sent..end]).unwrap();
+                    if n == 0 {
+                        loom::thread::yield_now();
+                    }
+                    sent += n;
+                }
+                p.close();
+            });
+            let mut got = Vec::new();
+            loop {
+                let closed = c.producer_closed();
+                let n = c
+                    .read(&mut |b| {
+                        let k = b.len().min(take);
+                        got.extend_from_slice(&b[..k]);
+                        k
+                    })
+                    .unwrap();
+                if n == 0 {
+                    if closed {
+                        break;
+                    }
+                    loom::thread::yield_now();
+                }
+            }
+            assert_eq!(got, (1..=total).collect::<Vec<u8>>());
+            t.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_ring_wraps_with_partial_consume() {
+        model(4, 7, 3, 2);
+    }
+
+    #[test]
+    fn loom_ring_exact_fill() {
+        model(2, 5, 2, 2);
     }
 }
