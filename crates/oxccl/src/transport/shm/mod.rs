@@ -67,12 +67,25 @@ fn invalid(rank: usize, msg: String) -> Error {
     }
 }
 
+/// This process's pid namespace (`pid:[4026531836]`), or "" if unknown. Pids of peers in
+/// another namespace (containers sharing /dev/shm) mean nothing here, so liveness checks by
+/// pid are only made within one namespace.
+fn pid_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Phase messages: a status byte, then the segment path and, after a newline, the pid
+/// namespace (`ST_OK`), or an error message (`ST_ERR`), or nothing (`ST_NONE`).
 fn status_msg(r: &std::result::Result<Option<PathBuf>, String>) -> Vec<u8> {
     match r {
         Ok(None) => vec![ST_NONE],
         Ok(Some(p)) => {
             let mut v = vec![ST_OK];
             v.extend_from_slice(p.to_string_lossy().as_bytes());
+            v.push(b'\n');
+            v.extend_from_slice(pid_namespace().as_bytes());
             v
         }
         Err(e) => {
@@ -192,14 +205,21 @@ pub fn connect(
     }
 
     // Phase 2: open every peer's segment and find the ring meant for this rank.
-    let opened: std::result::Result<Vec<(Arc<Segment>, u32)>, String> = peers
+    let my_ns = pid_namespace();
+    let opened: std::result::Result<Vec<(Arc<Segment>, u32, bool)>, String> = peers
         .iter()
         .map(|&(p, ppid)| {
             let m = &all[p];
             if m.first() != Some(&ST_OK) {
                 return Err(format!("rank {p} has no shared-memory segment (does it list rank {rank} as a shm peer?)"));
             }
-            let path = Path::new(std::str::from_utf8(&m[1..]).map_err(|_| format!("rank {p} sent a non-UTF-8 path"))?);
+            let text = std::str::from_utf8(&m[1..]).map_err(|_| format!("rank {p} sent a non-UTF-8 path"))?;
+            let (path, ns) = text.split_once('\n').unwrap_or((text, ""));
+            let same_ns = !ns.is_empty() && ns == my_ns;
+            if !same_ns {
+                tracing::debug!(rank, peer = p, ns, my_ns, "peer in another pid namespace: no liveness checks by pid");
+            }
+            let path = Path::new(path);
             let expect_dir = Path::new(segment::SHM_DIR);
             let name_ok = path.parent() == Some(expect_dir)
                 && path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(segment::PREFIX));
@@ -217,7 +237,7 @@ pub fn connect(
             let ring = seg
                 .find_ring(rank)
                 .ok_or_else(|| format!("rank {p}'s segment has no ring for rank {rank} (asymmetric peer lists?)"))?;
-            Ok((Arc::new(seg), ring))
+            Ok((Arc::new(seg), ring, same_ns))
         })
         .collect();
 
@@ -238,7 +258,7 @@ pub fn connect(
         None => return Ok(Vec::new()),
     };
     let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(peers.len());
-    for (i, (&(p, ppid), (remote, ring_idx))) in peers.iter().zip(opened).enumerate() {
+    for (i, (&(p, ppid), (remote, ring_idx, same_ns))) in peers.iter().zip(opened).enumerate() {
         let (rc, rd, rcap) = own.ring(i as u32);
         let (tc, td, tcap) = remote.ring(ring_idx);
         // SAFETY: the rings lie inside mappings that the link keeps alive through its Arcs
@@ -250,7 +270,7 @@ pub fn connect(
         let link = ShmLink {
             rank,
             peer: p,
-            peer_pid: if ppid == pid {
+            peer_pid: if ppid == pid || !same_ns {
                 None
             } else {
                 rustix::process::Pid::from_raw(ppid as i32)
@@ -273,7 +293,8 @@ pub fn connect(
 pub struct ShmLink {
     rank: usize,
     peer: usize,
-    /// The peer's pid, for liveness checks; `None` when it is this process (threads).
+    /// The peer's pid, for liveness checks; `None` when it is this process (threads) or
+    /// lives in another pid namespace.
     peer_pid: Option<rustix::process::Pid>,
     tx: Producer,
     rx: Consumer,
