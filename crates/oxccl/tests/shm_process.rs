@@ -176,17 +176,32 @@ fn two_processes_stream_both_ways() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The child is SIGKILLed mid-stream: the parent drains what arrived, then its sleeping
-/// receive loop sees `Closed` from `check_alive` within 2 seconds.
+/// The child is SIGKILLed mid-stream and reaped at once (as a launcher does): the parent
+/// drains what arrived, then its sleeping receive loop sees `Closed` from `check_alive`
+/// within 2 seconds.
 #[test]
 fn killed_peer_is_detected() {
+    killed_peer(true);
+}
+
+/// As [`killed_peer_is_detected`], but nobody reaps the child until the end (this process is
+/// its parent and is busy in the receive loop): the zombie must count as exited.
+#[test]
+fn killed_unreaped_peer_is_detected() {
+    killed_peer(false);
+}
+
+fn killed_peer(reap: bool) {
     let tag = random_tag();
     let dir = temp_dir(tag);
     let child = spawn_child("flood", &dir, tag);
     let pid = child.id();
-    // Reap the child as soon as it dies, as a launcher does (a zombie still answers kill 0).
+    let (go, reap_now) = std::sync::mpsc::channel::<()>();
     let reaper = std::thread::spawn(move || {
         let mut child = child;
+        if !reap {
+            reap_now.recv().unwrap();
+        }
         child.wait().unwrap()
     });
     let mut ex = FileExchange {
@@ -256,6 +271,7 @@ fn killed_peer_is_detected() {
         "death noticed after {delay:?}"
     );
     eprintln!("killed child noticed after {delay:?}, {got} bytes received");
+    let _ = go.send(()); // the reaper may be done already
     let status = reaper.join().unwrap();
     assert!(!status.success());
     drop(links);

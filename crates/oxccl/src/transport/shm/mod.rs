@@ -361,7 +361,14 @@ impl Link for ShmLink {
             return Err(self.closed("closed its end of the shared-memory link"));
         }
         if let Some(pid) = self.peer_pid {
-            if let Err(rustix::io::Errno::SRCH) = rustix::process::test_kill_process(pid) {
+            let gone = match rustix::process::test_kill_process(pid) {
+                Err(rustix::io::Errno::SRCH) => true,
+                // A dead child that its parent has not reaped yet still answers kill 0 (the
+                // parent may be this very process, waiting here instead of in wait()).
+                Ok(()) => is_zombie(pid),
+                Err(_) => false,
+            };
+            if gone {
                 return Err(LinkError::Closed(format!(
                     "process {} of rank {} exited",
                     pid.as_raw_nonzero(),
@@ -371,6 +378,18 @@ impl Link for ShmLink {
         }
         Ok(())
     }
+}
+
+/// True if `/proc` says the process has exited but was not reaped yet (state Z or X).
+fn is_zombie(pid: rustix::process::Pid) -> bool {
+    let Ok(stat) = std::fs::read(format!("/proc/{}/stat", pid.as_raw_nonzero())) else {
+        return false;
+    };
+    // "pid (comm) S ...": comm may hold anything, so the state follows the last ')'.
+    let Some(close) = stat.iter().rposition(|&b| b == b')') else {
+        return false;
+    };
+    matches!(stat.get(close + 2), Some(b'Z' | b'X'))
 }
 
 impl Drop for ShmLink {
