@@ -1,0 +1,413 @@
+//! Shared-memory transport between ranks of one host.
+//!
+//! Each rank creates one segment that it owns, `/dev/shm/oxccl-<tag>-<rank>-<pid>` (mode
+//! 0600, memory reserved up front with `fallocate`), holding a header, the rank's
+//! [`Doorbell`](crate::wait::Doorbell) and one incoming single-producer/single-consumer byte ring per shared-memory
+//! peer (the owner reads, the peer writes). [`connect`] creates it, exchanges the paths,
+//! maps every peer's segment, waits until every rank has done so and then unlinks its own
+//! file: from then on nothing is left in `/dev/shm`, even if the process is killed.
+//!
+//! A [`ShmLink`] to peer `p` writes into the ring for this rank in `p`'s segment and reads
+//! the ring from `p` in this rank's segment. Whoever makes progress another rank may wait for
+//! rings that rank's doorbell: the producer after writing (the consumer's), the consumer after
+//! freeing space (the producer's). So a rank sleeps on its own doorbell for everything, and
+//! [`Link::send_wait`] and [`Link::recv_wait`] both return it.
+//!
+//! The ring protocol (Release/Acquire on `head` and `tail`, cached opposite index) is
+//! described in `ring.rs`, the segment layout in `segment.rs`.
+
+mod ring;
+mod segment;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ring::{Consumer, Producer};
+use segment::Segment;
+
+use crate::bootstrap::Exchange;
+use crate::error::{Error, Result};
+use crate::param::Config;
+use crate::transport::{Link, LinkError, TransportKind, WaitSource};
+
+/// The path of the segment that `rank` (process `pid`) creates for communicator `tag`.
+pub fn segment_path(tag: u64, rank: usize, pid: u32) -> PathBuf {
+    PathBuf::from(format!(
+        "{}/{}{tag:016x}-{rank}-{pid}",
+        segment::SHM_DIR,
+        segment::PREFIX
+    ))
+}
+
+/// Bytes of shared memory one rank reserves for `npeers` shared-memory peers with rings of
+/// `ring_bytes` (rounded up to a power of two), or `None` if out of range.
+pub fn segment_bytes(npeers: usize, ring_bytes: usize) -> Option<u64> {
+    let cap = segment::ring_capacity(ring_bytes)?;
+    segment::SegLayout::new(u32::try_from(npeers).ok()?, cap).map(|l| l.total)
+}
+
+/// Status bytes of the out-of-band messages of [`connect`].
+const ST_NONE: u8 = 0;
+const ST_OK: u8 = 1;
+const ST_ERR: u8 = 2;
+
+fn shm_err(rank: usize, msg: impl Into<String>) -> Error {
+    Error::SharedMemory {
+        rank,
+        msg: msg.into(),
+    }
+}
+
+fn invalid(rank: usize, msg: String) -> Error {
+    Error::InvalidArgument {
+        rank,
+        call: "init",
+        seq: 0,
+        msg,
+    }
+}
+
+/// This process's pid namespace (`pid:[4026531836]`), or "" if unknown. Pids of peers in
+/// another namespace (containers sharing /dev/shm) mean nothing here, so liveness checks by
+/// pid are only made within one namespace.
+fn pid_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Phase messages: a status byte, then the segment path and, after a newline, the pid
+/// namespace (`ST_OK`), or an error message (`ST_ERR`), or nothing (`ST_NONE`).
+fn status_msg(r: &std::result::Result<Option<PathBuf>, String>) -> Vec<u8> {
+    match r {
+        Ok(None) => vec![ST_NONE],
+        Ok(Some(p)) => {
+            let mut v = vec![ST_OK];
+            v.extend_from_slice(p.to_string_lossy().as_bytes());
+            v.push(b'\n');
+            v.extend_from_slice(pid_namespace().as_bytes());
+            v
+        }
+        Err(e) => {
+            let mut v = vec![ST_ERR];
+            v.extend_from_slice(e.as_bytes());
+            v
+        }
+    }
+}
+
+/// The first failure another rank reported in an exchange round, as an error of this rank.
+fn peer_failure(rank: usize, all: &[Vec<u8>], what: &str) -> Option<Error> {
+    all.iter()
+        .enumerate()
+        .find(|(r, m)| *r != rank && m.first() == Some(&ST_ERR))
+        .map(|(r, m)| {
+            shm_err(
+                rank,
+                format!(
+                    "rank {r} failed to {what}: {}",
+                    String::from_utf8_lossy(&m[1..])
+                ),
+            )
+        })
+}
+
+/// Checks `peers` against the world: every rank in range, not this rank, no duplicates.
+fn check_peers(
+    rank: usize,
+    world: usize,
+    peers: &[(usize, u32)],
+) -> std::result::Result<(), Error> {
+    let mut seen = vec![false; world];
+    for &(p, _) in peers {
+        if p >= world {
+            return Err(invalid(
+                rank,
+                format!("shm peer rank {p} out of range (world size {world})"),
+            ));
+        }
+        if p == rank {
+            return Err(invalid(
+                rank,
+                format!("rank {rank} listed itself as a shm peer"),
+            ));
+        }
+        if std::mem::replace(&mut seen[p], true) {
+            return Err(invalid(rank, format!("shm peer rank {p} listed twice")));
+        }
+    }
+    Ok(())
+}
+
+/// Sets up shared-memory links from this rank to each of `peers` (`(rank, pid)`).
+///
+/// Collective: every rank of the communicator calls it, in the same order relative to other
+/// exchanges, even with no shared-memory peers (it uses [`Exchange::allgather`]). The peer
+/// lists must be symmetric (if `a` lists `b`, `b` lists `a`). `tag` identifies the
+/// communicator and goes into the segment names, so that two communicators never collide.
+/// Ring capacity is `cfg.shm_ring_bytes` rounded up to a power of two.
+///
+/// Any rank's failure (no room in `/dev/shm`, a bad peer header, ...) makes every rank
+/// return an error, naming the rank that failed. On return, success or not, this rank's
+/// segment file has been removed from `/dev/shm` (the mappings stay while links live).
+/// Returns the links in the order of `peers`.
+pub fn connect(
+    ex: &mut dyn Exchange,
+    peers: &[(usize, u32)],
+    tag: u64,
+    cfg: &Config,
+) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    let rank = ex.rank();
+    let world = ex.world_size();
+    let pid = std::process::id();
+
+    // Phase 1: create this rank's segment (or fail), then tell everyone.
+    let mut local_err: Option<Error> = None;
+    let own: Option<Arc<Segment>> = match check_peers(rank, world, peers) {
+        Err(e) => {
+            local_err = Some(e);
+            None
+        }
+        Ok(()) if peers.is_empty() => None,
+        Ok(()) => {
+            let producers: Vec<usize> = peers.iter().map(|p| p.0).collect();
+            match Segment::create(
+                &segment_path(tag, rank, pid),
+                tag,
+                rank,
+                &producers,
+                cfg.shm_ring_bytes,
+            ) {
+                Ok(s) => Some(Arc::new(s)),
+                Err(m) => {
+                    local_err = Some(shm_err(rank, m));
+                    None
+                }
+            }
+        }
+    };
+    let st1 = match (&local_err, &own) {
+        (Some(e), _) => Err(e.to_string()),
+        (None, s) => Ok(s.as_ref().map(|s| s.path().to_path_buf())),
+    };
+    let all = ex.allgather(&status_msg(&st1))?;
+    if let Some(e) = local_err {
+        return Err(e);
+    }
+    if let Some(e) = peer_failure(rank, &all, "create its shared-memory segment") {
+        return Err(e);
+    }
+    if all.len() != world {
+        return Err(shm_err(
+            rank,
+            format!("exchange returned {} entries for {world} ranks", all.len()),
+        ));
+    }
+
+    // Phase 2: open every peer's segment and find the ring meant for this rank.
+    let my_ns = pid_namespace();
+    let opened: std::result::Result<Vec<(Arc<Segment>, u32, bool)>, String> = peers
+        .iter()
+        .map(|&(p, ppid)| {
+            let m = &all[p];
+            if m.first() != Some(&ST_OK) {
+                return Err(format!("rank {p} has no shared-memory segment (does it list rank {rank} as a shm peer?)"));
+            }
+            let text = std::str::from_utf8(&m[1..]).map_err(|_| format!("rank {p} sent a non-UTF-8 path"))?;
+            let (path, ns) = text.split_once('\n').unwrap_or((text, ""));
+            let same_ns = !ns.is_empty() && ns == my_ns;
+            if !same_ns {
+                tracing::debug!(rank, peer = p, ns, my_ns, "peer in another pid namespace: no liveness checks by pid");
+            }
+            let path = Path::new(path);
+            let expect_dir = Path::new(segment::SHM_DIR);
+            let name_ok = path.parent() == Some(expect_dir)
+                && path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(segment::PREFIX));
+            if !name_ok {
+                return Err(format!("rank {p} sent an unexpected segment path {}", path.display()));
+            }
+            let seg = Segment::open(path, tag, p).map_err(|e| format!("rank {p}'s segment: {e}"))?;
+            if seg.owner_pid() != ppid {
+                return Err(format!(
+                    "rank {p}'s segment {} was created by pid {}, but rank {p} is pid {ppid}",
+                    path.display(),
+                    seg.owner_pid()
+                ));
+            }
+            let ring = seg
+                .find_ring(rank)
+                .ok_or_else(|| format!("rank {p}'s segment has no ring for rank {rank} (asymmetric peer lists?)"))?;
+            Ok((Arc::new(seg), ring, same_ns))
+        })
+        .collect();
+
+    // Everyone has opened (or failed to open) the segments it needs: the files can go.
+    let all2 = ex.allgather(&status_msg(
+        &opened.as_ref().map(|_| None).map_err(|e| e.clone()),
+    ));
+    let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
+    let all2 = all2?;
+    let opened = opened.map_err(|m| shm_err(rank, m))?;
+    if let Some(e) = peer_failure(rank, &all2, "open the shared-memory segments of its peers") {
+        return Err(e);
+    }
+    unlinked.map_err(|m| shm_err(rank, m))?;
+
+    let own = match own {
+        Some(o) => o,
+        None => return Ok(Vec::new()),
+    };
+    let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(peers.len());
+    for (i, (&(p, ppid), (remote, ring_idx, same_ns))) in peers.iter().zip(opened).enumerate() {
+        let (rc, rd, rcap) = own.ring(i as u32);
+        let (tc, td, tcap) = remote.ring(ring_idx);
+        // SAFETY: the rings lie inside mappings that the link keeps alive through its Arcs
+        // (fields `own` and `remote`, dropped after the ends are no longer used); ring `i` of
+        // this rank's segment is read only by this link (one link per peer, one ring per
+        // peer), and ring `ring_idx` of `p`'s segment is written only by this link (the
+        // directory maps it to this rank alone); capacities come from validated layouts.
+        let (tx, rx) = unsafe { (Producer::new(tc, td, tcap), Consumer::new(rc, rd, rcap)) };
+        let link = ShmLink {
+            rank,
+            peer: p,
+            peer_pid: if ppid == pid || !same_ns {
+                None
+            } else {
+                rustix::process::Pid::from_raw(ppid as i32)
+            },
+            tx,
+            rx,
+            own: own.clone(),
+            remote,
+        };
+        links.push((p, Box::new(link)));
+    }
+    tracing::debug!(rank, npeers = peers.len(), path = %own.path().display(), "shm links ready");
+    Ok(links)
+}
+
+/// A shared-memory [`Link`] to one peer on the same host; made by [`connect`].
+///
+/// Closing: dropping the link marks both of its ring ends closed and rings the peer, whose
+/// link then reports [`LinkError::Closed`] (after draining what was sent before).
+pub struct ShmLink {
+    rank: usize,
+    peer: usize,
+    /// The peer's pid, for liveness checks; `None` when it is this process (threads) or
+    /// lives in another pid namespace.
+    peer_pid: Option<rustix::process::Pid>,
+    tx: Producer,
+    rx: Consumer,
+    // Declared after the ring ends: the mappings outlive every use of them.
+    own: Arc<Segment>,
+    remote: Arc<Segment>,
+}
+
+impl ShmLink {
+    /// The peer's rank.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn closed(&self, what: &str) -> LinkError {
+        LinkError::Closed(format!("rank {} {what}", self.peer))
+    }
+}
+
+impl Link for ShmLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn try_send(&mut self, data: &[u8]) -> std::result::Result<usize, LinkError> {
+        if self.tx.consumer_closed() {
+            return Err(self.closed("closed its end of the shared-memory link"));
+        }
+        let n = self.tx.write(data)?;
+        if n > 0 {
+            self.remote.doorbell().ring();
+        }
+        Ok(n)
+    }
+
+    fn try_recv(
+        &mut self,
+        consume: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> std::result::Result<usize, LinkError> {
+        // Load the flag before the data: everything written before the close is then seen.
+        let closed = self.rx.producer_closed();
+        let n = self.rx.read(consume)?;
+        if n > 0 {
+            self.remote.doorbell().ring();
+        } else if closed && self.rx.pending()? == 0 {
+            return Err(self.closed("closed its end of the shared-memory link"));
+        }
+        Ok(n)
+    }
+
+    fn send_wait(&self) -> WaitSource<'_> {
+        WaitSource::Doorbell(self.own.doorbell())
+    }
+
+    fn recv_wait(&self) -> WaitSource<'_> {
+        WaitSource::Doorbell(self.own.doorbell())
+    }
+
+    /// `Closed` once nothing more can come from the peer: it closed its link and everything
+    /// it sent has been received, or its process is gone. (A send to a peer that closed
+    /// fails in [`try_send`](Link::try_send) itself, and its close rings this rank's doorbell.)
+    fn check_alive(&mut self) -> std::result::Result<(), LinkError> {
+        if self.rx.producer_closed() && self.rx.pending()? == 0 {
+            return Err(self.closed("closed its end of the shared-memory link"));
+        }
+        if let Some(pid) = self.peer_pid {
+            let gone = match rustix::process::test_kill_process(pid) {
+                Err(rustix::io::Errno::SRCH) => true,
+                // A dead child that its parent has not reaped yet still answers kill 0 (the
+                // parent may be this very process, waiting here instead of in wait()).
+                Ok(()) => is_zombie(pid),
+                Err(_) => false,
+            };
+            if gone {
+                return Err(LinkError::Closed(format!(
+                    "process {} of rank {} exited",
+                    pid.as_raw_nonzero(),
+                    self.peer
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// True if `/proc` says the process has exited but was not reaped yet (state Z or X).
+fn is_zombie(pid: rustix::process::Pid) -> bool {
+    let Ok(stat) = std::fs::read(format!("/proc/{}/stat", pid.as_raw_nonzero())) else {
+        return false;
+    };
+    // "pid (comm) S ...": comm may hold anything, so the state follows the last ')'.
+    let Some(close) = stat.iter().rposition(|&b| b == b')') else {
+        return false;
+    };
+    matches!(stat.get(close + 2), Some(b'Z' | b'X'))
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        self.tx.close();
+        self.rx.close();
+        self.remote.doorbell().ring();
+        tracing::trace!(rank = self.rank, peer = self.peer, "shm link closed");
+    }
+}
+
+impl std::fmt::Debug for ShmLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmLink")
+            .field("rank", &self.rank)
+            .field("peer", &self.peer)
+            .field("own", &self.own.path())
+            .field("remote", &self.remote.path())
+            .finish()
+    }
+}

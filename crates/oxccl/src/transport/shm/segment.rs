@@ -1,0 +1,592 @@
+//! One rank's shared-memory segment: a file in `/dev/shm`, its layout and its validation.
+//!
+//! Layout (all offsets from the start of the mapping, little-endian, native atomics):
+//!
+//! | offset | size | content |
+//! |---|---|---|
+//! | 0 | 128 | [`Header`]: magic `"OXCCLSHM"`, version, owner pid and rank, ring count and capacity, total size, tag |
+//! | 128 | 128 | the owner's [`Doorbell`] |
+//! | 256 | 4 × nrings | ring directory: the producer rank of ring `i` |
+//! | `rings_offset` (page aligned) | `stride` × nrings | rings: a 4 KiB page holding the [`RingCtrl`], then `cap` data bytes (rounded up to a page) |
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use rustix::fs::{FallocateFlags, Mode, OFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+use super::ring::RingCtrl;
+use crate::wait::Doorbell;
+
+/// `"OXCCLSHM"` as a little-endian `u64`.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"OXCCLSHM");
+/// Layout version; bump on any change of the layout or the ring protocol.
+pub(crate) const VERSION: u32 = 1;
+/// Where segments live.
+pub(crate) const SHM_DIR: &str = "/dev/shm";
+/// File-name prefix of every segment.
+pub(crate) const PREFIX: &str = "oxccl-";
+
+const PAGE: u64 = 4096;
+pub(crate) const DOORBELL_OFFSET: usize = 128;
+const DIR_OFFSET: u64 = 256;
+/// Most rings one segment may hold (peers on one host).
+pub(crate) const MAX_RINGS: u32 = 1 << 16;
+/// Smallest ring capacity accepted.
+pub(crate) const MIN_RING: u64 = 64;
+/// Largest ring capacity accepted (1 TiB).
+pub(crate) const MAX_RING: u64 = 1 << 40;
+
+/// The segment header, at offset 0. Every field is an atomic because a peer process maps the
+/// same bytes; the owner writes all fields and stores `magic` last (Release).
+#[repr(C, align(128))]
+pub(crate) struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    owner_pid: AtomicU32,
+    owner_rank: AtomicU32,
+    nrings: AtomicU32,
+    ring_capacity: AtomicU64,
+    total_bytes: AtomicU64,
+    tag: AtomicU64,
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() == DOORBELL_OFFSET);
+const _: () = assert!(std::mem::size_of::<Doorbell>() <= 128);
+const _: () = assert!(std::mem::size_of::<RingCtrl>() as u64 <= PAGE);
+
+/// Offsets and sizes of a segment with `nrings` rings of `cap` bytes each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SegLayout {
+    /// Number of rings.
+    pub nrings: u32,
+    /// Capacity of each ring (a power of two).
+    pub cap: u64,
+    rings_offset: u64,
+    stride: u64,
+    /// Total size of the segment.
+    pub total: u64,
+}
+
+fn align_up(x: u64, a: u64) -> Option<u64> {
+    Some(x.checked_add(a - 1)? & !(a - 1))
+}
+
+impl SegLayout {
+    /// The layout, or `None` if the numbers are out of range.
+    pub(crate) fn new(nrings: u32, cap: u64) -> Option<SegLayout> {
+        if nrings == 0
+            || nrings > MAX_RINGS
+            || !cap.is_power_of_two()
+            || !(MIN_RING..=MAX_RING).contains(&cap)
+        {
+            return None;
+        }
+        let rings_offset = align_up(DIR_OFFSET + 4 * nrings as u64, PAGE)?;
+        let stride = PAGE.checked_add(align_up(cap, PAGE)?)?;
+        let total = rings_offset.checked_add(stride.checked_mul(nrings as u64)?)?;
+        usize::try_from(total).ok()?;
+        Some(SegLayout {
+            nrings,
+            cap,
+            rings_offset,
+            stride,
+            total,
+        })
+    }
+
+    /// Offset of ring `i`'s control block (its data follows one page later).
+    fn ring_offset(&self, i: u32) -> u64 {
+        self.rings_offset + self.stride * i as u64
+    }
+}
+
+/// Ring capacity for a requested size: the next power of two, at least [`MIN_RING`].
+pub(crate) fn ring_capacity(requested: usize) -> Option<u64> {
+    let c = (requested as u64)
+        .max(MIN_RING)
+        .checked_next_power_of_two()?;
+    (c <= MAX_RING).then_some(c)
+}
+
+/// The error message when `/dev/shm` lacks room: what is needed, what is free, what to do.
+pub(crate) fn space_message(
+    dir: &str,
+    needed: u64,
+    free: u64,
+    ring_bytes: u64,
+    nrings: u32,
+) -> String {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    format!(
+        "{dir} has {free} bytes ({:.1} MiB) free, but this rank needs {needed} bytes ({:.1} MiB) for \
+         {nrings} ring(s) of {ring_bytes} bytes; enlarge {dir} (e.g. `docker run --shm-size=1g`, \
+         or `mount -o remount,size=1G {dir}`), lower OXCCL_SHM_RING_BYTES, or set \
+         OXCCL_TRANSPORT=tcp",
+        mib(free),
+        mib(needed)
+    )
+}
+
+/// `Err(message)` when `free` bytes cannot hold `needed`.
+pub(crate) fn check_space(
+    dir: &str,
+    needed: u64,
+    free: u64,
+    ring_bytes: u64,
+    nrings: u32,
+) -> Result<(), String> {
+    if free >= needed {
+        Ok(())
+    } else {
+        Err(space_message(dir, needed, free, ring_bytes, nrings))
+    }
+}
+
+/// Free bytes of the file system at `dir` available to an unprivileged process.
+fn free_bytes(dir: &str) -> Result<u64, String> {
+    let st = rustix::fs::statvfs(dir).map_err(|e| format!("statvfs({dir}): {e}"))?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// A mapped segment: ours (created, unlinked once the peers have opened it) or a peer's.
+pub(crate) struct Segment {
+    base: NonNull<u8>,
+    layout: SegLayout,
+    path: PathBuf,
+    owner_pid: u32,
+    /// Set when this process created the file and has not unlinked it yet.
+    to_unlink: AtomicBool,
+}
+
+// SAFETY: the mapping is process-wide and lives until Drop; all shared bytes are accessed
+// through atomics or under the ring protocol, never through `&mut`.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+fn io_msg(what: &str, path: &Path, e: rustix::io::Errno) -> String {
+    format!("{what} {}: {e}", path.display())
+}
+
+/// Maps `len` bytes of `fd` shared, read-write, pre-faulted.
+fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, String> {
+    // SAFETY: a fresh mapping at an address the kernel chooses does not alias anything; the
+    // pointer is only used while the Segment that will own it lives (munmap in Drop).
+    let p = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::POPULATE,
+            fd,
+            0,
+        )
+    }
+    .map_err(|e| io_msg("mmap", path, e))?;
+    NonNull::new(p.cast::<u8>()).ok_or_else(|| format!("mmap {}: null mapping", path.display()))
+}
+
+impl Segment {
+    /// Creates, sizes (really allocating the memory) and maps a new segment at `path`, with
+    /// one ring per entry of `producers` (the producer's rank), and fills its header.
+    pub(crate) fn create(
+        path: &Path,
+        tag: u64,
+        owner_rank: usize,
+        producers: &[usize],
+        ring_bytes: usize,
+    ) -> Result<Segment, String> {
+        let cap = ring_capacity(ring_bytes).ok_or_else(|| {
+            format!("ring size {ring_bytes} is out of range ({MIN_RING}..={MAX_RING} bytes)")
+        })?;
+        let nrings = u32::try_from(producers.len()).unwrap_or(u32::MAX);
+        let layout = SegLayout::new(nrings, cap).ok_or_else(|| {
+            format!(
+                "{} rings of {cap} bytes do not fit in one segment",
+                producers.len()
+            )
+        })?;
+        let owner_rank_u32 =
+            u32::try_from(owner_rank).map_err(|_| format!("rank {owner_rank} is too large"))?;
+        let dir = path.parent().and_then(Path::to_str).unwrap_or(SHM_DIR);
+        check_space(dir, layout.total, free_bytes(dir)?, cap, nrings)?;
+
+        let fd: OwnedFd = rustix::fs::open(
+            path,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| io_msg("cannot create", path, e))?;
+        let pid = std::process::id();
+        // From here on the file exists: the Segment (or this guard) removes it on failure.
+        let guard = scopeguard(path);
+        match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOSPC) => {
+                return Err(space_message(
+                    dir,
+                    layout.total,
+                    free_bytes(dir).unwrap_or(0),
+                    cap,
+                    nrings,
+                ));
+            }
+            Err(rustix::io::Errno::OPNOTSUPP) => {
+                // Not tmpfs (an unusual SHM_DIR): fall back to a plain size.
+                rustix::fs::ftruncate(&fd, layout.total)
+                    .map_err(|e| io_msg("ftruncate", path, e))?;
+            }
+            Err(e) => return Err(io_msg("fallocate", path, e)),
+        }
+        let base = map(&fd, layout.total, path)?;
+        std::mem::forget(guard);
+        let seg = Segment {
+            base,
+            layout,
+            path: path.to_path_buf(),
+            owner_pid: pid,
+            to_unlink: AtomicBool::new(true),
+        };
+        let h = seg.header();
+        h.version.store(VERSION, Ordering::Relaxed);
+        h.owner_pid.store(pid, Ordering::Relaxed);
+        h.owner_rank.store(owner_rank_u32, Ordering::Relaxed);
+        h.nrings.store(nrings, Ordering::Relaxed);
+        h.ring_capacity.store(cap, Ordering::Relaxed);
+        h.total_bytes.store(layout.total, Ordering::Relaxed);
+        h.tag.store(tag, Ordering::Relaxed);
+        for (i, &p) in producers.iter().enumerate() {
+            let p = u32::try_from(p).map_err(|_| format!("rank {p} is too large"))?;
+            seg.directory(i as u32).store(p, Ordering::Relaxed);
+        }
+        h.magic.store(MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    /// Opens and maps the segment at `path` that `expect_rank` created for communicator
+    /// `tag`, checking everything in its header before trusting any of it.
+    pub(crate) fn open(path: &Path, tag: u64, expect_rank: usize) -> Result<Segment, String> {
+        let fd: OwnedFd = rustix::fs::open(path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| io_msg("cannot open", path, e))?;
+        let size = rustix::fs::fstat(&fd)
+            .map_err(|e| io_msg("fstat", path, e))?
+            .st_size;
+        let size = u64::try_from(size).unwrap_or(0);
+        let bad = |what: String| format!("{}: bad segment header: {what}", path.display());
+        if size < PAGE {
+            return Err(bad(format!(
+                "file is {size} bytes, smaller than a header page"
+            )));
+        }
+        // Map the header page first, validate, then map the whole.
+        let head = Segment {
+            base: map(&fd, PAGE, path)?,
+            // A one-page pseudo-layout: Drop unmaps exactly `total` bytes.
+            layout: SegLayout {
+                nrings: 0,
+                cap: 0,
+                rings_offset: PAGE,
+                stride: 0,
+                total: PAGE,
+            },
+            path: path.to_path_buf(),
+            owner_pid: 0,
+            to_unlink: AtomicBool::new(false),
+        };
+        let h = head.header();
+        let magic = h.magic.load(Ordering::Acquire);
+        if magic != MAGIC {
+            return Err(bad(format!("magic {magic:#018x}, expected {MAGIC:#018x}")));
+        }
+        let version = h.version.load(Ordering::Relaxed);
+        if version != VERSION {
+            return Err(bad(format!(
+                "layout version {version}, this build speaks {VERSION} (mixed oxccl versions?)"
+            )));
+        }
+        let got_tag = h.tag.load(Ordering::Relaxed);
+        if got_tag != tag {
+            return Err(bad(format!(
+                "communicator tag {got_tag:#x}, expected {tag:#x}"
+            )));
+        }
+        let owner = h.owner_rank.load(Ordering::Relaxed);
+        if owner as usize != expect_rank {
+            return Err(bad(format!("owner rank {owner}, expected {expect_rank}")));
+        }
+        let nrings = h.nrings.load(Ordering::Relaxed);
+        let cap = h.ring_capacity.load(Ordering::Relaxed);
+        let total = h.total_bytes.load(Ordering::Relaxed);
+        let owner_pid = h.owner_pid.load(Ordering::Relaxed);
+        let layout = SegLayout::new(nrings, cap).ok_or_else(|| {
+            bad(format!(
+                "{nrings} rings of {cap} bytes is not a valid layout"
+            ))
+        })?;
+        if layout.total != total {
+            return Err(bad(format!(
+                "total size {total}, the layout needs {}",
+                layout.total
+            )));
+        }
+        if size < total {
+            return Err(bad(format!(
+                "file is {size} bytes, the header says {total}"
+            )));
+        }
+        drop(head);
+        Ok(Segment {
+            base: map(&fd, total, path)?,
+            layout,
+            path: path.to_path_buf(),
+            owner_pid,
+            to_unlink: AtomicBool::new(false),
+        })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: every mapping is at least one page (validated or created so), page aligned
+        // (so aligned for Header), and lives as long as `self`; Header is all atomics.
+        unsafe { self.base.cast::<Header>().as_ref() }
+    }
+
+    fn directory(&self, i: u32) -> &AtomicU32 {
+        assert!(i < self.layout.nrings);
+        // SAFETY: `i < nrings`, and the directory (4 bytes per ring from offset 256) ends
+        // before `rings_offset` by construction of the validated layout; 4-byte aligned.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(DIR_OFFSET as usize + 4 * i as usize)
+                .cast::<AtomicU32>()
+        }
+    }
+
+    /// The owner's doorbell.
+    pub(crate) fn doorbell(&self) -> &Doorbell {
+        // SAFETY: offset 128 is inside the first page of a live mapping, aligned for
+        // Doorbell (two AtomicU32); Doorbell is only accessed through atomics.
+        unsafe { &*self.base.as_ptr().add(DOORBELL_OFFSET).cast::<Doorbell>() }
+    }
+
+    /// The ring whose producer is `producer_rank`, as an index, if there is one.
+    pub(crate) fn find_ring(&self, producer_rank: usize) -> Option<u32> {
+        (0..self.layout.nrings)
+            .find(|&i| self.directory(i).load(Ordering::Relaxed) as usize == producer_rank)
+    }
+
+    /// Pointers to ring `i`'s control block and data (`cap` bytes), and `cap`.
+    pub(crate) fn ring(&self, i: u32) -> (NonNull<RingCtrl>, NonNull<u8>, u64) {
+        assert!(i < self.layout.nrings);
+        let off = self.layout.ring_offset(i) as usize;
+        // SAFETY: ring `i < nrings` occupies `[off, off + PAGE + cap)`, inside the mapping of
+        // `layout.total` bytes (validated layout); `off` is page aligned, so aligned for
+        // RingCtrl.
+        unsafe {
+            let ctrl = NonNull::new_unchecked(self.base.as_ptr().add(off)).cast::<RingCtrl>();
+            let data = NonNull::new_unchecked(self.base.as_ptr().add(off + PAGE as usize));
+            (ctrl, data, self.layout.cap)
+        }
+    }
+
+    /// The pid its creator wrote into the header.
+    pub(crate) fn owner_pid(&self) -> u32 {
+        self.owner_pid
+    }
+
+    /// Its file.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Removes the file (the mapping stays). Only the creator does, once.
+    pub(crate) fn unlink(&self) -> Result<(), String> {
+        if self.to_unlink.swap(false, Ordering::AcqRel) {
+            rustix::fs::unlink(&self.path).map_err(|e| io_msg("unlink", &self.path, e))?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("path", &self.path)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        let _ = self.unlink();
+        // SAFETY: `base` came from mmap of exactly `layout.total` bytes; no reference into
+        // the mapping outlives the Segment (links hold an Arc to it).
+        let _ =
+            unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.layout.total as usize) };
+    }
+}
+
+/// Removes `path` when dropped unless forgotten: cleans up a half-created segment.
+struct UnlinkGuard<'a>(&'a Path);
+fn scopeguard(path: &Path) -> UnlinkGuard<'_> {
+    UnlinkGuard(path)
+}
+impl Drop for UnlinkGuard<'_> {
+    fn drop(&mut self) {
+        let _ = rustix::fs::unlink(self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp_path(name: &str) -> PathBuf {
+        let nonce = u64::from_le_bytes(rand8());
+        PathBuf::from(format!(
+            "{SHM_DIR}/{PREFIX}unittest-{name}-{}-{nonce:x}",
+            std::process::id()
+        ))
+    }
+
+    fn rand8() -> [u8; 8] {
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).unwrap();
+        b
+    }
+
+    #[test]
+    fn layout_numbers() {
+        let l = SegLayout::new(3, 4096).unwrap();
+        assert_eq!(l.ring_offset(0) % PAGE, 0);
+        assert_eq!(l.total, PAGE + 3 * (PAGE + 4096));
+        assert!(SegLayout::new(0, 4096).is_none());
+        assert!(SegLayout::new(1, 4095).is_none());
+        assert!(SegLayout::new(1, 1 << 41).is_none());
+        assert_eq!(ring_capacity(5000), Some(8192));
+        assert_eq!(ring_capacity(1), Some(MIN_RING));
+        assert_eq!(ring_capacity(usize::MAX), None);
+    }
+
+    #[test]
+    fn space_check_message() {
+        assert!(check_space("/dev/shm", 100, 100, 64, 1).is_ok());
+        let msg = check_space("/dev/shm", 64 << 20, 1 << 20, 4 << 20, 15).unwrap_err();
+        for want in [
+            "/dev/shm has 1048576 bytes (1.0 MiB) free",
+            "needs 67108864 bytes (64.0 MiB)",
+            "--shm-size",
+            "OXCCL_SHM_RING_BYTES",
+            "OXCCL_TRANSPORT=tcp",
+        ] {
+            assert!(msg.contains(want), "{want:?} missing from: {msg}");
+        }
+    }
+
+    #[test]
+    fn create_open_roundtrip_and_unlink() {
+        let path = tmp_path("rt");
+        let own = Segment::create(&path, 0xabc, 2, &[0, 5], 4096).unwrap();
+        let peer = Segment::open(&path, 0xabc, 2).unwrap();
+        assert_eq!(peer.owner_pid(), std::process::id());
+        assert_eq!(peer.find_ring(5), Some(1));
+        assert_eq!(peer.find_ring(0), Some(0));
+        assert_eq!(peer.find_ring(2), None);
+        assert_eq!(peer.ring(1).2, 4096);
+        // The two mappings see the same bytes.
+        own.doorbell().ring();
+        let tok = peer.doorbell().prepare();
+        own.doorbell().cancel(tok);
+        assert!(Segment::open(&path, 0xabd, 2).unwrap_err().contains("tag"));
+        assert!(Segment::open(&path, 0xabc, 3)
+            .unwrap_err()
+            .contains("owner rank"));
+        // O_EXCL: a second create at the same path fails.
+        assert!(Segment::create(&path, 0xabc, 2, &[0], 4096).is_err());
+        own.unlink().unwrap();
+        assert!(!path.exists());
+        drop(own);
+        drop(peer);
+    }
+
+    #[test]
+    fn drop_removes_file() {
+        let path = tmp_path("drop");
+        let own = Segment::create(&path, 1, 0, &[1], 64).unwrap();
+        assert!(path.exists());
+        drop(own);
+        assert!(!path.exists());
+    }
+
+    /// Writes `bytes` (then zero padding to `len`) to a fresh file and tries to open it.
+    fn open_forged(name: &str, bytes: &[u8], len: usize) -> String {
+        let path = tmp_path(name);
+        let mut v = bytes.to_vec();
+        v.resize(len, 0);
+        std::fs::write(&path, &v).unwrap();
+        let r = Segment::open(&path, 7, 1);
+        std::fs::remove_file(&path).unwrap();
+        match r {
+            Ok(_) => panic!("forged header {name} accepted"),
+            Err(e) => e,
+        }
+    }
+
+    fn header_bytes(version: u32, nrings: u32, cap: u64, total: u64) -> Vec<u8> {
+        let mut h = Vec::new();
+        h.extend_from_slice(&MAGIC.to_le_bytes());
+        h.extend_from_slice(&version.to_le_bytes());
+        h.extend_from_slice(&123u32.to_le_bytes()); // pid
+        h.extend_from_slice(&1u32.to_le_bytes()); // rank
+        h.extend_from_slice(&nrings.to_le_bytes());
+        h.extend_from_slice(&cap.to_le_bytes());
+        h.extend_from_slice(&total.to_le_bytes());
+        h.extend_from_slice(&7u64.to_le_bytes()); // tag
+        h
+    }
+
+    #[test]
+    fn bad_headers_rejected() {
+        let good = SegLayout::new(1, 4096).unwrap().total;
+        assert!(open_forged("short", b"xx", 10).contains("smaller than a header"));
+        assert!(open_forged("magic", b"NOTOXCCL", 4096).contains("magic"));
+        assert!(
+            open_forged("version", &header_bytes(99, 1, 4096, good), good as usize)
+                .contains("version")
+        );
+        assert!(
+            open_forged("cap", &header_bytes(VERSION, 1, 5000, good), good as usize)
+                .contains("valid layout")
+        );
+        assert!(open_forged(
+            "rings",
+            &header_bytes(VERSION, 0, 4096, good),
+            good as usize
+        )
+        .contains("valid layout"));
+        assert!(open_forged(
+            "total",
+            &header_bytes(VERSION, 1, 4096, good + 1),
+            good as usize
+        )
+        .contains("total size"));
+        // The header claims more than the file holds: mapping it would SIGBUS on access.
+        assert!(
+            open_forged("trunc", &header_bytes(VERSION, 1, 4096, good), 4096)
+                .contains("file is 4096 bytes")
+        );
+        // The forged-but-valid header opens.
+        let path = tmp_path("valid");
+        let mut v = header_bytes(VERSION, 1, 4096, good);
+        v.resize(good as usize, 0);
+        std::fs::write(&path, &v).unwrap();
+        let s = Segment::open(&path, 7, 1).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(s.owner_pid(), 123);
+    }
+}
