@@ -7,7 +7,10 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -119,7 +122,10 @@ pub fn launch(
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("OXCCL_SECRET", &secret)
-            .stdin(Stdio::null());
+            .stdin(Stdio::null())
+            // Each rank leads its own process group, so that stopping a rank stops whatever it
+            // started too; the launcher forwards SIGINT/SIGTERM/SIGHUP to every group.
+            .process_group(0);
         for (k, v) in extra_env {
             cmd.env(k, v);
         }
@@ -143,9 +149,28 @@ pub fn launch(
             }
         }
     }
+    let signal = Arc::new(AtomicUsize::new(0));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        // Registration only fails for forbidden signals; these are not.
+        let _ = signal_hook::flag::register_usize(sig, signal.clone(), sig as usize);
+    }
     let mut code = 0;
     let mut running: Vec<(usize, Child)> = children;
     while !running.is_empty() {
+        let sig = signal.load(Ordering::Relaxed);
+        if sig != 0 {
+            eprintln!(
+                "oxccl: got signal {sig}; stopping {} rank(s)",
+                running.len()
+            );
+            stop_all(&mut running);
+            code = 128 + sig as i32;
+            break;
+        }
         let mut failed = None;
         running.retain_mut(|(rank, child)| match child.try_wait() {
             Ok(Some(st)) => {
@@ -176,11 +201,15 @@ pub fn launch(
 }
 
 fn stop_all(children: &mut Vec<(usize, Child)>) {
-    for (_, c) in children.iter() {
-        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    let signal_all = |sig: rustix::process::Signal, children: &[(usize, Child)]| {
+        for (_, c) in children {
+            if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+                // The child leads its own process group (see `launch`): signal the group.
+                let _ = rustix::process::kill_process_group(pid, sig);
+            }
         }
-    }
+    };
+    signal_all(rustix::process::Signal::TERM, children);
     let deadline = Instant::now() + Duration::from_secs(3);
     while Instant::now() < deadline
         && children
@@ -189,8 +218,8 @@ fn stop_all(children: &mut Vec<(usize, Child)>) {
     {
         std::thread::sleep(Duration::from_millis(20));
     }
+    signal_all(rustix::process::Signal::KILL, children);
     for (_, c) in children.iter_mut() {
-        let _ = c.kill();
         let _ = c.wait();
     }
     children.clear();

@@ -485,8 +485,9 @@ impl Communicator {
                     CollKind::Reduce if !is_root => (0..len, 0..0),
                     CollKind::AllGather => (blk(len / es / n), 0..len),
                     CollKind::ReduceScatter => (0..len, blk(len / es / n)),
-                    CollKind::AllToAll => {
-                        // An aligned copy of the input (a Vec<u8> need not be aligned).
+                    CollKind::AllToAll | CollKind::SendRecv { .. } => {
+                        // Every byte is both sent and overwritten: send from an aligned copy
+                        // (as MPI_Sendrecv_replace; a Vec<u8> need not be aligned).
                         let mut words = vec![0u64; len.div_ceil(8)];
                         let copy = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len];
                         copy.copy_from_slice(buf);
