@@ -36,9 +36,10 @@ pub struct Args {
     /// Add this many bytes between rows (instead of -f).
     #[arg(short = 'i', long = "stepbytes", value_parser = parse_bytes)]
     stepbytes: Option<usize>,
-    /// Timed iterations per size.
-    #[arg(short = 'n', long = "iters", default_value_t = 20)]
-    iters: usize,
+    /// Timed iterations per size. Default: at least 20, more for small sizes, so that each
+    /// row times about 20 ms of calls (fewer hiccups of a shared machine in the average).
+    #[arg(short = 'n', long = "iters")]
+    iters: Option<usize>,
     /// Warm-up iterations per size.
     #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
     warmup: usize,
@@ -160,7 +161,7 @@ fn validate(a: &Args) -> Result<(), String> {
     if a.stepbytes == Some(0) {
         return Err("-i must be positive".into());
     }
-    if a.iters == 0 {
+    if a.iters == Some(0) {
         return Err("-n must be at least 1".into());
     }
     if a.check > 1 {
@@ -225,6 +226,13 @@ struct Row<'a> {
     wrong: Option<u64>,
 }
 
+/// Timed work per row when `-n` is not given.
+const ADAPTIVE_TARGET_SECS: f64 = 0.02;
+/// nccl-tests' default iteration count: the least a row runs.
+const MIN_ITERS: usize = 20;
+/// The most a row runs.
+const MAX_ITERS: usize = 100_000;
+
 struct Measured {
     time_us: f64,
     wrong: Option<u64>,
@@ -240,12 +248,33 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     for _ in 0..a.warmup {
         case.call(comm, send, recv)?;
     }
+    let iters = match a.iters {
+        Some(n) => n,
+        None => {
+            // Time growing batches until one lasts 2 ms; every rank must run the same count,
+            // so each decision uses the slowest rank's time.
+            let mut k = 1;
+            loop {
+                let t = Instant::now();
+                for _ in 0..k {
+                    case.call(comm, send, recv)?;
+                }
+                let mut secs = [t.elapsed().as_secs_f64()];
+                comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
+                if secs[0] >= 0.002 || k >= MAX_ITERS {
+                    break ((ADAPTIVE_TARGET_SECS * k as f64 / secs[0].max(1e-9)) as usize)
+                        .clamp(MIN_ITERS, MAX_ITERS);
+                }
+                k *= 4;
+            }
+        }
+    };
     comm.barrier()?;
     let t = Instant::now();
-    for _ in 0..a.iters {
+    for _ in 0..iters {
         case.call(comm, send, recv)?;
     }
-    let mut secs = [t.elapsed().as_secs_f64() / a.iters as f64];
+    let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
     let algo = comm.last_algo();
     comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
     let wrong = if a.check == 1 {
@@ -290,10 +319,14 @@ fn rank_main(a: &Args) -> Result<(), String> {
             "# oxccl {} perf: {n} ranks, transport {transport}",
             kind.name()
         );
+        let iters = a.iters.map_or(
+            format!("adaptive ({MIN_ITERS}..{MAX_ITERS}, ~20 ms a row)"),
+            |n| n.to_string(),
+        );
         let _ = writeln!(
             out,
-            "#  iters {} warmup {} check {}",
-            a.iters, a.warmup, a.check
+            "#  iters {iters} warmup {} check {}",
+            a.warmup, a.check
         );
         let _ = writeln!(out, "#{:>86}{:>36}", "out-of-place", "in-place");
         let _ = writeln!(
