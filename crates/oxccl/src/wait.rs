@@ -8,12 +8,14 @@
 //! calls [`Doorbell::prepare`], re-checks its condition, then [`Doorbell::wait`]: the futex
 //! only sleeps if nobody rang in between, so no wake-up is lost.
 //!
-//! Correctness argument (all accesses `SeqCst`): the waiter does `sleepers += 1`, then reads
-//! `seq`, then checks its condition; the ringer publishes its data, then `seq += 1`, then
-//! reads `sleepers`. If the ringer saw `sleepers == 0`, its `seq += 1` came before the waiter's
-//! read of `seq`, so the waiter's check sees the data. Otherwise the ringer calls
-//! `futex_wake`, and the waiter's `futex_wait(seq, old)` either sees a changed value or is
-//! woken.
+//! Correctness argument (a Dekker handshake; every access below is `SeqCst` or separated by a
+//! `SeqCst` fence): the waiter does `sleepers += 1`, fence, reads `seq`, then checks its
+//! condition; the ringer publishes its data, fence, then reads `sleepers`, and only if it is
+//! non-zero does `seq += 1` and `futex_wake`. The two fences order the two store-then-load
+//! pairs, so at least one side sees the other's store: either the ringer sees a sleeper (and
+//! bumps `seq` and wakes it: the waiter's `futex_wait(seq, old)` sees the changed value or is
+//! woken), or the waiter's re-check sees the published data and it does not sleep. A ringer
+//! with nobody asleep writes nothing to the shared line: one fence and one load.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -43,11 +45,12 @@ impl Doorbell {
         }
     }
 
-    /// Signals progress; wakes the owner if it sleeps. Cheap when nobody sleeps (one atomic
-    /// add and one load, no system call).
+    /// Signals progress (to be called after publishing it); wakes the owner if it sleeps.
+    /// Cheap when nobody sleeps: one fence and one load, no write, no system call.
     pub fn ring(&self) {
-        self.seq.fetch_add(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) != 0 {
+            self.seq.fetch_add(1, Ordering::SeqCst);
             // Errors from futex_wake cannot be acted upon (the memory is valid while `self`
             // is borrowed); a lost wake-up is bounded by the waiter's timeout slice.
             let _ = futex::wake(&self.seq, futex::Flags::empty(), i32::MAX as u32);
@@ -57,6 +60,7 @@ impl Doorbell {
     /// Announces that the caller is about to sleep; call before re-checking the condition.
     pub fn prepare(&self) -> DoorbellToken {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         DoorbellToken(self.seq.load(Ordering::SeqCst))
     }
 
