@@ -4,14 +4,16 @@ use std::sync::{Mutex, MutexGuard};
 
 use tracing::{debug, info};
 
-use crate::algo::{Algo, Coll, CollKind};
+use crate::algo::{cma, oneshot, Algo, Coll, CollKind};
 use crate::bootstrap::{Bootstrap, LaunchEnv, UniqueId};
 use crate::dtype::{DataType, Element};
 use crate::error::{Error, Result};
 use crate::exec::{self, Buffers, Ctx};
+use crate::exec_direct::DirectCtx;
 use crate::op::ReduceOp;
 use crate::param::Config;
 use crate::topo::{self, Topology};
+use crate::transport::direct::Direct;
 use crate::transport::{shm, tcp, Link, TransportKind};
 use crate::tune;
 
@@ -45,6 +47,8 @@ struct State {
     links: Vec<Option<Box<dyn Link>>>,
     seq: u64,
     scratch: Vec<u64>,
+    /// The direct area when every rank shares this host (one-shot and single-copy algorithms).
+    direct: Option<Box<dyn Direct>>,
     broken: Option<String>,
     last_algo: &'static str,
     _boot: Option<Bootstrap>,
@@ -127,6 +131,15 @@ impl Communicator {
         let secret = *boot.secret();
         let shm_links = shm::connect(&mut boot, &shm_peers, tag, &cfg)?;
         let tcp_links = tcp::connect(&mut boot, &tcp_peers, &secret, &cfg)?;
+        // Every rank on this host, talking through shared memory: set up the direct area for
+        // the one-shot and single-copy algorithms (all ranks decide alike: same topology).
+        let direct = if world_size > 1 && tcp_peers.is_empty() {
+            let pids: Vec<u32> = peers.iter().map(|p| p.pid).collect();
+            shm::direct::connect(&mut boot, &pids, tag, cfg.cma)?
+                .map(|d| Box::new(d) as Box<dyn Direct>)
+        } else {
+            None
+        };
         let mut links: Vec<Option<Box<dyn Link>>> = (0..world_size).map(|_| None).collect();
         for (peer, link) in shm_links.into_iter().chain(tcp_links) {
             links[peer] = Some(link);
@@ -138,6 +151,10 @@ impl Communicator {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             ._boot = Some(boot);
+        comm.state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .direct = direct;
         Ok(comm)
     }
 
@@ -196,11 +213,23 @@ impl Communicator {
                 links,
                 seq: 0,
                 scratch: Vec::new(),
+                direct: None,
                 broken: None,
                 last_algo: "",
                 _boot: None,
             }),
         })
+    }
+
+    /// Gives a communicator built by [`from_links`](Self::from_links) a direct area (e.g.
+    /// [`crate::transport::direct::mem_group`] for threads), enabling the one-shot and
+    /// single-copy algorithms. Every rank must do the same.
+    pub fn with_direct(mut self, direct: Box<dyn Direct>) -> Self {
+        self.state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .direct = Some(direct);
+        self
     }
 
     /// This rank.
@@ -310,7 +339,6 @@ impl Communicator {
             });
         }
         let call = validate(seq)?;
-        let algo = tune::choose(call.kind, self.forced_algo);
         let coll = Coll {
             kind: call.kind,
             rank: self.rank,
@@ -321,27 +349,66 @@ impl Communicator {
             root: call.root,
             chunk_bytes: self.cfg.chunk_bytes,
         };
-        let sched = algo.schedule(&coll);
-        debug_assert!(
-            sched.validate(self.rank).is_ok(),
-            "{:?}",
-            sched.validate(self.rank)
-        );
-        debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = sched.algo, "call");
-        st.last_algo = sched.algo;
-        let State { links, scratch, .. } = &mut *st;
-        let mut ctx = Ctx {
-            rank: self.rank,
-            links,
-            dtype: call.dtype,
-            op: call.op,
-            nranks: self.nranks,
-            spin: self.cfg.spin,
-            timeout: self.cfg.timeout,
-            call: name,
-            seq,
+        let situation = tune::Situation {
+            kind: call.kind,
+            input_bytes: Coll {
+                rank: call.root,
+                ..coll.clone()
+            }
+            .input_bytes(),
+            direct: st.direct.is_some(),
+            cma: st.direct.as_ref().is_some_and(|d| d.can_read_peers()),
+            slot_bytes: st.direct.as_ref().map_or(0, |d| d.slot_bytes()),
+            oneshot_max: self.cfg.oneshot_max,
+            cma_min: self.cfg.cma_min,
         };
-        let res = exec::execute(&mut ctx, &sched, &mut bufs, scratch);
+        let algo = tune::choose(&situation, self.forced_algo);
+        debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");
+        st.last_algo = algo.name();
+        let State {
+            links,
+            scratch,
+            direct,
+            ..
+        } = &mut *st;
+        let res = match direct.as_deref_mut().filter(|_| algo.is_direct()) {
+            Some(direct) => {
+                let mut cx = DirectCtx {
+                    direct,
+                    rank: self.rank,
+                    nranks: self.nranks,
+                    spin: self.cfg.spin,
+                    timeout: self.cfg.timeout,
+                    call: name,
+                    seq,
+                    start: std::time::Instant::now(),
+                };
+                match algo {
+                    Algo::OneShot => oneshot::run(&mut cx, &coll, &mut bufs),
+                    _ => cma::run(&mut cx, &coll, &mut bufs, scratch),
+                }
+            }
+            None => {
+                let sched = algo.schedule(&coll);
+                debug_assert!(
+                    sched.validate(self.rank).is_ok(),
+                    "{:?}",
+                    sched.validate(self.rank)
+                );
+                let mut ctx = Ctx {
+                    rank: self.rank,
+                    links,
+                    dtype: call.dtype,
+                    op: call.op,
+                    nranks: self.nranks,
+                    spin: self.cfg.spin,
+                    timeout: self.cfg.timeout,
+                    call: name,
+                    seq,
+                };
+                exec::execute(&mut ctx, &sched, &mut bufs, scratch)
+            }
+        };
         if let Err(e) = &res {
             if e.is_fatal() {
                 st.broken = Some(e.to_string());

@@ -67,6 +67,18 @@ impl<'a> Buffers<'a> {
     }
 }
 
+impl Buffers<'_> {
+    /// The input: address and length (for algorithms that publish addresses).
+    pub(crate) fn input_raw(&self) -> (*const u8, usize) {
+        (self.input, self.input_len)
+    }
+
+    /// The output: address and length.
+    pub(crate) fn output_raw(&self) -> (*mut u8, usize) {
+        (self.output, self.output_len)
+    }
+}
+
 /// Everything the executor needs besides the schedule and the buffers.
 pub struct Ctx<'a> {
     /// This rank.

@@ -23,6 +23,7 @@ pub mod debug;
 pub mod dtype;
 pub mod error;
 pub mod exec;
+pub mod exec_direct;
 pub mod op;
 pub mod param;
 pub mod reduce;

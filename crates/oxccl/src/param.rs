@@ -55,6 +55,14 @@ pub struct Config {
     /// `OXCCL_CHUNK_BYTES`: pipeline segment of chained algorithms (broadcast, reduce).
     /// Default 256 KiB.
     pub chunk_bytes: usize,
+    /// `OXCCL_ONESHOT_MAX`: inputs up to this many bytes go one-shot through shared slots
+    /// when every rank shares a host. Default 8 KiB.
+    pub oneshot_max: usize,
+    /// `OXCCL_CMA_MIN`: inputs from this many bytes on are copied straight from peers' buffers
+    /// (`process_vm_readv`) when every rank shares a host. Default 64 KiB.
+    pub cma_min: usize,
+    /// `OXCCL_CMA=0` forbids reading peers' memory (`process_vm_readv`); default allowed.
+    pub cma: bool,
 }
 
 impl Default for Config {
@@ -68,6 +76,9 @@ impl Default for Config {
             socket_ifname: None,
             algo: None,
             chunk_bytes: 256 << 10,
+            oneshot_max: 8 << 10,
+            cma_min: 64 << 10,
+            cma: true,
         }
     }
 }
@@ -156,6 +167,19 @@ impl Config {
                 )));
             }
             c.chunk_bytes = b;
+        }
+        if let Some(b) = env_parse("OXCCL_ONESHOT_MAX", parse_bytes)? {
+            c.oneshot_max = b;
+        }
+        if let Some(b) = env_parse("OXCCL_CMA_MIN", parse_bytes)? {
+            c.cma_min = b;
+        }
+        if let Some(b) = env_parse("OXCCL_CMA", |v| match v {
+            "0" | "false" | "no" => Ok(false),
+            "1" | "true" | "yes" => Ok(true),
+            _ => Err("expected 0 or 1".to_string()),
+        })? {
+            c.cma = b;
         }
         Ok(c)
     }

@@ -17,22 +17,120 @@ pub fn default_algo(kind: CollKind) -> Algo {
     }
 }
 
-/// The algorithm for `kind`: `forced` where it implements `kind`, else the default.
-pub fn choose(kind: CollKind, forced: Option<Algo>) -> Algo {
-    match forced {
-        Some(a) if a.supports(kind) => a,
-        _ => default_algo(kind),
+/// What the tuner knows about a call and the communicator.
+#[derive(Clone, Copy, Debug)]
+pub struct Situation {
+    /// The collective.
+    pub kind: CollKind,
+    /// Bytes of one rank's input (the whole buffer for all_reduce, broadcast, reduce).
+    pub input_bytes: usize,
+    /// Whether every rank shares this host and the direct area is set up.
+    pub direct: bool,
+    /// Whether ranks can read each other's memory (`process_vm_readv`).
+    pub cma: bool,
+    /// Capacity of a direct slot (the most one-shot can carry).
+    pub slot_bytes: usize,
+    /// Largest input that goes one-shot (`OXCCL_ONESHOT_MAX`).
+    pub oneshot_max: usize,
+    /// Smallest input that goes single-copy (`OXCCL_CMA_MIN`).
+    pub cma_min: usize,
+}
+
+/// Whether `algo` can run this call at all.
+pub fn feasible(algo: Algo, s: &Situation) -> bool {
+    algo.supports(s.kind)
+        && match algo {
+            Algo::OneShot => s.direct && s.input_bytes <= s.slot_bytes,
+            Algo::Cma => s.direct && s.cma,
+            _ => true,
+        }
+}
+
+/// The algorithm for a call: `forced` where it can run the call, else by size: one-shot for
+/// small inputs on one host, single-copy for large ones, the default schedule otherwise.
+pub fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
+    if let Some(a) = forced.filter(|a| feasible(*a, s)) {
+        return a;
     }
+    if s.kind == CollKind::Barrier && s.direct {
+        return Algo::OneShot;
+    }
+    if feasible(Algo::OneShot, s) && s.input_bytes <= s.oneshot_max {
+        return Algo::OneShot;
+    }
+    if feasible(Algo::Cma, s) && s.input_bytes >= s.cma_min {
+        return Algo::Cma;
+    }
+    default_algo(s.kind)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn sit(kind: CollKind, input_bytes: usize, direct: bool) -> Situation {
+        Situation {
+            kind,
+            input_bytes,
+            direct,
+            cma: direct,
+            slot_bytes: 65536,
+            oneshot_max: 8192,
+            cma_min: 65536,
+        }
+    }
+
     #[test]
     fn forced_only_where_it_fits() {
-        assert_eq!(choose(CollKind::AllReduce, Some(Algo::Chain)), Algo::Ring);
-        assert_eq!(choose(CollKind::Broadcast, Some(Algo::Chain)), Algo::Chain);
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 8, false), Some(Algo::Chain)),
+            Algo::Ring
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Broadcast, 8, false), Some(Algo::Chain)),
+            Algo::Chain
+        );
+        assert_eq!(
+            choose(
+                &sit(CollKind::AllReduce, 1 << 20, true),
+                Some(Algo::OneShot)
+            ),
+            Algo::Cma,
+            "too big for a slot"
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 8, false), Some(Algo::OneShot)),
+            Algo::Ring,
+            "no direct area"
+        );
+    }
+
+    #[test]
+    fn by_size_on_one_host() {
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 8, true), None),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 16384, true), None),
+            Algo::Ring
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 1 << 20, true), None),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Reduce, 1 << 20, true), None),
+            Algo::Chain
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Barrier, 0, true), None),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 1 << 20, false), None),
+            Algo::Ring
+        );
         for k in [
             CollKind::AllReduce,
             CollKind::Broadcast,

@@ -30,24 +30,56 @@ fn reduces(kind: CollKind) -> bool {
     )
 }
 
-/// Runs `cases(rank)` on `n` threads, each with its own communicator; returns failures.
+/// How the ranks of a group reach each other besides links.
+#[derive(Clone, Copy)]
+enum Direct {
+    /// Links only: every collective runs a schedule.
+    No,
+    /// A direct area too: inputs up to `oneshot_max` bytes go one-shot, from `cma_min` on
+    /// single-copy.
+    Yes { oneshot_max: usize, cma_min: usize },
+}
+
+/// Runs `cases(rank)` on `n` threads, each with its own communicator.
 fn run_group(n: usize, cap: usize, cases: impl Fn(usize) -> Vec<Case> + Sync) {
-    let cfg = Config {
+    run_group_with(n, cap, Direct::No, cases)
+}
+
+fn run_group_with(n: usize, cap: usize, direct: Direct, cases: impl Fn(usize) -> Vec<Case> + Sync) {
+    let mut cfg = Config {
         timeout: Duration::from_secs(60),
         spin: 200,
         chunk_bytes: 4096,
         ..Config::default()
     };
+    let mut areas: Vec<Option<oxccl::transport::direct::MemDirect>> =
+        (0..n).map(|_| None).collect();
+    if let Direct::Yes {
+        oneshot_max,
+        cma_min,
+    } = direct
+    {
+        cfg.oneshot_max = oneshot_max;
+        cfg.cma_min = cma_min;
+        areas = oxccl::transport::direct::mem_group(n)
+            .into_iter()
+            .map(Some)
+            .collect();
+    }
     let groups = mem::group(n, cap);
     std::thread::scope(|s| {
         let handles: Vec<_> = groups
             .into_iter()
+            .zip(areas)
             .enumerate()
-            .map(|(rank, links)| {
+            .map(|(rank, (links, area))| {
                 let cfg = cfg.clone();
                 let cases = &cases;
                 s.spawn(move || {
-                    let comm = Communicator::from_links(rank, n, links, cfg).unwrap();
+                    let mut comm = Communicator::from_links(rank, n, links, cfg).unwrap();
+                    if let Some(a) = area {
+                        comm = comm.with_direct(Box::new(a));
+                    }
                     for case in cases(rank) {
                         let (mut send, mut recv) = case.alloc();
                         let (sl, rl) = case.sizes();
@@ -57,7 +89,7 @@ fn run_group(n: usize, cap: usize, cases: impl Fn(usize) -> Vec<Case> + Sync) {
                         case.call(&comm, send, recv)
                             .unwrap_or_else(|e| panic!("{case:?}: {e}"));
                         let wrong = case.wrong(recv);
-                        assert_eq!(wrong, 0, "rank {rank}: {case:?}");
+                        assert_eq!(wrong, 0, "rank {rank} ({}): {case:?}", comm.last_algo());
                     }
                     comm.barrier().unwrap();
                 })
@@ -70,7 +102,11 @@ fn run_group(n: usize, cap: usize, cases: impl Fn(usize) -> Vec<Case> + Sync) {
 }
 
 fn matrix(n: usize) {
-    run_group(n, 96, |rank| {
+    matrix_with(n, Direct::No)
+}
+
+fn matrix_with(n: usize, direct: Direct) {
+    run_group_with(n, 96, direct, |rank| {
         let mut cases = Vec::new();
         for (kind, root) in kinds(n) {
             for dtype in DataType::ALL {
@@ -124,6 +160,83 @@ fn matrix_4_ranks() {
 #[test]
 fn matrix_8_ranks() {
     matrix(8);
+}
+
+// With a direct area: the small sizes go one-shot, the larger single-copy where it applies.
+#[test]
+fn matrix_direct_2_ranks() {
+    matrix_with(
+        2,
+        Direct::Yes {
+            oneshot_max: 64,
+            cma_min: 100,
+        },
+    );
+}
+
+#[test]
+fn matrix_direct_3_ranks() {
+    matrix_with(
+        3,
+        Direct::Yes {
+            oneshot_max: 64,
+            cma_min: 100,
+        },
+    );
+}
+
+#[test]
+fn matrix_direct_8_ranks() {
+    matrix_with(
+        8,
+        Direct::Yes {
+            oneshot_max: 64,
+            cma_min: 100,
+        },
+    );
+}
+
+// Everything that fits a slot one-shot.
+#[test]
+fn matrix_oneshot_4_ranks() {
+    matrix_with(
+        4,
+        Direct::Yes {
+            oneshot_max: usize::MAX,
+            cma_min: usize::MAX,
+        },
+    );
+}
+
+#[test]
+fn larger_than_the_chunks_single_copy() {
+    for n in [2, 3] {
+        run_group_with(
+            n,
+            64 << 10,
+            Direct::Yes {
+                oneshot_max: 0,
+                cma_min: 0,
+            },
+            |rank| {
+                kinds(n)
+                    .into_iter()
+                    .flat_map(|(kind, root)| {
+                        [false, true].map(|in_place| Case {
+                            kind,
+                            dtype: DataType::F32,
+                            op: ReduceOp::Avg,
+                            root,
+                            count: 300_001,
+                            in_place,
+                            rank,
+                            nranks: n,
+                        })
+                    })
+                    .collect()
+            },
+        );
+    }
 }
 
 #[test]

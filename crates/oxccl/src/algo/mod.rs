@@ -16,6 +16,8 @@ pub mod allreduce_ring;
 pub mod alltoall_pairwise;
 pub mod barrier_dissemination;
 pub mod broadcast_chain;
+pub mod cma;
+pub mod oneshot;
 pub mod reduce_chain;
 pub mod reduce_scatter_ring;
 pub mod sendrecv;
@@ -410,16 +412,22 @@ pub enum Algo {
     Dissemination,
     /// Direct transfer (send, recv).
     Direct,
+    /// One-shot through shared slots (one host, small messages; not a schedule).
+    OneShot,
+    /// Single copy from peers' buffers with `process_vm_readv` (one host; not a schedule).
+    Cma,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 5] = [
+    pub const ALL: [Algo; 7] = [
         Algo::Ring,
         Algo::Chain,
         Algo::Pairwise,
         Algo::Dissemination,
         Algo::Direct,
+        Algo::OneShot,
+        Algo::Cma,
     ];
 
     /// The algorithm's name.
@@ -430,7 +438,15 @@ impl Algo {
             Algo::Pairwise => "pairwise",
             Algo::Dissemination => "dissemination",
             Algo::Direct => "direct",
+            Algo::OneShot => "oneshot",
+            Algo::Cma => "cma",
         }
+    }
+
+    /// True for the algorithms that work on the direct area of one host
+    /// ([`crate::transport::direct`]) instead of a schedule over links.
+    pub fn is_direct(self) -> bool {
+        matches!(self, Algo::OneShot | Algo::Cma)
     }
 
     /// Whether this algorithm implements `kind`.
@@ -444,6 +460,24 @@ impl Algo {
                 | (Algo::Pairwise, CollKind::AllToAll)
                 | (Algo::Dissemination, CollKind::Barrier)
                 | (
+                    Algo::OneShot,
+                    CollKind::AllReduce
+                        | CollKind::Broadcast
+                        | CollKind::Reduce
+                        | CollKind::AllGather
+                        | CollKind::ReduceScatter
+                        | CollKind::AllToAll
+                        | CollKind::Barrier
+                )
+                | (
+                    Algo::Cma,
+                    CollKind::AllReduce
+                        | CollKind::ReduceScatter
+                        | CollKind::AllGather
+                        | CollKind::AllToAll
+                        | CollKind::Broadcast
+                )
+                | (
                     Algo::Direct,
                     CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. }
                 )
@@ -451,7 +485,8 @@ impl Algo {
     }
 
     /// Builds this algorithm's schedule for `coll`. Panics if it does not
-    /// [`support`](Self::supports) the collective (the tuner never asks for that).
+    /// [`support`](Self::supports) the collective or [`is_direct`](Self::is_direct) (the
+    /// tuner never asks for that).
     pub fn schedule(self, coll: &Coll) -> Schedule {
         match (self, coll.kind) {
             (Algo::Ring, CollKind::AllReduce) => allreduce_ring::schedule(coll),

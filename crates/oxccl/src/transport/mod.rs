@@ -15,6 +15,7 @@ use std::os::fd::BorrowedFd;
 
 use crate::wait::Doorbell;
 
+pub mod direct;
 pub mod mem;
 pub mod shm;
 pub mod tcp;

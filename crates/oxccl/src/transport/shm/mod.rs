@@ -16,6 +16,7 @@
 //! The ring protocol (Release/Acquire on `head` and `tail`, cached opposite index) is
 //! described in `ring.rs`, the segment layout in `segment.rs`.
 
+pub mod direct;
 mod ring;
 mod segment;
 
@@ -70,7 +71,7 @@ fn invalid(rank: usize, msg: String) -> Error {
 /// This process's pid namespace (`pid:[4026531836]`), or "" if unknown. Pids of peers in
 /// another namespace (containers sharing /dev/shm) mean nothing here, so liveness checks by
 /// pid are only made within one namespace.
-fn pid_namespace() -> String {
+pub(crate) fn pid_namespace() -> String {
     std::fs::read_link("/proc/self/ns/pid")
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default()
@@ -361,14 +362,7 @@ impl Link for ShmLink {
             return Err(self.closed("closed its end of the shared-memory link"));
         }
         if let Some(pid) = self.peer_pid {
-            let gone = match rustix::process::test_kill_process(pid) {
-                Err(rustix::io::Errno::SRCH) => true,
-                // A dead child that its parent has not reaped yet still answers kill 0 (the
-                // parent may be this very process, waiting here instead of in wait()).
-                Ok(()) => is_zombie(pid),
-                Err(_) => false,
-            };
-            if gone {
+            if process_gone(pid) {
                 return Err(LinkError::Closed(format!(
                     "process {} of rank {} exited",
                     pid.as_raw_nonzero(),
@@ -377,6 +371,17 @@ impl Link for ShmLink {
             }
         }
         Ok(())
+    }
+}
+
+/// True if process `pid` has exited (reaped or not).
+pub(crate) fn process_gone(pid: rustix::process::Pid) -> bool {
+    match rustix::process::test_kill_process(pid) {
+        Err(rustix::io::Errno::SRCH) => true,
+        // A dead child that its parent has not reaped yet still answers kill 0 (the parent
+        // may be this very process, waiting here instead of in wait()).
+        Ok(()) => is_zombie(pid),
+        Err(_) => false,
     }
 }
 

@@ -146,7 +146,7 @@ pub(crate) fn check_space(
 }
 
 /// Free bytes of the file system at `dir` available to an unprivileged process.
-fn free_bytes(dir: &str) -> Result<u64, String> {
+pub(crate) fn free_bytes(dir: &str) -> Result<u64, String> {
     let st = rustix::fs::statvfs(dir).map_err(|e| format!("statvfs({dir}): {e}"))?;
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
@@ -167,12 +167,12 @@ unsafe impl Send for Segment {}
 // SAFETY: as above.
 unsafe impl Sync for Segment {}
 
-fn io_msg(what: &str, path: &Path, e: rustix::io::Errno) -> String {
+pub(crate) fn io_msg(what: &str, path: &Path, e: rustix::io::Errno) -> String {
     format!("{what} {}: {e}", path.display())
 }
 
 /// Maps `len` bytes of `fd` shared, read-write, pre-faulted.
-fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, String> {
+pub(crate) fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, String> {
     // SAFETY: a fresh mapping at an address the kernel chooses does not alias anything; the
     // pointer is only used while the Segment that will own it lives (munmap in Drop).
     let p = unsafe {

@@ -1,0 +1,165 @@
+//! Direct access between the ranks of one host: the interface of the intra-host algorithms
+//! that do not stream bytes through links (one-shot all-reduce, single-copy all-reduce).
+//!
+//! Each rank owns a small published area that every other rank of the host can read: an
+//! event counter, two data slots and two address records (slot `e % 2` belongs to event `e`).
+//! A rank [`publish`](Direct::publish)es event `e` (its data and/or the addresses of its
+//! buffers), then waits until every peer has published `e` too, then reads what they
+//! published, and may copy straight out of their buffers ([`read_peer`](Direct::read_peer),
+//! `process_vm_readv`, single copy).
+//!
+//! Reuse of a slot is safe without acknowledgements because every algorithm keeps one rule:
+//! **before publishing event `e + 1`, a rank has waited for every peer to publish `e`** (and
+//! has finished reading their event-`e` data before publishing `e + 1`). Then slot `e % 2` is
+//! next overwritten at `e + 2`, by a rank that has seen every peer publish `e + 1`, i.e.
+//! finish reading event `e`.
+//!
+//! [`shm`](super::shm) implements it over `/dev/shm`; [`mem::group`](mem_group) over heap
+//! memory for threads of one process (tests).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::LinkError;
+use crate::wait::Doorbell;
+
+/// Number of addresses a rank may publish with an event.
+pub const ADDRS: usize = 4;
+
+/// Direct access to the published areas and memory of the other ranks of one host.
+pub trait Direct: Send {
+    /// Capacity of one data slot in bytes.
+    fn slot_bytes(&self) -> usize;
+
+    /// Publishes the next event: copies `data` (at most [`slot_bytes`](Self::slot_bytes)) into
+    /// this rank's slot for it, records `addrs`, advances this rank's counter and wakes
+    /// sleeping peers. Returns the event number.
+    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64;
+
+    /// Whether `peer` has published event `e`.
+    fn reached(&self, peer: usize, e: u64) -> bool;
+
+    /// The first `len` bytes `peer` published with event `e`. Valid until this rank publishes
+    /// `e + 1` (see the module's reuse rule); the caller has seen [`reached`](Self::reached).
+    fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8];
+
+    /// The addresses `peer` published with event `e`.
+    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS];
+
+    /// Copies `dst.len()` bytes at `addr` in `peer`'s address space into `dst`.
+    fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()>;
+
+    /// Whether [`read_peer`](Self::read_peer) works between these processes (checked at setup).
+    fn can_read_peers(&self) -> bool;
+
+    /// This rank's doorbell, rung by peers when they publish.
+    fn doorbell(&self) -> &Doorbell;
+
+    /// An error if `peer` is known to be gone.
+    fn check_alive(&self, peer: usize) -> Result<(), LinkError>;
+}
+
+/// Slot capacity of the in-memory implementation.
+const MEM_SLOT: usize = 64 << 10;
+
+struct MemArea {
+    progress: AtomicU64,
+    slots: [std::sync::Mutex<Vec<u8>>; 2],
+    addrs: [[AtomicU64; ADDRS]; 2],
+    bell: Doorbell,
+}
+
+/// The in-memory implementation, for ranks that are threads of one process.
+pub struct MemDirect {
+    rank: usize,
+    areas: Arc<Vec<MemArea>>,
+    event: u64,
+}
+
+/// `n` handles for `n` threads.
+pub fn mem_group(n: usize) -> Vec<MemDirect> {
+    let areas: Arc<Vec<MemArea>> = Arc::new(
+        (0..n)
+            .map(|_| MemArea {
+                progress: AtomicU64::new(0),
+                slots: [
+                    std::sync::Mutex::new(vec![0; MEM_SLOT]),
+                    std::sync::Mutex::new(vec![0; MEM_SLOT]),
+                ],
+                addrs: Default::default(),
+                bell: Doorbell::new(),
+            })
+            .collect(),
+    );
+    (0..n)
+        .map(|rank| MemDirect {
+            rank,
+            areas: areas.clone(),
+            event: 0,
+        })
+        .collect()
+}
+
+impl Direct for MemDirect {
+    fn slot_bytes(&self) -> usize {
+        MEM_SLOT
+    }
+
+    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64 {
+        self.event += 1;
+        let e = self.event;
+        let me = &self.areas[self.rank];
+        let p = (e % 2) as usize;
+        me.slots[p].lock().unwrap_or_else(|e| e.into_inner())[..data.len()].copy_from_slice(data);
+        for (a, v) in me.addrs[p].iter().zip(addrs) {
+            a.store(v, Ordering::Relaxed);
+        }
+        me.progress.store(e, Ordering::Release);
+        for (r, a) in self.areas.iter().enumerate() {
+            if r != self.rank {
+                a.bell.ring();
+            }
+        }
+        e
+    }
+
+    fn reached(&self, peer: usize, e: u64) -> bool {
+        self.areas[peer].progress.load(Ordering::Acquire) >= e
+    }
+
+    fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
+        let slot = self.areas[peer].slots[(e % 2) as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the Vec is never resized and lives as long as `areas`; by the reuse rule the
+        // owner does not write this slot again until we publish e + 1, which needs `&mut self`
+        // and so ends this borrow first.
+        unsafe { std::slice::from_raw_parts(slot.as_ptr(), len) }
+    }
+
+    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS] {
+        let a = &self.areas[peer].addrs[(e % 2) as usize];
+        std::array::from_fn(|i| a[i].load(Ordering::Relaxed))
+    }
+
+    fn read_peer(&self, _peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        // SAFETY: threads share one address space; the peer published `addr` as a buffer of at
+        // least this length that stays valid and unwritten until the algorithm's next event.
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr as usize as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    fn can_read_peers(&self) -> bool {
+        true
+    }
+
+    fn doorbell(&self) -> &Doorbell {
+        &self.areas[self.rank].bell
+    }
+
+    fn check_alive(&self, _peer: usize) -> Result<(), LinkError> {
+        Ok(())
+    }
+}
