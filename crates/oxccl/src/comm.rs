@@ -361,6 +361,7 @@ impl Communicator {
             slot_bytes: st.direct.as_ref().map_or(0, |d| d.slot_bytes()),
             oneshot_max: self.cfg.oneshot_max,
             cma_min: self.cfg.cma_min,
+            deterministic: self.cfg.deterministic,
         };
         let algo = tune::choose(&situation, self.forced_algo);
         debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");

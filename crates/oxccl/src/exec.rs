@@ -227,6 +227,24 @@ impl Runner<'_, '_, '_> {
                 let buf = unsafe { std::slice::from_raw_parts_mut(p, r.len) };
                 reduce::divide_by(self.ctx.dtype, buf, self.ctx.nranks);
             }
+            Local::Reduce { dst, src } => {
+                let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
+                let s = self.mem.ptr(src).map_err(|m| self.internal(m))?;
+                if src.len != dst.len
+                    || (s as usize) < d as usize + dst.len && (d as usize) < s as usize + src.len
+                {
+                    return Err(self.internal(format!("local reduce of {src:?} into {dst:?}")));
+                }
+                // SAFETY: both in bounds (checked by `ptr`) and disjoint (checked above); no
+                // other reference to this memory is live during local work.
+                let (dst_b, src_b) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(d, dst.len),
+                        std::slice::from_raw_parts(s, src.len),
+                    )
+                };
+                reduce::reduce_inplace(self.ctx.dtype, self.ctx.op, dst_b, src_b);
+            }
         }
         Ok(())
     }

@@ -63,6 +63,10 @@ pub struct Config {
     pub cma_min: usize,
     /// `OXCCL_CMA=0` forbids reading peers' memory (`process_vm_readv`); default allowed.
     pub cma: bool,
+    /// `OXCCL_DETERMINISTIC=1`: floating-point reductions combine the ranks' values in rank
+    /// order, so results are bitwise identical on every rank, from run to run and whatever
+    /// algorithm runs. Default off.
+    pub deterministic: bool,
 }
 
 impl Default for Config {
@@ -79,6 +83,7 @@ impl Default for Config {
             oneshot_max: 8 << 10,
             cma_min: 64 << 10,
             cma: true,
+            deterministic: false,
         }
     }
 }
@@ -97,6 +102,15 @@ fn env_parse<T>(
         Err(std::env::VarError::NotUnicode(_)) => {
             Err(Error::Env(format!("{name} is not valid UTF-8")))
         }
+    }
+}
+
+/// Parses `0`/`1` (also `false`/`true`, `no`/`yes`).
+fn parse_bool(v: &str) -> std::result::Result<bool, String> {
+    match v.to_ascii_lowercase().as_str() {
+        "0" | "false" | "no" | "off" => Ok(false),
+        "1" | "true" | "yes" | "on" => Ok(true),
+        _ => Err("expected 0 or 1".to_string()),
     }
 }
 
@@ -174,12 +188,11 @@ impl Config {
         if let Some(b) = env_parse("OXCCL_CMA_MIN", parse_bytes)? {
             c.cma_min = b;
         }
-        if let Some(b) = env_parse("OXCCL_CMA", |v| match v {
-            "0" | "false" | "no" => Ok(false),
-            "1" | "true" | "yes" => Ok(true),
-            _ => Err("expected 0 or 1".to_string()),
-        })? {
+        if let Some(b) = env_parse("OXCCL_CMA", parse_bool)? {
             c.cma = b;
+        }
+        if let Some(b) = env_parse("OXCCL_DETERMINISTIC", parse_bool)? {
+            c.deterministic = b;
         }
         Ok(c)
     }

@@ -34,6 +34,8 @@ pub struct Situation {
     pub oneshot_max: usize,
     /// Smallest input that goes single-copy (`OXCCL_CMA_MIN`).
     pub cma_min: usize,
+    /// Reductions must combine in rank order (`OXCCL_DETERMINISTIC=1`).
+    pub deterministic: bool,
 }
 
 /// Whether `algo` can run this call at all.
@@ -49,17 +51,26 @@ pub fn feasible(algo: Algo, s: &Situation) -> bool {
 /// The algorithm for a call: `forced` where it can run the call, else by size: one-shot for
 /// small inputs on one host, single-copy for large ones, the default schedule otherwise.
 pub fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
-    if let Some(a) = forced.filter(|a| feasible(*a, s)) {
+    let reduces = matches!(
+        s.kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    );
+    // Bitwise reproducibility: only algorithms that combine in rank order may reduce.
+    let allowed = |a: Algo| feasible(a, s) && (!s.deterministic || !reduces || a.rank_ordered());
+    if let Some(a) = forced.filter(|a| allowed(*a)) {
         return a;
     }
     if s.kind == CollKind::Barrier && s.direct {
         return Algo::OneShot;
     }
-    if feasible(Algo::OneShot, s) && s.input_bytes <= s.oneshot_max {
+    if allowed(Algo::OneShot) && s.input_bytes <= s.oneshot_max {
         return Algo::OneShot;
     }
-    if feasible(Algo::Cma, s) && s.input_bytes >= s.cma_min {
+    if allowed(Algo::Cma) && s.input_bytes >= s.cma_min {
         return Algo::Cma;
+    }
+    if s.deterministic && reduces {
+        return Algo::Ordered;
     }
     default_algo(s.kind)
 }
@@ -77,6 +88,7 @@ mod tests {
             slot_bytes: 65536,
             oneshot_max: 8192,
             cma_min: 65536,
+            deterministic: false,
         }
     }
 
@@ -130,6 +142,39 @@ mod tests {
         assert_eq!(
             choose(&sit(CollKind::AllReduce, 1 << 20, false), None),
             Algo::Ring
+        );
+    }
+
+    #[test]
+    fn deterministic_reductions_are_rank_ordered() {
+        let det = |kind, bytes, direct| Situation {
+            deterministic: true,
+            ..sit(kind, bytes, direct)
+        };
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 16384, true), None),
+            Algo::Ordered
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 8, true), None),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 1 << 20, true), Some(Algo::Ring)),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&det(CollKind::Reduce, 1 << 20, true), None),
+            Algo::Ordered
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 1 << 20, false), None),
+            Algo::Ordered
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllGather, 1 << 20, false), None),
+            Algo::Ring,
+            "no reduction"
         );
         for k in [
             CollKind::AllReduce,

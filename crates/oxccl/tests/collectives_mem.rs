@@ -345,3 +345,103 @@ fn timeout_names_the_missing_rank() {
         e => panic!("unexpected {e}"),
     }
 }
+
+/// `OXCCL_DETERMINISTIC=1`: random floats reduce to the same bits on every rank whatever the
+/// algorithm (one-shot, single-copy, rank-ordered schedule; a forced ring is overridden), and
+/// equal to a serial fold in rank order.
+#[test]
+fn deterministic_bits_whatever_the_algorithm() {
+    use oxccl::algo::Algo;
+    let n = 3;
+    let count = 1001;
+    let data = |rank: usize, dtype: DataType| -> Vec<u8> {
+        let mut v = vec![0u8; count * dtype.size()];
+        // A hash of (rank, index): pseudo-random values whose sums round.
+        oxccl::check::fill(dtype, &mut v, |i| {
+            let mut x = 0x9e3779b97f4a7c15u64
+                ^ ((rank * count + i) as u64 + 1).wrapping_mul(0x2545F4914F6CDD1D);
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 1_000_003) as f64 / 997.0 - 500.0
+        });
+        v
+    };
+    for dtype in [DataType::F32, DataType::Bf16, DataType::F16, DataType::F64] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let mut want = data(0, dtype);
+            for r in 1..n {
+                oxccl::reduce::reduce_inplace(dtype, op, &mut want, &data(r, dtype));
+            }
+            if op == ReduceOp::Avg {
+                oxccl::reduce::divide_by(dtype, &mut want, n);
+            }
+            let cfg = Config {
+                deterministic: true,
+                oneshot_max: 0,
+                cma_min: 0,
+                ..Config::default()
+            };
+            let areas = oxccl::transport::direct::mem_group(n);
+            let groups = mem::group(n, 512);
+            let outs: Vec<Vec<(String, Vec<u8>)>> = std::thread::scope(|s| {
+                let hs: Vec<_> = groups
+                    .into_iter()
+                    .zip(areas)
+                    .enumerate()
+                    .map(|(rank, (links, area))| {
+                        let cfg = cfg.clone();
+                        s.spawn(move || {
+                            let mut comm = Communicator::from_links(rank, n, links, cfg)
+                                .unwrap()
+                                .with_direct(Box::new(area));
+                            let mut outs = Vec::new();
+                            for algo in [
+                                Some(Algo::OneShot),
+                                Some(Algo::Cma),
+                                Some(Algo::Ordered),
+                                Some(Algo::Ring),
+                                None,
+                            ] {
+                                comm.set_algo(algo);
+                                let mut buf = vec![0u64; (count * dtype.size()).div_ceil(8)];
+                                let b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)
+                                    [..count * dtype.size()];
+                                b.copy_from_slice(&data(rank, dtype));
+                                comm.call_bytes(
+                                    CollKind::AllReduce,
+                                    dtype,
+                                    op,
+                                    0,
+                                    oxccl::ByteBufs::InPlace(b),
+                                )
+                                .unwrap();
+                                outs.push((comm.last_algo().to_string(), b.to_vec()));
+                            }
+                            outs
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, o) in outs.iter().enumerate() {
+                for (algo, bytes) in o {
+                    assert_ne!(
+                        algo, "ring",
+                        "a forced ring must not reduce in deterministic mode"
+                    );
+                    assert!(
+                        bytes == &want,
+                        "{dtype} {op}: rank {rank} with {algo} differs from the rank-order fold"
+                    );
+                }
+            }
+            let algos: std::collections::BTreeSet<&str> =
+                outs[0].iter().map(|(a, _)| a.as_str()).collect();
+            assert_eq!(
+                algos.into_iter().collect::<Vec<_>>(),
+                vec!["cma", "oneshot", "ordered"]
+            );
+        }
+    }
+}

@@ -18,6 +18,7 @@ pub mod barrier_dissemination;
 pub mod broadcast_chain;
 pub mod cma;
 pub mod oneshot;
+pub mod ordered;
 pub mod reduce_chain;
 pub mod reduce_scatter_ring;
 pub mod sendrecv;
@@ -214,6 +215,13 @@ pub enum Local {
     },
     /// Divide every element of a region by the number of ranks (the end of an average).
     DivideByRanks(Region),
+    /// `dst = dst ⊕ src` element-wise (same length, no overlap).
+    Reduce {
+        /// The accumulator.
+        dst: Region,
+        /// The operand.
+        src: Region,
+    },
 }
 
 /// One step: local work before, transfers that progress together, local work after. A rank
@@ -369,6 +377,7 @@ impl Local {
         match self {
             Local::Copy { src, .. } => src.len,
             Local::DivideByRanks(r) => r.len,
+            Local::Reduce { dst, .. } => dst.len,
         }
     }
 
@@ -416,11 +425,13 @@ pub enum Algo {
     OneShot,
     /// Single copy from peers' buffers with `process_vm_readv` (one host; not a schedule).
     Cma,
+    /// Reductions in rank order, for bitwise reproducibility (`OXCCL_DETERMINISTIC=1`).
+    Ordered,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 7] = [
+    pub const ALL: [Algo; 8] = [
         Algo::Ring,
         Algo::Chain,
         Algo::Pairwise,
@@ -428,6 +439,7 @@ impl Algo {
         Algo::Direct,
         Algo::OneShot,
         Algo::Cma,
+        Algo::Ordered,
     ];
 
     /// The algorithm's name.
@@ -440,7 +452,15 @@ impl Algo {
             Algo::Direct => "direct",
             Algo::OneShot => "oneshot",
             Algo::Cma => "cma",
+            Algo::Ordered => "ordered",
         }
+    }
+
+    /// True for the algorithms whose reductions combine the ranks' values in rank order
+    /// (`((x0 ⊕ x1) ⊕ x2) ...`), so that their results are identical, bit for bit, to each
+    /// other's and from run to run.
+    pub fn rank_ordered(self) -> bool {
+        matches!(self, Algo::OneShot | Algo::Cma | Algo::Ordered)
     }
 
     /// True for the algorithms that work on the direct area of one host
@@ -470,6 +490,10 @@ impl Algo {
                         | CollKind::Barrier
                 )
                 | (
+                    Algo::Ordered,
+                    CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce
+                )
+                | (
                     Algo::Cma,
                     CollKind::AllReduce
                         | CollKind::ReduceScatter
@@ -496,6 +520,7 @@ impl Algo {
             (Algo::Chain, CollKind::Reduce) => reduce_chain::schedule(coll),
             (Algo::Pairwise, CollKind::AllToAll) => alltoall_pairwise::schedule(coll),
             (Algo::Dissemination, CollKind::Barrier) => barrier_dissemination::schedule(coll),
+            (Algo::Ordered, _) if self.supports(coll.kind) => ordered::schedule(coll),
             (Algo::Direct, _) if self.supports(coll.kind) => sendrecv::schedule(coll),
             (a, k) => panic!("algorithm {} does not implement {}", a.name(), k.name()),
         }

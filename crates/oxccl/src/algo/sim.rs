@@ -40,13 +40,17 @@ impl Bufs {
     }
 }
 
-fn local(b: &mut Bufs, l: &Local, dtype: DataType, n: usize) {
+fn local(b: &mut Bufs, l: &Local, dtype: DataType, op: ReduceOp, n: usize) {
     match *l {
         Local::Copy { src, dst } => {
             let data = b.get(src).to_vec();
             b.get_mut(dst).copy_from_slice(&data);
         }
         Local::DivideByRanks(r) => reduce::divide_by(dtype, b.get_mut(r), n),
+        Local::Reduce { dst, src } => {
+            let data = b.get(src).to_vec();
+            reduce::reduce_inplace(dtype, op, b.get_mut(dst), &data);
+        }
     }
 }
 
@@ -70,7 +74,7 @@ pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
             let (dtype, op) = (colls[r].dtype, colls[r].op);
             if done[r].is_empty() {
                 for l in &step.before {
-                    local(&mut bufs[r], l, dtype, n);
+                    local(&mut bufs[r], l, dtype, op, n);
                 }
                 done[r] = vec![false; step.xfers.len()];
                 progress = true;
@@ -112,7 +116,7 @@ pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
             }
             if done[r].iter().all(|d| *d) {
                 for l in &step.after {
-                    local(&mut bufs[r], l, dtype, n);
+                    local(&mut bufs[r], l, dtype, op, n);
                 }
                 done[r].clear();
                 pc[r] += 1;
@@ -175,10 +179,16 @@ fn every_algorithm_matches_reference() {
                         ..Default::default()
                     })
                     .collect();
-                run(Algo::Ring, &colls, &mut bufs);
-                let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
-                for b in &bufs {
-                    assert_eq!(b.output, want, "all_reduce n={n} count={count} op={op}");
+                for algo in [Algo::Ring, Algo::Ordered] {
+                    let mut bufs = bufs.clone();
+                    run(algo, &colls, &mut bufs);
+                    let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+                    for b in &bufs {
+                        assert_eq!(
+                            b.output, want,
+                            "all_reduce {algo} n={n} count={count} op={op}"
+                        );
+                    }
                 }
                 // reduce_scatter: input n*count
                 let colls: Vec<_> = (0..n)
@@ -191,14 +201,20 @@ fn every_algorithm_matches_reference() {
                         ..Default::default()
                     })
                     .collect();
-                run(Algo::Ring, &colls, &mut bufs);
-                for (r, b) in bufs.iter().enumerate() {
-                    let want = bytes(
-                        &(0..count)
-                            .map(|i| reduce_ref(n, r * count + i, op))
-                            .collect::<Vec<_>>(),
-                    );
-                    assert_eq!(b.output, want, "reduce_scatter n={n} count={count} op={op}");
+                for algo in [Algo::Ring, Algo::Ordered] {
+                    let mut bufs = bufs.clone();
+                    run(algo, &colls, &mut bufs);
+                    for (r, b) in bufs.iter().enumerate() {
+                        let want = bytes(
+                            &(0..count)
+                                .map(|i| reduce_ref(n, r * count + i, op))
+                                .collect::<Vec<_>>(),
+                        );
+                        assert_eq!(
+                            b.output, want,
+                            "reduce_scatter {algo} n={n} count={count} op={op}"
+                        );
+                    }
                 }
                 // reduce, every root
                 for root in 0..n {
@@ -212,12 +228,16 @@ fn every_algorithm_matches_reference() {
                             ..Default::default()
                         })
                         .collect();
-                    run(Algo::Chain, &colls, &mut bufs);
-                    let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
-                    assert_eq!(
-                        bufs[root].output, want,
-                        "reduce n={n} count={count} op={op} root={root}"
-                    );
+                    for algo in [Algo::Chain, Algo::Ordered] {
+                        let mut bufs = bufs.clone();
+                        run(algo, &colls, &mut bufs);
+                        let want =
+                            bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+                        assert_eq!(
+                            bufs[root].output, want,
+                            "reduce {algo} n={n} count={count} op={op} root={root}"
+                        );
+                    }
                 }
             }
             // broadcast, every root
