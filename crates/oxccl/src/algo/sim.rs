@@ -172,7 +172,7 @@ fn every_algorithm_matches_reference() {
                 let colls: Vec<_> = (0..n)
                     .map(|r| coll(CollKind::AllReduce, r, n, count, op, 0))
                     .collect();
-                let mut bufs: Vec<Bufs> = (0..n)
+                let bufs: Vec<Bufs> = (0..n)
                     .map(|r| Bufs {
                         input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
                         output: vec![0; count * 8],
@@ -194,7 +194,7 @@ fn every_algorithm_matches_reference() {
                 let colls: Vec<_> = (0..n)
                     .map(|r| coll(CollKind::ReduceScatter, r, n, count, op, 0))
                     .collect();
-                let mut bufs: Vec<Bufs> = (0..n)
+                let bufs: Vec<Bufs> = (0..n)
                     .map(|r| Bufs {
                         input: bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
                         output: vec![0; count * 8],
@@ -221,7 +221,7 @@ fn every_algorithm_matches_reference() {
                     let colls: Vec<_> = (0..n)
                         .map(|r| coll(CollKind::Reduce, r, n, count, op, root))
                         .collect();
-                    let mut bufs: Vec<Bufs> = (0..n)
+                    let bufs: Vec<Bufs> = (0..n)
                         .map(|r| Bufs {
                             input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
                             output: vec![0; if r == root { count * 8 } else { 0 }],
