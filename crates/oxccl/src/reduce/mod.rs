@@ -88,23 +88,49 @@ fn combine3<T: bytemuck::Pod>(dst: &mut [T], a: &[T], src: &[u8], f: impl Fn(T, 
     }
 }
 
-fn pick<T: Arith>(op: ReduceOp) -> fn(T, T) -> T {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => T::sum,
-        ReduceOp::Prod => T::prod,
-        ReduceOp::Min => T::min,
-        ReduceOp::Max => T::max,
+/// A binary operation, as a type so that each kernel is monomorphized (and vectorized) for it.
+trait Bin<T> {
+    fn f(a: T, b: T) -> T;
+}
+
+struct Sum;
+struct Prod;
+struct Min;
+struct Max;
+
+impl<T: Arith> Bin<T> for Sum {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::sum(a, b)
+    }
+}
+impl<T: Arith> Bin<T> for Prod {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::prod(a, b)
+    }
+}
+impl<T: Arith> Bin<T> for Min {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::min(a, b)
+    }
+}
+impl<T: Arith> Bin<T> for Max {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::max(a, b)
     }
 }
 
-fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    let f = pick::<T>(op);
+#[inline(always)]
+fn kernel<T: Arith, O: Bin<T>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     let a_ok = a.is_none_or(|a| bytemuck::try_cast_slice::<u8, T>(a).is_ok());
     if a_ok {
         if let Ok(d) = bytemuck::try_cast_slice_mut::<u8, T>(dst) {
             match a {
-                None => combine2(d, src, f),
-                Some(a) => combine3(d, bytemuck::cast_slice(a), src, f),
+                None => combine2(d, src, O::f),
+                Some(a) => combine3(d, bytemuck::cast_slice(a), src, O::f),
             }
             return;
         }
@@ -114,7 +140,34 @@ fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     for i in (0..dst.len()).step_by(es) {
         let x: T = bytemuck::pod_read_unaligned(&a.unwrap_or(dst)[i..i + es]);
         let y: T = bytemuck::pod_read_unaligned(&src[i..i + es]);
-        dst[i..i + es].copy_from_slice(bytemuck::bytes_of(&f(x, y)));
+        dst[i..i + es].copy_from_slice(bytemuck::bytes_of(&O::f(x, y)));
+    }
+}
+
+/// The kernel compiled for AVX2, for processors that have it (chosen at run time).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn kernel_avx2<T: Arith, O: Bin<T>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    kernel::<T, O>(dst, a, src)
+}
+
+#[inline]
+fn run<T: Arith, O: Bin<T>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the processor supports AVX2 (checked just above).
+        unsafe { kernel_avx2::<T, O>(dst, a, src) };
+        return;
+    }
+    kernel::<T, O>(dst, a, src)
+}
+
+fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => run::<T, Sum>(dst, a, src),
+        ReduceOp::Prod => run::<T, Prod>(dst, a, src),
+        ReduceOp::Min => run::<T, Min>(dst, a, src),
+        ReduceOp::Max => run::<T, Max>(dst, a, src),
     }
 }
 
@@ -126,23 +179,159 @@ trait Half: bytemuck::Pod {
 
 impl Half for f16 {
     fn widen(src: &[Self], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
+            // SAFETY: the processor has F16C and AVX (checked just above).
+            unsafe { f16c::widen(bytemuck::cast_slice(src), dst) };
+            return;
+        }
         src.convert_to_f32_slice(dst)
     }
     fn narrow(src: &[f32], dst: &mut [Self]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
+            // SAFETY: the processor has F16C and AVX (checked just above).
+            unsafe { f16c::narrow(src, bytemuck::cast_slice_mut(dst)) };
+            return;
+        }
         dst.convert_from_f32_slice(src)
+    }
+}
+
+/// IEEE half conversions with the F16C instructions (round to nearest even, as `half`).
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::{__m128i, _MM_FROUND_TO_NEAREST_INT};
+    use std::arch::x86_64::{
+        _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps, _mm_loadu_si128,
+        _mm_storeu_si128,
+    };
+
+    use half::slice::HalfFloatSliceExt;
+
+    /// f16 bits to f32, eight at a time.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen(src: &[u16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len()) / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n <= both lengths; unaligned loads and stores.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+        }
+        let tail: &[half::f16] = bytemuck::cast_slice(&src[n..]);
+        tail.convert_to_f32_slice(&mut dst[n..src.len()]);
+    }
+
+    /// f32 to f16 bits, eight at a time.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn narrow(src: &[f32], dst: &mut [u16]) {
+        let n = src.len().min(dst.len()) / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n <= both lengths; unaligned loads and stores.
+            unsafe {
+                let f = _mm256_loadu_ps(src.as_ptr().add(i));
+                _mm_storeu_si128(
+                    dst.as_mut_ptr().add(i).cast::<__m128i>(),
+                    _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(f),
+                );
+            }
+        }
+        let tail: &mut [half::f16] = bytemuck::cast_slice_mut(&mut dst[n..]);
+        tail.convert_from_f32_slice(&src[n..src.len()]);
     }
 }
 
 impl Half for bf16 {
     fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst)
+        // bf16 is the top half of an f32: a shift the compiler vectorizes.
+        for (d, s) in dst.iter_mut().zip(bytemuck::cast_slice::<bf16, u16>(src)) {
+            *d = bf16_widen(*s);
+        }
     }
     fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src)
+        // Round to nearest even, NaNs stay (quiet) NaNs: as `half::bf16::from_f32`, branch-free.
+        for (d, s) in bytemuck::cast_slice_mut::<bf16, u16>(dst)
+            .iter_mut()
+            .zip(src)
+        {
+            *d = bf16_narrow(*s);
+        }
     }
 }
 
 const HALF_BLOCK: usize = 256;
+
+#[inline(always)]
+fn bf16_widen(x: u16) -> f32 {
+    f32::from_bits((x as u32) << 16)
+}
+
+#[inline(always)]
+fn bf16_narrow(v: f32) -> u16 {
+    let b = v.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    if nan {
+        ((b >> 16) as u16) | 0x40
+    } else {
+        rounded
+    }
+}
+
+/// bf16 in one pass: widen both sides, combine in f32, round back, element by element (bit
+/// operations the compiler vectorizes; no intermediate blocks).
+#[inline(always)]
+fn bf16_kernel<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    let one = |x: &[u8], y: &[u8]| -> [u8; 2] {
+        let x = bf16_widen(u16::from_ne_bytes([x[0], x[1]]));
+        let y = bf16_widen(u16::from_ne_bytes([y[0], y[1]]));
+        bf16_narrow(O::f(x, y)).to_ne_bytes()
+    };
+    match a {
+        Some(a) => {
+            for ((d, x), y) in dst
+                .chunks_exact_mut(2)
+                .zip(a.chunks_exact(2))
+                .zip(src.chunks_exact(2))
+            {
+                d.copy_from_slice(&one(x, y));
+            }
+        }
+        None => {
+            for (d, y) in dst.chunks_exact_mut(2).zip(src.chunks_exact(2)) {
+                let r = one(d, y);
+                d.copy_from_slice(&r);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_kernel_avx2<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    bf16_kernel::<O>(dst, a, src)
+}
+
+fn bf16_run<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the processor supports AVX2 (checked just above).
+        unsafe { bf16_kernel_avx2::<O>(dst, a, src) };
+        return;
+    }
+    bf16_kernel::<O>(dst, a, src)
+}
+
+fn bf16s(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => bf16_run::<Sum>(dst, a, src),
+        ReduceOp::Prod => bf16_run::<Prod>(dst, a, src),
+        ReduceOp::Min => bf16_run::<Min>(dst, a, src),
+        ReduceOp::Max => bf16_run::<Max>(dst, a, src),
+    }
+}
 
 fn halves<H: Half>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     let mut fa = [0f32; HALF_BLOCK];
@@ -159,10 +348,11 @@ fn halves<H: Half>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
         H::widen(&hb[..n], &mut fa[..n]);
         bytemuck::cast_slice_mut::<H, u8>(&mut hb[..n]).copy_from_slice(&src[off..off + len]);
         H::widen(&hb[..n], &mut fb[..n]);
-        combine2(
-            &mut fa[..n],
+        typed::<f32>(
+            op,
+            bytemuck::cast_slice_mut(&mut fa[..n]),
+            None,
             bytemuck::cast_slice(&fb[..n]),
-            pick::<f32>(op),
         );
         H::narrow(&fa[..n], &mut hb[..n]);
         dst[off..off + len].copy_from_slice(bytemuck::cast_slice(&hb[..n]));
@@ -194,7 +384,7 @@ fn dispatch(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src
         DataType::F32 => typed::<f32>(op, dst, a, src),
         DataType::F64 => typed::<f64>(op, dst, a, src),
         DataType::F16 => halves::<f16>(op, dst, a, src),
-        DataType::Bf16 => halves::<bf16>(op, dst, a, src),
+        DataType::Bf16 => bf16s(op, dst, a, src),
     }
 }
 
@@ -301,6 +491,48 @@ mod tests {
             from_bytes::<bf16>(&d),
             &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]
         );
+    }
+
+    #[test]
+    fn fast_half_conversions_match_half() {
+        let mut vals: Vec<f32> = (0..5000).map(|i| (i as f32 - 2500.0) * 0.37).collect();
+        vals.extend([
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            0.0,
+            -0.0,
+            65504.0,
+            65520.0,
+            1e-8,
+            3.4e38,
+            1.0000001,
+        ]);
+        vals.extend((0..2000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))));
+        let mut h = vec![f16::ZERO; vals.len()];
+        <f16 as Half>::narrow(&vals, &mut h);
+        let mut b = vec![bf16::ZERO; vals.len()];
+        <bf16 as Half>::narrow(&vals, &mut b);
+        for (i, v) in vals.iter().enumerate() {
+            let (wh, wb) = (f16::from_f32(*v), bf16::from_f32(*v));
+            assert!(
+                h[i].to_bits() == wh.to_bits() || (h[i].is_nan() && wh.is_nan()),
+                "f16 {v}"
+            );
+            assert!(
+                b[i].to_bits() == wb.to_bits() || (b[i].is_nan() && wb.is_nan()),
+                "bf16 {v}"
+            );
+        }
+        let mut back = vec![0f32; vals.len()];
+        <f16 as Half>::widen(&h, &mut back);
+        for (x, y) in h.iter().zip(&back) {
+            assert!(x.to_f32().to_bits() == y.to_bits() || x.is_nan());
+        }
+        <bf16 as Half>::widen(&b, &mut back);
+        for (x, y) in b.iter().zip(&back) {
+            assert_eq!(x.to_f32().to_bits(), y.to_bits());
+        }
     }
 
     proptest! {

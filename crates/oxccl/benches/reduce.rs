@@ -1,0 +1,75 @@
+//! Reduction kernels against memcpy, on cache-resident (256 KiB) and memory-bound (64 MiB)
+//! buffers: `cargo bench -p oxccl --bench reduce`. A reduction reads two buffers and writes
+//! one; memcpy reads one and writes one; divan reports bytes per second of the destination.
+
+use divan::counter::BytesCount;
+use divan::Bencher;
+use oxccl::{DataType, ReduceOp};
+
+const SIZES: &[usize] = &[256 << 10, 64 << 20];
+
+fn main() {
+    divan::main();
+}
+
+fn buffers(bytes: usize) -> (Vec<u64>, Vec<u64>) {
+    (
+        vec![0x3f80_0000_3f80_0000; bytes / 8],
+        vec![0x3f80_0000_3f80_0000; bytes / 8],
+    )
+}
+
+#[divan::bench(args = SIZES)]
+fn memcpy(b: Bencher, bytes: usize) {
+    let (mut dst, src) = buffers(bytes);
+    b.counter(BytesCount::new(bytes)).bench_local(|| {
+        dst.copy_from_slice(divan::black_box(&src));
+    });
+}
+
+fn reduce(b: Bencher, bytes: usize, dtype: DataType, op: ReduceOp) {
+    let (mut dst, src) = buffers(bytes);
+    b.counter(BytesCount::new(bytes)).bench_local(|| {
+        oxccl::reduce::reduce_inplace(
+            dtype,
+            op,
+            bytemuck::cast_slice_mut(&mut dst),
+            divan::black_box(bytemuck::cast_slice(&src)),
+        );
+    });
+}
+
+#[divan::bench(args = SIZES)]
+fn sum_f32(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::F32, ReduceOp::Sum);
+}
+
+#[divan::bench(args = SIZES)]
+fn sum_f64(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::F64, ReduceOp::Sum);
+}
+
+#[divan::bench(args = SIZES)]
+fn sum_bf16(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::Bf16, ReduceOp::Sum);
+}
+
+#[divan::bench(args = SIZES)]
+fn sum_f16(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::F16, ReduceOp::Sum);
+}
+
+#[divan::bench(args = SIZES)]
+fn sum_i32(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::I32, ReduceOp::Sum);
+}
+
+#[divan::bench(args = SIZES)]
+fn max_f32(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::F32, ReduceOp::Max);
+}
+
+#[divan::bench(args = SIZES)]
+fn prod_i8(b: Bencher, bytes: usize) {
+    reduce(b, bytes, DataType::I8, ReduceOp::Prod);
+}
