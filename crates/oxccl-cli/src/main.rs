@@ -7,6 +7,7 @@
 mod info;
 mod launch;
 mod perf;
+mod tune;
 
 use clap::{Parser, Subcommand};
 
@@ -29,6 +30,9 @@ enum Cmd {
     /// Start N local ranks of a program with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     /// MASTER_PORT and OXCCL_SECRET set; output lines are prefixed with the rank.
     Run(launch::RunArgs),
+    /// Measure this host's intra-host algorithms and save where each is fastest (read by
+    /// every communicator of this host afterwards).
+    Tune(tune::Args),
     /// Show version, host identity, cores, /dev/shm space, interfaces and usable transports.
     Info,
 }
@@ -38,6 +42,7 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Perf(a) => perf::main(a),
         Cmd::Run(a) => launch::run_main(a),
+        Cmd::Tune(a) => tune::main(a),
         Cmd::Info => info::main(),
     };
     std::process::exit(code);

@@ -69,7 +69,7 @@ pub struct Args {
     json: Option<String>,
 }
 
-fn under_launcher() -> bool {
+pub(crate) fn under_launcher() -> bool {
     ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
         .iter()
         .any(|v| std::env::var_os(v).is_some())
@@ -245,10 +245,38 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut send_w)[..sl];
     let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut recv_w)[..rl];
     case.fill(send, recv);
-    for _ in 0..a.warmup {
+    let (secs, algo) = time_calls(comm, case, send, recv, a.warmup, a.iters)?;
+    let wrong = if a.check == 1 {
+        case.fill(send, recv);
+        case.call(comm, send, recv)?;
+        let mut w = [case.wrong(recv) as u64];
+        comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
+        Some(w[0])
+    } else {
+        None
+    };
+    Ok(Measured {
+        time_us: secs * 1e6,
+        wrong,
+        algo,
+    })
+}
+
+/// Seconds one call of `case` takes, the slowest rank's average over `iters` calls (by
+/// default as many as fit about 20 ms) after `warmup` calls, and the algorithm that ran.
+/// Collective: every rank calls it.
+pub(crate) fn time_calls(
+    comm: &Communicator,
+    case: &Case,
+    send: &[u8],
+    recv: &mut [u8],
+    warmup: usize,
+    iters: Option<usize>,
+) -> oxccl::Result<(f64, &'static str)> {
+    for _ in 0..warmup {
         case.call(comm, send, recv)?;
     }
-    let iters = match a.iters {
+    let iters = match iters {
         Some(n) => n,
         None => {
             // Time growing batches until one lasts 2 ms; every rank must run the same count,
@@ -275,22 +303,10 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
         case.call(comm, send, recv)?;
     }
     let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
+    // Before the reduction of the times below, which runs an algorithm of its own.
     let algo = comm.last_algo();
     comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
-    let wrong = if a.check == 1 {
-        case.fill(send, recv);
-        case.call(comm, send, recv)?;
-        let mut w = [case.wrong(recv) as u64];
-        comm.all_reduce_in_place(&mut w, ReduceOp::Sum)?;
-        Some(w[0])
-    } else {
-        None
-    };
-    Ok(Measured {
-        time_us: secs[0] * 1e6,
-        wrong,
-        algo,
-    })
+    Ok((secs[0], algo))
 }
 
 fn rank_main(a: &Args) -> Result<(), String> {

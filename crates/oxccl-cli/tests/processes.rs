@@ -333,3 +333,78 @@ fn perf_prints_rows_and_json() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown data type"));
 }
+
+#[test]
+fn perf_reports_the_algorithm_that_ran_and_obeys_algo() {
+    let dir = std::env::temp_dir().join(format!("oxccl-algo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("rows.jsonl");
+    let run = |extra: &[&str]| -> Vec<serde_json::Value> {
+        let out = Command::new(OXCCL)
+            .args([
+                "perf",
+                "all_reduce",
+                "--ranks",
+                "2",
+                "-b",
+                "8",
+                "-e",
+                "8M",
+                "-f",
+                "1024",
+                "-n",
+                "3",
+                "-w",
+                "1",
+            ])
+            .args(extra)
+            .arg("--json")
+            .arg(&json)
+            .env("OXCCL_TUNE_FILE", "")
+            .output()
+            .unwrap();
+        assert_ok(&out, "perf");
+        std::fs::read_to_string(&json)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let rows = run(&[]);
+    let algo_at = |rows: &[serde_json::Value], bytes: u64| {
+        rows.iter().find(|r| r["bytes"] == bytes).unwrap()["algo"].clone()
+    };
+    assert_eq!(algo_at(&rows, 8), "oneshot", "{rows:?}");
+    assert_eq!(algo_at(&rows, 8192), "oneshot", "{rows:?}");
+    assert_eq!(algo_at(&rows, 8 << 20), "cma", "{rows:?}");
+    let rows = run(&["--algo", "ring"]);
+    assert!(rows.iter().all(|r| r["algo"] == "ring"), "{rows:?}");
+    let rows = run(&["--transport", "tcp"]);
+    assert!(
+        rows.iter()
+            .all(|r| r["algo"] == "ring" && r["transport"] == "tcp"),
+        "{rows:?}"
+    );
+}
+
+#[test]
+fn tune_measures_and_saves() {
+    let file = std::env::temp_dir().join(format!("oxccl-tune-{}.conf", std::process::id()));
+    let out = Command::new(OXCCL)
+        .args(["tune", "--ranks", "2", "--max-bytes", "256K", "--out"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_ok(&out, "tune");
+    let saved = oxccl::param::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("oneshot_max={}", saved.oneshot_max)),
+        "{stdout}"
+    );
+    assert!(
+        saved.oneshot_max <= 64 << 10,
+        "one-shot cannot carry more than a slot: {saved:?}"
+    );
+    let _ = std::fs::remove_file(file);
+}

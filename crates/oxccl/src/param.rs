@@ -105,6 +105,82 @@ fn env_parse<T>(
     }
 }
 
+/// What `oxccl tune` measured on this host: the sizes where one algorithm overtakes another.
+/// Saved as `key=value` lines in `OXCCL_TUNE_FILE` (default `~/.cache/oxccl/tune.conf`) and
+/// read by [`Config::from_env`]; `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` override it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Largest input (bytes) that one-shot handles fastest.
+    pub oneshot_max: usize,
+    /// Smallest input (bytes) from which single-copy is fastest.
+    pub cma_min: usize,
+}
+
+impl Tuning {
+    /// Where the measured tuning lives (`None` when `OXCCL_TUNE_FILE` is set empty: no file).
+    pub fn path() -> Option<std::path::PathBuf> {
+        if let Some(p) = std::env::var_os("OXCCL_TUNE_FILE") {
+            return (!p.is_empty()).then(|| p.into());
+        }
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache"))
+            })?;
+        Some(base.join("oxccl").join("tune.conf"))
+    }
+
+    /// The saved tuning, if any; a malformed file is an error naming it.
+    pub fn load() -> Result<Option<Tuning>> {
+        let Some(path) = Self::path() else {
+            return Ok(None);
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::Env(format!("{}: {e}", path.display()))),
+        };
+        Self::parse(&text).map(Some).map_err(|e| {
+            Error::Env(format!(
+                "{}: {e} (rerun `oxccl tune` or delete it)",
+                path.display()
+            ))
+        })
+    }
+
+    /// Parses the `key=value` form (`#` starts a comment).
+    pub fn parse(text: &str) -> std::result::Result<Tuning, String> {
+        let (mut oneshot, mut cma) = (None, None);
+        for line in text
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+        {
+            let (k, v) = line
+                .split_once('=')
+                .ok_or_else(|| format!("'{line}' is not key=value"))?;
+            let v = parse_bytes(v)?;
+            match k.trim() {
+                "oneshot_max" => oneshot = Some(v),
+                "cma_min" => cma = Some(v),
+                other => return Err(format!("unknown key '{other}'")),
+            }
+        }
+        Ok(Tuning {
+            oneshot_max: oneshot.ok_or("oneshot_max missing")?,
+            cma_min: cma.ok_or("cma_min missing")?,
+        })
+    }
+
+    /// The file's text.
+    pub fn render(&self, comment: &str) -> String {
+        format!(
+            "# {comment}\noneshot_max={}\ncma_min={}\n",
+            self.oneshot_max, self.cma_min
+        )
+    }
+}
+
 /// Parses `0`/`1` (also `false`/`true`, `no`/`yes`).
 fn parse_bool(v: &str) -> std::result::Result<bool, String> {
     match v.to_ascii_lowercase().as_str() {
@@ -146,6 +222,11 @@ impl Config {
     /// Reads every `OXCCL_*` setting from the environment; unset ones keep their defaults.
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
+        // Measured thresholds (`oxccl tune`) first; explicit variables override them.
+        if let Some(t) = Tuning::load()? {
+            c.oneshot_max = t.oneshot_max;
+            c.cma_min = t.cma_min;
+        }
         if let Some(t) = env_parse("OXCCL_TIMEOUT", |v| {
             v.parse::<f64>()
                 .ok()
@@ -201,6 +282,17 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tuning_file() {
+        let t = Tuning {
+            oneshot_max: 4096,
+            cma_min: 1 << 20,
+        };
+        assert_eq!(Tuning::parse(&t.render("measured")).unwrap(), t);
+        assert!(Tuning::parse("oneshot_max=1\n").is_err());
+        assert!(Tuning::parse("oneshot_max=1\ncma_min=2\nfoo=3").is_err());
+    }
 
     #[test]
     fn sizes() {

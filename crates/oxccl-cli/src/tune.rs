@@ -1,0 +1,197 @@
+//! `oxccl tune`: measures this host and saves where one intra-host algorithm overtakes
+//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::param::Tuning`].
+
+use std::io::Write;
+
+use clap::Args as ClapArgs;
+use indicatif::{ProgressBar, ProgressStyle};
+use oxccl::algo::Algo;
+use oxccl::check::Case;
+use oxccl::param::{parse_bytes, Tuning};
+use oxccl::{CollKind, Communicator, DataType, ReduceOp};
+
+use crate::launch::{launch, Output};
+use crate::perf::{time_calls, under_launcher};
+
+/// `oxccl tune` arguments.
+#[derive(ClapArgs, Clone)]
+pub struct Args {
+    /// Ranks to start on this host (ignored under a launcher).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Largest all_reduce size to measure (bytes; K, M, G suffixes).
+    #[arg(long, default_value = "4M", value_parser = parse_bytes)]
+    max_bytes: usize,
+    /// Where to save the result (default: OXCCL_TUNE_FILE or ~/.cache/oxccl/tune.conf).
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+    /// Measure and print, but do not save.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+/// Entry point: start ranks, or be one.
+pub fn main(a: Args) -> i32 {
+    if under_launcher() {
+        return match rank_main(&a) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("oxccl tune: {e}");
+                1
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(p) => p.to_string_lossy().into_owned(),
+        Err(e) => {
+            eprintln!("oxccl tune: cannot find my own executable: {e}");
+            return 1;
+        }
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // The measurement must not be steered by an earlier tuning or by forced settings.
+    let mut env = vec![("OXCCL_TUNE_FILE", String::new())];
+    if let Some(p) = Tuning::path() {
+        env.push(("OXCCL_USER_TUNE_FILE", p.to_string_lossy().into_owned()));
+    }
+    launch(a.ranks, &exe, &args, Output::Raw, &env)
+}
+
+const ALGOS: [Algo; 3] = [Algo::OneShot, Algo::Ring, Algo::Cma];
+
+fn rank_main(a: &Args) -> Result<(), String> {
+    let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let mut sizes = vec![];
+    let mut s = 8usize;
+    while s <= a.max_bytes {
+        sizes.push(s);
+        s *= 2;
+    }
+    let bar = (rank == 0).then(|| {
+        let b = ProgressBar::new((sizes.len() * ALGOS.len()) as u64);
+        b.set_style(
+            ProgressStyle::with_template("{msg:>24} [{bar:40}] {pos}/{len} {elapsed}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        b
+    });
+    // times[size][algo] in microseconds, None where the algorithm cannot run.
+    let mut times: Vec<[Option<f64>; 3]> = Vec::new();
+    for &size in &sizes {
+        let mut row = [None; 3];
+        for (i, algo) in ALGOS.iter().enumerate() {
+            if let Some(b) = &bar {
+                b.set_message(format!("{} {} B", algo.name(), size));
+            }
+            comm.set_algo(Some(*algo));
+            let case = Case {
+                kind: CollKind::AllReduce,
+                dtype: DataType::F32,
+                op: ReduceOp::Sum,
+                root: 0,
+                count: size / 4,
+                in_place: false,
+                rank,
+                nranks: n,
+            };
+            let (mut sw, mut rw) = case.alloc();
+            let (sl, rl) = case.sizes();
+            let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut sw)[..sl];
+            let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut rw)[..rl];
+            case.fill(send, recv);
+            let (secs, ran) =
+                time_calls(&comm, &case, send, recv, 3, None).map_err(|e| e.to_string())?;
+            if ran == algo.name() {
+                row[i] = Some(secs * 1e6);
+            }
+            if let Some(b) = &bar {
+                b.inc(1);
+            }
+        }
+        times.push(row);
+    }
+    comm.set_algo(None);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if rank != 0 {
+        return Ok(());
+    }
+    if times.iter().all(|r| r[0].is_none() && r[2].is_none()) {
+        return Err(
+            "no direct algorithm ran: tune measures ranks of one host over shared memory".into(),
+        );
+    }
+    let best = |r: &[Option<f64>; 3]| -> usize {
+        (0..3)
+            .filter(|&i| r[i].is_some())
+            .min_by(|&x, &y| {
+                r[x].unwrap_or(f64::MAX)
+                    .total_cmp(&r[y].unwrap_or(f64::MAX))
+            })
+            .unwrap_or(1)
+    };
+    let mut out = std::io::stdout();
+    let _ = writeln!(
+        out,
+        "# oxccl tune: all_reduce float sum, {n} ranks, time (us) per algorithm"
+    );
+    let _ = writeln!(
+        out,
+        "#{:>11} {:>10} {:>10} {:>10}  best",
+        "bytes", "oneshot", "ring", "cma"
+    );
+    let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
+    for (s, r) in sizes.iter().zip(&times) {
+        let _ = writeln!(
+            out,
+            " {:>11} {:>10} {:>10} {:>10}  {}",
+            s,
+            fmt(r[0]),
+            fmt(r[1]),
+            fmt(r[2]),
+            ALGOS[best(r)].name()
+        );
+    }
+    // One-shot up to the largest size where it is still the fastest (0: never); single-copy
+    // from the smallest size after which it always is (never: past the largest measured).
+    let oneshot_max = sizes
+        .iter()
+        .zip(&times)
+        .filter(|(_, r)| best(r) == 0)
+        .map(|(s, _)| *s)
+        .max()
+        .unwrap_or(0);
+    let cma_min = (0..sizes.len())
+        .find(|&i| times[i..].iter().all(|r| best(r) == 2))
+        .map_or(usize::MAX / 2, |i| sizes[i]);
+    let t = Tuning {
+        oneshot_max,
+        cma_min,
+    };
+    let _ = writeln!(out, "# oneshot_max={oneshot_max} cma_min={cma_min}");
+    if a.dry_run {
+        return Ok(());
+    }
+    // The ranks run with OXCCL_TUNE_FILE empty (so that no earlier tuning steers them): find
+    // the path as the user's environment gives it.
+    let path = a
+        .out
+        .clone()
+        .or_else(|| std::env::var_os("OXCCL_USER_TUNE_FILE").map(Into::into))
+        .or_else(Tuning::path)
+        .ok_or("no place to save: set --out or OXCCL_TUNE_FILE")?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    std::fs::write(&path, t.render(&format!("oxccl tune on {host}, {n} ranks")))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let _ = writeln!(out, "# saved to {}", path.display());
+    Ok(())
+}
