@@ -150,6 +150,40 @@ fn child() {
         assert!(e.to_string().contains("lost peer rank 1"), "{e}");
         std::process::exit(0);
     }
+    if mode == "idle" {
+        // Rank 0 arrives a second late; the others wait inside collectives meanwhile and must
+        // not burn a core doing so (spin briefly, then sleep on a futex or in poll).
+        let comm = Communicator::from_env().unwrap();
+        let cpu = || rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+        let secs = |t: rustix::time::Timespec| t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9;
+        for (what, big) in [("barrier", false), ("all_reduce 4 MiB", true)] {
+            comm.barrier().unwrap();
+            if comm.rank() == 0 {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            let (c0, w0) = (cpu(), Instant::now());
+            if big {
+                let mut buf = vec![1.0f32; 1 << 20];
+                comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            } else {
+                comm.barrier().unwrap();
+            }
+            let (used, wall) = (secs(cpu()) - secs(c0), w0.elapsed().as_secs_f64());
+            println!(
+                "rank {} waited {wall:.3} s in {what} using {used:.3} s of CPU",
+                comm.rank()
+            );
+            if comm.rank() != 0 {
+                assert!(wall > 0.5, "rank {} did not wait ({wall} s)", comm.rank());
+                assert!(
+                    used < 0.1 * wall,
+                    "rank {} burned {used:.3} s of CPU in {wall:.3} s of {what}",
+                    comm.rank()
+                );
+            }
+        }
+        std::process::exit(0);
+    }
     let comm = Communicator::from_env().unwrap();
     let (rank, n) = (comm.rank(), comm.world_size());
     let mut failures = Vec::new();
@@ -407,4 +441,15 @@ fn tune_measures_and_saves() {
         "one-shot cannot carry more than a slot: {saved:?}"
     );
     let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn waiting_ranks_sleep_instead_of_spinning() {
+    for (n, transport) in [(4, "shm"), (3, "tcp")] {
+        let out = launch(n, transport, "idle");
+        assert_ok(&out, "idle");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.matches("using").count(), 2 * n, "{stdout}");
+        eprintln!("{transport}:\n{stdout}");
+    }
 }
