@@ -26,6 +26,7 @@
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -469,7 +470,9 @@ impl RawBufs {
     pub unsafe fn as_byte_bufs<'a>(self) -> ByteBufs<'a> {
         unsafe fn ro<'a>(p: *const u8, len: usize) -> &'a [u8] {
             if len == 0 || p.is_null() {
-                &[]
+                // An empty slice aligned for every element type (a `&[]` of bytes may not be).
+                // SAFETY: zero-length slices need only a non-null, aligned pointer.
+                unsafe { std::slice::from_raw_parts(NonNull::<u64>::dangling().as_ptr().cast(), 0) }
             } else {
                 // SAFETY: non-empty and non-null; validity is the caller's contract.
                 unsafe { std::slice::from_raw_parts(p, len) }
@@ -477,7 +480,10 @@ impl RawBufs {
         }
         unsafe fn rw<'a>(p: *mut u8, len: usize) -> &'a mut [u8] {
             if len == 0 || p.is_null() {
-                &mut []
+                // SAFETY: as above.
+                unsafe {
+                    std::slice::from_raw_parts_mut(NonNull::<u64>::dangling().as_ptr().cast(), 0)
+                }
             } else {
                 // SAFETY: non-empty and non-null; validity and exclusivity are the caller's
                 // contract.
