@@ -217,3 +217,248 @@ def timeout():
         _ok("timeout")
         return
     raise AssertionError("no timeout")
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch backend, against gloo.
+# ---------------------------------------------------------------------------------------------
+def _setup_torch(default):
+    import torch.distributed as dist
+
+    import oxccl.torch  # noqa: F401 - registers "oxccl"
+
+    dist.init_process_group(default)
+    other = "gloo" if default == "oxccl" else "oxccl"
+    sub = dist.new_group(backend=other)
+    groups = {default: dist.group.WORLD, other: sub}
+    assert dist.get_backend(groups["oxccl"]) == "oxccl"
+    return groups["oxccl"], groups["gloo"]
+
+
+def _close(a, b, what):
+    import torch
+
+    if a.dtype in (torch.float16, torch.bfloat16):
+        ok = torch.allclose(a.double(), b.double(), rtol=2e-2, atol=2e-2)
+    elif a.dtype.is_floating_point:
+        ok = torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        ok = torch.equal(a, b)
+    assert ok and a.shape == b.shape, f"{what}: oxccl {a} vs gloo {b}"
+
+
+def vs_gloo(default):
+    import torch
+    import torch.distributed as dist
+
+    ox, gl = _setup_torch(default)
+    r, n = dist.get_rank(), dist.get_world_size()
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64]
+    shapes = [(1,), (13,), (4, 6), (2049,)]
+    ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.AVG]
+    g = torch.Generator().manual_seed(1234 + r)
+
+    def rand(shape, dtype, small=False):
+        if dtype.is_floating_point:
+            t = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5 if small else torch.randn(shape, generator=g, dtype=torch.float64)
+            return t.to(dtype)
+        hi = 3 if small else 50
+        return torch.randint(0, hi, shape, generator=g).to(dtype)
+
+    checked = 0
+    for dtype in dtypes:
+        for shape in shapes:
+            numel = int(torch.tensor(shape).prod())
+            # all_reduce, every op (gloo has no AVG: compare with SUM / n)
+            for op in ops:
+                x = rand(shape, dtype, small=op == dist.ReduceOp.PRODUCT)
+                a, b = x.clone(), x.clone()
+                w = dist.all_reduce(a, op=op, group=ox, async_op=True)
+                w.wait()
+                assert w.is_completed()
+                if op == dist.ReduceOp.AVG:
+                    dist.all_reduce(b, op=dist.ReduceOp.SUM, group=gl)
+                    b = (b.double() / n).to(dtype) if dtype.is_floating_point else torch.div(b, n, rounding_mode="trunc")
+                else:
+                    dist.all_reduce(b, op=op, group=gl)
+                _close(a, b, f"all_reduce {op} {dtype} {shape}")
+                checked += 1
+            # broadcast, reduce from/to the last rank
+            x = rand(shape, dtype)
+            a, b = x.clone(), x.clone()
+            dist.broadcast(a, src=n - 1, group=ox)
+            dist.broadcast(b, src=n - 1, group=gl)
+            _close(a, b, f"broadcast {dtype}")
+            a, b = x.clone(), x.clone()
+            dist.reduce(a, dst=n - 1, op=dist.ReduceOp.MAX, group=ox)
+            dist.reduce(b, dst=n - 1, op=dist.ReduceOp.MAX, group=gl)
+            if r == n - 1:
+                _close(a, b, f"reduce {dtype}")
+            # all_gather (list) and all_gather_into_tensor
+            la = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            lb = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            dist.all_gather(la, x, group=ox)
+            dist.all_gather(lb, x, group=gl)
+            for p in range(n):
+                _close(la[p], lb[p], f"all_gather {dtype}")
+            oa = torch.empty((n * shape[0],) + shape[1:], dtype=dtype)
+            ob = torch.empty_like(oa)
+            dist.all_gather_into_tensor(oa, x, group=ox)
+            dist.all_gather_into_tensor(ob, x, group=gl)
+            _close(oa, ob, f"all_gather_into_tensor {dtype}")
+            # reduce_scatter (list) and reduce_scatter_tensor
+            ins = [rand(shape, dtype) for _ in range(n)]
+            a, b = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            dist.reduce_scatter(a, [t.clone() for t in ins], op=dist.ReduceOp.SUM, group=ox)
+            dist.reduce_scatter(b, [t.clone() for t in ins], op=dist.ReduceOp.SUM, group=gl)
+            _close(a, b, f"reduce_scatter {dtype}")
+            big = torch.cat([t.reshape(-1) for t in ins])
+            a, b = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            dist.reduce_scatter_tensor(a, big, op=dist.ReduceOp.MIN, group=ox)
+            dist.reduce_scatter_tensor(b, big, op=dist.ReduceOp.MIN, group=gl)
+            _close(a, b, f"reduce_scatter_tensor {dtype}")
+            # all_to_all (list), all_to_all_single even and with split sizes
+            la = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            lb = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            dist.all_to_all(la, [t.clone() for t in ins], group=ox)
+            dist.all_to_all(lb, [t.clone() for t in ins], group=gl)
+            for p in range(n):
+                _close(la[p], lb[p], f"all_to_all {dtype}")
+            a, b = torch.empty_like(big), torch.empty_like(big)
+            dist.all_to_all_single(a, big, group=ox)
+            dist.all_to_all_single(b, big, group=gl)
+            _close(a, b, f"all_to_all_single {dtype}")
+            # uneven: rank r sends (r + p + k) % 3 rows of `shape[1:]` to rank p
+            k = shape[0] % 3
+            insz = [(r + p + k) % 3 for p in range(n)]
+            outsz = [(p + r + k) % 3 for p in range(n)]
+            src = rand((sum(insz),) + shape[1:], dtype)
+            a = torch.empty((sum(outsz),) + shape[1:], dtype=dtype)
+            b = torch.empty_like(a)
+            dist.all_to_all_single(a, src, outsz, insz, group=ox)
+            dist.all_to_all_single(b, src, outsz, insz, group=gl)
+            _close(a, b, f"all_to_all_single splits {dtype}")
+            checked += 10
+        # point to point: a ring, as send/recv, isend/irecv and batch_isend_irecv
+        if n > 1:
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            x = rand((1000,), dtype)
+            big = rand((600_000,), dtype)  # larger than a transport buffer, both ways at once
+            res = {}
+            for name, grp in (("ox", ox), ("gl", gl)):
+                y = torch.empty_like(x)
+                if r % 2 == 0:
+                    dist.send(x, dst=nxt, group=grp)
+                    dist.recv(y, src=prv, group=grp)
+                else:
+                    dist.recv(y, src=prv, group=grp)
+                    dist.send(x, dst=nxt, group=grp)
+                z = torch.empty_like(x)
+                reqs = [dist.isend(x, dst=nxt, group=grp), dist.irecv(z, src=prv, group=grp)] if r % 2 == 0 else [dist.irecv(z, src=prv, group=grp), dist.isend(x, dst=nxt, group=grp)]
+                for q in reqs:
+                    q.wait()
+                w = torch.empty_like(big)
+                ops2 = [dist.P2POp(dist.isend, big, nxt, group=grp), dist.P2POp(dist.irecv, w, prv, group=grp)]
+                for q in dist.batch_isend_irecv(ops2):
+                    q.wait()
+                res[name] = (y, z, w)
+            for ya, yb in zip(res["ox"], res["gl"]):
+                _close(ya, yb, f"p2p {dtype}")
+    dist.barrier(group=ox)
+    dist.barrier(group=gl)
+    # Ops oxccl does not have are a clear error.
+    import oxccl
+
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        try:
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=op, group=ox)
+        except oxccl.InvalidArgumentError as e:
+            assert "SUM, PRODUCT, MIN, MAX and AVG" in str(e)
+        else:
+            raise AssertionError(f"{op} accepted")
+    try:
+        dist.all_reduce(torch.ones(4, 4).t(), group=ox)
+    except oxccl.InvalidArgumentError as e:
+        assert "contiguous" in str(e)
+    else:
+        raise AssertionError("non-contiguous accepted")
+    # async: a Work whose future oxccl's thread completes
+    t = torch.ones(1 << 18)
+    w = dist.all_reduce(t, group=ox, async_op=True)
+    fut = w.get_future()
+    v = fut.wait()
+    assert torch.all(v[0] == n) and w.is_completed() and w.is_success()
+    print(f"rank {r}: {checked} comparisons with gloo ok", flush=True)
+    dist.destroy_process_group()
+
+
+def _model(seed):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    )
+
+
+def ddp_vs_gloo():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ox, gl = _setup_torch("gloo")
+    r = dist.get_rank()
+    final = {}
+    for name, grp in (("oxccl", ox), ("gloo", gl)):
+        model = _model(seed=100 + r)  # different on every rank: DDP broadcasts rank 0's
+        ddp = DDP(model, process_group=grp, bucket_cap_mb=0.01)  # several buckets
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(7 + r)
+        for _ in range(8):
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        final[name] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(final["oxccl"], final["gloo"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    # and every rank holds the same parameters
+    for p in final["oxccl"]:
+        q = p.clone()
+        dist.broadcast(q, 0, group=ox)
+        assert torch.equal(p, q)
+    print(f"rank {r}: ddp oxccl == gloo ok", flush=True)
+    dist.destroy_process_group()
+
+
+def fsdp():
+    import torch
+    import torch.distributed as dist
+
+    import oxccl.torch  # noqa: F401
+
+    dist.init_process_group("oxccl")
+    r = dist.get_rank()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_model(seed=5), device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3 + r)
+    x = torch.randn(64, 32, generator=g)
+    y = torch.randn(64, 4, generator=g)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    with FSDP.summon_full_params(model):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    other = flat.clone()
+    dist.broadcast(other, 0)
+    assert torch.equal(flat, other)
+    print(f"rank {r}: fsdp ok, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    dist.destroy_process_group()
