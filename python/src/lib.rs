@@ -356,7 +356,10 @@ fn init_with_id(
     let mut cfg = Config::from_env().map_err(|e| err(py, &e))?;
     if let Some(t) = timeout_s {
         if !(t.is_finite() && t > 0.0) {
-            return Err(bad_arg(py, format!("timeout {t} s is not a positive number")));
+            return Err(bad_arg(
+                py,
+                format!("timeout {t} s is not a positive number"),
+            ));
         }
         cfg.timeout = std::time::Duration::from_secs_f64(t.min(1e9));
     }
