@@ -41,6 +41,8 @@ pub struct Communicator {
     forced_algo: Option<Algo>,
     transports: Vec<TransportKind>,
     state: Mutex<State>,
+    /// Queued non-blocking calls ([`crate::stream`]).
+    pub(crate) stream: crate::stream::Stream,
 }
 
 struct State {
@@ -219,6 +221,7 @@ impl Communicator {
                 last_algo: "",
                 _boot: None,
             }),
+            stream: Default::default(),
         })
     }
 
@@ -330,6 +333,7 @@ impl Communicator {
         validate: impl FnOnce(u64) -> Result<Call>,
         mut bufs: Buffers<'b>,
     ) -> Result<()> {
+        self.stream.wait_turn(); // after the calls queued before this one (crate::stream)
         let mut st = self.lock();
         st.seq += 1;
         let seq = st.seq;

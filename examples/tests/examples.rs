@@ -1,0 +1,81 @@
+//! Runs every Rust example with 1, 2 and 3 ranks (this test is their launcher: it sets the
+//! torchrun variables `oxccl run` would), so the examples cannot rot.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn launch(exe: &str, n: usize) {
+    let port = free_port();
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| {
+            Command::new(exe)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("OXCCL_SECRET", "000102030405060708090a0b0c0d0e0f")
+                .env("OXCCL_TIMEOUT", "60")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut failed = Vec::new();
+    for (r, k) in kids.iter_mut().enumerate() {
+        loop {
+            if let Some(st) = k.try_wait().unwrap() {
+                if !st.success() {
+                    failed.push(format!("rank {r}: {st}"));
+                }
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = k.kill();
+                failed.push(format!("rank {r}: timed out"));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let mut log = String::new();
+    for k in kids {
+        let out = k.wait_with_output().unwrap();
+        log += &String::from_utf8_lossy(&out.stdout);
+        log += &String::from_utf8_lossy(&out.stderr);
+    }
+    assert!(failed.is_empty(), "{exe} with {n} ranks: {failed:?}\n{log}");
+    assert_eq!(log.matches(&format!("/{n}: ")).count(), n, "{log}");
+}
+
+#[test]
+fn broadcast_weights() {
+    for n in [1, 2, 3] {
+        launch(env!("CARGO_BIN_EXE_broadcast_weights"), n);
+    }
+}
+
+#[test]
+fn dp_sgd() {
+    for n in [1, 2, 3] {
+        launch(env!("CARGO_BIN_EXE_dp_sgd"), n);
+    }
+}
+
+#[test]
+fn sharded_optimizer() {
+    for n in [1, 2, 3] {
+        launch(env!("CARGO_BIN_EXE_sharded_optimizer"), n);
+    }
+}

@@ -1,0 +1,430 @@
+"""oxccl: collective communication for numpy arrays and torch CPU tensors.
+
+    import numpy as np, oxccl
+    comm = oxccl.init()                      # under torchrun, `oxccl run`, srun, mpirun
+    x = np.full(1024, comm.rank, np.float32)
+    comm.all_reduce(x, op="sum")             # in place, like NCCL
+    h = comm.all_gather(x, async_op=True)    # queued; runs on oxccl's stream thread
+    everyone = h.wait()
+
+Every collective takes C-contiguous numpy arrays or contiguous torch CPU tensors of int8,
+uint8, int32, uint32, int64, uint64, float16, bfloat16 (torch, or numpy with ml_dtypes),
+float32 or float64; anything else raises ``oxccl.InvalidArgumentError``. Calls release the
+GIL while they run. ``import oxccl.torch`` registers the torch.distributed backend "oxccl".
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import sys
+import weakref
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _oxccl
+from ._errors import (
+    AbortedError,
+    Error,
+    InvalidArgumentError,
+    MismatchError,
+    PeerLostError,
+    TimeoutError,
+)
+
+__version__ = _oxccl.__version__
+
+__all__ = [
+    "init",
+    "new_unique_id",
+    "Comm",
+    "Handle",
+    "Error",
+    "TimeoutError",
+    "PeerLostError",
+    "MismatchError",
+    "InvalidArgumentError",
+    "AbortedError",
+    "OPS",
+    "DTYPES",
+]
+
+#: Reduction ops, by name (``"product"`` and ``"mean"`` are accepted as aliases).
+OPS = ("sum", "prod", "min", "max", "avg")
+
+_NP_DTYPES = {
+    np.dtype(np.int8): "int8",
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.uint32): "uint32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint64): "uint64",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+}
+
+#: Element types, by oxccl's name.
+DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64")
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtypes(torch: Any) -> dict:
+    if not _TORCH_DTYPES:
+        for name in DTYPES:
+            dt = getattr(torch, name, None)
+            if dt is not None:
+                _TORCH_DTYPES[dt] = name
+    return _TORCH_DTYPES
+
+
+def _op_name(op: Any) -> str:
+    if isinstance(op, str):
+        o = op.lower()
+        o = {"product": "prod", "mean": "avg", "average": "avg"}.get(o, o)
+        if o in OPS:
+            return o
+    raise InvalidArgumentError(f"unsupported reduction op {op!r}: expected one of {', '.join(OPS)}")
+
+
+class _Buf:
+    """A checked view of an array or tensor: address, bytes, dtype name, owner."""
+
+    __slots__ = ("obj", "addr", "nbytes", "dtype", "numel")
+
+    def __init__(self, obj: Any, what: str, writable: bool):
+        self.obj = obj
+        if isinstance(obj, np.ndarray):
+            if not obj.flags.c_contiguous:
+                raise InvalidArgumentError(
+                    f"{what}: the array is not C-contiguous (strides {obj.strides}); "
+                    "pass np.ascontiguousarray(x)"
+                )
+            if writable and not obj.flags.writeable:
+                raise InvalidArgumentError(f"{what}: the array is read-only")
+            name = _NP_DTYPES.get(obj.dtype)
+            if name is None and obj.dtype.name == "bfloat16" and obj.dtype.itemsize == 2:
+                name = "bfloat16"  # ml_dtypes.bfloat16
+            if name is None:
+                raise InvalidArgumentError(
+                    f"{what}: unsupported dtype {obj.dtype} (supported: {', '.join(DTYPES)})"
+                )
+            self.addr = obj.ctypes.data
+            self.nbytes = obj.nbytes
+            self.numel = obj.size
+            self.dtype = name
+            return
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                raise InvalidArgumentError(f"{what}: {obj.layout} tensors are not supported")
+            if obj.device.type != "cpu":
+                raise InvalidArgumentError(
+                    f"{what}: the tensor is on {obj.device}; oxccl works on CPU tensors"
+                )
+            if not obj.is_contiguous():
+                raise InvalidArgumentError(
+                    f"{what}: the tensor is not contiguous (strides {tuple(obj.stride())}); "
+                    "pass x.contiguous()"
+                )
+            if obj.is_conj() or obj.is_neg():
+                raise InvalidArgumentError(f"{what}: lazily conjugated/negated tensors are not supported")
+            name = _torch_dtypes(torch).get(obj.dtype)
+            if name is None:
+                raise InvalidArgumentError(
+                    f"{what}: unsupported dtype {obj.dtype} (supported: {', '.join(DTYPES)})"
+                )
+            self.addr = obj.data_ptr()
+            self.numel = obj.numel()
+            self.nbytes = self.numel * obj.element_size()
+            self.dtype = name
+            return
+        raise InvalidArgumentError(
+            f"{what}: expected a numpy array or a torch CPU tensor, got {type(obj).__module__}.{type(obj).__name__}"
+        )
+
+    def span(self) -> tuple:
+        return (self.addr, self.nbytes)
+
+    def same(self, other: "_Buf") -> bool:
+        return self.addr == other.addr and self.nbytes == other.nbytes
+
+    def overlaps(self, other: "_Buf") -> bool:
+        if self.nbytes == 0 or other.nbytes == 0:
+            return False
+        return self.addr < other.addr + other.nbytes and other.addr < self.addr + self.nbytes
+
+
+def _empty(like: Any, shape: tuple) -> Any:
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=like.dtype)
+    torch = sys.modules["torch"]
+    return torch.empty(shape, dtype=like.dtype, device="cpu")
+
+
+class Handle:
+    """A queued call (``async_op=True``). ``wait()`` returns the call's result (the output
+    array) or raises its error; ``is_completed()`` never blocks."""
+
+    __slots__ = ("_raw", "_result")
+
+    def __init__(self, raw: Any, result: Any):
+        self._raw = raw
+        self._result = result
+
+    def wait(self) -> Any:
+        """Blocks (GIL released) until the call has finished; returns its output."""
+        self._raw.wait()
+        return self._result
+
+    def is_completed(self) -> bool:
+        """True once the call has finished, successfully or not."""
+        return self._raw.is_completed()
+
+    def __repr__(self) -> str:
+        return f"<oxccl.Handle completed={self.is_completed()}>"
+
+
+_LIVE: "weakref.WeakSet[Comm]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain() -> None:
+    # Queued calls take the GIL when they finish: let them finish before the interpreter goes.
+    for c in list(_LIVE):
+        try:
+            c.synchronize()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+class Comm:
+    """A communicator: the ranks of a job that call collectives together.
+
+    Every rank must make the same calls, with matching arguments, in the same order.
+    Blocking and queued (``async_op=True``) calls of one communicator run in the order they
+    were made. Use :func:`init` to make one.
+    """
+
+    def __init__(self, raw: Any):
+        self._raw = raw
+        _LIVE.add(self)
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self._raw.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._raw.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its host."""
+        return self._raw.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """How many ranks share this host."""
+        return self._raw.local_size
+
+    @property
+    def transport(self) -> str:
+        """The transports in use: ``"shm"``, ``"tcp"``, ``"shm+tcp"`` or ``"none"``."""
+        return self._raw.transport
+
+    def __repr__(self) -> str:
+        return f"<oxccl.Comm rank={self.rank} world_size={self.world_size} transport={self.transport}>"
+
+    # -- the engine -------------------------------------------------------------------------
+    def _run(
+        self,
+        kind: str,
+        send: Optional[_Buf],
+        recv: Optional[_Buf],
+        *,
+        op: str = "sum",
+        root: int = 0,
+        peer: int = 0,
+        in_place: bool = False,
+        async_op: bool = False,
+        result: Any = None,
+        callback: Any = None,
+    ) -> Any:
+        dtype = (recv or send).dtype if (recv or send) else "uint8"
+        if send is not None and recv is not None and not in_place:
+            if send.dtype != recv.dtype:
+                raise InvalidArgumentError(
+                    f"{kind}: input is {send.dtype} but output is {recv.dtype}"
+                )
+            if send.overlaps(recv):
+                raise InvalidArgumentError(f"{kind}: input and output overlap (and are not the same buffer)")
+        s = send.span() if send is not None else (0, 0)
+        r = recv.span() if recv is not None else (0, 0)
+        if in_place:
+            s = (0, 0)
+        if root < 0 or peer < 0:
+            raise InvalidArgumentError(f"{kind}: negative rank")
+        if not async_op:
+            self._raw.call(kind, dtype, op, root, peer, s, r, in_place)
+            return result
+        keep = (send.obj if send is not None else None, recv.obj if recv is not None else None)
+        raw = self._raw.call_async(kind, dtype, op, root, peer, s, r, in_place, keep, callback)
+        return Handle(raw, result)
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False) -> Any:
+        """Element-wise reduction of every rank's ``x``: into ``x`` (in place, the default) or
+        into ``out`` (same size). Returns the array holding the result."""
+        op = _op_name(op)
+        b = _Buf(x, "all_reduce input", writable=out is None)
+        if out is None or out is x:
+            return self._run("all_reduce", None, b, op=op, in_place=True, async_op=async_op, result=x)
+        o = _Buf(out, "all_reduce output", writable=True)
+        if b.same(o):
+            return self._run("all_reduce", None, o, op=op, in_place=True, async_op=async_op, result=out)
+        return self._run("all_reduce", b, o, op=op, async_op=async_op, result=out)
+
+    def broadcast(self, x: Any, root: int = 0, async_op: bool = False) -> Any:
+        """``root``'s ``x`` into every rank's ``x`` (in place). Returns ``x``."""
+        b = _Buf(x, "broadcast buffer", writable=True)
+        return self._run("broadcast", None, b, root=root, in_place=True, async_op=async_op, result=x)
+
+    def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False) -> Any:
+        """Element-wise reduction of every rank's ``x`` on ``root``: into ``x`` there (in place,
+        the default) or into ``out`` (needed on the root only). Other ranks' ``x`` is only
+        read. Returns the result array on the root (``x``/``out``), ``x`` elsewhere."""
+        op = _op_name(op)
+        b = _Buf(x, "reduce input", writable=out is None and root == self.rank)
+        if out is None or out is x:
+            return self._run("reduce", None, b, op=op, root=root, in_place=True, async_op=async_op, result=x)
+        o = _Buf(out, "reduce output", writable=True)
+        if b.same(o):
+            return self._run("reduce", None, o, op=op, root=root, in_place=True, async_op=async_op, result=out)
+        return self._run("reduce", b, o, op=op, root=root, async_op=async_op, result=out)
+
+    def all_gather(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
+        """Every rank's ``x``, concatenated in rank order (along the first axis), into ``out``
+        (allocated when not given; ``world_size`` times ``x``'s size). Returns ``out``."""
+        b = _Buf(x, "all_gather input", writable=False)
+        if out is None:
+            shape = tuple(x.shape)
+            shape = (self.world_size * shape[0],) + shape[1:] if shape else (self.world_size,)
+            out = _empty(x, shape)
+        o = _Buf(out, "all_gather output", writable=True)
+        return self._run("all_gather", b, o, async_op=async_op, result=out)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False) -> Any:
+        """Block ``rank`` (of ``world_size`` equal blocks) of the element-wise reduction of every
+        rank's ``x``, into ``out`` (allocated when not given). Returns ``out``."""
+        op = _op_name(op)
+        b = _Buf(x, "reduce_scatter input", writable=False)
+        if out is None:
+            n = self.world_size
+            shape = tuple(x.shape)
+            if shape and shape[0] % n == 0:
+                shape = (shape[0] // n,) + shape[1:]
+            else:
+                shape = (b.numel // n,)
+            out = _empty(x, shape)
+        o = _Buf(out, "reduce_scatter output", writable=True)
+        return self._run("reduce_scatter", b, o, op=op, async_op=async_op, result=out)
+
+    def all_to_all(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
+        """Block p of ``x`` (``world_size`` equal blocks) goes to rank p, which stores it as
+        block ``rank`` of its ``out`` (allocated when not given; ``x``'s size). ``out=x`` runs
+        in place. Returns ``out``."""
+        if out is x:
+            b = _Buf(x, "all_to_all buffer", writable=True)
+            return self._run("all_to_all", None, b, in_place=True, async_op=async_op, result=x)
+        b = _Buf(x, "all_to_all input", writable=False)
+        if out is None:
+            out = _empty(x, tuple(x.shape))
+        o = _Buf(out, "all_to_all output", writable=True)
+        return self._run("all_to_all", b, o, async_op=async_op, result=out)
+
+    def send(self, x: Any, peer: int, async_op: bool = False) -> Any:
+        """Sends ``x`` to ``peer``, which must ``recv`` the same number of bytes."""
+        b = _Buf(x, "send buffer", writable=False)
+        return self._run("send", b, None, peer=peer, async_op=async_op, result=None)
+
+    def recv(self, x: Any, peer: int, async_op: bool = False) -> Any:
+        """Receives ``peer``'s ``send`` into ``x``. Returns ``x``."""
+        b = _Buf(x, "recv buffer", writable=True)
+        return self._run("recv", None, b, peer=peer, async_op=async_op, result=x)
+
+    def sendrecv(self, send: Any, to: int, recv: Any, from_: int, async_op: bool = False) -> Any:
+        """Sends ``send`` to ``to`` while receiving ``recv`` from ``from_`` (same size), as
+        ``MPI_Sendrecv``. Returns ``recv``."""
+        s = _Buf(send, "sendrecv input", writable=False)
+        r = _Buf(recv, "sendrecv output", writable=True)
+        if s.same(r):
+            return self._run("sendrecv", None, r, peer=to, root=from_, in_place=True, async_op=async_op, result=recv)
+        return self._run("sendrecv", s, r, peer=to, root=from_, async_op=async_op, result=recv)
+
+    def barrier(self, async_op: bool = False) -> Any:
+        """Returns once every rank has called it."""
+        return self._run("barrier", None, None, async_op=async_op)
+
+    # -- communicator management ------------------------------------------------------------
+    def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Comm"]:
+        """``ncclCommSplit``: every rank calls it; ranks with the same ``color`` form a new
+        communicator, ordered by ``key`` (default: this rank) then rank. ``color=None`` or a
+        negative color joins none and returns None."""
+        raw = self._raw.split(color, self.rank if key is None else int(key))
+        return None if raw is None else Comm(raw)
+
+    def synchronize(self) -> None:
+        """Waits until every queued call has finished."""
+        self._raw.synchronize()
+
+    def pending(self) -> int:
+        """Queued calls not yet finished."""
+        return self._raw.pending()
+
+
+def new_unique_id(ip: Optional[str] = None) -> str:
+    """A fresh id (as ``ncclGetUniqueId``), listening on ``ip`` (default: this host's default
+    address). The process that makes it must be rank 0; hand the string to the others."""
+    return _oxccl.new_unique_id(ip)
+
+
+def _derived_secret(addr: str, world_size: int) -> str:
+    h = hashlib.sha256(f"oxccl-python-addr-secret-v1\0{addr}\0{world_size}".encode())
+    return h.hexdigest()[:32]
+
+
+def init(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    addr: Optional[str] = None,
+    *,
+    unique_id: Optional[str] = None,
+    secret: Optional[str] = None,
+) -> Comm:
+    """Joins a communicator.
+
+    - ``init()``: from a launcher's environment (torchrun, ``oxccl run``, Slurm, Open MPI,
+      PMI; ``MASTER_ADDR``/``MASTER_PORT`` or ``OXCCL_ROOT``, ``OXCCL_SECRET``).
+    - ``init(rank=, world_size=, addr="host:port")``: rank 0 hosts the rendezvous at ``addr``;
+      the secret is ``secret`` (32 hex digits), else ``OXCCL_SECRET``, else derived from
+      ``addr`` (which keeps jobs apart but does not stop a hostile peer).
+    - ``init(rank=, world_size=, unique_id=s)``: NCCL's model, ``s`` from
+      :func:`new_unique_id` on rank 0.
+    """
+    if rank is None and world_size is None and addr is None and unique_id is None:
+        return Comm(_oxccl.init_from_env())
+    if rank is None or world_size is None:
+        raise InvalidArgumentError("init: pass both rank and world_size (or nothing, to read a launcher's environment)")
+    if (addr is None) == (unique_id is None):
+        raise InvalidArgumentError("init: pass exactly one of addr='host:port' and unique_id=")
+    if unique_id is None:
+        secret = secret or os.environ.get("OXCCL_SECRET") or _derived_secret(addr, world_size)
+        unique_id = _oxccl.unique_id_for(addr, secret)
+    return Comm(_oxccl.init_with_id(unique_id, int(rank), int(world_size)))

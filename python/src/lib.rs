@@ -1,0 +1,411 @@
+//! `oxccl._oxccl`: the native half of the `oxccl` Python package.
+//!
+//! The Python half (`oxccl/__init__.py`) checks arrays and tensors (type, dtype, contiguity,
+//! device, lengths) and passes their addresses here as integers, with the objects that own
+//! the memory. Blocking calls run with the GIL released while the caller's frame keeps the
+//! objects alive; queued calls keep them (the `keepalive` argument) inside the queued job and
+//! release them, under the GIL, when the call has finished.
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use oxccl::{CollKind, Communicator, Config, DataType, Error, RawBufs, ReduceOp, UniqueId, Work};
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+/// The Python exception class (in `oxccl._errors`) for an oxccl error.
+fn error_class(e: &Error) -> &'static str {
+    match e {
+        Error::Timeout { .. } => "TimeoutError",
+        Error::PeerLost { .. } | Error::Connect { .. } => "PeerLostError",
+        Error::Mismatch { .. } => "MismatchError",
+        Error::InvalidArgument { .. } | Error::Env(_) => "InvalidArgumentError",
+        Error::Aborted { .. } => "AbortedError",
+        _ => "Error",
+    }
+}
+
+/// An error as it crosses into Python: the class name and the message.
+#[derive(Clone, Debug)]
+struct PyErrInfo {
+    class: &'static str,
+    msg: String,
+}
+
+impl From<&Error> for PyErrInfo {
+    fn from(e: &Error) -> Self {
+        PyErrInfo {
+            class: error_class(e),
+            msg: e.to_string(),
+        }
+    }
+}
+
+impl PyErrInfo {
+    fn to_py(&self, py: Python<'_>) -> PyErr {
+        let cls = py
+            .import("oxccl._errors")
+            .and_then(|m| m.getattr(self.class))
+            .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
+        match cls {
+            Ok(cls) => PyErr::from_type(cls, self.msg.clone()),
+            Err(e) => e,
+        }
+    }
+}
+
+fn err(py: Python<'_>, e: &Error) -> PyErr {
+    PyErrInfo::from(e).to_py(py)
+}
+
+fn bad_arg(py: Python<'_>, msg: String) -> PyErr {
+    PyErrInfo {
+        class: "InvalidArgumentError",
+        msg,
+    }
+    .to_py(py)
+}
+
+/// One call's description, as the Python half passes it.
+struct CallSpec {
+    kind: CollKind,
+    dtype: DataType,
+    op: ReduceOp,
+    root: usize,
+    bufs: RawBufs,
+}
+
+// SAFETY: RawBufs is Send; the rest is plain data.
+unsafe impl Send for CallSpec {}
+
+#[allow(clippy::too_many_arguments)]
+fn spec(
+    py: Python<'_>,
+    kind: &str,
+    dtype: &str,
+    op: &str,
+    root: usize,
+    peer: usize,
+    send: (usize, usize),
+    recv: (usize, usize),
+    in_place: bool,
+) -> PyResult<CallSpec> {
+    let kind = match kind {
+        "all_reduce" => CollKind::AllReduce,
+        "broadcast" => CollKind::Broadcast,
+        "reduce" => CollKind::Reduce,
+        "all_gather" => CollKind::AllGather,
+        "reduce_scatter" => CollKind::ReduceScatter,
+        "all_to_all" => CollKind::AllToAll,
+        "send" => CollKind::Send { peer },
+        "recv" => CollKind::Recv { peer },
+        "sendrecv" => CollKind::SendRecv {
+            to: peer,
+            from: root,
+        },
+        "barrier" => CollKind::Barrier,
+        other => return Err(bad_arg(py, format!("unknown collective '{other}'"))),
+    };
+    let dtype = DataType::from_str(dtype).map_err(|m| bad_arg(py, m))?;
+    let op = ReduceOp::from_str(op).map_err(|m| bad_arg(py, m))?;
+    let bufs = if in_place {
+        RawBufs::InPlace {
+            buf: recv.0 as *mut u8,
+            len: recv.1,
+        }
+    } else {
+        RawBufs::Separate {
+            send: send.0 as *const u8,
+            send_len: send.1,
+            recv: recv.0 as *mut u8,
+            recv_len: recv.1,
+        }
+    };
+    Ok(CallSpec {
+        kind,
+        dtype,
+        op,
+        root,
+        bufs,
+    })
+}
+
+impl CallSpec {
+    /// Runs the call.
+    ///
+    /// # Safety
+    ///
+    /// The buffers must be valid for the call (see [`RawBufs::as_byte_bufs`]).
+    unsafe fn run(self, comm: &Communicator) -> oxccl::Result<()> {
+        // SAFETY: forwarded from the caller.
+        let bufs = unsafe { self.bufs.as_byte_bufs() };
+        comm.call_bytes(self.kind, self.dtype, self.op, self.root, bufs)
+    }
+}
+
+/// A communicator (use `oxccl.init`, which wraps this in `oxccl.Comm`).
+#[pyclass(frozen, module = "oxccl._oxccl", name = "RawComm")]
+struct RawComm {
+    inner: Arc<Communicator>,
+}
+
+#[pymethods]
+impl RawComm {
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    #[getter]
+    fn local_rank(&self) -> usize {
+        self.inner.local_rank()
+    }
+
+    #[getter]
+    fn local_size(&self) -> usize {
+        self.inner.local_size()
+    }
+
+    #[getter]
+    fn transport(&self) -> String {
+        self.inner.transport_summary()
+    }
+
+    fn pending(&self) -> u64 {
+        self.inner.pending_calls()
+    }
+
+    /// A blocking call on raw addresses, GIL released. The caller keeps the memory alive.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (kind, dtype, op, root, peer, send, recv, in_place))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        dtype: &str,
+        op: &str,
+        root: usize,
+        peer: usize,
+        send: (usize, usize),
+        recv: (usize, usize),
+        in_place: bool,
+    ) -> PyResult<()> {
+        let s = spec(py, kind, dtype, op, root, peer, send, recv, in_place)?;
+        let comm = &self.inner;
+        // SAFETY: the Python caller (oxccl.Comm) holds references to the arrays whose memory
+        // these addresses point into, for the duration of this call, and checked the lengths.
+        let r = py.detach(|| unsafe { s.run(comm) });
+        r.map_err(|e| err(py, &e))
+    }
+
+    /// Queues a call on raw addresses; `keepalive` (the arrays) is held until the call has
+    /// finished; `callback(None | exception)` then runs on oxccl's stream thread, with the GIL.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (kind, dtype, op, root, peer, send, recv, in_place, keepalive, callback=None))]
+    fn call_async(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        dtype: &str,
+        op: &str,
+        root: usize,
+        peer: usize,
+        send: (usize, usize),
+        recv: (usize, usize),
+        in_place: bool,
+        keepalive: Py<PyAny>,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<Handle> {
+        let s = spec(py, kind, dtype, op, root, peer, send, recv, in_place)?;
+        let work = self.inner.submit(move |comm| {
+            // SAFETY: `keepalive` owns the memory behind every address and lives until after
+            // the call (it is dropped below, after `run` returns); the Python caller checked
+            // the lengths and does not touch the output until completion.
+            let res = unsafe { s.run(comm) };
+            let info = res.as_ref().err().map(PyErrInfo::from);
+            Python::attach(|py| {
+                if let Some(cb) = callback {
+                    let arg = match &info {
+                        None => py.None(),
+                        Some(i) => i.to_py(py).into_value(py).into_any(),
+                    };
+                    if let Err(e) = cb.call1(py, (arg,)) {
+                        e.write_unraisable(py, None);
+                    }
+                }
+                drop(keepalive);
+            });
+            Ok(info.map_or(Ok(()), Err))
+        });
+        Ok(Handle::new(work))
+    }
+
+    /// Waits until every queued call has finished (GIL released).
+    fn synchronize(&self, py: Python<'_>) {
+        let comm = &self.inner;
+        py.detach(|| comm.synchronize());
+    }
+
+    /// `ncclCommSplit`: a new communicator of the ranks with the same color (None or a
+    /// negative color: none), ordered by key then rank.
+    #[pyo3(signature = (color, key))]
+    fn split(&self, py: Python<'_>, color: Option<i64>, key: i64) -> PyResult<Option<RawComm>> {
+        let color = match color {
+            Some(c) if c >= 0 => Some(
+                u32::try_from(c)
+                    .map_err(|_| bad_arg(py, format!("color {c} does not fit 32 bits")))?,
+            ),
+            _ => None,
+        };
+        let comm = &self.inner;
+        let r = py.detach(|| comm.split(color, key));
+        match r {
+            Ok(c) => Ok(c.map(|c| RawComm { inner: Arc::new(c) })),
+            Err(e) => Err(err(py, &e)),
+        }
+    }
+}
+
+/// What a queued call hands back: its error, if any, ready for Python.
+type CallResult = Result<(), PyErrInfo>;
+
+/// The handle of a queued call.
+#[pyclass(frozen, module = "oxccl._oxccl", name = "RawHandle")]
+struct Handle {
+    work: Mutex<Option<Work<CallResult>>>,
+    result: Mutex<Option<Result<(), PyErrInfo>>>,
+}
+
+impl Handle {
+    fn new(work: Work<CallResult>) -> Handle {
+        Handle {
+            work: Mutex::new(Some(work)),
+            result: Mutex::new(None),
+        }
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// True once the call has finished.
+    fn is_completed(&self) -> bool {
+        if self
+            .result
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return true;
+        }
+        self.work
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|w| w.is_completed())
+    }
+
+    /// Waits for the call (GIL released); raises its error, if any.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let work = self.work.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(w) = work {
+            let r = py
+                .detach(|| w.wait())
+                .unwrap_or_else(|e| Err(PyErrInfo::from(&e)));
+            *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        }
+        // Another thread may be waiting on the same handle: wait until it has stored the result.
+        loop {
+            if let Some(r) = self
+                .result
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+            {
+                return r.clone().map_err(|i| i.to_py(py));
+            }
+            py.detach(|| std::thread::sleep(std::time::Duration::from_millis(1)));
+        }
+    }
+}
+
+/// Joins a communicator launched by torchrun, `oxccl run`, Slurm, Open MPI or PMI.
+#[pyfunction]
+fn init_from_env(py: Python<'_>) -> PyResult<RawComm> {
+    py.detach(Communicator::from_env)
+        .map(|c| RawComm { inner: Arc::new(c) })
+        .map_err(|e| err(py, &e))
+}
+
+/// Joins the communicator of `unique_id` (a string from `new_unique_id`) as `rank`; settings
+/// from the environment, except the timeout when `timeout_s` is given.
+#[pyfunction]
+#[pyo3(signature = (unique_id, rank, world_size, timeout_s=None))]
+fn init_with_id(
+    py: Python<'_>,
+    unique_id: &str,
+    rank: usize,
+    world_size: usize,
+    timeout_s: Option<f64>,
+) -> PyResult<RawComm> {
+    let id = UniqueId::from_str(unique_id).map_err(|e| err(py, &e))?;
+    let mut cfg = Config::from_env().map_err(|e| err(py, &e))?;
+    if let Some(t) = timeout_s {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(bad_arg(
+                py,
+                format!("timeout {t} s is not a positive number"),
+            ));
+        }
+        cfg.timeout = std::time::Duration::from_secs_f64(t.min(1e9));
+    }
+    py.detach(|| Communicator::init_with_config(&id, rank, world_size, cfg))
+        .map(|c| RawComm { inner: Arc::new(c) })
+        .map_err(|e| err(py, &e))
+}
+
+/// A fresh unique id, as `ncclGetUniqueId`, listening on `ip` (default: this host's default
+/// address). Rank 0 must call `init_with_id` with it in this process.
+#[pyfunction]
+#[pyo3(signature = (ip=None))]
+fn new_unique_id(py: Python<'_>, ip: Option<&str>) -> PyResult<String> {
+    let id = match ip {
+        None => UniqueId::new(),
+        Some(ip) => {
+            let ip = ip
+                .parse()
+                .map_err(|_| bad_arg(py, format!("'{ip}' is not an IP address")))?;
+            UniqueId::new_on(ip)
+        }
+    };
+    id.map(|id| id.to_string()).map_err(|e| err(py, &e))
+}
+
+/// The string form of an id for a rendezvous at `addr` (`host:port`, rank 0 binds it) with
+/// `secret` (32 hex digits).
+#[pyfunction]
+fn unique_id_for(py: Python<'_>, addr: &str, secret: &str) -> PyResult<String> {
+    let sa = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| bad_arg(py, format!("cannot resolve address '{addr}' (host:port)")))?;
+    let id = format!("oxccl1:{sa}:{secret}");
+    UniqueId::from_str(&id).map_err(|e| err(py, &e))?;
+    Ok(id)
+}
+
+#[pymodule]
+fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<RawComm>()?;
+    m.add_class::<Handle>()?;
+    m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(init_with_id, m)?)?;
+    m.add_function(wrap_pyfunction!(new_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(unique_id_for, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,42 @@
+"""The Python API on numpy arrays and torch CPU tensors, with 1, 2 and 3 processes."""
+
+import pytest
+
+from conftest import launch
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives_async_errors_split(n):
+    res = launch(n, "api")
+    for _, out in res:
+        for what in ("collectives", "async", "errors", "split"):
+            assert f"{what} ok" in out, out
+
+
+@pytest.mark.parametrize("mode", ["addr", "unique_id"])
+def test_init_without_launcher(mode, tmp_path):
+    launch(2, "init_explicit", args=[mode], env={"OXCCL_TEST_DIR": str(tmp_path)})
+
+
+def test_lost_peer_is_peer_lost_error():
+    res = launch(2, "peer_lost")
+    assert "peer lost ok" in res[0][1] and "aborted after ok" in res[0][1], res[0][1]
+
+
+def test_timeout_is_timeout_error():
+    res = launch(2, "timeout", env={"OXCCL_TIMEOUT": "2"})
+    assert "timeout ok" in res[0][1], res[0][1]
+
+
+def test_package_surface():
+    import oxccl
+
+    for name in ("Error", "TimeoutError", "PeerLostError", "MismatchError", "InvalidArgumentError", "AbortedError"):
+        cls = getattr(oxccl, name)
+        assert issubclass(cls, oxccl.Error)
+    assert issubclass(oxccl.TimeoutError, TimeoutError)
+    assert issubclass(oxccl.InvalidArgumentError, ValueError)
+    with pytest.raises(oxccl.InvalidArgumentError):
+        oxccl.init(rank=0)
+    with pytest.raises(oxccl.InvalidArgumentError):
+        oxccl.init(rank=0, world_size=1, unique_id="nonsense")

@@ -1,0 +1,464 @@
+"""The rank side of the tests: each function runs in every rank process (see conftest.launch)."""
+
+import os
+import time
+
+import numpy as np
+
+
+def _ok(name):
+    print(f"rank {os.environ['RANK']}: {name} ok", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain API: numpy arrays and torch tensors.
+# ---------------------------------------------------------------------------------------------
+def api():
+    import torch
+
+    import oxccl
+
+    comm = oxccl.init()  # from the launcher's environment
+    r, n = comm.rank, comm.world_size
+    assert (r, n) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+    for lib in ("numpy", "torch"):
+        def arr(vals, dtype):
+            a = np.asarray(vals, dtype=dtype)
+            return a if lib == "numpy" else torch.from_numpy(a)
+
+        def npy(x):
+            return x if isinstance(x, np.ndarray) else x.numpy()
+
+        for dtype in (np.int8, np.uint8, np.int32, np.int64, np.uint64, np.float16, np.float32, np.float64):
+            base = np.arange(12) % 5
+            # all_reduce, in place and out of place, every op
+            for op, ref in (
+                ("sum", lambda: sum(base + k for k in range(n))),
+                ("prod", lambda: np.prod([base % 2 + 1 for _ in range(n)], axis=0)),
+                ("min", lambda: base + 0),
+                ("max", lambda: base + n - 1),
+            ):
+                x = arr(base % 2 + 1 if op == "prod" else base + r, dtype).reshape(3, 4)
+                y = comm.all_reduce(x, op=op)
+                assert y is x
+                assert np.array_equal(npy(x).reshape(-1), np.asarray(ref(), dtype=dtype)), (lib, dtype, op, x)
+                out = arr(np.zeros(12), dtype)
+                comm.all_reduce(arr(base + r, dtype), op="sum", out=out)
+            # broadcast from the last rank
+            x = arr(base * (r + 1), dtype)
+            comm.broadcast(x, root=n - 1)
+            assert np.array_equal(npy(x), np.asarray(base * n, dtype=dtype))
+            # reduce to rank 0
+            x = arr(base + r, dtype)
+            comm.reduce(x, root=0, op="max")
+            if r == 0:
+                assert np.array_equal(npy(x), np.asarray(base + n - 1, dtype=dtype))
+            # all_gather: allocated output, concatenated along the first axis
+            g = comm.all_gather(arr(np.full((2, 3), r), dtype))
+            assert tuple(g.shape) == (2 * n, 3)
+            assert np.array_equal(npy(g)[::2, 0], np.arange(n).astype(dtype))
+            # reduce_scatter
+            rs = comm.reduce_scatter(arr(np.arange(4 * n), dtype), op="sum")
+            assert np.array_equal(npy(rs), (np.arange(4 * n)[4 * r : 4 * r + 4] * n).astype(dtype))
+            # all_to_all, out of place and in place
+            x = arr(np.arange(2 * n) + 100 * r, dtype) if dtype not in (np.int8, np.uint8) else arr(np.arange(2 * n) + 10 * r, dtype)
+            scale = 10 if dtype in (np.int8, np.uint8) else 100
+            y = comm.all_to_all(x)
+            expect = np.concatenate([np.arange(2 * r, 2 * r + 2) + scale * p for p in range(n)]).astype(dtype)
+            assert np.array_equal(npy(y), expect), (npy(y), expect)
+            comm.all_to_all(x, out=x)
+            assert np.array_equal(npy(x), expect)
+        # send / recv / sendrecv around a ring
+        if n > 1:
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            buf = arr(np.zeros(1000), np.float32)
+            if r % 2 == 0:
+                comm.send(arr(np.full(1000, r), np.float32), nxt)
+                comm.recv(buf, prv)
+            else:
+                comm.recv(buf, prv)
+                comm.send(arr(np.full(1000, r), np.float32), nxt)
+            assert np.all(npy(buf) == prv)
+            got = comm.sendrecv(arr(np.full(5, r), np.int32), nxt, arr(np.zeros(5), np.int32), prv)
+            assert np.all(npy(got) == prv)
+        comm.barrier()
+    _ok("collectives")
+
+    # bfloat16 through torch
+    t = torch.full((7,), 1.5, dtype=torch.bfloat16)
+    comm.all_reduce(t, op="avg")
+    assert torch.equal(t, torch.full((7,), 1.5, dtype=torch.bfloat16))
+
+    # async: handles, ordering with blocking calls, results
+    big = np.ones(1 << 20, np.float32)
+    h1 = comm.all_reduce(big, async_op=True)
+    h2 = comm.all_gather(np.full(3, r, np.int64), async_op=True)
+    small = np.full(4, r, np.int32)
+    comm.all_reduce(small, op="max")  # runs after h1 and h2
+    assert h1.is_completed() and h2.is_completed()
+    assert h1.wait() is big and np.all(big == n)
+    assert np.array_equal(h2.wait(), np.repeat(np.arange(n), 3))
+    handles = [comm.all_reduce(torch.full((100,), float(i)), async_op=True) for i in range(50)]
+    for i, h in enumerate(handles):
+        assert torch.all(h.wait() == i * n)
+    comm.barrier(async_op=True).wait()
+    comm.synchronize()
+    assert comm.pending() == 0
+    _ok("async")
+
+    # errors: arguments are checked before anything is sent
+    def raises(cls, f, *a, **k):
+        try:
+            f(*a, **k)
+        except cls as e:
+            assert isinstance(e, oxccl.Error)
+            return str(e)
+        raise AssertionError(f"{f.__name__}{a} did not raise {cls.__name__}")
+
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones((4, 4), np.float32)[:, ::2])
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, torch.ones(4, 4).t())
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, np.complex64))
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, torch.ones(3, dtype=torch.bool))
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, [1.0, 2.0])
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, np.float32), op="xor")
+    ro = np.ones(3, np.float32)
+    ro.flags.writeable = False
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, ro)
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, np.float32), out=np.ones(3, np.float64))
+    msg = raises(oxccl.InvalidArgumentError, comm.reduce_scatter, np.ones(5, np.float32), out=np.ones(1, np.float32))
+    assert "reduce_scatter" in msg
+    h = comm.all_gather(np.ones(2, np.float32), out=np.ones(3, np.float32), async_op=True)
+    raises(oxccl.InvalidArgumentError, h.wait)
+    if n > 1:
+        raises(oxccl.InvalidArgumentError, comm.send, np.ones(2, np.float32), r)
+    # still usable after rejected arguments
+    x = np.ones(3, np.float32)
+    comm.all_reduce(x)
+    assert np.all(x == n)
+    _ok("errors")
+
+    # split: even and odd ranks, reversed order inside each group; the last rank opts out.
+    color = None if (n > 2 and r == n - 1) else r % 2
+    sub = comm.split(color, key=-r)
+    if color is None:
+        assert sub is None
+    else:
+        members = [p for p in range(n) if p % 2 == color and not (n > 2 and p == n - 1)]
+        assert sub.world_size == len(members)
+        assert sub.rank == sorted(members, reverse=True).index(r)
+        g = sub.all_gather(np.array([r], np.int64))
+        assert list(g) == sorted(members, reverse=True)
+    comm.barrier()
+    _ok("split")
+
+
+def init_explicit(mode):
+    """oxccl.init with an explicit address or unique id (no launcher variables used)."""
+    import oxccl
+
+    r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr = f"127.0.0.1:{os.environ['MASTER_PORT']}"
+    if mode == "addr":
+        comm = oxccl.init(rank=r, world_size=n, addr=addr, secret="0123456789abcdef0123456789abcdef")
+    else:
+        # Rank 0 makes the id and passes it on through a file.
+        path = os.path.join(os.environ["OXCCL_TEST_DIR"], "uid")
+        if r == 0:
+            uid = oxccl.new_unique_id("127.0.0.1")
+            with open(path + ".tmp", "w") as f:
+                f.write(uid)
+            os.rename(path + ".tmp", path)
+        else:
+            while not os.path.exists(path):
+                time.sleep(0.01)
+            uid = open(path).read()
+        comm = oxccl.init(rank=r, world_size=n, unique_id=uid)
+    x = np.full(3, r + 1.0)
+    comm.all_reduce(x)
+    assert np.all(x == n * (n + 1) / 2)
+    _ok("init " + mode)
+
+
+def peer_lost():
+    import oxccl
+
+    comm = oxccl.init()
+    if comm.rank == 1:
+        os._exit(0)
+    try:
+        comm.all_reduce(np.ones(1 << 20, np.float32))
+    except oxccl.PeerLostError as e:
+        assert "lost peer rank 1" in str(e), e
+        _ok("peer lost")
+        # Anything later says the communicator is unusable.
+        try:
+            comm.barrier()
+        except oxccl.Error as e2:
+            assert isinstance(e2, oxccl.AbortedError), type(e2)
+            _ok("aborted after")
+        return
+    raise AssertionError("no error")
+
+
+def timeout():
+    import oxccl
+
+    comm = oxccl.init()
+    if comm.rank == 1:
+        time.sleep(6)  # never calls; exits after rank 0 timed out
+        return
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(8, np.float32), async_op=True).wait()
+    except oxccl.TimeoutError as e:
+        assert isinstance(e, TimeoutError)  # also the builtin
+        assert time.monotonic() - t0 < 5.5
+        _ok("timeout")
+        return
+    raise AssertionError("no timeout")
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch backend, against gloo.
+# ---------------------------------------------------------------------------------------------
+def _setup_torch(default):
+    import torch.distributed as dist
+
+    import oxccl.torch  # noqa: F401 - registers "oxccl"
+
+    dist.init_process_group(default)
+    other = "gloo" if default == "oxccl" else "oxccl"
+    sub = dist.new_group(backend=other)
+    groups = {default: dist.group.WORLD, other: sub}
+    assert dist.get_backend(groups["oxccl"]) == "oxccl"
+    return groups["oxccl"], groups["gloo"]
+
+
+def _close(a, b, what):
+    import torch
+
+    if a.dtype in (torch.float16, torch.bfloat16):
+        ok = torch.allclose(a.double(), b.double(), rtol=2e-2, atol=2e-2)
+    elif a.dtype.is_floating_point:
+        ok = torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        ok = torch.equal(a, b)
+    assert ok and a.shape == b.shape, f"{what}: oxccl {a} vs gloo {b}"
+
+
+def vs_gloo(default):
+    import torch
+    import torch.distributed as dist
+
+    ox, gl = _setup_torch(default)
+    r, n = dist.get_rank(), dist.get_world_size()
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64]
+    shapes = [(1,), (13,), (4, 6), (2049,)]
+    ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.AVG]
+    g = torch.Generator().manual_seed(1234 + r)
+
+    def rand(shape, dtype, small=False):
+        if dtype.is_floating_point:
+            t = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5 if small else torch.randn(shape, generator=g, dtype=torch.float64)
+            return t.to(dtype)
+        hi = 3 if small else 50
+        return torch.randint(0, hi, shape, generator=g).to(dtype)
+
+    checked = 0
+    for dtype in dtypes:
+        for shape in shapes:
+            numel = int(torch.tensor(shape).prod())
+            # all_reduce, every op (gloo has no AVG: compare with SUM / n)
+            for op in ops:
+                x = rand(shape, dtype, small=op == dist.ReduceOp.PRODUCT)
+                a, b = x.clone(), x.clone()
+                w = dist.all_reduce(a, op=op, group=ox, async_op=True)
+                w.wait()
+                assert w.is_completed()
+                if op == dist.ReduceOp.AVG:
+                    dist.all_reduce(b, op=dist.ReduceOp.SUM, group=gl)
+                    b = (b.double() / n).to(dtype) if dtype.is_floating_point else torch.div(b, n, rounding_mode="trunc")
+                else:
+                    dist.all_reduce(b, op=op, group=gl)
+                _close(a, b, f"all_reduce {op} {dtype} {shape}")
+                checked += 1
+            # broadcast, reduce from/to the last rank
+            x = rand(shape, dtype)
+            a, b = x.clone(), x.clone()
+            dist.broadcast(a, src=n - 1, group=ox)
+            dist.broadcast(b, src=n - 1, group=gl)
+            _close(a, b, f"broadcast {dtype}")
+            a, b = x.clone(), x.clone()
+            dist.reduce(a, dst=n - 1, op=dist.ReduceOp.MAX, group=ox)
+            dist.reduce(b, dst=n - 1, op=dist.ReduceOp.MAX, group=gl)
+            if r == n - 1:
+                _close(a, b, f"reduce {dtype}")
+            # all_gather (list) and all_gather_into_tensor
+            la = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            lb = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            dist.all_gather(la, x, group=ox)
+            dist.all_gather(lb, x, group=gl)
+            for p in range(n):
+                _close(la[p], lb[p], f"all_gather {dtype}")
+            oa = torch.empty((n * shape[0],) + shape[1:], dtype=dtype)
+            ob = torch.empty_like(oa)
+            dist.all_gather_into_tensor(oa, x, group=ox)
+            dist.all_gather_into_tensor(ob, x, group=gl)
+            _close(oa, ob, f"all_gather_into_tensor {dtype}")
+            # reduce_scatter (list) and reduce_scatter_tensor
+            ins = [rand(shape, dtype) for _ in range(n)]
+            a, b = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            dist.reduce_scatter(a, [t.clone() for t in ins], op=dist.ReduceOp.SUM, group=ox)
+            dist.reduce_scatter(b, [t.clone() for t in ins], op=dist.ReduceOp.SUM, group=gl)
+            _close(a, b, f"reduce_scatter {dtype}")
+            big = torch.cat([t.reshape(-1) for t in ins])
+            a, b = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            dist.reduce_scatter_tensor(a, big, op=dist.ReduceOp.MIN, group=ox)
+            dist.reduce_scatter_tensor(b, big, op=dist.ReduceOp.MIN, group=gl)
+            _close(a, b, f"reduce_scatter_tensor {dtype}")
+            # all_to_all (list), all_to_all_single even and with split sizes
+            la = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            lb = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            dist.all_to_all(la, [t.clone() for t in ins], group=ox)
+            dist.all_to_all(lb, [t.clone() for t in ins], group=gl)
+            for p in range(n):
+                _close(la[p], lb[p], f"all_to_all {dtype}")
+            a, b = torch.empty_like(big), torch.empty_like(big)
+            dist.all_to_all_single(a, big, group=ox)
+            dist.all_to_all_single(b, big, group=gl)
+            _close(a, b, f"all_to_all_single {dtype}")
+            # uneven: rank r sends (r + p + k) % 3 rows of `shape[1:]` to rank p
+            k = shape[0] % 3
+            insz = [(r + p + k) % 3 for p in range(n)]
+            outsz = [(p + r + k) % 3 for p in range(n)]
+            src = rand((sum(insz),) + shape[1:], dtype)
+            a = torch.empty((sum(outsz),) + shape[1:], dtype=dtype)
+            b = torch.empty_like(a)
+            dist.all_to_all_single(a, src, outsz, insz, group=ox)
+            dist.all_to_all_single(b, src, outsz, insz, group=gl)
+            _close(a, b, f"all_to_all_single splits {dtype}")
+            checked += 10
+        # point to point: a ring, as send/recv, isend/irecv and batch_isend_irecv
+        if n > 1:
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            x = rand((1000,), dtype)
+            big = rand((600_000,), dtype)  # larger than a transport buffer, both ways at once
+            res = {}
+            for name, grp in (("ox", ox), ("gl", gl)):
+                y = torch.empty_like(x)
+                if r % 2 == 0:
+                    dist.send(x, dst=nxt, group=grp)
+                    dist.recv(y, src=prv, group=grp)
+                else:
+                    dist.recv(y, src=prv, group=grp)
+                    dist.send(x, dst=nxt, group=grp)
+                z = torch.empty_like(x)
+                reqs = [dist.isend(x, dst=nxt, group=grp), dist.irecv(z, src=prv, group=grp)] if r % 2 == 0 else [dist.irecv(z, src=prv, group=grp), dist.isend(x, dst=nxt, group=grp)]
+                for q in reqs:
+                    q.wait()
+                w = torch.empty_like(big)
+                ops2 = [dist.P2POp(dist.isend, big, nxt, group=grp), dist.P2POp(dist.irecv, w, prv, group=grp)]
+                for q in dist.batch_isend_irecv(ops2):
+                    q.wait()
+                res[name] = (y, z, w)
+            for ya, yb in zip(res["ox"], res["gl"]):
+                _close(ya, yb, f"p2p {dtype}")
+    dist.barrier(group=ox)
+    dist.barrier(group=gl)
+    # Ops oxccl does not have are a clear error.
+    import oxccl
+
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        try:
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=op, group=ox)
+        except oxccl.InvalidArgumentError as e:
+            assert "SUM, PRODUCT, MIN, MAX and AVG" in str(e)
+        else:
+            raise AssertionError(f"{op} accepted")
+    try:
+        dist.all_reduce(torch.ones(4, 4).t(), group=ox)
+    except oxccl.InvalidArgumentError as e:
+        assert "contiguous" in str(e)
+    else:
+        raise AssertionError("non-contiguous accepted")
+    # async: a Work whose future oxccl's thread completes
+    t = torch.ones(1 << 18)
+    w = dist.all_reduce(t, group=ox, async_op=True)
+    fut = w.get_future()
+    v = fut.wait()
+    assert torch.all(v[0] == n) and w.is_completed() and w.is_success()
+    print(f"rank {r}: {checked} comparisons with gloo ok", flush=True)
+    dist.destroy_process_group()
+
+
+def _model(seed):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    )
+
+
+def ddp_vs_gloo():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ox, gl = _setup_torch("gloo")
+    r = dist.get_rank()
+    final = {}
+    for name, grp in (("oxccl", ox), ("gloo", gl)):
+        model = _model(seed=100 + r)  # different on every rank: DDP broadcasts rank 0's
+        ddp = DDP(model, process_group=grp, bucket_cap_mb=0.01)  # several buckets
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(7 + r)
+        for _ in range(8):
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        final[name] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(final["oxccl"], final["gloo"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    # and every rank holds the same parameters
+    for p in final["oxccl"]:
+        q = p.clone()
+        dist.broadcast(q, 0, group=ox)
+        assert torch.equal(p, q)
+    print(f"rank {r}: ddp oxccl == gloo ok", flush=True)
+    dist.destroy_process_group()
+
+
+def fsdp():
+    import torch
+    import torch.distributed as dist
+
+    import oxccl.torch  # noqa: F401
+
+    dist.init_process_group("oxccl")
+    r = dist.get_rank()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_model(seed=5), device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3 + r)
+    x = torch.randn(64, 32, generator=g)
+    y = torch.randn(64, 4, generator=g)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    with FSDP.summon_full_params(model):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    other = flat.clone()
+    dist.broadcast(other, 0)
+    assert torch.equal(flat, other)
+    print(f"rank {r}: fsdp ok, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    dist.destroy_process_group()
