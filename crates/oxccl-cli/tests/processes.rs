@@ -270,7 +270,7 @@ fn run_reports_the_failed_rank_and_stops_the_others() {
             "--",
             "sh",
             "-c",
-            "echo hello $RANK/$WORLD_SIZE; if [ $RANK = 2 ]; then exit 3; fi; sleep 60",
+            "echo hello $RANK/$WORLD_SIZE; if [ $RANK = 2 ]; then sleep 1; exit 3; fi; sleep 60",
         ])
         .output()
         .unwrap();
