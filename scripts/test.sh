@@ -24,7 +24,7 @@ cargo test --workspace --locked -- --test-threads=2
 # and maturin from PyPI (CPU is enough), the extension built in release mode, then pytest.
 echo "== python: fmt, clippy"
 cargo fmt --manifest-path python/Cargo.toml -- --check
-cargo clippy --manifest-path python/Cargo.toml --all-targets --locked -- -D warnings
+cargo clippy --manifest-path python/Cargo.toml --all-targets -- -D warnings
 echo "== python: venv with torch, numpy, pytest, maturin"
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 if ! .venv/bin/python -c "import torch, numpy, pytest, maturin" 2>/dev/null; then
