@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Intra-host benchmark beside the anchors, in one run per collective: oxccl, Open MPI and gloo
+# on the same sizes (../shared/anchors/compare.sh), then a plot of bus bandwidth against size.
+# Usage: scripts/bench_intra.sh [OUTDIR]   (default docs/perf; run ../shared/anchors/install.sh first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-docs/perf}
+anchors=${OXCCL_ANCHORS_DIR:-../shared/anchors}
+mkdir -p "$out"
+cargo build --release -q -p oxccl-cli
+ox=target/release/oxccl
+# Memory bandwidth of one core in the same run: "half the memcpy bandwidth" targets refer to it.
+cargo bench -q -p oxccl --bench reduce -- memcpy 2>/dev/null | tee "$out/memcpy.txt"
+for coll in all_reduce all_gather reduce_scatter broadcast; do
+  bash "$anchors/compare.sh" "$ox" "$coll" 2 8 134217728 | tee "$out/$coll-2.txt"
+done
+for n in 4 8; do
+  bash "$anchors/compare.sh" "$ox" all_reduce "$n" 8 33554432 | tee "$out/all_reduce-$n.txt"
+done
+py=.venv/bin/python
+[ -x "$py" ] || py=python3
+"$py" -c "import matplotlib" 2>/dev/null || "$py" -m pip install -q matplotlib
+"$py" scripts/plot_perf.py "$out"

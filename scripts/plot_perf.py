@@ -1,0 +1,69 @@
+"""Plots bus bandwidth against size for oxccl, Open MPI and gloo from compare.sh outputs.
+
+Usage: python3 scripts/plot_perf.py DIR   (reads DIR/<collective>-<ranks>.txt, writes DIR/*.png
+and DIR/summary.md, the ratio tables in Markdown)
+"""
+import glob
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def ratio_rows(path):
+    """The final table of compare.sh: bytes, oxccl us, mpi us, gloo us."""
+    rows, seen = [], False
+    for line in open(path):
+        if line.startswith("#") and "mpi/ox time" in line:
+            seen, rows = True, []
+            continue
+        f = line.split()
+        if seen and len(f) == 6 and f[0].isdigit():
+            rows.append((int(f[0]), float(f[1]), float(f[2]), float(f[3])))
+    return rows
+
+
+def main(d):
+    summary = ["| collective | ranks | bytes | oxccl µs | Open MPI µs | gloo µs | MPI/oxccl time | gloo/oxccl time |",
+               "|---|---|---|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(d, "*-[0-9].txt"))):
+        name = os.path.basename(path)[:-4]
+        coll, n = name.rsplit("-", 1)
+        n = int(n)
+        rows = ratio_rows(path)
+        if not rows:
+            continue
+        fac = FACTOR[coll](n)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, label in [(1, "oxccl"), (2, "Open MPI 4.1 (shared memory)"), (3, "gloo (torch, TCP loopback)")]:
+            xs = [r[0] for r in rows if r[i] == r[i] and r[i] > 0]
+            ys = [r[0] / r[i] / 1e3 * fac for r in rows if r[i] == r[i] and r[i] > 0]
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{coll}, {n} ranks, float32 sum, one host (2 cores)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(d, f"{name}.png"), dpi=90)
+        plt.close(fig)
+        for b, ox, mpi, gl in rows:
+            summary.append(f"| {coll} | {n} | {b} | {ox:.2f} | {mpi:.2f} | {gl:.2f} | {mpi / ox:.2f} | {gl / ox:.2f} |")
+    with open(os.path.join(d, "summary.md"), "w") as f:
+        f.write("\n".join(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/perf")
