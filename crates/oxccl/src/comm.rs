@@ -9,6 +9,8 @@ use crate::bootstrap::{Bootstrap, LaunchEnv, UniqueId};
 use crate::dtype::{DataType, Element};
 use crate::error::{Error, Result};
 use crate::exec::{self, Buffers, Ctx};
+use crate::fingerprint::{Fingerprint, Sequencer};
+use crate::guard::CommGuard;
 use crate::op::ReduceOp;
 use crate::param::Config;
 use crate::topo::{self, Topology};
@@ -38,6 +40,8 @@ pub struct Communicator {
     cfg: Config,
     forced_algo: Option<Algo>,
     transports: Vec<TransportKind>,
+    /// Failure handling (dropped before the links: it says goodbye first).
+    guard: CommGuard,
     state: Mutex<State>,
 }
 
@@ -47,6 +51,7 @@ struct State {
     scratch: Vec<u64>,
     broken: Option<String>,
     last_algo: &'static str,
+    seqr: Sequencer,
     _boot: Option<Bootstrap>,
 }
 
@@ -134,6 +139,7 @@ impl Communicator {
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
+        comm.guard = CommGuard::with_bootstrap(&mut boot, &comm.cfg)?;
         comm.state
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
@@ -189,6 +195,7 @@ impl Communicator {
             nranks,
             local_rank: 0,
             local_size: 1,
+            guard: CommGuard::local(rank, nranks, &cfg),
             cfg,
             forced_algo,
             transports,
@@ -198,6 +205,7 @@ impl Communicator {
                 scratch: Vec::new(),
                 broken: None,
                 last_algo: "",
+                seqr: Sequencer::new(nranks),
                 _boot: None,
             }),
         })
@@ -248,6 +256,11 @@ impl Communicator {
     /// Forces an algorithm for every collective it implements (`None`: the tuner decides).
     pub fn set_algo(&mut self, algo: Option<Algo>) {
         self.forced_algo = algo;
+    }
+
+    /// Failure handling ([`crate::guard`]).
+    pub(crate) fn guard(&self) -> &CommGuard {
+        &self.guard
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -309,6 +322,7 @@ impl Communicator {
                 msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
             });
         }
+        self.guard.check(name, seq)?;
         let call = validate(seq)?;
         let algo = tune::choose(call.kind, self.forced_algo);
         let coll = Coll {
@@ -329,6 +343,9 @@ impl Communicator {
         );
         debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = sched.algo, "call");
         st.last_algo = sched.algo;
+        let fp = Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root);
+        let print = st.seqr.next(self.rank, seq, call.kind, fp);
+        let mut timing = self.guard.begin(seq, name, &print, sched.algo);
         let State { links, scratch, .. } = &mut *st;
         let mut ctx = Ctx {
             rank: self.rank,
@@ -337,11 +354,17 @@ impl Communicator {
             op: call.op,
             nranks: self.nranks,
             spin: self.cfg.spin,
-            timeout: self.cfg.timeout,
+            timeout: self.guard.timeout(),
             call: name,
             seq,
+            guard: exec::Guard {
+                print: Some(&print),
+                health: Some(self.guard.health()),
+                step_ends: timing.as_mut().map(|t| &mut t.1),
+            },
         };
         let res = exec::execute(&mut ctx, &sched, &mut bufs, scratch);
+        self.guard.end(seq, name, &print, sched.algo, timing, &res);
         if let Err(e) = &res {
             if e.is_fatal() {
                 st.broken = Some(e.to_string());
@@ -380,6 +403,13 @@ impl Communicator {
             let bad = |msg: String| Err(self.bad(name, seq, msg));
             if in_len % es != 0 || out_len % es != 0 {
                 return bad(format!("buffer lengths {in_len} and {out_len} bytes are not multiples of the {dtype} size {es}"));
+            }
+            let ignored = (kind == CollKind::Broadcast || kind == CollKind::Reduce) && !is_root;
+            if !in_place && !ignored && in_len > 0 && out_len > 0 {
+                let (s, r) = (ptrs[0], ptrs[1]);
+                if s < r + out_len && r < s + in_len {
+                    return bad(format!("send ({in_len} bytes at {s:#x}) and recv ({out_len} bytes at {r:#x}) overlap: use the in-place form"));
+                }
             }
             if ptrs.iter().any(|p| p % es != 0) {
                 return bad(format!("buffers are not aligned for {dtype}"));

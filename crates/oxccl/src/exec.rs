@@ -16,6 +16,8 @@ use rustix::event::{PollFd, PollFlags};
 use crate::algo::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
+use crate::fingerprint::{CallPrint, Header, HEADER_BYTES};
+use crate::health::Health;
 use crate::op::ReduceOp;
 use crate::reduce;
 use crate::transport::{Link, LinkError, WaitSource};
@@ -87,6 +89,20 @@ pub struct Ctx<'a> {
     pub call: &'static str,
     /// The call's sequence number, for errors.
     pub seq: u64,
+    /// Failure handling: fingerprints, health, step timing (all off by default).
+    pub guard: Guard<'a>,
+}
+
+/// The executor's failure-handling hooks ([`crate::fingerprint`], [`crate::health`]).
+#[derive(Default)]
+pub struct Guard<'a> {
+    /// This call's fingerprint: a header goes before the first data to each peer, and each
+    /// peer's header is checked before any of its data is used.
+    pub print: Option<&'a CallPrint>,
+    /// Checked before every sleep; wakes sleeps when the communicator fails.
+    pub health: Option<&'a Health>,
+    /// When set, receives the end time of each step (the timeline, `OXCCL_TRACE`).
+    pub step_ends: Option<&'a mut Vec<Instant>>,
 }
 
 /// Progress of one transfer.
@@ -95,7 +111,13 @@ struct XState {
     done: usize,
     carry: [u8; 8],
     carry_len: usize,
+    /// Header bytes still to send or receive before the data (0 or up to 32).
+    hdr_left: usize,
+    hdr: [u8; HEADER_BYTES],
 }
+
+/// Largest data prefix sent in one write together with a header.
+const WITH_HEADER: usize = 4096 - HEADER_BYTES;
 
 /// Resolved memory of a schedule's buffers.
 struct Mem {
@@ -137,13 +159,22 @@ pub fn execute(
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
     };
     let start = Instant::now();
+    let headers = if ctx.guard.print.is_some() {
+        vec![0u8; ctx.links.len()]
+    } else {
+        Vec::new()
+    };
     let mut run = Runner {
         ctx,
         mem: &mem,
         start,
+        headers,
     };
     for step in &sched.steps {
         run.step(step)?;
+        if let Some(ends) = run.ctx.guard.step_ends.as_deref_mut() {
+            ends.push(Instant::now());
+        }
     }
     Ok(())
 }
@@ -152,6 +183,8 @@ struct Runner<'c, 'a, 'm> {
     ctx: &'c mut Ctx<'a>,
     mem: &'m Mem,
     start: Instant,
+    /// Per peer: bit 0 = header sent, bit 1 = header received (empty when unchecked).
+    headers: Vec<u8>,
 }
 
 impl Runner<'_, '_, '_> {
@@ -224,6 +257,25 @@ impl Runner<'_, '_, '_> {
             self.local(l)?;
         }
         let mut st = vec![XState::default(); step.xfers.len()];
+        if !self.headers.is_empty() {
+            for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
+                let bit = match x {
+                    Xfer::Send { .. } => 1,
+                    Xfer::Recv { .. } => 2,
+                };
+                if let Some(h) = self.headers.get_mut(x.peer()) {
+                    if *h & bit == 0 {
+                        *h |= bit;
+                        s.hdr_left = HEADER_BYTES;
+                        if bit == 1 {
+                            if let Some(p) = self.ctx.guard.print {
+                                s.hdr = p.header();
+                            }
+                        }
+                    }
+                }
+            }
+        }
         let mut backoff = Backoff::new(self.ctx.spin);
         let mut last_check = Instant::now();
         loop {
@@ -238,6 +290,7 @@ impl Runner<'_, '_, '_> {
             if !backoff.should_sleep() {
                 continue;
             }
+            self.check_health()?;
             if self.sleep(step, &mut st)? {
                 backoff.reset();
                 continue;
@@ -275,12 +328,30 @@ impl Runner<'_, '_, '_> {
                     // nothing in this step writes a region that a send reads.
                     let data = unsafe { std::slice::from_raw_parts(p.add(s.done), len - s.done) };
                     let link = self.ctx.links[peer].as_mut().expect("checked above");
-                    match link.try_send(data) {
-                        Ok(k) => {
-                            s.done += k;
-                            progressed |= k > 0;
+                    if s.hdr_left > 0 {
+                        // The header and a first piece of data in one write.
+                        let mut buf = [0u8; HEADER_BYTES + WITH_HEADER];
+                        let h = &s.hdr[HEADER_BYTES - s.hdr_left..];
+                        let d = &data[..data.len().min(WITH_HEADER)];
+                        buf[..h.len()].copy_from_slice(h);
+                        buf[h.len()..h.len() + d.len()].copy_from_slice(d);
+                        match link.try_send(&buf[..h.len() + d.len()]) {
+                            Ok(k) => {
+                                let hk = k.min(s.hdr_left);
+                                s.hdr_left -= hk;
+                                s.done += k - hk;
+                                progressed |= k > 0;
+                            }
+                            Err(e) => return Err(self.link_err(peer, e)),
                         }
-                        Err(e) => return Err(self.link_err(peer, e)),
+                    } else {
+                        match link.try_send(data) {
+                            Ok(k) => {
+                                s.done += k;
+                                progressed |= k > 0;
+                            }
+                            Err(e) => return Err(self.link_err(peer, e)),
+                        }
                     }
                 }
                 Xfer::Recv { dst, combine, .. } => {
@@ -309,9 +380,60 @@ impl Runner<'_, '_, '_> {
                             }
                         }
                     };
-                    let mut consume = |data: &[u8]| consume(s, len, es, data, &apply);
+                    let print = self.ctx.guard.print;
+                    let mut bad: Option<std::result::Result<(String, String), String>> = None;
+                    let mut consume = |data: &[u8]| {
+                        let mut taken = 0;
+                        if s.hdr_left > 0 {
+                            let k = s.hdr_left.min(data.len());
+                            let at = HEADER_BYTES - s.hdr_left;
+                            s.hdr[at..at + k].copy_from_slice(&data[..k]);
+                            s.hdr_left -= k;
+                            taken = k;
+                            if s.hdr_left > 0 {
+                                return taken;
+                            }
+                            if let Some(p) = print {
+                                match Header::decode(&s.hdr) {
+                                    Ok(h) => {
+                                        if let Err(both) = p.check(&h) {
+                                            bad = Some(Ok(both));
+                                            return taken;
+                                        }
+                                    }
+                                    Err(m) => {
+                                        bad = Some(Err(m));
+                                        return taken;
+                                    }
+                                }
+                            }
+                        }
+                        taken + consume(s, len, es, &data[taken..], &apply)
+                    };
                     let link = self.ctx.links[peer].as_mut().expect("checked above");
-                    match link.try_recv(&mut consume) {
+                    let res = link.try_recv(&mut consume);
+                    match bad {
+                        Some(Ok((mine, theirs))) => {
+                            return Err(Error::Mismatch {
+                                rank: self.ctx.rank,
+                                peer,
+                                seq: self.ctx.seq,
+                                mine,
+                                theirs,
+                            })
+                        }
+                        Some(Err(msg)) => {
+                            return Err(Error::Protocol {
+                                rank: self.ctx.rank,
+                                peer,
+                                call: self.ctx.call,
+                                seq: self.ctx.seq,
+                                msg,
+                            })
+                        }
+                        None => {}
+                    }
+                    match res {
                         Ok(k) => progressed |= k > 0,
                         Err(e) => return Err(self.link_err(peer, e)),
                     }
@@ -350,19 +472,37 @@ impl Runner<'_, '_, '_> {
             // SAFETY: the doorbell lives in a link (or its shared segment) owned by
             // `ctx.links`, which outlives this call; links are not dropped during a step.
             let bell = unsafe { &*bell };
+            if let Some(h) = self.ctx.guard.health {
+                h.sleep_on(Some(bell));
+            }
             let token = bell.prepare();
+            if self.ctx.guard.health.is_some_and(|h| h.is_failed()) {
+                bell.cancel(token);
+                if let Some(h) = self.ctx.guard.health {
+                    h.sleep_on(None);
+                }
+                return Ok(false);
+            }
+            let unregister = |h: Option<&Health>| {
+                if let Some(h) = h {
+                    h.sleep_on(None);
+                }
+            };
             let (progressed, done) = match self.progress(step, st) {
                 Ok(r) => r,
                 Err(e) => {
                     bell.cancel(token);
+                    unregister(self.ctx.guard.health);
                     return Err(e);
                 }
             };
             if progressed || done {
                 bell.cancel(token);
+                unregister(self.ctx.guard.health);
                 return Ok(true);
             }
             bell.wait(token, SLEEP_SLICE);
+            unregister(self.ctx.guard.health);
             return Ok(false);
         }
         // Sockets (maybe mixed with a doorbell: then poll briefly and come back to spin).
@@ -371,7 +511,11 @@ impl Runner<'_, '_, '_> {
         } else {
             SLEEP_SLICE
         };
-        // SAFETY: each fd belongs to a link in `ctx.links`, alive for this call.
+        if let Some(fd) = self.ctx.guard.health.and_then(|h| h.poll_fd()) {
+            fds.push((fd.as_raw_fd(), PollFlags::IN));
+        }
+        // SAFETY: each fd belongs to a link in `ctx.links` (or to the health state), alive
+        // for this call.
         let borrowed: Vec<BorrowedFd<'_>> = fds
             .iter()
             .map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) })
@@ -392,6 +536,14 @@ impl Runner<'_, '_, '_> {
                 context: "poll".into(),
                 source: e.into(),
             }),
+        }
+    }
+
+    /// The communicator failed (a peer lost, another rank's error, abort): stop.
+    fn check_health(&self) -> Result<()> {
+        match self.ctx.guard.health {
+            Some(h) if h.is_failed() => Err(h.error(self.ctx.rank, self.ctx.call, self.ctx.seq)),
+            _ => Ok(()),
         }
     }
 

@@ -55,6 +55,19 @@ pub struct Config {
     /// `OXCCL_CHUNK_BYTES`: pipeline segment of chained algorithms (broadcast, reduce).
     /// Default 256 KiB.
     pub chunk_bytes: usize,
+    /// `OXCCL_HEARTBEAT_TIMEOUT` (seconds): a rank whose watchdog sends nothing for this long
+    /// (host down, link cut, process stopped) is lost. Default 1.5 s; `0` turns the deadline
+    /// off (heartbeats are still sent, and closed connections are still seen at once).
+    pub heartbeat: Option<Duration>,
+    /// `OXCCL_FLIGHT_RECORDER`: file prefix; each rank writes `PREFIX.<comm>.<rank>.json` on
+    /// an error, a timeout and `SIGUSR1`.
+    pub flight_recorder: Option<String>,
+    /// `OXCCL_FLIGHT_RECORDER_ENTRIES`: how many recent calls the flight recorder keeps
+    /// (default 256; 0 records nothing).
+    pub flight_entries: usize,
+    /// `OXCCL_TRACE`: write a Chrome/Perfetto timeline of every call and step to this file
+    /// (`file.<rank>.json`, or `%r` replaced by the rank).
+    pub trace: Option<String>,
 }
 
 impl Default for Config {
@@ -68,6 +81,10 @@ impl Default for Config {
             socket_ifname: None,
             algo: None,
             chunk_bytes: 256 << 10,
+            heartbeat: Some(Duration::from_millis(1500)),
+            flight_recorder: None,
+            flight_entries: 256,
+            trace: None,
         }
     }
 }
@@ -157,6 +174,22 @@ impl Config {
             }
             c.chunk_bytes = b;
         }
+        if let Some(h) = env_parse("OXCCL_HEARTBEAT_TIMEOUT", |v| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s >= 0.0 && s.is_finite())
+                .map(|s| (s > 0.0).then(|| Duration::from_secs_f64(s)))
+                .ok_or_else(|| "expected a number of seconds (0: off)".to_string())
+        })? {
+            c.heartbeat = h;
+        }
+        c.flight_recorder = env_parse("OXCCL_FLIGHT_RECORDER", |v| Ok(v.to_string()))?;
+        if let Some(n) = env_parse("OXCCL_FLIGHT_RECORDER_ENTRIES", |v| {
+            v.parse::<usize>().map_err(|e| e.to_string())
+        })? {
+            c.flight_entries = n;
+        }
+        c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
         Ok(c)
     }
 }

@@ -18,6 +18,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, U
 use std::time::{Duration, Instant};
 
 pub use env::LaunchEnv;
+pub(crate) use unique_id::park as park_listener;
 pub use unique_id::{default_ip, UniqueId};
 
 use crate::error::{Error, Result};
@@ -639,6 +640,20 @@ impl Bootstrap {
     /// the secret): for naming shared-memory segments and telling communicators apart.
     pub fn comm_tag(&self) -> u64 {
         auth::comm_tag(&self.secret)
+    }
+
+    /// Hands over the rendezvous connections, for the communicator's watchdog
+    /// ([`crate::control`]): rank 0 gets one per other rank, the others the one to rank 0.
+    /// Exchanges are impossible afterwards.
+    pub fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
+        match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {
+            Links::Root(conns) => conns
+                .into_iter()
+                .enumerate()
+                .filter_map(|(r, c)| c.map(|c| (r, c)))
+                .collect(),
+            Links::Member(s) => vec![(0, s)],
+        }
     }
 
     /// Forwards to [`Exchange::allgather`].

@@ -1,0 +1,341 @@
+//! Call fingerprints: every rank checks that its peers make the same call before it combines
+//! any of their data.
+//!
+//! Before the first data byte of a call on each link, in each direction, the executor sends a
+//! 32-byte [`Header`]: the call's [`Fingerprint`] (collective, element type, count, op,
+//! root) and its matching sequence number. The receiver reads the header before the first
+//! data byte of that peer in the call and compares it with its own call: any difference is
+//! an [`Error::Mismatch`](crate::Error::Mismatch) naming both ranks and both calls, found
+//! before a byte of the peer's data is stored or reduced. The header rides in the same
+//! write as the first data (one `send` for small messages), and no reply is awaited.
+//!
+//! Sequence numbers: collectives count collectives on the communicator; point-to-point
+//! messages count messages per ordered pair of ranks (so that ranks not involved in a send
+//! do not fall out of step), and a send's fingerprint (`p2p`, element type, count) must equal
+//! the matching receive's.
+//!
+//! Layout (little-endian): `0..4` magic `OXfp`, `4` collective code, `5` element type code,
+//! `6` op code, `7` zero, `8..16` matching sequence number, `16..24` count, `24..28` root,
+//! `28..32` the sender's call number (low 32 bits; for messages only).
+
+use std::fmt;
+
+use crate::algo::CollKind;
+use crate::dtype::DataType;
+use crate::op::ReduceOp;
+
+/// Bytes of a [`Header`] on the wire.
+pub const HEADER_BYTES: usize = 32;
+const MAGIC: [u8; 4] = *b"OXfp";
+const P2P: u8 = 15;
+
+/// What every rank of a call must agree on. Fields that do not matter for a collective are
+/// zero (the op of a broadcast, the root of an all_reduce, ...).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub struct Fingerprint {
+    /// Collective code (see [`kind_code`]), 15 for point-to-point.
+    pub kind: u8,
+    /// Index of the element type in [`DataType::ALL`].
+    pub dtype: u8,
+    /// Index of the op in [`ReduceOp::ALL`] (0 where the call does not reduce).
+    pub op: u8,
+    /// Elements, as the algorithms count them.
+    pub count: u64,
+    /// Root (broadcast, reduce), else 0.
+    pub root: u32,
+}
+
+/// The wire code of a collective.
+pub fn kind_code(kind: CollKind) -> u8 {
+    match kind {
+        CollKind::AllReduce => 1,
+        CollKind::Broadcast => 2,
+        CollKind::Reduce => 3,
+        CollKind::AllGather => 4,
+        CollKind::ReduceScatter => 5,
+        CollKind::AllToAll => 6,
+        CollKind::Barrier => 7,
+        CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. } => P2P,
+    }
+}
+
+fn kind_name(code: u8) -> &'static str {
+    match code {
+        1 => "all_reduce",
+        2 => "broadcast",
+        3 => "reduce",
+        4 => "all_gather",
+        5 => "reduce_scatter",
+        6 => "all_to_all",
+        7 => "barrier",
+        P2P => "send/recv",
+        _ => "unknown",
+    }
+}
+
+fn dtype_code(d: DataType) -> u8 {
+    DataType::ALL.iter().position(|&x| x == d).unwrap_or(0) as u8
+}
+
+fn op_code(o: ReduceOp) -> u8 {
+    ReduceOp::ALL.iter().position(|&x| x == o).unwrap_or(0) as u8
+}
+
+impl Fingerprint {
+    /// The fingerprint of a call, normalized so that arguments a collective ignores do not
+    /// count.
+    pub fn of(kind: CollKind, dtype: DataType, op: ReduceOp, count: usize, root: usize) -> Self {
+        let (reduces, rooted) = match kind {
+            CollKind::AllReduce | CollKind::ReduceScatter => (true, false),
+            CollKind::Reduce => (true, true),
+            CollKind::Broadcast => (false, true),
+            _ => (false, false),
+        };
+        let barrier = kind == CollKind::Barrier;
+        Fingerprint {
+            kind: kind_code(kind),
+            dtype: if barrier { 0 } else { dtype_code(dtype) },
+            op: if reduces { op_code(op) } else { 0 },
+            count: if barrier { 0 } else { count as u64 },
+            root: if rooted { root as u32 } else { 0 },
+        }
+    }
+
+    /// True for point-to-point messages.
+    pub fn is_p2p(&self) -> bool {
+        self.kind == P2P
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = kind_name(self.kind);
+        if self.kind == 7 {
+            return f.write_str(name);
+        }
+        let dt = DataType::ALL
+            .get(self.dtype as usize)
+            .map_or("?", |d| d.name());
+        write!(f, "{name}({} x {dt}", self.count)?;
+        if matches!(self.kind, 1 | 3 | 5) {
+            let op = ReduceOp::ALL
+                .get(self.op as usize)
+                .map_or("?", |o| o.name());
+            write!(f, ", {op}")?;
+        }
+        if matches!(self.kind, 2 | 3) {
+            write!(f, ", root {}", self.root)?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// One direction's header: fingerprint, matching sequence number, the sender's call number.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub struct Header {
+    /// The call.
+    pub fp: Fingerprint,
+    /// Collective number (collectives) or message number on this ordered pair (p2p).
+    pub mseq: u64,
+    /// The sender's call number (low 32 bits), for messages.
+    pub call_seq: u32,
+}
+
+impl Header {
+    /// The wire form.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = self.fp.kind;
+        b[5] = self.fp.dtype;
+        b[6] = self.fp.op;
+        b[8..16].copy_from_slice(&self.mseq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.fp.count.to_le_bytes());
+        b[24..28].copy_from_slice(&self.fp.root.to_le_bytes());
+        b[28..32].copy_from_slice(&self.call_seq.to_le_bytes());
+        b
+    }
+
+    /// Reads a header; anything that is not one (a stream out of step) is an error that
+    /// shows the bytes.
+    pub fn decode(b: &[u8]) -> Result<Header, String> {
+        if b.len() != HEADER_BYTES {
+            return Err(format!(
+                "a call header has {HEADER_BYTES} bytes, got {}",
+                b.len()
+            ));
+        }
+        if b[0..4] != MAGIC || b[7] != 0 {
+            let shown: Vec<String> = b[..8].iter().map(|x| format!("{x:02x}")).collect();
+            return Err(format!(
+                "expected a call header, got bytes {} (the streams are out of step: did an earlier call differ in length?)",
+                shown.join(" ")
+            ));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let (kind, dtype, op) = (b[4], b[5], b[6]);
+        if !(1..=7).contains(&kind) && kind != P2P {
+            return Err(format!("call header with unknown collective code {kind}"));
+        }
+        if dtype as usize >= DataType::ALL.len() || op as usize >= ReduceOp::ALL.len() {
+            return Err(format!("call header with unknown type {dtype} or op {op}"));
+        }
+        Ok(Header {
+            fp: Fingerprint {
+                kind,
+                dtype,
+                op,
+                count: u64_at(16),
+                root: u32_at(24),
+            },
+            mseq: u64_at(8),
+            call_seq: u32_at(28),
+        })
+    }
+}
+
+/// A call as the executor checks it: this rank's fingerprint and the sequence numbers of
+/// what it sends and expects.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct CallPrint {
+    /// The call.
+    pub fp: Fingerprint,
+    /// The sequence number of what this rank sends.
+    pub send_seq: u64,
+    /// The sequence number this rank expects from its peers.
+    pub recv_seq: u64,
+    /// This rank's call number.
+    pub call_seq: u64,
+}
+
+impl CallPrint {
+    /// The header this rank sends.
+    pub fn header(&self) -> [u8; HEADER_BYTES] {
+        Header {
+            fp: self.fp,
+            mseq: self.send_seq,
+            call_seq: self.call_seq as u32,
+        }
+        .encode()
+    }
+
+    /// Compares a peer's header with this call: `Err((mine, theirs))` describing both when
+    /// they differ.
+    pub fn check(&self, theirs: &Header) -> Result<(), (String, String)> {
+        if theirs.fp == self.fp && theirs.mseq == self.recv_seq {
+            return Ok(());
+        }
+        let what = if self.fp.is_p2p() {
+            "message"
+        } else {
+            "collective"
+        };
+        Err((
+            format!(
+                "{} as its {what} #{} (call #{})",
+                self.fp, self.recv_seq, self.call_seq
+            ),
+            format!(
+                "{} as its {what} #{} (call #{})",
+                theirs.fp, theirs.mseq, theirs.call_seq
+            ),
+        ))
+    }
+}
+
+/// Per-communicator sequence counters.
+#[derive(Debug, Default)]
+pub struct Sequencer {
+    colls: u64,
+    sent: Vec<u64>,
+    received: Vec<u64>,
+}
+
+impl Sequencer {
+    /// Counters for `nranks` ranks.
+    pub fn new(nranks: usize) -> Self {
+        Sequencer {
+            colls: 0,
+            sent: vec![0; nranks],
+            received: vec![0; nranks],
+        }
+    }
+
+    /// The next call's [`CallPrint`] (advancing the counters it uses).
+    pub fn next(
+        &mut self,
+        rank: usize,
+        call_seq: u64,
+        kind: CollKind,
+        fp: Fingerprint,
+    ) -> CallPrint {
+        let (send_seq, recv_seq) = match kind {
+            CollKind::Send { peer } => (bump(&mut self.sent, peer), 0),
+            CollKind::Recv { peer } => (0, bump(&mut self.received, peer)),
+            CollKind::SendRecv { to, from } if to == rank && from == rank => (0, 0),
+            CollKind::SendRecv { to, from } => {
+                (bump(&mut self.sent, to), bump(&mut self.received, from))
+            }
+            _ => {
+                self.colls += 1;
+                (self.colls, self.colls)
+            }
+        };
+        CallPrint {
+            fp,
+            send_seq,
+            recv_seq,
+            call_seq,
+        }
+    }
+}
+
+fn bump(v: &mut [u64], i: usize) -> u64 {
+    match v.get_mut(i) {
+        Some(x) => {
+            *x += 1;
+            *x
+        }
+        None => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_display() {
+        let fp = Fingerprint::of(CollKind::Reduce, DataType::F32, ReduceOp::Max, 1024, 3);
+        let h = Header {
+            fp,
+            mseq: 77,
+            call_seq: 80,
+        };
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        assert_eq!(fp.to_string(), "reduce(1024 x float, max, root 3)");
+        let b = Fingerprint::of(CollKind::Broadcast, DataType::U8, ReduceOp::Max, 8, 1);
+        assert_eq!(b.op, 0, "broadcast ignores the op");
+        assert!(Header::decode(&[0u8; 32]).is_err());
+        assert!(Header::decode(&[0u8; 3]).is_err());
+    }
+
+    #[test]
+    fn p2p_counts_per_pair() {
+        let mut s = Sequencer::new(3);
+        let fp = Fingerprint::of(
+            CollKind::Send { peer: 1 },
+            DataType::U8,
+            ReduceOp::Sum,
+            4,
+            0,
+        );
+        assert_eq!(s.next(0, 1, CollKind::Send { peer: 1 }, fp).send_seq, 1);
+        assert_eq!(s.next(0, 2, CollKind::Send { peer: 2 }, fp).send_seq, 1);
+        let c = s.next(0, 3, CollKind::AllReduce, fp);
+        assert_eq!((c.send_seq, c.recv_seq), (1, 1));
+        let r = s.next(0, 4, CollKind::SendRecv { to: 1, from: 2 }, fp);
+        assert_eq!((r.send_seq, r.recv_seq), (2, 1));
+    }
+}
