@@ -364,7 +364,7 @@ impl Communicator {
             },
         };
         let res = exec::execute(&mut ctx, &sched, &mut bufs, scratch);
-        self.guard.end(seq, name, &print, sched.algo, timing, &res);
+        let res = self.guard.end(seq, name, &print, sched.algo, timing, res);
         if let Err(e) = &res {
             if e.is_fatal() {
                 st.broken = Some(e.to_string());

@@ -273,13 +273,8 @@ fn run(sh: Arc<Shared>, mut conns: Vec<Conn>, settings: WatchSettings, on_failur
         // Failures received: frames to apply (and, on rank 0, to pass on).
         let mut received: Vec<(usize, Frame)> = Vec::new();
 
-        if sh.stop.load(Ordering::SeqCst) {
-            for c in conns.iter().filter(|c| !c.done) {
-                let _ = send_frame(&c.stream, &Frame::Bye);
-            }
-            return;
-        }
-        // Outgoing failure reports of this rank.
+        // Outgoing failure reports of this rank (before a goodbye: they must go out).
+        let stopping = sh.stop.load(Ordering::SeqCst);
         let out: Vec<Frame> =
             std::mem::take(&mut *sh.outbox.lock().unwrap_or_else(|e| e.into_inner()));
         for f in &out {
@@ -289,6 +284,12 @@ fn run(sh: Arc<Shared>, mut conns: Vec<Conn>, settings: WatchSettings, on_failur
                     lost.push((c.peer, "its control connection does not take data".into()));
                 }
             }
+        }
+        if stopping {
+            for c in conns.iter().filter(|c| !c.done) {
+                let _ = send_frame(&c.stream, &Frame::Bye);
+            }
+            return;
         }
         let now = Instant::now();
         if now >= next_beat {

@@ -169,6 +169,7 @@ pub fn execute(
         mem: &mem,
         start,
         headers,
+        failed_seen: None,
     };
     for step in &sched.steps {
         run.step(step)?;
@@ -185,7 +186,14 @@ struct Runner<'c, 'a, 'm> {
     start: Instant,
     /// Per peer: bit 0 = header sent, bit 1 = header received (empty when unchecked).
     headers: Vec<u8>,
+    /// When this call first saw the communicator failed.
+    failed_seen: Option<Instant>,
 }
+
+/// How long a call that sees the communicator failed elsewhere goes on taking data that is
+/// already on its way (peers that finished this call before failing in a later one), so
+/// that a correct call is not failed by a later call's error. An abort stops at once.
+const FAIL_GRACE: Duration = Duration::from_millis(100);
 
 impl Runner<'_, '_, '_> {
     fn internal(&self, msg: String) -> Error {
@@ -290,7 +298,12 @@ impl Runner<'_, '_, '_> {
             if !backoff.should_sleep() {
                 continue;
             }
-            self.check_health()?;
+            if self.check_health()? {
+                // Failed elsewhere, within the grace: keep taking what arrives.
+                std::thread::sleep(Duration::from_micros(200));
+                backoff.reset();
+                continue;
+            }
             if self.sleep(step, &mut st)? {
                 backoff.reset();
                 continue;
@@ -539,11 +552,19 @@ impl Runner<'_, '_, '_> {
         }
     }
 
-    /// The communicator failed (a peer lost, another rank's error, abort): stop.
-    fn check_health(&self) -> Result<()> {
+    /// The communicator failed (a peer lost, another rank's error, abort): stop, after
+    /// [`FAIL_GRACE`] unless aborted. `Ok(true)`: failed, but within the grace.
+    fn check_health(&mut self) -> Result<bool> {
         match self.ctx.guard.health {
-            Some(h) if h.is_failed() => Err(h.error(self.ctx.rank, self.ctx.call, self.ctx.seq)),
-            _ => Ok(()),
+            Some(h) if h.is_failed() => {
+                let since = *self.failed_seen.get_or_insert_with(Instant::now);
+                if h.is_aborted() || since.elapsed() >= FAIL_GRACE {
+                    Err(h.error(self.ctx.rank, self.ctx.call, self.ctx.seq))
+                } else {
+                    Ok(true)
+                }
+            }
+            _ => Ok(false),
         }
     }
 

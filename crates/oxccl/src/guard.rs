@@ -33,6 +33,9 @@ struct ShrinkPlan {
     secret: [u8; 16],
 }
 
+/// How long a call that lost a link waits for another rank's report of the cause.
+pub const CAUSE_GRACE: Duration = Duration::from_millis(300);
+
 /// A communicator's failure-handling state; see the module documentation.
 #[derive(Debug)]
 pub struct CommGuard {
@@ -162,7 +165,9 @@ impl CommGuard {
     }
 
     /// Records the end of a call; a fatal error marks the communicator failed, tells the
-    /// other ranks and writes the flight recorder.
+    /// other ranks and writes the flight recorder. Returns the call's result, where a lost
+    /// link is replaced by its cause when another rank reports one within [`CAUSE_GRACE`]
+    /// (a rank that found a mismatch and exited closes its links before its report arrives).
     pub fn end(
         &self,
         seq: u64,
@@ -170,8 +175,19 @@ impl CommGuard {
         print: &CallPrint,
         algo: &'static str,
         timing: Option<(Instant, Vec<Instant>)>,
-        res: &Result<()>,
-    ) {
+        mut res: Result<()>,
+    ) -> Result<()> {
+        if let Err(e @ (Error::PeerLost { .. } | Error::Protocol { .. })) = &res {
+            let t = Instant::now();
+            while !self.health.is_failed() && t.elapsed() < CAUSE_GRACE {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            if let Some(Failure::Remote { kind, .. }) = self.health.failure() {
+                if kind != e.failure_kind() {
+                    res = Err(self.health.error(self.rank, call, seq));
+                }
+            }
+        }
         let err = res.as_ref().err();
         self.recorder.end(seq, err.map(|e| e.to_string()));
         if let (Some(t), Some((start, steps))) = (&self.timeline, timing) {
@@ -188,6 +204,7 @@ impl CommGuard {
         if let Some(e) = err.filter(|e| e.is_fatal()) {
             self.failed(e);
         }
+        res
     }
 
     /// This rank failed with `e`: remember it, tell everyone, write the flight recorder.

@@ -101,6 +101,11 @@ impl Health {
         first
     }
 
+    /// True when [`abort`](crate::Communicator::abort) was called here.
+    pub fn is_aborted(&self) -> bool {
+        self.is_failed() && matches!(self.failure(), Some(Failure::Aborted { .. }))
+    }
+
     /// The recorded failure.
     pub fn failure(&self) -> Option<Failure> {
         self.why.lock().unwrap_or_else(|e| e.into_inner()).clone()
