@@ -4,7 +4,7 @@
 //! After init the rendezvous connections (a star around rank 0) carry only small control
 //! frames, never collective data, so nothing here can interleave with a call's bytes:
 //!
-//! - heartbeats, both ways, every [`Config::heartbeat`](crate::Config::heartbeat)`/4`: a rank
+//! - heartbeats, both ways, every [`Config::heartbeat`](crate::Config::heartbeat)`/8`: a rank
 //!   that sends nothing for `heartbeat` (host gone, link cut without a FIN, process stopped)
 //!   is lost; a closed connection (process exited or killed) is lost at once;
 //! - failure reports: a rank whose call fails (a mismatch, a timeout, a lost peer, an abort)
@@ -261,7 +261,7 @@ fn send_frame(s: &TcpStream, f: &Frame) -> bool {
 
 fn run(sh: Arc<Shared>, mut conns: Vec<Conn>, settings: WatchSettings, on_failure: Box<dyn Fn()>) {
     let period = settings.heartbeat.map_or(Duration::from_millis(500), |h| {
-        (h / 4).max(Duration::from_millis(10))
+        (h / 8).max(Duration::from_millis(10))
     });
     let mut next_beat = Instant::now();
     let is_root = sh.rank == 0;

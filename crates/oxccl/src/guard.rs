@@ -182,10 +182,13 @@ impl CommGuard {
             while !self.health.is_failed() && t.elapsed() < CAUSE_GRACE {
                 std::thread::sleep(Duration::from_millis(2));
             }
-            if let Some(Failure::Remote { kind, .. }) = self.health.failure() {
-                if kind != e.failure_kind() {
-                    res = Err(self.health.error(self.rank, call, seq));
-                }
+            let cause = match self.health.failure() {
+                Some(Failure::Remote { .. }) => true,
+                Some(Failure::Lost { peer, .. }) => Some(peer) != e.lost_peer(),
+                _ => false,
+            };
+            if cause {
+                res = Err(self.health.error(self.rank, call, seq));
             }
         }
         let err = res.as_ref().err();
