@@ -122,6 +122,25 @@ fn fault_child() {
                 comm.transport_summary()
             );
         }
+        "hang" => {
+            // Rank 1 is late for the second collective; the test sends SIGUSR1 meanwhile.
+            comm.all_reduce_in_place(&mut [1.0f32; 8], ReduceOp::Sum)
+                .unwrap();
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(3));
+            }
+            let _ = comm.all_reduce_in_place(&mut [1.0f32; 8], ReduceOp::Sum);
+        }
+        "differ" => {
+            comm.all_reduce_in_place(&mut [1.0f32; 8], ReduceOp::Sum)
+                .unwrap();
+            let e = comm
+                .broadcast_in_place(&mut vec![0u8; 10 + rank], 0)
+                .err()
+                .or_else(|| comm.barrier().err())
+                .unwrap();
+            assert!(e.is_mismatch(), "{e}");
+        }
         "kill" | "between" | "stop" | "shrink" => {
             let kill_at = rng.below(40) + 5;
             let delay_us = rng.below(3000) as u64;
@@ -247,6 +266,20 @@ fn run_ranks(
     seed: u64,
     victim: usize,
 ) -> (Vec<String>, String, u128) {
+    run_ranks_with(n, mode, transport, seed, victim, &[], |_| {})
+}
+
+/// As [`run_ranks`], with extra environment and `during(pids)` run once the ranks started
+/// (`victim >= n`: nobody dies).
+fn run_ranks_with(
+    n: usize,
+    mode: &str,
+    transport: &str,
+    seed: u64,
+    victim: usize,
+    env: &[(&str, &str)],
+    during: impl FnOnce(&[u32]),
+) -> (Vec<String>, String, u128) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -269,12 +302,15 @@ fn run_ranks(
                 .env("OXCCL_FAULT_SEED", seed.to_string())
                 .env("OXCCL_VICTIM", victim.to_string())
                 .env("OXCCL_KILL_FILE", &kill_file)
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect();
+    let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
+    during(&pids);
     let start = Instant::now();
     let mut outs = vec![String::new(); n];
     let mut errs = String::new();
@@ -294,7 +330,9 @@ fn run_ranks(
         }
     }
     // The victim is dead or stopped: make sure it is gone.
-    let _ = kids[victim].kill();
+    if let Some(k) = kids.get_mut(victim) {
+        let _ = k.kill();
+    }
     for (r, k) in kids.iter_mut().enumerate() {
         let _ = k.wait();
         k.stdout
@@ -395,4 +433,68 @@ fn survivors_shrink_and_go_on() {
             );
         }
     }
+}
+
+#[test]
+fn flight_recorder_on_sigusr1_and_on_mismatch_then_oxccl_trace_names_the_culprit() {
+    let dir = std::env::temp_dir().join(format!("oxccl-fr-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("fr").to_string_lossy().into_owned();
+    // A rank late for a call: SIGUSR1 while rank 0 waits.
+    let (outs, errs, _) = run_ranks_with(
+        2,
+        "hang",
+        "shm",
+        31,
+        9,
+        &[("OXCCL_FLIGHT_RECORDER", &prefix)],
+        |pids| {
+            std::thread::sleep(Duration::from_millis(1500));
+            for &p in pids {
+                let pid = rustix::process::Pid::from_raw(p as i32).unwrap();
+                rustix::process::kill_process(pid, rustix::process::Signal::USR1).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        },
+    );
+    let trace = |what: &str| {
+        let out = Command::new(OXCCL)
+            .args(["trace", &prefix])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{what}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let report = trace("hang");
+    assert!(
+        report.contains(
+            "WAITING: rank(s) [0] wait in collective #2 all_reduce(8 x float, sum) for rank(s) [1]"
+        ),
+        "{report}\n{outs:?}\n{errs}"
+    );
+    assert!(report.contains("written on SIGUSR1"), "{report}");
+    for f in std::fs::read_dir(&dir).unwrap() {
+        std::fs::remove_file(f.unwrap().path()).unwrap();
+    }
+    // A mismatch: every rank writes its record on the error.
+    let (outs, errs, _) = run_ranks_with(
+        3,
+        "differ",
+        "tcp",
+        37,
+        9,
+        &[("OXCCL_FLIGHT_RECORDER", &prefix)],
+        |_| {},
+    );
+    let report = trace("differ");
+    assert!(
+        report.contains("MISMATCH at collective #2") && report.contains("broadcast(10 x uint8"),
+        "{report}\n{outs:?}\n{errs}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
