@@ -26,6 +26,8 @@ pub mod error;
 pub mod exec;
 pub mod fingerprint;
 pub mod flight;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod guard;
 pub mod health;
 pub mod op;

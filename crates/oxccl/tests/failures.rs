@@ -103,13 +103,12 @@ fn mismatch_case(transport: TransportChoice, n: usize, good: Call, other: Call, 
         comm.all_reduce_in_place(&mut [1.0f32; 3], ReduceOp::Sum)
             .unwrap();
         let c = if r == bad { other } else { good };
-        let e = match make(&comm, c) {
+        match make(&comm, c) {
             Err(e) => e,
             Ok(()) => comm
                 .barrier()
                 .expect_err("a mismatch must reach every rank"),
-        };
-        e
+        }
     });
     let case = format!("{transport:?}: rank {bad} calls {other:?}, the others {good:?}");
     for (r, e) in errs.iter().enumerate() {

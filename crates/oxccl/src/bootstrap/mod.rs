@@ -61,7 +61,8 @@ impl PeerInfo {
         }
     }
 
-    fn decode(r: &mut &[u8]) -> Option<PeerInfo> {
+    /// Reads what `encode` wrote; `None` for anything malformed.
+    pub fn decode(r: &mut &[u8]) -> Option<PeerInfo> {
         let rank = take_u32(r)? as usize;
         let pid = take_u32(r)?;
         let ip = decode_ip(r)?;
@@ -79,6 +80,16 @@ impl PeerInfo {
             ip,
         })
     }
+}
+
+/// Parses a join message (what each rank sends rank 0): version, world size, [`PeerInfo`].
+pub fn parse_join(join: &[u8]) -> Option<(usize, PeerInfo)> {
+    let mut r = join;
+    if take(&mut r, 1)?[0] != JOIN_VERSION {
+        return None;
+    }
+    let ws = take_u32(&mut r)? as usize;
+    Some((ws, PeerInfo::decode(&mut r)?))
 }
 
 fn take<'a>(r: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
@@ -401,15 +412,7 @@ impl Bootstrap {
                             msg,
                         })
                     };
-                    let mut r = &join[..];
-                    let parsed = (|| {
-                        if take(&mut r, 1)?[0] != JOIN_VERSION {
-                            return None;
-                        }
-                        let ws = take_u32(&mut r)? as usize;
-                        Some((ws, PeerInfo::decode(&mut r)?))
-                    })();
-                    let Some((ws, info)) = parsed else {
+                    let Some((ws, info)) = parse_join(&join) else {
                         return fail(
                             format!(
                                 "malformed join message from {from} (claiming rank {})",
