@@ -116,6 +116,51 @@ struct XState {
     hdr: [u8; HEADER_BYTES],
 }
 
+/// Which peers this call has sent its header to and received theirs from: bits on the stack
+/// for up to 128 ranks, else a vector.
+enum HeaderFlags {
+    Off,
+    Small { sent: u128, received: u128 },
+    Large(Vec<u8>),
+}
+
+impl HeaderFlags {
+    fn new(on: bool, nranks: usize) -> Self {
+        match (on, nranks) {
+            (false, _) => HeaderFlags::Off,
+            (true, 0..=128) => HeaderFlags::Small {
+                sent: 0,
+                received: 0,
+            },
+            (true, n) => HeaderFlags::Large(vec![0; n]),
+        }
+    }
+
+    /// True the first time it is asked for (`peer`, direction) in this call.
+    fn first(&mut self, peer: usize, send: bool) -> bool {
+        match self {
+            HeaderFlags::Off => false,
+            HeaderFlags::Small { sent, received } => {
+                let f = if send { sent } else { received };
+                let bit = 1u128 << (peer & 127);
+                let first = *f & bit == 0;
+                *f |= bit;
+                first
+            }
+            HeaderFlags::Large(v) => {
+                let bit = if send { 1 } else { 2 };
+                match v.get_mut(peer) {
+                    Some(h) if *h & bit == 0 => {
+                        *h |= bit;
+                        true
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+}
+
 /// Largest data prefix sent in one write together with a header.
 const WITH_HEADER: usize = 4096 - HEADER_BYTES;
 
@@ -159,11 +204,7 @@ pub fn execute(
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
     };
     let start = Instant::now();
-    let headers = if ctx.guard.print.is_some() {
-        vec![0u8; ctx.links.len()]
-    } else {
-        Vec::new()
-    };
+    let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
     let mut run = Runner {
         ctx,
         mem: &mem,
@@ -184,8 +225,8 @@ struct Runner<'c, 'a, 'm> {
     ctx: &'c mut Ctx<'a>,
     mem: &'m Mem,
     start: Instant,
-    /// Per peer: bit 0 = header sent, bit 1 = header received (empty when unchecked).
-    headers: Vec<u8>,
+    /// Which peers got this call's header and sent theirs.
+    headers: HeaderFlags,
     /// When this call first saw the communicator failed.
     failed_seen: Option<Instant>,
 }
@@ -265,21 +306,13 @@ impl Runner<'_, '_, '_> {
             self.local(l)?;
         }
         let mut st = vec![XState::default(); step.xfers.len()];
-        if !self.headers.is_empty() {
+        if let Some(p) = self.ctx.guard.print {
             for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
-                let bit = match x {
-                    Xfer::Send { .. } => 1,
-                    Xfer::Recv { .. } => 2,
-                };
-                if let Some(h) = self.headers.get_mut(x.peer()) {
-                    if *h & bit == 0 {
-                        *h |= bit;
-                        s.hdr_left = HEADER_BYTES;
-                        if bit == 1 {
-                            if let Some(p) = self.ctx.guard.print {
-                                s.hdr = p.header();
-                            }
-                        }
+                let send = matches!(x, Xfer::Send { .. });
+                if self.headers.first(x.peer(), send) {
+                    s.hdr_left = HEADER_BYTES;
+                    if send {
+                        s.hdr = p.header();
                     }
                 }
             }
