@@ -16,7 +16,7 @@ use rustix::event::{PollFd, PollFlags};
 use crate::algo::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::fingerprint::{CallPrint, Header, HEADER_BYTES};
+use crate::fingerprint::{CallPrint, HeaderFlags, HeaderState};
 use crate::health::Health;
 use crate::op::ReduceOp;
 use crate::reduce;
@@ -111,58 +111,9 @@ struct XState {
     done: usize,
     carry: [u8; 8],
     carry_len: usize,
-    /// Header bytes still to send or receive before the data (0 or up to 32).
-    hdr_left: usize,
-    hdr: [u8; HEADER_BYTES],
+    /// The call header still to send or receive before the data.
+    hdr: HeaderState,
 }
-
-/// Which peers this call has sent its header to and received theirs from: bits on the stack
-/// for up to 128 ranks, else a vector.
-enum HeaderFlags {
-    Off,
-    Small { sent: u128, received: u128 },
-    Large(Vec<u8>),
-}
-
-impl HeaderFlags {
-    fn new(on: bool, nranks: usize) -> Self {
-        match (on, nranks) {
-            (false, _) => HeaderFlags::Off,
-            (true, 0..=128) => HeaderFlags::Small {
-                sent: 0,
-                received: 0,
-            },
-            (true, n) => HeaderFlags::Large(vec![0; n]),
-        }
-    }
-
-    /// True the first time it is asked for (`peer`, direction) in this call.
-    fn first(&mut self, peer: usize, send: bool) -> bool {
-        match self {
-            HeaderFlags::Off => false,
-            HeaderFlags::Small { sent, received } => {
-                let f = if send { sent } else { received };
-                let bit = 1u128 << (peer & 127);
-                let first = *f & bit == 0;
-                *f |= bit;
-                first
-            }
-            HeaderFlags::Large(v) => {
-                let bit = if send { 1 } else { 2 };
-                match v.get_mut(peer) {
-                    Some(h) if *h & bit == 0 => {
-                        *h |= bit;
-                        true
-                    }
-                    _ => false,
-                }
-            }
-        }
-    }
-}
-
-/// Largest data prefix sent in one write together with a header.
-const WITH_HEADER: usize = 4096 - HEADER_BYTES;
 
 /// Resolved memory of a schedule's buffers.
 struct Mem {
@@ -308,13 +259,9 @@ impl Runner<'_, '_, '_> {
         let mut st = vec![XState::default(); step.xfers.len()];
         if let Some(p) = self.ctx.guard.print {
             for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
-                let send = matches!(x, Xfer::Send { .. });
-                if self.headers.first(x.peer(), send) {
-                    s.hdr_left = HEADER_BYTES;
-                    if send {
-                        s.hdr = p.header();
-                    }
-                }
+                s.hdr = self
+                    .headers
+                    .start(p, x.peer(), matches!(x, Xfer::Send { .. }));
             }
         }
         let mut backoff = Backoff::new(self.ctx.spin);
@@ -374,39 +321,17 @@ impl Runner<'_, '_, '_> {
                     // nothing in this step writes a region that a send reads.
                     let data = unsafe { std::slice::from_raw_parts(p.add(s.done), len - s.done) };
                     let link = self.ctx.links[peer].as_mut().expect("checked above");
-                    if s.hdr_left > 0 {
-                        // The header and a first piece of data in one write.
-                        let mut buf =
-                            std::mem::MaybeUninit::<[u8; HEADER_BYTES + WITH_HEADER]>::uninit();
-                        let h = &s.hdr[HEADER_BYTES - s.hdr_left..];
-                        let d = &data[..data.len().min(WITH_HEADER)];
-                        let b = buf.as_mut_ptr() as *mut u8;
-                        // SAFETY: `h.len() + d.len() <= HEADER_BYTES + WITH_HEADER`; both
-                        // sources are initialized and do not overlap the stack buffer; only
-                        // the written prefix is read (not zeroing 4 KiB keeps small calls
-                        // cheap).
-                        let both = unsafe {
-                            std::ptr::copy_nonoverlapping(h.as_ptr(), b, h.len());
-                            std::ptr::copy_nonoverlapping(d.as_ptr(), b.add(h.len()), d.len());
-                            std::slice::from_raw_parts(b, h.len() + d.len())
-                        };
-                        match link.try_send(both) {
-                            Ok(k) => {
-                                let hk = k.min(s.hdr_left);
-                                s.hdr_left -= hk;
-                                s.done += k - hk;
-                                progressed |= k > 0;
-                            }
-                            Err(e) => return Err(self.link_err(peer, e)),
-                        }
+                    let sent = if s.hdr.pending() {
+                        s.hdr.send_with(&mut **link, data)
                     } else {
-                        match link.try_send(data) {
-                            Ok(k) => {
-                                s.done += k;
-                                progressed |= k > 0;
-                            }
-                            Err(e) => return Err(self.link_err(peer, e)),
+                        link.try_send(data).map(|k| (k, k > 0))
+                    };
+                    match sent {
+                        Ok((k, moved)) => {
+                            s.done += k;
+                            progressed |= moved;
                         }
+                        Err(e) => return Err(self.link_err(peer, e)),
                     }
                 }
                 Xfer::Recv { dst, combine, .. } => {
@@ -436,57 +361,18 @@ impl Runner<'_, '_, '_> {
                         }
                     };
                     let print = self.ctx.guard.print;
-                    let mut bad: Option<std::result::Result<(String, String), String>> = None;
+                    let mut fault = None;
                     let mut consume = |data: &[u8]| {
-                        let mut taken = 0;
-                        if s.hdr_left > 0 {
-                            let k = s.hdr_left.min(data.len());
-                            let at = HEADER_BYTES - s.hdr_left;
-                            s.hdr[at..at + k].copy_from_slice(&data[..k]);
-                            s.hdr_left -= k;
-                            taken = k;
-                            if s.hdr_left > 0 {
-                                return taken;
-                            }
-                            if let Some(p) = print {
-                                match Header::decode(&s.hdr) {
-                                    Ok(h) => {
-                                        if let Err(both) = p.check(&h) {
-                                            bad = Some(Ok(both));
-                                            return taken;
-                                        }
-                                    }
-                                    Err(m) => {
-                                        bad = Some(Err(m));
-                                        return taken;
-                                    }
-                                }
-                            }
+                        let taken = s.hdr.take(data, print, &mut fault);
+                        if s.hdr.pending() || fault.is_some() {
+                            return taken;
                         }
                         taken + consume(s, len, es, &data[taken..], &apply)
                     };
                     let link = self.ctx.links[peer].as_mut().expect("checked above");
                     let res = link.try_recv(&mut consume);
-                    match bad {
-                        Some(Ok((mine, theirs))) => {
-                            return Err(Error::Mismatch {
-                                rank: self.ctx.rank,
-                                peer,
-                                seq: self.ctx.seq,
-                                mine,
-                                theirs,
-                            })
-                        }
-                        Some(Err(msg)) => {
-                            return Err(Error::Protocol {
-                                rank: self.ctx.rank,
-                                peer,
-                                call: self.ctx.call,
-                                seq: self.ctx.seq,
-                                msg,
-                            })
-                        }
-                        None => {}
+                    if let Some(f) = fault {
+                        return Err(f.error(self.ctx.rank, peer, self.ctx.call, self.ctx.seq));
                     }
                     match res {
                         Ok(k) => progressed |= k > 0,
@@ -527,37 +413,25 @@ impl Runner<'_, '_, '_> {
             // SAFETY: the doorbell lives in a link (or its shared segment) owned by
             // `ctx.links`, which outlives this call; links are not dropped during a step.
             let bell = unsafe { &*bell };
-            if let Some(h) = self.ctx.guard.health {
-                h.sleep_on(Some(bell));
-            }
+            // A failure (abort, the watchdog) rings this doorbell while it is registered.
+            let _registered = self.ctx.guard.health.map(|h| h.sleeping_on(bell));
             let token = bell.prepare();
             if self.ctx.guard.health.is_some_and(|h| h.is_failed()) {
                 bell.cancel(token);
-                if let Some(h) = self.ctx.guard.health {
-                    h.sleep_on(None);
-                }
                 return Ok(false);
             }
-            let unregister = |h: Option<&Health>| {
-                if let Some(h) = h {
-                    h.sleep_on(None);
-                }
-            };
             let (progressed, done) = match self.progress(step, st) {
                 Ok(r) => r,
                 Err(e) => {
                     bell.cancel(token);
-                    unregister(self.ctx.guard.health);
                     return Err(e);
                 }
             };
             if progressed || done {
                 bell.cancel(token);
-                unregister(self.ctx.guard.health);
                 return Ok(true);
             }
             bell.wait(token, SLEEP_SLICE);
-            unregister(self.ctx.guard.health);
             return Ok(false);
         }
         // Sockets (maybe mixed with a doorbell: then poll briefly and come back to spin).

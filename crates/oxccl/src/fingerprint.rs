@@ -22,7 +22,9 @@ use std::fmt;
 
 use crate::algo::CollKind;
 use crate::dtype::DataType;
+use crate::error::Error;
 use crate::op::ReduceOp;
+use crate::transport::{Link, LinkError};
 
 /// Bytes of a [`Header`] on the wire.
 pub const HEADER_BYTES: usize = 32;
@@ -241,6 +243,177 @@ impl CallPrint {
                 theirs.fp, theirs.mseq, theirs.call_seq
             ),
         ))
+    }
+}
+
+/// Which peers a call has sent its header to and received theirs from: bits on the stack
+/// for up to 128 ranks, else a vector (the executor asks once per transfer of each step).
+#[derive(Debug)]
+pub enum HeaderFlags {
+    /// Headers are not exchanged.
+    Off,
+    /// Up to 128 ranks.
+    Small {
+        /// Bit p: header sent to p.
+        sent: u128,
+        /// Bit p: header from p taken.
+        received: u128,
+    },
+    /// More ranks: per peer, bit 0 sent, bit 1 received.
+    Large(Vec<u8>),
+}
+
+impl HeaderFlags {
+    /// Flags for a call over `nranks` ranks (`on`: the call exchanges headers).
+    pub fn new(on: bool, nranks: usize) -> Self {
+        match (on, nranks) {
+            (false, _) => HeaderFlags::Off,
+            (true, 0..=128) => HeaderFlags::Small {
+                sent: 0,
+                received: 0,
+            },
+            (true, n) => HeaderFlags::Large(vec![0; n]),
+        }
+    }
+
+    /// True the first time it is asked for (`peer`, direction) in this call.
+    pub fn first(&mut self, peer: usize, send: bool) -> bool {
+        match self {
+            HeaderFlags::Off => false,
+            HeaderFlags::Small { sent, received } => {
+                let f = if send { sent } else { received };
+                let bit = 1u128 << (peer & 127);
+                let first = *f & bit == 0;
+                *f |= bit;
+                first
+            }
+            HeaderFlags::Large(v) => {
+                let bit = if send { 1 } else { 2 };
+                match v.get_mut(peer) {
+                    Some(h) if *h & bit == 0 => {
+                        *h |= bit;
+                        true
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+
+    /// The header state of a transfer with `peer`: the header to send (or to receive) when
+    /// it is the call's first in that direction, else nothing.
+    pub fn start(&mut self, print: &CallPrint, peer: usize, send: bool) -> HeaderState {
+        if !self.first(peer, send) {
+            return HeaderState::default();
+        }
+        HeaderState {
+            left: HEADER_BYTES,
+            buf: if send {
+                print.header()
+            } else {
+                [0; HEADER_BYTES]
+            },
+        }
+    }
+}
+
+/// Largest data prefix sent in one write together with a header.
+const WITH_HEADER: usize = 4096 - HEADER_BYTES;
+
+/// A header in transit on one transfer: bytes still to send, or bytes received so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeaderState {
+    left: usize,
+    buf: [u8; HEADER_BYTES],
+}
+
+/// What was wrong with a peer's header.
+#[derive(Debug)]
+pub enum HeaderFault {
+    /// A header of another call: (this rank's call, the peer's).
+    Mismatch(String, String),
+    /// Not a header at all.
+    Garbled(String),
+}
+
+impl HeaderFault {
+    /// The error of this rank (`rank`, in `call` number `seq`) about `peer`'s header.
+    pub fn error(self, rank: usize, peer: usize, call: &'static str, seq: u64) -> Error {
+        match self {
+            HeaderFault::Mismatch(mine, theirs) => Error::Mismatch {
+                rank,
+                peer,
+                seq,
+                mine,
+                theirs,
+            },
+            HeaderFault::Garbled(msg) => Error::Protocol {
+                rank,
+                peer,
+                call,
+                seq,
+                msg,
+            },
+        }
+    }
+}
+
+impl HeaderState {
+    /// True while header bytes remain to be sent or received.
+    #[inline]
+    pub fn pending(&self) -> bool {
+        self.left > 0
+    }
+
+    /// Sends the rest of the header and a first piece of `data` in one write. Returns the
+    /// data bytes sent and whether anything moved.
+    pub fn send_with(
+        &mut self,
+        link: &mut dyn Link,
+        data: &[u8],
+    ) -> Result<(usize, bool), LinkError> {
+        let mut buf = std::mem::MaybeUninit::<[u8; HEADER_BYTES + WITH_HEADER]>::uninit();
+        let h = &self.buf[HEADER_BYTES - self.left..];
+        let d = &data[..data.len().min(WITH_HEADER)];
+        let b = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: `h.len() + d.len() <= HEADER_BYTES + WITH_HEADER`; both sources are
+        // initialized and do not overlap the stack buffer; only the written prefix is read
+        // (not zeroing 4 KiB keeps small calls cheap).
+        let both = unsafe {
+            std::ptr::copy_nonoverlapping(h.as_ptr(), b, h.len());
+            std::ptr::copy_nonoverlapping(d.as_ptr(), b.add(h.len()), d.len());
+            std::slice::from_raw_parts(b, h.len() + d.len())
+        };
+        let k = link.try_send(both)?;
+        let hk = k.min(self.left);
+        self.left -= hk;
+        Ok((k - hk, k > 0))
+    }
+
+    /// Takes header bytes from the front of `data` (returns how many); once the header is
+    /// complete, checks it against `print` and sets `fault` if it differs.
+    pub fn take(
+        &mut self,
+        data: &[u8],
+        print: Option<&CallPrint>,
+        fault: &mut Option<HeaderFault>,
+    ) -> usize {
+        if self.left == 0 {
+            return 0;
+        }
+        let k = self.left.min(data.len());
+        let at = HEADER_BYTES - self.left;
+        self.buf[at..at + k].copy_from_slice(&data[..k]);
+        self.left -= k;
+        if self.left == 0 {
+            if let Some(p) = print {
+                *fault = match Header::decode(&self.buf) {
+                    Ok(h) => p.check(&h).err().map(|(m, t)| HeaderFault::Mismatch(m, t)),
+                    Err(m) => Some(HeaderFault::Garbled(m)),
+                };
+            }
+        }
+        k
     }
 }
 

@@ -131,6 +131,12 @@ impl Health {
             bell.map_or(0, |b| b as *const Doorbell as usize);
     }
 
+    /// Registers `bell` (rung on failure) until the returned guard is dropped.
+    pub(crate) fn sleeping_on<'h>(&'h self, bell: &'h Doorbell) -> SleepRegistration<'h> {
+        self.sleep_on(Some(bell));
+        SleepRegistration(self)
+    }
+
     /// A descriptor that becomes readable when the communicator fails.
     pub fn poll_fd(&self) -> Option<BorrowedFd<'_>> {
         self.event.as_ref().map(|f| f.as_fd())
@@ -168,6 +174,15 @@ impl Health {
                 msg: format!("{call} (call #{seq}): communicator failed"),
             },
         }
+    }
+}
+
+/// While alive, failures ring the doorbell given to [`Health::sleeping_on`].
+pub(crate) struct SleepRegistration<'h>(&'h Health);
+
+impl Drop for SleepRegistration<'_> {
+    fn drop(&mut self) {
+        self.0.sleep_on(None);
     }
 }
 
