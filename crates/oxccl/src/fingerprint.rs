@@ -222,6 +222,21 @@ impl CallPrint {
         .encode()
     }
 
+    /// True when `b` is a header of this call (field by field on the bytes: no decoding on
+    /// the common path).
+    #[inline]
+    pub fn matches(&self, b: &[u8; HEADER_BYTES]) -> bool {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        b[0..4] == MAGIC
+            && b[4] == self.fp.kind
+            && b[5] == self.fp.dtype
+            && b[6] == self.fp.op
+            && b[7] == 0
+            && u64_at(8) == self.recv_seq
+            && u64_at(16) == self.fp.count
+            && u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) == self.fp.root
+    }
+
     /// Compares a peer's header with this call: `Err((mine, theirs))` describing both when
     /// they differ.
     pub fn check(&self, theirs: &Header) -> Result<(), (String, String)> {
@@ -406,7 +421,7 @@ impl HeaderState {
         self.buf[at..at + k].copy_from_slice(&data[..k]);
         self.left -= k;
         if self.left == 0 {
-            if let Some(p) = print {
+            if let Some(p) = print.filter(|p| !p.matches(&self.buf)) {
                 *fault = match Header::decode(&self.buf) {
                     Ok(h) => p.check(&h).err().map(|(m, t)| HeaderFault::Mismatch(m, t)),
                     Err(m) => Some(HeaderFault::Garbled(m)),
@@ -492,6 +507,29 @@ mod tests {
         assert_eq!(b.op, 0, "broadcast ignores the op");
         assert!(Header::decode(&[0u8; 32]).is_err());
         assert!(Header::decode(&[0u8; 3]).is_err());
+    }
+
+    #[test]
+    fn matches_agrees_with_decode_and_check() {
+        let fp = Fingerprint::of(CollKind::Broadcast, DataType::F64, ReduceOp::Sum, 99, 2);
+        let p = CallPrint {
+            fp,
+            send_seq: 5,
+            recv_seq: 5,
+            call_seq: 9,
+        };
+        let h = p.header();
+        assert!(p.matches(&h));
+        for i in 0..28 {
+            let mut g = h;
+            g[i] ^= 1;
+            let by_decode = Header::decode(&g).is_ok_and(|d| p.check(&d).is_ok());
+            assert_eq!(p.matches(&g), by_decode, "byte {i}");
+            assert!(!p.matches(&g));
+        }
+        let mut g = h;
+        g[30] ^= 1;
+        assert!(p.matches(&g), "the sender's call number does not count");
     }
 
     #[test]
