@@ -2,7 +2,7 @@
 //! any of their data.
 //!
 //! Before the first data byte of a call on each link, in each direction, the executor sends a
-//! 32-byte [`Header`]: the call's [`Fingerprint`] (collective, element type, count, op,
+//! 16-byte [`Header`]: the call's [`Fingerprint`] (collective, element type, count, op,
 //! root) and its matching sequence number. The receiver reads the header before the first
 //! data byte of that peer in the call and compares it with its own call: any difference is
 //! an [`Error::Mismatch`](crate::Error::Mismatch) naming both ranks and both calls, found
@@ -14,9 +14,9 @@
 //! do not fall out of step), and a send's fingerprint (`p2p`, element type, count) must equal
 //! the matching receive's.
 //!
-//! Layout (little-endian): `0..4` magic `OXfp`, `4` collective code, `5` element type code,
-//! `6` op code, `7` zero, `8..16` matching sequence number, `16..24` count, `24..28` root,
-//! `28..32` the sender's call number (low 32 bits; for messages only).
+//! Layout (little-endian, 16 bytes so that small messages stay small): `0` `0xA0` | collective
+//! code, `1` element type code | op code << 4, `2..4` root (low 16 bits), `4..8` matching
+//! sequence number (low 32 bits), `8..16` count.
 
 use std::fmt;
 
@@ -27,8 +27,7 @@ use crate::op::ReduceOp;
 use crate::transport::{Link, LinkError};
 
 /// Bytes of a [`Header`] on the wire.
-pub const HEADER_BYTES: usize = 32;
-const MAGIC: [u8; 4] = *b"OXfp";
+pub const HEADER_BYTES: usize = 16;
 const P2P: u8 = 15;
 
 /// What every rank of a call must agree on. Fields that do not matter for a collective are
@@ -132,29 +131,29 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-/// One direction's header: fingerprint, matching sequence number, the sender's call number.
+/// One direction's header: fingerprint and matching sequence number.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub struct Header {
-    /// The call.
+    /// The call (its root as the low 16 bits).
     pub fp: Fingerprint,
-    /// Collective number (collectives) or message number on this ordered pair (p2p).
+    /// Collective number (collectives) or message number on this ordered pair (p2p), as
+    /// the low 32 bits.
     pub mseq: u64,
-    /// The sender's call number (low 32 bits), for messages.
-    pub call_seq: u32,
 }
+
+/// The high nibble of byte 0 of every header.
+const TAG: u8 = 0xA0;
 
 impl Header {
     /// The wire form.
+    #[inline]
     pub fn encode(&self) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
-        b[0..4].copy_from_slice(&MAGIC);
-        b[4] = self.fp.kind;
-        b[5] = self.fp.dtype;
-        b[6] = self.fp.op;
-        b[8..16].copy_from_slice(&self.mseq.to_le_bytes());
-        b[16..24].copy_from_slice(&self.fp.count.to_le_bytes());
-        b[24..28].copy_from_slice(&self.fp.root.to_le_bytes());
-        b[28..32].copy_from_slice(&self.call_seq.to_le_bytes());
+        b[0] = TAG | (self.fp.kind & 0x0f);
+        b[1] = (self.fp.dtype & 0x0f) | (self.fp.op << 4);
+        b[2..4].copy_from_slice(&(self.fp.root as u16).to_le_bytes());
+        b[4..8].copy_from_slice(&(self.mseq as u32).to_le_bytes());
+        b[8..16].copy_from_slice(&self.fp.count.to_le_bytes());
         b
     }
 
@@ -167,32 +166,28 @@ impl Header {
                 b.len()
             ));
         }
-        if b[0..4] != MAGIC || b[7] != 0 {
-            let shown: Vec<String> = b[..8].iter().map(|x| format!("{x:02x}")).collect();
+        let (kind, dtype, op) = (b[0] & 0x0f, b[1] & 0x0f, b[1] >> 4);
+        let known = (1..=7).contains(&kind) || kind == P2P;
+        if b[0] & 0xf0 != TAG
+            || !known
+            || dtype as usize >= DataType::ALL.len()
+            || op as usize >= ReduceOp::ALL.len()
+        {
+            let shown: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
             return Err(format!(
                 "expected a call header, got bytes {} (the streams are out of step: did an earlier call differ in length?)",
                 shown.join(" ")
             ));
-        }
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let (kind, dtype, op) = (b[4], b[5], b[6]);
-        if !(1..=7).contains(&kind) && kind != P2P {
-            return Err(format!("call header with unknown collective code {kind}"));
-        }
-        if dtype as usize >= DataType::ALL.len() || op as usize >= ReduceOp::ALL.len() {
-            return Err(format!("call header with unknown type {dtype} or op {op}"));
         }
         Ok(Header {
             fp: Fingerprint {
                 kind,
                 dtype,
                 op,
-                count: u64_at(16),
-                root: u32_at(24),
+                count: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+                root: u16::from_le_bytes([b[2], b[3]]) as u32,
             },
-            mseq: u64_at(8),
-            call_seq: u32_at(28),
+            mseq: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")) as u64,
         })
     }
 }
@@ -213,34 +208,34 @@ pub struct CallPrint {
 
 impl CallPrint {
     /// The header this rank sends.
+    #[inline]
     pub fn header(&self) -> [u8; HEADER_BYTES] {
         Header {
             fp: self.fp,
             mseq: self.send_seq,
-            call_seq: self.call_seq as u32,
         }
         .encode()
     }
 
-    /// True when `b` is a header of this call (field by field on the bytes: no decoding on
-    /// the common path).
+    /// True when `b` is a header of this call (on the bytes: no decoding on the common
+    /// path).
     #[inline]
     pub fn matches(&self, b: &[u8; HEADER_BYTES]) -> bool {
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        b[0..4] == MAGIC
-            && b[4] == self.fp.kind
-            && b[5] == self.fp.dtype
-            && b[6] == self.fp.op
-            && b[7] == 0
-            && u64_at(8) == self.recv_seq
-            && u64_at(16) == self.fp.count
-            && u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) == self.fp.root
+        *b == Header {
+            fp: self.fp,
+            mseq: self.recv_seq,
+        }
+        .encode()
     }
 
     /// Compares a peer's header with this call: `Err((mine, theirs))` describing both when
     /// they differ.
     pub fn check(&self, theirs: &Header) -> Result<(), (String, String)> {
-        if theirs.fp == self.fp && theirs.mseq == self.recv_seq {
+        let mine = Fingerprint {
+            root: self.fp.root & 0xffff,
+            ..self.fp
+        };
+        if theirs.fp == mine && theirs.mseq == self.recv_seq & 0xffff_ffff {
             return Ok(());
         }
         let what = if self.fp.is_p2p() {
@@ -253,10 +248,7 @@ impl CallPrint {
                 "{} as its {what} #{} (call #{})",
                 self.fp, self.recv_seq, self.call_seq
             ),
-            format!(
-                "{} as its {what} #{} (call #{})",
-                theirs.fp, theirs.mseq, theirs.call_seq
-            ),
+            format!("{} as its {what} #{}", theirs.fp, theirs.mseq),
         ))
     }
 }
@@ -496,16 +488,12 @@ mod tests {
     #[test]
     fn round_trip_and_display() {
         let fp = Fingerprint::of(CollKind::Reduce, DataType::F32, ReduceOp::Max, 1024, 3);
-        let h = Header {
-            fp,
-            mseq: 77,
-            call_seq: 80,
-        };
+        let h = Header { fp, mseq: 77 };
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         assert_eq!(fp.to_string(), "reduce(1024 x float, max, root 3)");
         let b = Fingerprint::of(CollKind::Broadcast, DataType::U8, ReduceOp::Max, 8, 1);
         assert_eq!(b.op, 0, "broadcast ignores the op");
-        assert!(Header::decode(&[0u8; 32]).is_err());
+        assert!(Header::decode(&[0u8; HEADER_BYTES]).is_err());
         assert!(Header::decode(&[0u8; 3]).is_err());
     }
 
@@ -520,16 +508,15 @@ mod tests {
         };
         let h = p.header();
         assert!(p.matches(&h));
-        for i in 0..28 {
-            let mut g = h;
-            g[i] ^= 1;
-            let by_decode = Header::decode(&g).is_ok_and(|d| p.check(&d).is_ok());
-            assert_eq!(p.matches(&g), by_decode, "byte {i}");
-            assert!(!p.matches(&g));
+        for i in 0..HEADER_BYTES {
+            for bit in 0..8 {
+                let mut g = h;
+                g[i] ^= 1 << bit;
+                let by_decode = Header::decode(&g).is_ok_and(|d| p.check(&d).is_ok());
+                assert_eq!(p.matches(&g), by_decode, "byte {i} bit {bit}");
+                assert!(!p.matches(&g));
+            }
         }
-        let mut g = h;
-        g[30] ^= 1;
-        assert!(p.matches(&g), "the sender's call number does not count");
     }
 
     #[test]

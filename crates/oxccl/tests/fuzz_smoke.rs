@@ -13,7 +13,6 @@ fn seeds() -> Vec<Vec<u8>> {
     let h = Header {
         fp: Fingerprint::of(CollKind::Reduce, DataType::F32, ReduceOp::Max, 1 << 40, 3),
         mseq: 9,
-        call_seq: 11,
     }
     .encode()
     .to_vec();
