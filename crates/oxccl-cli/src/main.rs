@@ -3,10 +3,12 @@
 //! - `oxccl perf COLLECTIVE ...`: an nccl-tests-style benchmark (see `perf.rs`).
 //! - `oxccl run -n N -- PROGRAM ARGS...`: starts N local ranks (see `launch.rs`).
 //! - `oxccl info`: what this host offers (see `info.rs`).
+//! - `oxccl trace FILES...`: merges flight recorder files (see `trace.rs`).
 
 mod info;
 mod launch;
 mod perf;
+mod trace;
 mod tune;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +37,9 @@ enum Cmd {
     Tune(tune::Args),
     /// Show version, host identity, cores, /dev/shm space, interfaces and usable transports.
     Info,
+    /// Merge the flight recorder files of all ranks (OXCCL_FLIGHT_RECORDER) and say which
+    /// rank stopped where; with --timeline, merge OXCCL_TRACE timelines.
+    Trace(trace::Args),
 }
 
 fn main() {
@@ -44,6 +49,7 @@ fn main() {
         Cmd::Run(a) => launch::run_main(a),
         Cmd::Tune(a) => tune::main(a),
         Cmd::Info => info::main(),
+        Cmd::Trace(a) => trace::main(a),
     };
     std::process::exit(code);
 }

@@ -10,6 +10,8 @@ use crate::dtype::{DataType, Element};
 use crate::error::{Error, Result};
 use crate::exec::{self, Buffers, Ctx};
 use crate::exec_direct::DirectCtx;
+use crate::fingerprint::{Fingerprint, Sequencer};
+use crate::guard::CommGuard;
 use crate::op::ReduceOp;
 use crate::param::Config;
 use crate::topo::{self, Topology};
@@ -40,6 +42,8 @@ pub struct Communicator {
     cfg: Config,
     forced_algo: Option<Algo>,
     transports: Vec<TransportKind>,
+    /// Failure handling (dropped before the links: it says goodbye first).
+    guard: CommGuard,
     state: Mutex<State>,
     /// Queued non-blocking calls ([`crate::stream`]).
     pub(crate) stream: crate::stream::Stream,
@@ -53,6 +57,7 @@ struct State {
     direct: Option<Box<dyn Direct>>,
     broken: Option<String>,
     last_algo: &'static str,
+    seqr: Sequencer,
     _boot: Option<Bootstrap>,
 }
 
@@ -150,6 +155,7 @@ impl Communicator {
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
+        comm.guard = CommGuard::with_bootstrap(&mut boot, &comm.cfg)?;
         comm.state
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
@@ -209,6 +215,7 @@ impl Communicator {
             nranks,
             local_rank: 0,
             local_size: 1,
+            guard: CommGuard::local(rank, nranks, &cfg),
             cfg,
             forced_algo,
             transports,
@@ -219,6 +226,7 @@ impl Communicator {
                 direct: None,
                 broken: None,
                 last_algo: "",
+                seqr: Sequencer::new(nranks),
                 _boot: None,
             }),
             stream: Default::default(),
@@ -283,6 +291,11 @@ impl Communicator {
         self.forced_algo = algo;
     }
 
+    /// Failure handling ([`crate::guard`]).
+    pub(crate) fn guard(&self) -> &CommGuard {
+        &self.guard
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -343,6 +356,7 @@ impl Communicator {
                 msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
             });
         }
+        self.guard.check(name, seq)?;
         let call = validate(seq)?;
         let coll = Coll {
             kind: call.kind,
@@ -371,6 +385,9 @@ impl Communicator {
         let algo = tune::choose(&situation, self.forced_algo);
         debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");
         st.last_algo = algo.name();
+        let fp = Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root);
+        let print = st.seqr.next(self.rank, seq, call.kind, fp);
+        let mut timing = self.guard.begin(seq, name, &print, algo.name());
         let State {
             links,
             scratch,
@@ -384,10 +401,14 @@ impl Communicator {
                     rank: self.rank,
                     nranks: self.nranks,
                     spin: self.cfg.spin,
-                    timeout: self.cfg.timeout,
+                    timeout: self.guard.timeout(),
                     call: name,
                     seq,
                     start: std::time::Instant::now(),
+                    print: Some(&print),
+                    health: Some(self.guard.health()),
+                    links: Some(&mut links[..]),
+                    step_ends: timing.as_mut().map(|t| &mut t.1),
                 };
                 match algo {
                     Algo::OneShot => oneshot::run(&mut cx, &coll, &mut bufs),
@@ -408,13 +429,20 @@ impl Communicator {
                     op: call.op,
                     nranks: self.nranks,
                     spin: self.cfg.spin,
-                    timeout: self.cfg.timeout,
+                    timeout: self.guard.timeout(),
                     call: name,
                     seq,
+                    guard: exec::Guard {
+                        print: Some(&print),
+                        health: Some(self.guard.health()),
+                        step_ends: timing.as_mut().map(|t| &mut t.1),
+                        direct: direct.as_deref().map(|d| d as &dyn Direct),
+                    },
                 };
                 exec::execute(&mut ctx, &sched, &mut bufs, scratch)
             }
         };
+        let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
         if let Err(e) = &res {
             if e.is_fatal() {
                 st.broken = Some(e.to_string());
@@ -453,6 +481,13 @@ impl Communicator {
             let bad = |msg: String| Err(self.bad(name, seq, msg));
             if in_len % es != 0 || out_len % es != 0 {
                 return bad(format!("buffer lengths {in_len} and {out_len} bytes are not multiples of the {dtype} size {es}"));
+            }
+            let ignored = (kind == CollKind::Broadcast || kind == CollKind::Reduce) && !is_root;
+            if !in_place && !ignored && in_len > 0 && out_len > 0 {
+                let (s, r) = (ptrs[0], ptrs[1]);
+                if s < r + out_len && r < s + in_len {
+                    return bad(format!("send ({in_len} bytes at {s:#x}) and recv ({out_len} bytes at {r:#x}) overlap: use the in-place form"));
+                }
             }
             if ptrs.iter().any(|p| p % es != 0) {
                 return bad(format!("buffers are not aligned for {dtype}"));

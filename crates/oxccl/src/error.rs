@@ -138,6 +138,24 @@ pub enum Error {
         /// Why.
         msg: String,
     },
+    /// Another rank failed (a mismatch it found, a timeout, an abort, a protocol error) and
+    /// told every rank, so that none waits for ever; `msg` is that rank's own error, which
+    /// names the ranks and calls involved.
+    #[error("rank {rank}: {call} (call #{seq}): rank {origin} failed: {msg}")]
+    Remote {
+        /// The rank that reports the error.
+        rank: usize,
+        /// The call in progress here (or the next call after the news arrived).
+        call: &'static str,
+        /// Sequence number of that call.
+        seq: u64,
+        /// The rank that failed first.
+        origin: usize,
+        /// What kind of failure it was.
+        kind: FailureKind,
+        /// The failing rank's error.
+        msg: String,
+    },
     /// An operating-system error outside of a peer link.
     #[error("rank {rank}: {context}: {source}")]
     Io {
@@ -151,7 +169,78 @@ pub enum Error {
     },
 }
 
+/// The kind of a failure that one rank reports to the others ([`Error::Remote`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// Ranks called different collectives or the same one with different arguments.
+    Mismatch,
+    /// A peer was lost.
+    PeerLost,
+    /// A call timed out.
+    Timeout,
+    /// A rank called [`abort`](crate::Communicator::abort) or dropped a failed communicator.
+    Aborted,
+    /// A peer broke the protocol.
+    Protocol,
+    /// Anything else.
+    Other,
+}
+
+impl FailureKind {
+    /// A one-byte code for the wire.
+    pub fn code(self) -> u8 {
+        match self {
+            FailureKind::Mismatch => 1,
+            FailureKind::PeerLost => 2,
+            FailureKind::Timeout => 3,
+            FailureKind::Aborted => 4,
+            FailureKind::Protocol => 5,
+            FailureKind::Other => 6,
+        }
+    }
+
+    /// The kind of a [`code`](Self::code) (unknown codes are `Other`).
+    pub fn from_code(c: u8) -> Self {
+        match c {
+            1 => FailureKind::Mismatch,
+            2 => FailureKind::PeerLost,
+            3 => FailureKind::Timeout,
+            4 => FailureKind::Aborted,
+            5 => FailureKind::Protocol,
+            _ => FailureKind::Other,
+        }
+    }
+}
+
 impl Error {
+    /// What kind of failure this is, as told to the other ranks.
+    pub fn failure_kind(&self) -> FailureKind {
+        match self {
+            Error::Mismatch { .. } => FailureKind::Mismatch,
+            Error::PeerLost { .. } => FailureKind::PeerLost,
+            Error::Timeout { .. } => FailureKind::Timeout,
+            Error::Aborted { .. } => FailureKind::Aborted,
+            Error::Protocol { .. } => FailureKind::Protocol,
+            Error::Remote { kind, .. } => *kind,
+            _ => FailureKind::Other,
+        }
+    }
+
+    /// True for a mismatch, seen here ([`Error::Mismatch`]) or by another rank
+    /// ([`Error::Remote`] of kind [`FailureKind::Mismatch`]).
+    pub fn is_mismatch(&self) -> bool {
+        self.failure_kind() == FailureKind::Mismatch
+    }
+
+    /// The lost rank, for [`Error::PeerLost`].
+    pub fn lost_peer(&self) -> Option<usize> {
+        match self {
+            Error::PeerLost { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+
     /// True when the error means the communicator can no longer be used (a peer was lost, a
     /// timeout, a protocol error), as opposed to a rejected argument.
     pub fn is_fatal(&self) -> bool {

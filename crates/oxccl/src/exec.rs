@@ -16,6 +16,8 @@ use rustix::event::{PollFd, PollFlags};
 use crate::algo::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
+use crate::fingerprint::{CallPrint, HeaderFlags, HeaderState};
+use crate::health::Health;
 use crate::op::ReduceOp;
 use crate::reduce;
 use crate::transport::{Link, LinkError, WaitSource};
@@ -99,6 +101,23 @@ pub struct Ctx<'a> {
     pub call: &'static str,
     /// The call's sequence number, for errors.
     pub seq: u64,
+    /// Failure handling: fingerprints, health, step timing (all off by default).
+    pub guard: Guard<'a>,
+}
+
+/// The executor's failure-handling hooks ([`crate::fingerprint`], [`crate::health`]).
+#[derive(Default)]
+pub struct Guard<'a> {
+    /// This call's fingerprint: a header goes before the first data to each peer, and each
+    /// peer's header is checked before any of its data is used.
+    pub print: Option<&'a CallPrint>,
+    /// Checked before every sleep; wakes sleeps when the communicator fails.
+    pub health: Option<&'a Health>,
+    /// When set, receives the end time of each step (the timeline, `OXCCL_TRACE`).
+    pub step_ends: Option<&'a mut Vec<Instant>>,
+    /// The host's direct area, when the communicator has one: a peer that publishes an event
+    /// there while this call waits for it over a link is in another call (a mismatch).
+    pub direct: Option<&'a dyn crate::transport::direct::Direct>,
 }
 
 /// Progress of one transfer.
@@ -107,6 +126,8 @@ struct XState {
     done: usize,
     carry: [u8; 8],
     carry_len: usize,
+    /// The call header still to send or receive before the data.
+    hdr: HeaderState,
 }
 
 /// Resolved memory of a schedule's buffers.
@@ -149,13 +170,19 @@ pub fn execute(
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
     };
     let start = Instant::now();
+    let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
     let mut run = Runner {
         ctx,
         mem: &mem,
         start,
+        headers,
+        failed_seen: None,
     };
     for step in &sched.steps {
         run.step(step)?;
+        if let Some(ends) = run.ctx.guard.step_ends.as_deref_mut() {
+            ends.push(Instant::now());
+        }
     }
     Ok(())
 }
@@ -164,7 +191,16 @@ struct Runner<'c, 'a, 'm> {
     ctx: &'c mut Ctx<'a>,
     mem: &'m Mem,
     start: Instant,
+    /// Which peers got this call's header and sent theirs.
+    headers: HeaderFlags,
+    /// When this call first saw the communicator failed.
+    failed_seen: Option<Instant>,
 }
+
+/// How long a call that sees the communicator failed elsewhere goes on taking data that is
+/// already on its way (peers that finished this call before failing in a later one), so
+/// that a correct call is not failed by a later call's error. An abort stops at once.
+const FAIL_GRACE: Duration = Duration::from_millis(100);
 
 impl Runner<'_, '_, '_> {
     fn internal(&self, msg: String) -> Error {
@@ -254,6 +290,13 @@ impl Runner<'_, '_, '_> {
             self.local(l)?;
         }
         let mut st = vec![XState::default(); step.xfers.len()];
+        if let Some(p) = self.ctx.guard.print {
+            for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
+                s.hdr = self
+                    .headers
+                    .start(p, x.peer(), matches!(x, Xfer::Send { .. }));
+            }
+        }
         let mut backoff = Backoff::new(self.ctx.spin);
         let mut last_check = Instant::now();
         loop {
@@ -266,6 +309,12 @@ impl Runner<'_, '_, '_> {
                 continue;
             }
             if !backoff.should_sleep() {
+                continue;
+            }
+            if self.check_health()? {
+                // Failed elsewhere, within the grace: keep taking what arrives.
+                std::thread::sleep(Duration::from_micros(200));
+                backoff.reset();
                 continue;
             }
             if self.sleep(step, &mut st)? {
@@ -305,10 +354,15 @@ impl Runner<'_, '_, '_> {
                     // nothing in this step writes a region that a send reads.
                     let data = unsafe { std::slice::from_raw_parts(p.add(s.done), len - s.done) };
                     let link = self.ctx.links[peer].as_mut().expect("checked above");
-                    match link.try_send(data) {
-                        Ok(k) => {
+                    let sent = if s.hdr.pending() {
+                        s.hdr.send_with(&mut **link, data)
+                    } else {
+                        link.try_send(data).map(|k| (k, k > 0))
+                    };
+                    match sent {
+                        Ok((k, moved)) => {
                             s.done += k;
-                            progressed |= k > 0;
+                            progressed |= moved;
                         }
                         Err(e) => return Err(self.link_err(peer, e)),
                     }
@@ -339,9 +393,21 @@ impl Runner<'_, '_, '_> {
                             }
                         }
                     };
-                    let mut consume = |data: &[u8]| consume(s, len, es, data, &apply);
+                    let print = self.ctx.guard.print;
+                    let mut fault = None;
+                    let mut consume = |data: &[u8]| {
+                        let taken = s.hdr.take(data, print, &mut fault);
+                        if s.hdr.pending() || fault.is_some() {
+                            return taken;
+                        }
+                        taken + consume(s, len, es, &data[taken..], &apply)
+                    };
                     let link = self.ctx.links[peer].as_mut().expect("checked above");
-                    match link.try_recv(&mut consume) {
+                    let res = link.try_recv(&mut consume);
+                    if let Some(f) = fault {
+                        return Err(f.error(self.ctx.rank, peer, self.ctx.call, self.ctx.seq));
+                    }
+                    match res {
                         Ok(k) => progressed |= k > 0,
                         Err(e) => return Err(self.link_err(peer, e)),
                     }
@@ -380,7 +446,13 @@ impl Runner<'_, '_, '_> {
             // SAFETY: the doorbell lives in a link (or its shared segment) owned by
             // `ctx.links`, which outlives this call; links are not dropped during a step.
             let bell = unsafe { &*bell };
+            // A failure (abort, the watchdog) rings this doorbell while it is registered.
+            let _registered = self.ctx.guard.health.map(|h| h.sleeping_on(bell));
             let token = bell.prepare();
+            if self.ctx.guard.health.is_some_and(|h| h.is_failed()) {
+                bell.cancel(token);
+                return Ok(false);
+            }
             let (progressed, done) = match self.progress(step, st) {
                 Ok(r) => r,
                 Err(e) => {
@@ -401,7 +473,11 @@ impl Runner<'_, '_, '_> {
         } else {
             SLEEP_SLICE
         };
-        // SAFETY: each fd belongs to a link in `ctx.links`, alive for this call.
+        if let Some(fd) = self.ctx.guard.health.and_then(|h| h.poll_fd()) {
+            fds.push((fd.as_raw_fd(), PollFlags::IN));
+        }
+        // SAFETY: each fd belongs to a link in `ctx.links` (or to the health state), alive
+        // for this call.
         let borrowed: Vec<BorrowedFd<'_>> = fds
             .iter()
             .map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) })
@@ -425,6 +501,22 @@ impl Runner<'_, '_, '_> {
         }
     }
 
+    /// The communicator failed (a peer lost, another rank's error, abort): stop, after
+    /// [`FAIL_GRACE`] unless aborted. `Ok(true)`: failed, but within the grace.
+    fn check_health(&mut self) -> Result<bool> {
+        match self.ctx.guard.health {
+            Some(h) if h.is_failed() => {
+                let since = *self.failed_seen.get_or_insert_with(Instant::now);
+                if h.is_aborted() || since.elapsed() >= FAIL_GRACE {
+                    Err(h.error(self.ctx.rank, self.ctx.call, self.ctx.seq))
+                } else {
+                    Ok(true)
+                }
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Between sleeps: the deadline, and the liveness of the peers still awaited.
     fn check(&mut self, step: &Step, st: &[XState]) -> Result<()> {
         let pending: Vec<usize> = step
@@ -439,6 +531,13 @@ impl Runner<'_, '_, '_> {
                 if let Err(e) = link.check_alive() {
                     return Err(self.link_err(peer, e));
                 }
+            }
+        }
+        if let (Some(d), Some(print)) = (self.ctx.guard.direct, self.ctx.guard.print) {
+            if let Some(e) =
+                crate::exec_direct::direct_mismatch(d, &pending, print, self.ctx.rank, self.ctx.seq)
+            {
+                return Err(e);
             }
         }
         let elapsed = self.start.elapsed();

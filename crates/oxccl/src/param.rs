@@ -67,6 +67,19 @@ pub struct Config {
     /// order, so results are bitwise identical on every rank, from run to run and whatever
     /// algorithm runs. Default off.
     pub deterministic: bool,
+    /// `OXCCL_HEARTBEAT_TIMEOUT` (seconds): a rank whose watchdog sends nothing for this long
+    /// (host down, link cut, process stopped) is lost. Default 1.5 s; `0` turns the deadline
+    /// off (heartbeats are still sent, and closed connections are still seen at once).
+    pub heartbeat: Option<Duration>,
+    /// `OXCCL_FLIGHT_RECORDER`: file prefix; each rank writes `PREFIX.<comm>.<rank>.json` on
+    /// an error, a timeout and `SIGUSR1`.
+    pub flight_recorder: Option<String>,
+    /// `OXCCL_FLIGHT_RECORDER_ENTRIES`: how many recent calls the flight recorder keeps
+    /// (default 256; 0 records nothing).
+    pub flight_entries: usize,
+    /// `OXCCL_TRACE`: write a Chrome/Perfetto timeline of every call and step to this file
+    /// (`file.<rank>.json`, or `%r` replaced by the rank).
+    pub trace: Option<String>,
 }
 
 impl Default for Config {
@@ -84,6 +97,10 @@ impl Default for Config {
             cma_min: 64 << 10,
             cma: true,
             deterministic: false,
+            heartbeat: Some(Duration::from_millis(1500)),
+            flight_recorder: None,
+            flight_entries: 256,
+            trace: None,
         }
     }
 }
@@ -275,6 +292,22 @@ impl Config {
         if let Some(b) = env_parse("OXCCL_DETERMINISTIC", parse_bool)? {
             c.deterministic = b;
         }
+        if let Some(h) = env_parse("OXCCL_HEARTBEAT_TIMEOUT", |v| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s >= 0.0 && s.is_finite())
+                .map(|s| (s > 0.0).then(|| Duration::from_secs_f64(s)))
+                .ok_or_else(|| "expected a number of seconds (0: off)".to_string())
+        })? {
+            c.heartbeat = h;
+        }
+        c.flight_recorder = env_parse("OXCCL_FLIGHT_RECORDER", |v| Ok(v.to_string()))?;
+        if let Some(n) = env_parse("OXCCL_FLIGHT_RECORDER_ENTRIES", |v| {
+            v.parse::<usize>().map_err(|e| e.to_string())
+        })? {
+            c.flight_entries = n;
+        }
+        c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
         Ok(c)
     }
 }

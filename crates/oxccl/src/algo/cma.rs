@@ -52,7 +52,7 @@ pub fn run(
         [inp as u64, outp as u64, in_len as u64, out_len as u64],
     );
     cx.wait_all(e1)?;
-    let addrs: Vec<[u64; 4]> = (0..n).map(|p| cx.direct.peer_addrs(p, e1)).collect();
+    let addrs: Vec<[u64; 6]> = (0..n).map(|p| cx.direct.peer_addrs(p, e1)).collect();
     // SAFETY: the output is valid for out_len bytes for the whole call; this rank writes only
     // the parts that no peer reads in the current phase (see each case), and reads its own
     // input through `read_own` (never through a reference overlapping `out`).

@@ -18,6 +18,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, U
 use std::time::{Duration, Instant};
 
 pub use env::LaunchEnv;
+pub(crate) use unique_id::park as park_listener;
 pub use unique_id::{default_ip, UniqueId};
 
 use crate::error::{Error, Result};
@@ -60,7 +61,8 @@ impl PeerInfo {
         }
     }
 
-    fn decode(r: &mut &[u8]) -> Option<PeerInfo> {
+    /// Reads what `encode` wrote; `None` for anything malformed.
+    pub fn decode(r: &mut &[u8]) -> Option<PeerInfo> {
         let rank = take_u32(r)? as usize;
         let pid = take_u32(r)?;
         let ip = decode_ip(r)?;
@@ -78,6 +80,16 @@ impl PeerInfo {
             ip,
         })
     }
+}
+
+/// Parses a join message (what each rank sends rank 0): version, world size, [`PeerInfo`].
+pub fn parse_join(join: &[u8]) -> Option<(usize, PeerInfo)> {
+    let mut r = join;
+    if take(&mut r, 1)?[0] != JOIN_VERSION {
+        return None;
+    }
+    let ws = take_u32(&mut r)? as usize;
+    Some((ws, PeerInfo::decode(&mut r)?))
 }
 
 fn take<'a>(r: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
@@ -400,15 +412,7 @@ impl Bootstrap {
                             msg,
                         })
                     };
-                    let mut r = &join[..];
-                    let parsed = (|| {
-                        if take(&mut r, 1)?[0] != JOIN_VERSION {
-                            return None;
-                        }
-                        let ws = take_u32(&mut r)? as usize;
-                        Some((ws, PeerInfo::decode(&mut r)?))
-                    })();
-                    let Some((ws, info)) = parsed else {
+                    let Some((ws, info)) = parse_join(&join) else {
                         return fail(
                             format!(
                                 "malformed join message from {from} (claiming rank {})",
@@ -639,6 +643,20 @@ impl Bootstrap {
     /// the secret): for naming shared-memory segments and telling communicators apart.
     pub fn comm_tag(&self) -> u64 {
         auth::comm_tag(&self.secret)
+    }
+
+    /// Hands over the rendezvous connections, for the communicator's watchdog
+    /// ([`crate::control`]): rank 0 gets one per other rank, the others the one to rank 0.
+    /// Exchanges are impossible afterwards.
+    pub fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
+        match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {
+            Links::Root(conns) => conns
+                .into_iter()
+                .enumerate()
+                .filter_map(|(r, c)| c.map(|c| (r, c)))
+                .collect(),
+            Links::Member(s) => vec![(0, s)],
+        }
     }
 
     /// Forwards to [`Exchange::allgather`].

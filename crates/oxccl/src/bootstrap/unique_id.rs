@@ -36,6 +36,15 @@ impl fmt::Debug for UniqueId {
 /// process to take them over (so the port cannot be lost between the two calls).
 static PARKED: Mutex<Vec<(SocketAddr, TcpListener)>> = Mutex::new(Vec::new());
 
+/// Parks `listener` for `addr`, for a later `Bootstrap::init` of rank 0 in this process
+/// (as [`UniqueId::new`] does; used by `Communicator::shrink`).
+pub(crate) fn park(addr: SocketAddr, listener: TcpListener) {
+    PARKED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((addr, listener));
+}
+
 /// Takes the listener [`UniqueId::new`] parked for `addr` in this process, if any.
 pub(crate) fn take_parked(addr: SocketAddr) -> Option<TcpListener> {
     let mut p = PARKED.lock().unwrap_or_else(|e| e.into_inner());

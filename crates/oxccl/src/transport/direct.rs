@@ -23,8 +23,10 @@ use std::sync::Arc;
 use super::LinkError;
 use crate::wait::Doorbell;
 
-/// Number of addresses a rank may publish with an event.
-pub const ADDRS: usize = 4;
+/// Number of words a rank publishes with an event: four for the algorithm (buffer addresses
+/// and lengths), two for the call's header (its fingerprint and sequence number, see
+/// [`crate::fingerprint`]), checked by every peer before any data is combined.
+pub const ADDRS: usize = 6;
 
 /// Direct access to the published areas and memory of the other ranks of one host.
 pub trait Direct: Send {
@@ -38,6 +40,9 @@ pub trait Direct: Send {
 
     /// Whether `peer` has published event `e`.
     fn reached(&self, peer: usize, e: u64) -> bool;
+
+    /// The last event this rank published.
+    fn event(&self) -> u64;
 
     /// The first `len` bytes `peer` published with event `e`. Valid until this rank publishes
     /// `e + 1` (see the module's reuse rule); the caller has seen [`reached`](Self::reached).
@@ -67,6 +72,7 @@ struct MemArea {
     slots: [std::sync::Mutex<Vec<u8>>; 2],
     addrs: [[AtomicU64; ADDRS]; 2],
     bell: Doorbell,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// The in-memory implementation, for ranks that are threads of one process.
@@ -88,6 +94,7 @@ pub fn mem_group(n: usize) -> Vec<MemDirect> {
                 ],
                 addrs: Default::default(),
                 bell: Doorbell::new(),
+                closed: Default::default(),
             })
             .collect(),
     );
@@ -127,6 +134,10 @@ impl Direct for MemDirect {
         self.areas[peer].progress.load(Ordering::Acquire) >= e
     }
 
+    fn event(&self) -> u64 {
+        self.event
+    }
+
     fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
         let slot = self.areas[peer].slots[(e % 2) as usize]
             .lock()
@@ -159,7 +170,23 @@ impl Direct for MemDirect {
         &self.areas[self.rank].bell
     }
 
-    fn check_alive(&self, _peer: usize) -> Result<(), LinkError> {
+    fn check_alive(&self, peer: usize) -> Result<(), LinkError> {
+        if self.areas[peer].closed.load(Ordering::Acquire) {
+            return Err(LinkError::Closed(format!(
+                "rank {peer} dropped its communicator"
+            )));
+        }
         Ok(())
+    }
+}
+
+impl Drop for MemDirect {
+    fn drop(&mut self) {
+        self.areas[self.rank].closed.store(true, Ordering::Release);
+        for (r, a) in self.areas.iter().enumerate() {
+            if r != self.rank {
+                a.bell.ring();
+            }
+        }
     }
 }

@@ -210,7 +210,8 @@ fn encode_blob(listen: Option<SocketAddr>, peers: &[usize]) -> Vec<u8> {
     b
 }
 
-fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
+/// Reads a rank's contribution to the port exchange; `None` for anything malformed.
+pub fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
     let mut r = b;
     let mut take = |n: usize| -> Option<&[u8]> {
         if r.len() < n {

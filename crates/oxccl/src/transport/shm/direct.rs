@@ -30,6 +30,7 @@ const VERSION: u32 = 1;
 pub const SLOT_BYTES: usize = 64 << 10;
 const BELL_OFF: usize = 128;
 const PROGRESS_OFF: usize = 256;
+const CLOSED_OFF: usize = 320;
 const ADDRS_OFF: usize = 384;
 const SLOTS_OFF: usize = 4096;
 const TOTAL: usize = SLOTS_OFF + 2 * SLOT_BYTES;
@@ -69,6 +70,9 @@ impl Area {
     }
     fn progress(&self) -> &AtomicU64 {
         self.at(PROGRESS_OFF)
+    }
+    fn closed(&self) -> &AtomicU32 {
+        self.at(CLOSED_OFF)
     }
     fn addr(&self, parity: usize, i: usize) -> &AtomicU64 {
         self.at(ADDRS_OFF + (parity * ADDRS + i) * 8)
@@ -301,6 +305,10 @@ impl Direct for ShmDirect {
         self.area(peer).progress().load(Ordering::Acquire) >= e
     }
 
+    fn event(&self) -> u64 {
+        self.event
+    }
+
     fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
         let len = len.min(SLOT_BYTES);
         // SAFETY: in bounds of the peer's slot; the peer wrote it before publishing e (seen
@@ -327,12 +335,33 @@ impl Direct for ShmDirect {
     }
 
     fn check_alive(&self, peer: usize) -> std::result::Result<(), LinkError> {
+        if self.area(peer).closed().load(Ordering::Acquire) != 0 {
+            return Err(LinkError::Closed(format!(
+                "rank {peer} closed its communicator"
+            )));
+        }
         match self.pids[peer] {
             Some(pid) if super::process_gone(pid) => Err(LinkError::Closed(format!(
                 "process {} of rank {peer} exited",
                 pid.as_raw_nonzero()
             ))),
             _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for ShmDirect {
+    fn drop(&mut self) {
+        // Peers waiting for this rank's next event learn at their next liveness check that it
+        // will never come.
+        if let Some(me) = self.areas.get(self.rank).and_then(|a| a.as_ref()) {
+            me.closed().store(1, Ordering::Release);
+        }
+        fence(Ordering::SeqCst);
+        for (r, a) in self.areas.iter().enumerate() {
+            if let (true, Some(a)) = (r != self.rank, a) {
+                a.bell().ring();
+            }
         }
     }
 }
