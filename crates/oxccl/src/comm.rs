@@ -1,6 +1,6 @@
 //! The communicator: a group of ranks and the collectives they call together.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tracing::{debug, info};
 
@@ -13,7 +13,6 @@ use crate::op::ReduceOp;
 use crate::param::Config;
 use crate::topo::{self, Topology};
 use crate::transport::{shm, tcp, Link, TransportKind};
-use crate::tune;
 
 /// A group of ranks that call collectives together.
 ///
@@ -38,6 +37,8 @@ pub struct Communicator {
     cfg: Config,
     forced_algo: Option<Algo>,
     transports: Vec<TransportKind>,
+    /// Host of each rank (`None` for communicators built from links).
+    topo: Option<Arc<Topology>>,
     state: Mutex<State>,
 }
 
@@ -134,6 +135,7 @@ impl Communicator {
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
+        comm.topo = Some(Arc::new(topo));
         comm.state
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
@@ -192,6 +194,7 @@ impl Communicator {
             cfg,
             forced_algo,
             transports,
+            topo: None,
             state: Mutex::new(State {
                 links,
                 seq: 0,
@@ -248,6 +251,16 @@ impl Communicator {
     /// Forces an algorithm for every collective it implements (`None`: the tuner decides).
     pub fn set_algo(&mut self, algo: Option<Algo>) {
         self.forced_algo = algo;
+    }
+
+    /// The hosts of the ranks, as the communicator saw them at init (`None` when built from
+    /// links).
+    pub fn topology(&self) -> Option<&Topology> {
+        self.topo.as_deref()
+    }
+
+    fn cost_model(&self) -> crate::cost::CostModel {
+        crate::cost::CostModel::default().with_net(self.cfg.net_gbps, self.cfg.net_lat_us)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -310,7 +323,12 @@ impl Communicator {
             });
         }
         let call = validate(seq)?;
-        let algo = tune::choose(call.kind, self.forced_algo);
+        let algo = self.cost_model().choose(
+            call.kind,
+            call.count * call.dtype.size(),
+            self.topo.as_deref(),
+            self.forced_algo,
+        );
         let coll = Coll {
             kind: call.kind,
             rank: self.rank,
@@ -320,6 +338,7 @@ impl Communicator {
             op: call.op,
             root: call.root,
             chunk_bytes: self.cfg.chunk_bytes,
+            topo: self.topo.clone(),
         };
         let sched = algo.schedule(&coll);
         debug_assert!(

@@ -19,6 +19,7 @@ pub mod algo;
 pub mod bootstrap;
 pub mod check;
 pub mod comm;
+pub mod cost;
 pub mod debug;
 pub mod dtype;
 pub mod error;

@@ -7,20 +7,27 @@
 //! lists each one's steps and bytes on the wire.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::dtype::DataType;
 use crate::op::ReduceOp;
+use crate::topo::Topology;
 
 pub mod allgather_ring;
+pub mod allreduce_hier;
 pub mod allreduce_ring;
+pub mod allreduce_tree;
 pub mod alltoall_pairwise;
 pub mod barrier_dissemination;
 pub mod broadcast_chain;
+pub mod placement;
 pub mod reduce_chain;
 pub mod reduce_scatter_ring;
 pub mod sendrecv;
 #[cfg(test)]
 pub mod sim;
+#[cfg(test)]
+mod sim_hosts;
 
 /// Which collective a call is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -97,6 +104,9 @@ pub struct Coll {
     pub root: usize,
     /// Pipeline segment in bytes for chained algorithms.
     pub chunk_bytes: usize,
+    /// Which host each rank is on (`None`: one host, or unknown). Rings and chains follow
+    /// host order (crossing each host boundary once); hierarchical algorithms need it.
+    pub topo: Option<Arc<Topology>>,
 }
 
 impl Coll {
@@ -410,16 +420,24 @@ pub enum Algo {
     Dissemination,
     /// Direct transfer (send, recv).
     Direct,
+    /// Hierarchical all_reduce: reduce-scatter inside each host, all-reduce across hosts,
+    /// all-gather inside each host.
+    Hier,
+    /// Tree all_reduce for small messages: reduce to each host's leader, recursive doubling
+    /// among leaders, broadcast from the leader.
+    Tree,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 5] = [
+    pub const ALL: [Algo; 7] = [
         Algo::Ring,
         Algo::Chain,
         Algo::Pairwise,
         Algo::Dissemination,
         Algo::Direct,
+        Algo::Hier,
+        Algo::Tree,
     ];
 
     /// The algorithm's name.
@@ -430,6 +448,8 @@ impl Algo {
             Algo::Pairwise => "pairwise",
             Algo::Dissemination => "dissemination",
             Algo::Direct => "direct",
+            Algo::Hier => "hier",
+            Algo::Tree => "tree",
         }
     }
 
@@ -443,6 +463,7 @@ impl Algo {
             ) | (Algo::Chain, CollKind::Broadcast | CollKind::Reduce)
                 | (Algo::Pairwise, CollKind::AllToAll)
                 | (Algo::Dissemination, CollKind::Barrier)
+                | (Algo::Hier | Algo::Tree, CollKind::AllReduce)
                 | (
                     Algo::Direct,
                     CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. }
@@ -455,6 +476,8 @@ impl Algo {
     pub fn schedule(self, coll: &Coll) -> Schedule {
         match (self, coll.kind) {
             (Algo::Ring, CollKind::AllReduce) => allreduce_ring::schedule(coll),
+            (Algo::Hier, CollKind::AllReduce) => allreduce_hier::schedule(coll),
+            (Algo::Tree, CollKind::AllReduce) => allreduce_tree::schedule(coll),
             (Algo::Ring, CollKind::AllGather) => allgather_ring::schedule(coll),
             (Algo::Ring, CollKind::ReduceScatter) => reduce_scatter_ring::schedule(coll),
             (Algo::Chain, CollKind::Broadcast) => broadcast_chain::schedule(coll),

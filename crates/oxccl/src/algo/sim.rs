@@ -145,6 +145,7 @@ fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root:
         op,
         root,
         chunk_bytes: 24,
+        topo: None,
     }
 }
 
