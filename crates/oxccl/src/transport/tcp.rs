@@ -31,6 +31,10 @@ pub struct TcpLink {
     start: usize,
     end: usize,
     eof: bool,
+    /// See [`TcpLink::with_dead_after`]; zero: no check.
+    dead_after: Duration,
+    /// When [`Link::check_alive`] first saw sent bytes unacknowledged (reset once all are).
+    unacked_since: Option<Instant>,
 }
 
 impl std::fmt::Debug for TcpLink {
@@ -59,7 +63,37 @@ impl TcpLink {
             start: 0,
             end: 0,
             eof: false,
+            dead_after: Duration::ZERO,
+            unacked_since: None,
         })
+    }
+
+    /// Declares the peer lost when it acknowledges nothing for `after` (zero: never; the
+    /// kernel retransmits for many minutes). Two mechanisms, neither of which fires on a peer
+    /// that is alive but slow to read:
+    /// - an idle connection sends keepalive probes after `after/2`, every `after/6`, and the
+    ///   kernel fails the socket after 3 unanswered ones;
+    /// - while sent bytes are unacknowledged, [`Link::check_alive`] (called by a waiting
+    ///   executor) reads `TCP_INFO` and fails when no acknowledgement at all came for
+    ///   `after`. A receiver with a full buffer still acknowledges window probes, so a busy
+    ///   peer is not mistaken for a dead one.
+    ///
+    /// `TCP_USER_TIMEOUT` is deliberately not used: Linux applies it to zero-window probing
+    /// too, so it would kill the connection to a live peer that is busy elsewhere (a rank
+    /// writing a checkpoint) for longer than the timeout.
+    pub fn with_dead_after(mut self, after: Duration) -> io::Result<TcpLink> {
+        self.dead_after = after;
+        if !after.is_zero() {
+            let r = socket2::SockRef::from(&self.stream);
+            let secs = |d: Duration| d.max(Duration::from_secs(1));
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(secs(after / 2))
+                .with_interval(secs(after / 6))
+                .with_retries(3);
+            r.set_tcp_keepalive(&ka)?;
+            r.set_keepalive(true)?;
+        }
+        Ok(self)
     }
 
     /// The rank at the other end.
@@ -157,6 +191,63 @@ impl Link for TcpLink {
     fn recv_wait(&self) -> WaitSource<'_> {
         WaitSource::Fd(self.stream.as_fd())
     }
+
+    fn check_alive(&mut self) -> Result<(), LinkError> {
+        if self.dead_after.is_zero() {
+            return Ok(());
+        }
+        if let Ok(Err(e)) = rustix::net::sockopt::socket_error(&self.stream) {
+            return Err(LinkError::Closed(format!(
+                "rank {}: {}",
+                self.peer,
+                io::Error::from(e)
+            )));
+        }
+        let Some((unacked, last_ack)) = tcp_info(&self.stream) else {
+            return Ok(());
+        };
+        if unacked == 0 {
+            self.unacked_since = None;
+            return Ok(());
+        }
+        let since = *self.unacked_since.get_or_insert_with(Instant::now);
+        let silent = last_ack.min(since.elapsed());
+        if silent >= self.dead_after {
+            return Err(LinkError::Closed(format!(
+                "rank {}: no acknowledgement for {:.1} s with {unacked} segment(s) unacknowledged: \
+                 the network path is cut or the host is down (OXCCL_TCP_DEAD_AFTER={} s)",
+                self.peer,
+                silent.as_secs_f64(),
+                self.dead_after.as_secs_f64()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `TCP_INFO`: segments sent and not acknowledged, and the time since the last
+/// acknowledgement arrived.
+fn tcp_info(s: &TcpStream) -> Option<(u32, Duration)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain old data; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: a valid socket, a buffer of `len` bytes, and `len` passed by pointer.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then(|| {
+        (
+            info.tcpi_unacked,
+            Duration::from_millis(u64::from(info.tcpi_last_ack_recv)),
+        )
+    })
 }
 
 /// TCP_NODELAY and large socket buffers, best effort.
@@ -414,11 +505,13 @@ pub fn connect(
     streams.sort_by_key(|(r, _)| *r);
     let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(streams.len());
     for (r, s) in streams {
-        let link = TcpLink::new(s, r).map_err(|source| Error::Io {
-            rank: me,
-            context: format!("setting up the link to rank {r}"),
-            source,
-        })?;
+        let link = TcpLink::new(s, r)
+            .and_then(|l| l.with_dead_after(cfg.tcp_dead_after))
+            .map_err(|source| Error::Io {
+                rank: me,
+                context: format!("setting up the link to rank {r}"),
+                source,
+            })?;
         links.push((r, Box::new(link)));
     }
     Ok(links)
