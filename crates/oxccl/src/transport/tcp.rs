@@ -184,6 +184,35 @@ impl Link for TcpLink {
         }
     }
 
+    fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize, LinkError> {
+        // Bytes read ahead earlier first, then from the socket straight into `dst` (no copy
+        // through the link's buffer: on large receives that copy costs more than the
+        // kernel's).
+        let buffered = (self.end - self.start).min(dst.len());
+        dst[..buffered].copy_from_slice(&self.buf[self.start..self.start + buffered]);
+        self.start += buffered;
+        let mut total = buffered;
+        while total < dst.len() && !self.eof {
+            match (&self.stream).read(&mut dst[total..]) {
+                Ok(0) => self.eof = true,
+                Ok(n) => total += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if closed(&e) => {
+                    return Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
+                }
+                Err(e) => return Err(LinkError::Io(e)),
+            }
+        }
+        if total == 0 && self.eof && !dst.is_empty() {
+            return Err(LinkError::Closed(format!(
+                "rank {} closed the connection",
+                self.peer
+            )));
+        }
+        Ok(total)
+    }
+
     fn send_wait(&self) -> WaitSource<'_> {
         WaitSource::Fd(self.stream.as_fd())
     }
