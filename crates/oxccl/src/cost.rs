@@ -7,9 +7,12 @@
 //!
 //! | algorithm | predicted time |
 //! |---|---|
-//! | ring (host order) | `2(n-1) · (α_net + S/n / β_net)` (each host link carries one ring hop each way) |
-//! | hier | `2(L-1) · (α_shm + S/L / β_shm) + 2(H-1) · (α_net + S/H / β_net)` (the `L` ranks of a host share its link) |
-//! | tree | `2⌈log2 L⌉ · (α_shm + S/β_shm) + (⌈log2 H⌉ + 2·[H not a power of 2]) · (α_net + S/β_net)` |
+//! | ring (host order) | `2(n-1) · (α_net + S/n / β_net) + (n-1) · S/n / μ` (each host link carries one ring hop each way) |
+//! | hier | `2(L-1) · (α_shm + S/L / β_shm) + 2(H-1) · (α_net + S/H / β_net) + ((L-1)/L + (H-1)/(HL)) · S / μ` (the `L` ranks of a host share its link) |
+//! | tree | `2⌈log2 L⌉ · (α_shm + S/β_shm + S/μ) + (⌈log2 H⌉ + 2·[H not a power of 2]) · (α_net + S/β_net + S/μ)` |
+//!
+//! `μ` is the rate at which one rank reduces or copies memory (`local_gbps`); the tree
+//! reduces (and copies) the whole buffer at every step, the rings only a `1/n` block.
 //!
 //! On one host this module decides nothing: [`tune::choose`] does.
 //! Defaults were measured on the emulated cluster of `scripts/cluster.sh` (10 Gbit/s links);
@@ -42,6 +45,8 @@ pub struct CostModel {
     pub shm: LinkCost,
     /// Between hosts.
     pub net: LinkCost,
+    /// GB/s at which one rank reduces or copies memory.
+    pub local_gbps: f64,
 }
 
 impl Default for CostModel {
@@ -55,6 +60,7 @@ impl Default for CostModel {
                 alpha_us: 30.0,
                 gbps: 1.2,
             },
+            local_gbps: 2.0,
         }
     }
 }
@@ -87,8 +93,10 @@ impl CostModel {
         let l = topo.hosts.iter().map(Vec::len).max().unwrap_or(1);
         let s = bytes as f64;
         let link = if h > 1 { self.net } else { self.shm };
+        let mem = |bytes: f64| bytes / (self.local_gbps * 1e3);
+        let nf = n as f64;
         match algo {
-            Algo::Ring => Some(2.0 * (n as f64 - 1.0) * link.time_us(s / n as f64)),
+            Algo::Ring => Some(2.0 * (nf - 1.0) * link.time_us(s / nf) + (nf - 1.0) * mem(s / nf)),
             Algo::Hier => {
                 if topo.hosts.iter().any(|x| x.len() != l) {
                     return None;
@@ -96,12 +104,16 @@ impl CostModel {
                 let (lf, hf) = (l as f64, h as f64);
                 Some(
                     2.0 * (lf - 1.0) * self.shm.time_us(s / lf)
-                        + 2.0 * (hf - 1.0) * self.net.time_us(s / hf),
+                        + 2.0 * (hf - 1.0) * self.net.time_us(s / hf)
+                        + mem(s * ((lf - 1.0) / lf + (hf - 1.0) / (hf * lf))),
                 )
             }
             Algo::Tree => {
                 let net_steps = ceil_log2(h) + if h.is_power_of_two() { 0.0 } else { 2.0 };
-                Some(2.0 * ceil_log2(l) * self.shm.time_us(s) + net_steps * self.net.time_us(s))
+                Some(
+                    2.0 * ceil_log2(l) * (self.shm.time_us(s) + mem(s))
+                        + net_steps * (self.net.time_us(s) + mem(s)),
+                )
             }
             _ => None,
         }
@@ -156,6 +168,9 @@ mod tests {
         assert_eq!(m.choose(ar, 64 << 20, Some(&two_by_two), None), Algo::Hier);
         assert_eq!(m.choose(ar, 8, Some(&four), None), Algo::Tree);
         assert_eq!(m.choose(ar, 64 << 20, Some(&four), None), Algo::Ring);
+        let two = topo(vec![0, 1]);
+        assert_eq!(m.choose(ar, 8, Some(&two), None), Algo::Tree);
+        assert_eq!(m.choose(ar, 1 << 20, Some(&two), None), Algo::Ring);
         // One host: the intra-host tuner decides.
         assert_eq!(m.choose(ar, 8, Some(&one), None), tune::choose(ar, None));
         // Forced where it fits; other collectives keep their default.

@@ -18,6 +18,7 @@ use crate::wait::Doorbell;
 pub mod mem;
 pub mod shm;
 pub mod tcp;
+pub mod tcp_striped;
 
 /// Which transport a link uses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]

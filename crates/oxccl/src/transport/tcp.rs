@@ -13,6 +13,7 @@ use crate::bootstrap::auth::{self, AcceptStop, Deadlined, Hello, Purpose, Verdic
 use crate::bootstrap::{decode_ip, encode_ip, local_ip, Exchange};
 use crate::error::{Error, Result};
 use crate::param::Config;
+use crate::transport::tcp_striped::StripedLink;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// Bytes a [`TcpLink`] reads ahead from its socket.
@@ -466,6 +467,7 @@ pub fn connect(
         }
     }
     let higher: Vec<usize> = ranks.iter().copied().filter(|&r| r > me).collect();
+    let streams = cfg.tcp_streams.max(1);
     let tag = auth::comm_tag(secret);
     let cancel = AtomicBool::new(false);
 
@@ -484,7 +486,7 @@ pub fn connect(
                 let res = auth::accept_loop(listener, deadline, cancel, handshake, |(h, s, from)| {
                     let verdict = if !higher.contains(&h.rank) {
                         Verdict::UnexpectedRank
-                    } else if got.iter().any(|(r, _)| *r == h.rank) {
+                    } else if got.iter().filter(|(r, _)| *r == h.rank).count() >= streams {
                         Verdict::DuplicateRank
                     } else {
                         Verdict::Accepted
@@ -498,7 +500,7 @@ pub fn connect(
                             let _ = s.shutdown(std::net::Shutdown::Both);
                         }
                     }
-                    Ok(got.len() == higher.len())
+                    Ok(got.len() == higher.len() * streams)
                 });
                 match res {
                     Ok(Ok(())) => Ok(got),
@@ -507,14 +509,14 @@ pub fn connect(
                         rank: me,
                         call: CALL,
                         seq: 0,
-                        waiting_on: higher.iter().copied().filter(|r| !got.iter().any(|(g, _)| g == r)).collect(),
+                        waiting_on: higher.iter().copied().filter(|r| got.iter().filter(|(g, _)| g == r).count() < streams).collect(),
                         elapsed: start.elapsed(),
                     }),
                     Err(AcceptStop::Io(source)) => Err(Error::Io { rank: me, context: "accepting data connections".into(), source }),
                 }
             })
         });
-        let connected = connect_lower(me, &lower, secret, tag, cfg.timeout, deadline);
+        let connected = connect_lower(me, &lower, streams, secret, tag, cfg.timeout, deadline);
         if connected.is_err() {
             cancel.store(true, Ordering::SeqCst);
         }
@@ -529,11 +531,13 @@ pub fn connect(
         };
         (accepted, connected)
     });
-    let mut streams = connected?;
-    streams.extend(accepted?);
-    streams.sort_by_key(|(r, _)| *r);
-    let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(streams.len());
-    for (r, s) in streams {
+    let mut conns = connected?;
+    conns.extend(accepted?);
+    // Stable: a peer's connections stay in the order they were made (the connecting side
+    // dials the next only after the previous one's verdict), the same on both ends.
+    conns.sort_by_key(|(r, _)| *r);
+    let mut groups: Vec<(usize, Vec<TcpLink>)> = Vec::with_capacity(ranks.len());
+    for (r, s) in conns {
         let link = TcpLink::new(s, r)
             .and_then(|l| l.with_dead_after(cfg.tcp_dead_after))
             .map_err(|source| Error::Io {
@@ -541,15 +545,28 @@ pub fn connect(
                 context: format!("setting up the link to rank {r}"),
                 source,
             })?;
-        links.push((r, Box::new(link)));
+        match groups.last_mut() {
+            Some((g, v)) if *g == r => v.push(link),
+            _ => groups.push((r, vec![link])),
+        }
     }
-    Ok(links)
+    Ok(groups
+        .into_iter()
+        .map(|(r, mut v)| -> (usize, Box<dyn Link>) {
+            if v.len() == 1 {
+                (r, Box::new(v.pop().expect("one link")))
+            } else {
+                (r, Box::new(StripedLink::new(v)))
+            }
+        })
+        .collect())
 }
 
 /// Connects to each lower-ranked peer in turn, retrying until `deadline`.
 fn connect_lower(
     me: usize,
     lower: &[(usize, SocketAddr)],
+    streams: usize,
     secret: &[u8; 16],
     tag: u64,
     timeout: Duration,
@@ -560,8 +577,8 @@ fn connect_lower(
         purpose: Purpose::Data,
         tag,
     };
-    let mut out = Vec::with_capacity(lower.len());
-    for &(peer, addr) in lower {
+    let mut out = Vec::with_capacity(lower.len() * streams);
+    for &(peer, addr) in lower.iter().flat_map(|p| std::iter::repeat_n(p, streams)) {
         let addr_s = addr.to_string();
         let mut last_err = String::from("no attempt made");
         let mut pause = Duration::from_millis(10);
