@@ -228,3 +228,29 @@ fn hierarchy_saves_network_bytes() {
     // Tree: the leader of host 0 exchanges the whole buffer log2(4) = 2 times.
     assert_eq!(network_bytes(Algo::Tree, &l, count), 2 * s);
 }
+
+#[test]
+fn pipelined_hier_on_large_buffers() {
+    // Enough elements for several pipeline chunks.
+    let count = 5 * (2 << 20) / 8 + 3;
+    assert!(super::allreduce_hier::chunks(count * 8) > 1);
+    for layout in [&[0usize, 0, 1, 1][..], &[0, 1, 0, 1], &[0, 0, 0, 1, 1, 1]] {
+        let t = topo(layout);
+        let n = layout.len();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let cs = colls(CollKind::AllReduce, &t, count, op, 0);
+            let mut bufs: Vec<Bufs> = (0..n)
+                .map(|r| Bufs {
+                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    output: vec![0; count * 8],
+                    ..Default::default()
+                })
+                .collect();
+            run(Algo::Hier, &cs, &mut bufs);
+            let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+            for (r, b) in bufs.iter().enumerate() {
+                assert!(b.output == want, "hier layout={layout:?} op={op} rank={r}");
+            }
+        }
+    }
+}
