@@ -8,7 +8,7 @@
 //! | algorithm | predicted time |
 //! |---|---|
 //! | ring (host order) | `2(n-1) · (α_net + S/n / β_net) + (n-1) · S/n / μ` (each host link carries one ring hop each way) |
-//! | hier | `2(L-1) · (α_shm + S/L / β_shm) + 2(H-1) · (α_net + S/H / β_net) + ((L-1)/L + (H-1)/(HL)) · S / μ` (the `L` ranks of a host share its link) |
+//! | hier | `max(T_net, T_loc) + T_loc/K` with `T_loc = 2(L-1) · (α_shm + S/L / β_shm) + (L-1)/L · S/μ`, `T_net = 2(H-1) · (α_net + S/H / β_net) + (H-1)/(HL) · S/μ` (the `L` ranks of a host share its link; `K` pipeline chunks overlap the two) |
 //! | tree | `2⌈log2 L⌉ · (α_shm + S/β_shm + S/μ) + (⌈log2 H⌉ + 2·[H not a power of 2]) · (α_net + S/β_net + S/μ)` |
 //!
 //! `μ` is the rate at which one rank reduces or copies memory (`local_gbps`); the tree
@@ -102,11 +102,13 @@ impl CostModel {
                     return None;
                 }
                 let (lf, hf) = (l as f64, h as f64);
-                Some(
-                    2.0 * (lf - 1.0) * self.shm.time_us(s / lf)
-                        + 2.0 * (hf - 1.0) * self.net.time_us(s / hf)
-                        + mem(s * ((lf - 1.0) / lf + (hf - 1.0) / (hf * lf))),
-                )
+                let local = 2.0 * (lf - 1.0) * self.shm.time_us(s / lf) + mem(s * (lf - 1.0) / lf);
+                let net =
+                    2.0 * (hf - 1.0) * self.net.time_us(s / hf) + mem(s * (hf - 1.0) / (hf * lf));
+                // Pipelined in K chunks: the local phases of neighbouring chunks overlap the
+                // network phase; about one chunk's worth stays exposed.
+                let k = crate::algo::allreduce_hier::chunks(bytes) as f64;
+                Some(net.max(local) + local / k)
             }
             Algo::Tree => {
                 let net_steps = ceil_log2(h) + if h.is_power_of_two() { 0.0 } else { 2.0 };
