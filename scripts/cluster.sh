@@ -170,6 +170,11 @@ t_correctness() {
   for a in ring hier tree; do
     LIMIT=120 run "2x2-$a" 2 2 block -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 -o avg --algo "$a"
   done
+  log "2 hosts x 2 ranks, TCP striped over 3 connections per pair"
+  EXTRA_ENV=(OXCCL_TCP_STREAMS=3)
+  LIMIT=120 run "2x2-streams3" 2 2 block -- perf all_reduce -b 8 -e 8M -f 32 -n 2 -w 1 --algo ring
+  LIMIT=120 run "2x2-streams3-a2a" 2 2 block -- perf all_to_all -b 64 -e 4M -f 64 -n 2 -w 1
+  EXTRA_ENV=()
   log "2 hosts x 2 ranks, cyclic placement (ranks 0,2 on host 0)"
   for a in ring hier tree; do
     LIMIT=120 run "2x2c-$a" 2 2 cyclic -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 --algo "$a"
@@ -249,56 +254,48 @@ t_iperf() {
   ip netns exec "${P}h1" timeout 30 iperf3 -c "$NET.1" -t 5 ${IPERF_ARGS:-} | tail -8
 }
 
-# bench: oxccl and gloo side by side, all_reduce, on 2x1, 4x1 and 2x2.
+# gloo_run NAME HOSTS PER LO HI: gloo_coll_bench.py, one process per rank, in the namespaces.
+gloo_run() {
+  local name=$1 hosts=$2 per=$3 lo=$4 hi=$5 world=$(($2 * $3)) r h
+  LOGDIR="$LOGS/$name"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 1))
+  for ((r = 0; r < world; r++)); do
+    h=$((r / per))
+    ip netns exec "${P}h$h" env RANK=$r WORLD_SIZE=$world MASTER_ADDR=$NET.1 MASTER_PORT=$PORT \
+      GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+      timeout -k 5 900 "$GLOO_PY" "$ANCHORS/gloo_coll_bench.py" "$world" all_reduce "$lo" "$hi" \
+      >"$LOGDIR/rank$r.log" 2>&1 &
+    PIDS+=($!)
+  done
+  wait_ok
+  grep -v '^\[W' "$LOGDIR/rank0.log" | sed "s/^/[$name] /"
+}
+
+# bench [LO HI]: oxccl and gloo side by side, all_reduce float sum, in one run, on 2 hosts x
+# 1 rank, 4 x 1 and 2 x 2: 8 B and LO..HI (default 64 MB..256 MB); on 2 x 2 also the flat
+# ring at LO. Prints the load average before each shape (the machine may be shared).
 t_bench() {
   local lo=${1:-67108864} hi=${2:-268435456}
-  local py=${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}
-  local anchors=${ANCHORS:-../shared/anchors}
+  GLOO_PY=${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}
+  ANCHORS=${ANCHORS:-../shared/anchors}
   EXTRA_ENV=()
-  local shape hosts per a
+  local shape hosts per
   for shape in 2x1 4x1 2x2; do
     hosts=${shape%x*} per=${shape#*x}
     up "$hosts"
-    log "$shape: all_reduce float sum, rate $RATE, mtu $MTU"
-    local algos="auto ring"
-    [ "$per" -gt 1 ] && algos="auto ring hier"
-    for a in $algos; do
-      local extra=()
-      [ "$a" != auto ] && extra=(--algo "$a")
-      LIMIT=600 run "$shape-ox-$a-small" "$hosts" "$per" block -- perf all_reduce -b 8 -e 8 -n 200 -w 20 "${extra[@]}"
-      LIMIT=600 run "$shape-ox-$a" "$hosts" "$per" block -- perf all_reduce -b "$lo" -e "$hi" -f 2 -n 5 -w 2 "${extra[@]}"
-    done
-    if [ -x "$py" ]; then
-      # gloo: one process per rank (gloo_coll_bench.py runs one rank under RANK/MASTER_*).
-      local world=$((hosts * per)) r h
-      LOGDIR="$LOGS/$shape-gloo"
-      mkdir -p "$LOGDIR"
-      PIDS=()
-      PORT=$((PORT + 1))
-      for ((r = 0; r < world; r++)); do
-        h=$((r / per))
-        ip netns exec "${P}h$h" env RANK=$r WORLD_SIZE=$world MASTER_ADDR=$NET.1 MASTER_PORT=$PORT \
-          GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
-          timeout -k 5 900 "$py" "$anchors/gloo_coll_bench.py" "$world" all_reduce 8 8 \
-          >"$LOGDIR/small$r.log" 2>&1 &
-        PIDS+=($!)
-      done
-      wait_ok
-      sed "s/^/[$shape-gloo-small] /" "$LOGDIR/small0.log"
-      PIDS=()
-      PORT=$((PORT + 1))
-      for ((r = 0; r < world; r++)); do
-        h=$((r / per))
-        ip netns exec "${P}h$h" env RANK=$r WORLD_SIZE=$world MASTER_ADDR=$NET.1 MASTER_PORT=$PORT \
-          GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
-          timeout -k 5 900 "$py" "$anchors/gloo_coll_bench.py" "$world" all_reduce "$lo" "$hi" \
-          >"$LOGDIR/rank$r.log" 2>&1 &
-        PIDS+=($!)
-      done
-      wait_ok
-      sed "s/^/[$shape-gloo] /" "$LOGDIR/rank0.log"
+    log "$shape: all_reduce float sum, rate $RATE, mtu $MTU, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    LIMIT=600 run "$shape-oxccl" "$hosts" "$per" block -- perf all_reduce -b 8 -e 8 -n 500 -w 50
+    LIMIT=600 run "$shape-oxccl" "$hosts" "$per" block -- perf all_reduce -b "$lo" -e "$hi" -f 2 -n 5 -w 2
+    if [ "$per" -gt 1 ]; then
+      LIMIT=600 run "$shape-oxccl-ring" "$hosts" "$per" block -- perf all_reduce -b "$lo" -e "$lo" -n 5 -w 2 --algo ring
+    fi
+    if [ -x "$GLOO_PY" ]; then
+      gloo_run "$shape-gloo" "$hosts" "$per" 8 8
+      gloo_run "$shape-gloo" "$hosts" "$per" "$lo" "$hi"
     else
-      echo "(gloo skipped: $py not found; run ../shared/anchors/install.sh)"
+      echo "(gloo skipped: $GLOO_PY not found; run ../shared/anchors/install.sh)"
     fi
   done
 }
