@@ -60,7 +60,11 @@ fn run(host_of: &[usize], streams: usize) {
                 let id = id.clone();
                 let cfg = Config {
                     timeout: Duration::from_secs(120),
-                    host_id: Some(format!("test-host-{}-{}", host_of[rank], std::process::id())),
+                    host_id: Some(format!(
+                        "test-host-{}-{}",
+                        host_of[rank],
+                        std::process::id()
+                    )),
                     tcp_streams: streams,
                     chunk_bytes: 8192,
                     ..Config::default()
