@@ -97,6 +97,11 @@ impl TcpLink {
         Ok(self)
     }
 
+    #[cfg(test)]
+    pub(crate) fn dead_after_for_test(&mut self, after: Duration) {
+        self.dead_after = after;
+    }
+
     /// The rank at the other end.
     pub fn peer(&self) -> usize {
         self.peer

@@ -124,6 +124,30 @@ mod tests {
         (StripedLink::new(a), StripedLink::new(b))
     }
 
+    /// A peer that is alive but not reading (zero window) is not declared dead, however
+    /// long it waits; `TCP_USER_TIMEOUT` would kill this connection.
+    #[test]
+    fn busy_peer_is_not_dead() {
+        let (mut a, _b) = pair(1);
+        let mut a = a.links.pop().unwrap();
+        a.dead_after_for_test(std::time::Duration::from_millis(300));
+        let chunk = vec![7u8; 1 << 16];
+        let mut sent = 0;
+        for _ in 0..10_000 {
+            let k = a.try_send(&chunk).unwrap();
+            if k == 0 {
+                break;
+            }
+            sent += k;
+        }
+        assert!(sent > 0);
+        for _ in 0..10 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            a.check_alive()
+                .expect("a live peer with a full window is not lost");
+        }
+    }
+
     #[test]
     fn stream_stays_ordered_across_stripes() {
         for k in [1, 2, 3] {
