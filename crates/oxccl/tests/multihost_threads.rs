@@ -108,3 +108,31 @@ fn two_hosts_of_two_round_robin_striped() {
 fn three_uneven_hosts() {
     run(&[0, 0, 1, 2, 1], 1);
 }
+
+#[test]
+fn differing_stream_counts_are_an_error_on_every_rank() {
+    let id = UniqueId::new_on("127.0.0.1".parse().unwrap()).unwrap();
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let id = id.clone();
+                let cfg = Config {
+                    timeout: Duration::from_secs(60),
+                    host_id: Some(format!("streams-{rank}-{}", std::process::id())),
+                    tcp_streams: rank + 1,
+                    ..Config::default()
+                };
+                s.spawn(move || {
+                    let start = std::time::Instant::now();
+                    let e = Communicator::init_with_config(&id, rank, 2, cfg).unwrap_err();
+                    assert!(start.elapsed() < Duration::from_secs(30), "not a timeout");
+                    e.to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errs {
+        assert!(e.contains("OXCCL_TCP_STREAMS"), "{e}");
+    }
+}

@@ -336,6 +336,15 @@ fn encode_blob(listen: Option<SocketAddr>, peers: &[usize]) -> Vec<u8> {
     b
 }
 
+/// The connections per pair a peer's blob asks for: a `u32` after [`encode_blob`]'s fields
+/// (1 when absent).
+fn blob_streams(b: &[u8], listens: bool, npeers: usize) -> usize {
+    let fields = 2 + if listens { 19 } else { 0 } + 4 + 4 * npeers;
+    b.get(fields..fields + 4)
+        .and_then(|x| x.try_into().ok())
+        .map_or(1, |x| u32::from_le_bytes(x) as usize)
+}
+
 fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
     let mut r = b;
     let mut take = |n: usize| -> Option<&[u8]> {
@@ -425,7 +434,10 @@ pub fn connect(
         })?),
         None => None,
     };
-    let all = ex.allgather(&encode_blob(listen_addr, &ranks))?;
+    let streams = cfg.tcp_streams.max(1);
+    let mut mine = encode_blob(listen_addr, &ranks);
+    mine.extend_from_slice(&(streams as u32).to_le_bytes());
+    let all = ex.allgather(&mine)?;
     if all.len() != n {
         return Err(Error::Protocol {
             rank: me,
@@ -451,6 +463,13 @@ pub fn connect(
                 "rank {r} does not expect a TCP link to rank {me}"
             )));
         }
+        let their_streams = blob_streams(&all[r], addr.is_some(), theirs.len());
+        if their_streams != streams {
+            return Err(Error::Env(format!(
+                "OXCCL_TCP_STREAMS differs between ranks: {streams} on rank {me}, {their_streams} on rank {r}; \
+                 set the same value everywhere"
+            )));
+        }
         if r < me {
             lower.push((r, addr.ok_or_else(|| proto("no listen address".into()))?));
         }
@@ -472,7 +491,6 @@ pub fn connect(
         }
     }
     let higher: Vec<usize> = ranks.iter().copied().filter(|&r| r > me).collect();
-    let streams = cfg.tcp_streams.max(1);
     let tag = auth::comm_tag(secret);
     let cancel = AtomicBool::new(false);
 
