@@ -7,14 +7,16 @@
 #
 # Usage (as root, with `ip netns`):
 #   scripts/cluster.sh test            correctness on 2 hosts x 2 ranks (block and cyclic rank
-#                                      placement) and 4 hosts x 1 rank, every collective with
-#                                      results checked; then a link cut mid-run: every rank
-#                                      must exit with an error within a bound
+#                                      placement), 4 hosts x 1 rank and 2+1+1 ranks, every
+#                                      collective with results checked; torchrun as the
+#                                      launcher (if torch is installed); then a link cut
+#                                      mid-run: every rank must exit with an error in a bound
 #   scripts/cluster.sh bench [SIZES]   oxccl (ring, hier, auto) and gloo side by side on the
 #                                      same cluster, all_reduce 8 B and 64 MB .. 256 MB
 #   scripts/cluster.sh iperf           iperf3 between two hosts (the link's TCP ceiling)
 #   scripts/cluster.sh perf H L ARGS   one checked `oxccl perf ARGS` on H hosts x L ranks
 #   scripts/cluster.sh cut H L         only the link-cut check
+#   scripts/cluster.sh torchrun        only the torchrun launch
 #
 # Settings: OXCCL_BIN (default target/release/oxccl), OXCCL_CLUSTER_RATE (10gbit),
 # OXCCL_CLUSTER_MTU (9000; 1500 for standard frames), GLOO_PY (python with torch; default
@@ -213,6 +215,35 @@ launch_uneven() {
   grep '^ ' "$LOGDIR/rank0.log" | sed 's/^/[3 hosts, 2+1+1] /'
 }
 
+# torchrun as the launcher: one torchrun per host (--nnodes 2 --nproc-per-node 2), ranks
+# checked; skipped where torch is not installed.
+t_torchrun() {
+  local tr
+  tr=$(dirname "${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}")/torchrun
+  if [ ! -x "$tr" ]; then
+    echo "(torchrun launch skipped: $tr not found; ../shared/anchors/install.sh installs torch)"
+    return 0
+  fi
+  up 2
+  log "torchrun on 2 hosts x 2 ranks (one torchrun per host)"
+  LOGDIR="$LOGS/torchrun"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 2))
+  local k
+  for k in 0 1; do
+    ip netns exec "${P}h$k" env OXCCL_SECRET="$SECRET" OXCCL_HOSTID="host$k" \
+      timeout -k 5 180 "$tr" --nnodes 2 --nproc-per-node 2 --node-rank $k \
+      --master-addr $NET.1 --master-port $PORT --no-python \
+      "$(realpath "$BIN")" perf all_reduce -b 8 -e 4M -f 32 -n 2 -w 1 >"$LOGDIR/node$k.log" 2>&1 &
+    PIDS+=($!)
+  done
+  wait_ok
+  grep -q '# Out of bounds values : 0 OK' "$LOGDIR/node0.log" || die "torchrun: results not checked OK"
+  grep -q 'transport shm+tcp' "$LOGDIR/node0.log" || die "torchrun: expected shm+tcp links"
+  grep '^ \|transport' "$LOGDIR/node0.log" | sed 's/^/[torchrun] /'
+}
+
 # A link cut mid-run: every rank must exit non-zero, with an error message, within BOUND s.
 t_cut() {
   local hosts=$1 per=$2 bound=${CUT_BOUND:-90}
@@ -312,6 +343,7 @@ trap 'exit 130' INT TERM
 case "$cmd" in
 test)
   t_correctness
+  t_torchrun
   t_cut 2 1
   t_cut 4 1
   t_cut 2 2
@@ -326,6 +358,7 @@ perf)
   run "perf-${h}x$per" "$h" "$per" block -- perf "$@"
   ;;
 cut) t_cut "${1:-2}" "${2:-1}" ;;
+torchrun) t_torchrun ;;
 bench) t_bench "$@" ;;
 iperf) t_iperf ;;
 *) die "unknown command $cmd (test, bench, cut, iperf)" ;;
