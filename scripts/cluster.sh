@@ -11,7 +11,7 @@
 #                                      collective with results checked; torchrun as the
 #                                      launcher (if torch is installed); then a link cut
 #                                      mid-run: every rank must exit with an error in a bound
-#   scripts/cluster.sh bench [SIZES]   oxccl (ring, hier, auto) and gloo side by side on the
+#   scripts/cluster.sh bench [LO HI]   oxccl (tuned; also the flat ring on 2x2) and gloo side by side on the
 #                                      same cluster, all_reduce 8 B and 64 MB .. 256 MB
 #   scripts/cluster.sh iperf           iperf3 between two hosts (the link's TCP ceiling)
 #   scripts/cluster.sh perf H L ARGS   one checked `oxccl perf ARGS` on H hosts x L ranks
