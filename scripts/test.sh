@@ -2,6 +2,8 @@
 # Runs every check and test of oxccl on a fresh machine: formatting, clippy (warnings are
 # errors), the library's unit and in-process tests, and the multi-process tests (every
 # collective over shared memory and TCP with 1-8 ranks, launched by `oxccl run`), then the
+# emulated cluster (scripts/cluster.sh: hosts as network namespaces joined by 10 Gbit/s
+# links; it runs as root where `ip netns` works and says why it skipped elsewhere), then the
 # Python package and its torch backend (pytest, in a virtual environment at .venv).
 # Installs what it needs (the Rust components rustfmt and clippy) if they are missing.
 set -euo pipefail
@@ -19,6 +21,11 @@ echo "== cargo test"
 # Tests start up to 8 rank processes each: run test binaries one test at a time per binary
 # so that oversubscription stays bounded on small machines.
 cargo test --workspace --locked -- --test-threads=2
+echo "== emulated cluster (scripts/cluster.sh test)"
+if [ "$(id -u)" = 0 ]; then
+  cargo build --release --locked -p oxccl-cli
+fi
+./scripts/cluster.sh test
 
 # The Python package and the torch backend: a virtual environment with torch, numpy, pytest
 # and maturin from PyPI (CPU is enough), the extension built in release mode, then pytest.

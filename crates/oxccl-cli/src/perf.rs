@@ -82,6 +82,14 @@ pub fn main(a: Args) -> i32 {
         return 2;
     }
     if under_launcher() {
+        // One rank of a launched job: --transport and --algo apply to this process.
+        // Set before any thread starts.
+        if let Some(t) = &a.transport {
+            std::env::set_var("OXCCL_TRANSPORT", t);
+        }
+        if let Some(al) = &a.algo {
+            std::env::set_var("OXCCL_ALGO", al);
+        }
         return match rank_main(&a) {
             Ok(()) => 0,
             Err(e) => {

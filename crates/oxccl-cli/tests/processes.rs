@@ -261,6 +261,8 @@ fn a_dead_rank_is_an_error_on_the_survivors() {
 
 #[test]
 fn run_reports_the_failed_rank_and_stops_the_others() {
+    // Rank 2 fails after a second, so that the other ranks (started, but maybe not yet
+    // scheduled on a loaded machine) have printed before they are stopped.
     let start = Instant::now();
     let out = Command::new(OXCCL)
         .args([

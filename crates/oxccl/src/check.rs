@@ -46,6 +46,7 @@ impl Case {
             op: self.op,
             root: self.root,
             chunk_bytes: 1,
+            topo: None,
         }
     }
 

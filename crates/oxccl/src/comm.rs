@@ -1,6 +1,6 @@
 //! The communicator: a group of ranks and the collectives they call together.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tracing::{debug, info};
 
@@ -44,6 +44,8 @@ pub struct Communicator {
     transports: Vec<TransportKind>,
     /// Failure handling (dropped before the links: it says goodbye first).
     guard: CommGuard,
+    /// Host of each rank (`None` for communicators built from links).
+    topo: Option<Arc<Topology>>,
     state: Mutex<State>,
     /// Queued non-blocking calls ([`crate::stream`]).
     pub(crate) stream: crate::stream::Stream,
@@ -156,6 +158,7 @@ impl Communicator {
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
         comm.guard = CommGuard::with_bootstrap(&mut boot, &comm.cfg)?;
+        comm.topo = Some(Arc::new(topo));
         comm.state
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
@@ -219,6 +222,7 @@ impl Communicator {
             cfg,
             forced_algo,
             transports,
+            topo: None,
             state: Mutex::new(State {
                 links,
                 seq: 0,
@@ -296,6 +300,16 @@ impl Communicator {
         &self.guard
     }
 
+    /// The hosts of the ranks, as the communicator saw them at init (`None` when built from
+    /// links).
+    pub fn topology(&self) -> Option<&Topology> {
+        self.topo.as_deref()
+    }
+
+    fn cost_model(&self) -> crate::cost::CostModel {
+        crate::cost::CostModel::default().with_net(self.cfg.net_gbps, self.cfg.net_lat_us)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -367,6 +381,7 @@ impl Communicator {
             op: call.op,
             root: call.root,
             chunk_bytes: self.cfg.chunk_bytes,
+            topo: self.topo.clone(),
         };
         let situation = tune::Situation {
             kind: call.kind,
@@ -382,7 +397,9 @@ impl Communicator {
             cma_min: self.cfg.cma_min,
             deterministic: self.cfg.deterministic,
         };
-        let algo = tune::choose(&situation, self.forced_algo);
+        let algo = self
+            .cost_model()
+            .choose(&situation, self.topo.as_deref(), self.forced_algo);
         debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");
         st.last_algo = algo.name();
         let fp = Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root);

@@ -20,6 +20,7 @@ pub mod bootstrap;
 pub mod check;
 pub mod comm;
 pub mod control;
+pub mod cost;
 pub mod debug;
 pub mod dtype;
 pub mod error;

@@ -80,6 +80,19 @@ pub struct Config {
     /// `OXCCL_TRACE`: write a Chrome/Perfetto timeline of every call and step to this file
     /// (`file.<rank>.json`, or `%r` replaced by the rank).
     pub trace: Option<String>,
+    // Multi-host settings (transport/tcp.rs, cost.rs).
+    /// `OXCCL_NET_GBPS`: network bandwidth per host link in GB/s for the cost model
+    /// (default: [`crate::cost::CostModel`]'s, 1.2).
+    pub net_gbps: Option<f64>,
+    /// `OXCCL_NET_LAT_US`: network latency per step in microseconds for the cost model.
+    pub net_lat_us: Option<f64>,
+    /// `OXCCL_TCP_STREAMS`: TCP connections per pair of ranks on different hosts, striped.
+    /// Default 1.
+    pub tcp_streams: usize,
+    /// `OXCCL_TCP_DEAD_AFTER` (seconds): a TCP peer that acknowledges nothing for this long
+    /// (sent data, or keepalive probes on an idle connection) is lost. Default 20 s; 0 leaves
+    /// the kernel's defaults (minutes).
+    pub tcp_dead_after: Duration,
 }
 
 impl Default for Config {
@@ -101,6 +114,10 @@ impl Default for Config {
             flight_recorder: None,
             flight_entries: 256,
             trace: None,
+            net_gbps: None,
+            net_lat_us: None,
+            tcp_streams: 1,
+            tcp_dead_after: Duration::from_secs(20),
         }
     }
 }
@@ -308,7 +325,37 @@ impl Config {
             c.flight_entries = n;
         }
         c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
+        c.read_net_env()?;
         Ok(c)
+    }
+
+    fn read_net_env(&mut self) -> Result<()> {
+        let positive = |v: &str| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|x| *x > 0.0 && x.is_finite())
+                .ok_or_else(|| "expected a positive number".to_string())
+        };
+        self.net_gbps = env_parse("OXCCL_NET_GBPS", positive)?;
+        self.net_lat_us = env_parse("OXCCL_NET_LAT_US", positive)?;
+        if let Some(k) = env_parse("OXCCL_TCP_STREAMS", |v| {
+            v.parse::<usize>()
+                .ok()
+                .filter(|k| (1..=16).contains(k))
+                .ok_or_else(|| "expected 1 to 16".to_string())
+        })? {
+            self.tcp_streams = k;
+        }
+        if let Some(t) = env_parse("OXCCL_TCP_DEAD_AFTER", |v| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s >= 0.0 && s.is_finite())
+                .map(Duration::from_secs_f64)
+                .ok_or_else(|| "expected seconds (0: the kernel's defaults)".to_string())
+        })? {
+            self.tcp_dead_after = t;
+        }
+        Ok(())
     }
 }
 

@@ -68,7 +68,20 @@ pub fn plan_links(
         }
         let same_host = topo.host_of[r] == topo.host_of[me];
         match (choice, same_host) {
-            (TransportChoice::Tcp, _) | (TransportChoice::Auto, false) => tcp.push((r, p.ip)),
+            (TransportChoice::Tcp, _) | (TransportChoice::Auto, false) => {
+                if !same_host && p.ip.is_loopback() != peers[me].ip.is_loopback() {
+                    // One side will not reach the other: say why before the connect times out.
+                    tracing::warn!(
+                        "rank {me} ({}) and rank {r} on host {} ({}) disagree on loopback: \
+                         MASTER_ADDR probably resolves to 127.x on some host; use an address \
+                         every host can reach, or set OXCCL_SOCKET_IFNAME",
+                        peers[me].ip,
+                        p.hostname,
+                        p.ip
+                    );
+                }
+                tcp.push((r, p.ip))
+            }
             (TransportChoice::Shm | TransportChoice::Auto, true) => shm.push((r, p.pid)),
             (TransportChoice::Shm, false) => {
                 return Err(format!(

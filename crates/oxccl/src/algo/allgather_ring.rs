@@ -2,9 +2,11 @@
 //!
 //! Rank `r` first places its input at block `r` of the output. In step `s` (0..n-1) it sends
 //! block `r-s` to the right and stores block `r-s-1` from the left. Each rank sends
-//! `(n-1)/n` of the output in `n-1` steps.
+//! `(n-1)/n` of the output in `n-1` steps. The ring follows host order when the topology is
+//! known ([`Ring`]): position `p` forwards the block of the rank `s` places to its left.
 
-use super::{sub_mod, Buf, Coll, Combine, Local, Region, Schedule, Xfer};
+use super::placement::Ring;
+use super::{Buf, Coll, Combine, Local, Region, Schedule, Xfer};
 
 /// The ring all-gather schedule for `c` (`c.count` = elements per rank).
 pub fn schedule(c: &Coll) -> Schedule {
@@ -16,16 +18,18 @@ pub fn schedule(c: &Coll) -> Schedule {
         src: Region::new(Buf::Input, 0, bytes),
         dst: blk(r),
     });
-    let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+    let ring = Ring::of(c);
+    let (left, right) = (ring.left(), ring.right());
     for step in 0..n.saturating_sub(1) {
+        let step = step as isize;
         s.push_xfers([
             Xfer::Send {
                 peer: right,
-                src: blk(sub_mod(r, step, n)),
+                src: blk(ring.at(-step)),
             },
             Xfer::Recv {
                 peer: left,
-                dst: blk(sub_mod(r, step + 1, n)),
+                dst: blk(ring.at(-step - 1)),
                 combine: Combine::Store,
             },
         ]);

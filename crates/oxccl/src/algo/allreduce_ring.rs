@@ -5,12 +5,17 @@
 //! with its own input; after `n-1` steps it holds block `r+1` fully reduced. In all-gather step
 //! `s` it sends block `r+1-s` and stores block `r-s`. Each rank sends `2(n-1)/n` of the buffer
 //! in `2(n-1)` steps: bandwidth-optimal, latency linear in `n`.
+//!
+//! "Rank" above means position in the ring, which follows host order when the topology is
+//! known ([`placement::Ring`]): the ring then crosses each host boundary once.
 
+use super::placement::{self, Ring};
 use super::{block, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The ring all-reduce schedule for `c`.
 pub fn schedule(c: &Coll) -> Schedule {
-    let (n, r, es) = (c.nranks, c.rank, c.dtype.size());
+    let ring: Ring = placement::Ring::of(c);
+    let (n, r, es) = (c.nranks, ring.pos, c.dtype.size());
     let mut s = Schedule::new("ring");
     let blk = |buf, i| {
         let (start, len) = block(c.count, n, i);
@@ -24,7 +29,7 @@ pub fn schedule(c: &Coll) -> Schedule {
         });
         return s;
     }
-    let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+    let (left, right) = (ring.left(), ring.right());
     for step in 0..n - 1 {
         let send_b = sub_mod(r, step, n);
         let recv_b = sub_mod(r, step + 1, n);

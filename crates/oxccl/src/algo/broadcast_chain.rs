@@ -1,17 +1,20 @@
-//! Pipelined chain broadcast: root → root+1 → ... → root-1, in segments.
+//! Pipelined chain broadcast: root → root+1 → ... → root-1, in segments (positions in the
+//! host-ordered ring of [`Ring`], so the chain crosses each host boundary once).
 //!
 //! The buffer is cut into segments of `chunk_bytes`. Each non-root rank receives segment `k`
 //! while it forwards segment `k-1`, so after the pipeline fills every link is busy. Each rank
 //! but the last sends the whole buffer once; `K + n - 2` segment times in all for `K` segments.
 
+use super::placement::{root_pos, Ring};
 use super::{segments, sub_mod, Buf, Coll, Combine, Local, Region, Schedule, Xfer};
 
 /// The chain broadcast schedule for `c`.
 pub fn schedule(c: &Coll) -> Schedule {
-    let (n, r, es) = (c.nranks, c.rank, c.dtype.size());
+    let (n, es) = (c.nranks, c.dtype.size());
     let all = c.count * es;
     let mut s = Schedule::new("chain");
-    let pos = sub_mod(r, c.root, n);
+    let ring = Ring::of(c);
+    let pos = sub_mod(ring.pos, root_pos(&ring, c.root), n);
     if pos == 0 {
         s.push_local(Local::Copy {
             src: Region::new(Buf::Input, 0, all),
@@ -21,7 +24,7 @@ pub fn schedule(c: &Coll) -> Schedule {
     if n == 1 {
         return s;
     }
-    let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+    let (prev, next) = (ring.left(), ring.right());
     let segs: Vec<Region> = segments(c.count, es, c.chunk_bytes)
         .map(|(st, len)| Region::new(Buf::Output, st * es, len * es))
         .collect();

@@ -7,23 +7,30 @@
 //! lists each one's steps and bytes on the wire.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::dtype::DataType;
 use crate::op::ReduceOp;
+use crate::topo::Topology;
 
 pub mod allgather_ring;
+pub mod allreduce_hier;
 pub mod allreduce_ring;
+pub mod allreduce_tree;
 pub mod alltoall_pairwise;
 pub mod barrier_dissemination;
 pub mod broadcast_chain;
 pub mod cma;
 pub mod oneshot;
 pub mod ordered;
+pub mod placement;
 pub mod reduce_chain;
 pub mod reduce_scatter_ring;
 pub mod sendrecv;
 #[cfg(test)]
 pub mod sim;
+#[cfg(test)]
+mod sim_hosts;
 
 /// Which collective a call is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -100,6 +107,9 @@ pub struct Coll {
     pub root: usize,
     /// Pipeline segment in bytes for chained algorithms.
     pub chunk_bytes: usize,
+    /// Which host each rank is on (`None`: one host, or unknown). Rings and chains follow
+    /// host order (crossing each host boundary once); hierarchical algorithms need it.
+    pub topo: Option<Arc<Topology>>,
 }
 
 impl Coll {
@@ -427,11 +437,17 @@ pub enum Algo {
     Cma,
     /// Reductions in rank order, for bitwise reproducibility (`OXCCL_DETERMINISTIC=1`).
     Ordered,
+    /// Hierarchical all_reduce: reduce-scatter inside each host, all-reduce across hosts,
+    /// all-gather inside each host.
+    Hier,
+    /// Tree all_reduce for small messages: reduce to each host's leader, recursive doubling
+    /// among leaders, broadcast from the leader.
+    Tree,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 8] = [
+    pub const ALL: [Algo; 10] = [
         Algo::Ring,
         Algo::Chain,
         Algo::Pairwise,
@@ -440,6 +456,8 @@ impl Algo {
         Algo::OneShot,
         Algo::Cma,
         Algo::Ordered,
+        Algo::Hier,
+        Algo::Tree,
     ];
 
     /// The algorithm's name.
@@ -453,6 +471,8 @@ impl Algo {
             Algo::OneShot => "oneshot",
             Algo::Cma => "cma",
             Algo::Ordered => "ordered",
+            Algo::Hier => "hier",
+            Algo::Tree => "tree",
         }
     }
 
@@ -479,6 +499,7 @@ impl Algo {
             ) | (Algo::Chain, CollKind::Broadcast | CollKind::Reduce)
                 | (Algo::Pairwise, CollKind::AllToAll)
                 | (Algo::Dissemination, CollKind::Barrier)
+                | (Algo::Hier | Algo::Tree, CollKind::AllReduce)
                 | (
                     Algo::OneShot,
                     CollKind::AllReduce
@@ -514,6 +535,8 @@ impl Algo {
     pub fn schedule(self, coll: &Coll) -> Schedule {
         match (self, coll.kind) {
             (Algo::Ring, CollKind::AllReduce) => allreduce_ring::schedule(coll),
+            (Algo::Hier, CollKind::AllReduce) => allreduce_hier::schedule(coll),
+            (Algo::Tree, CollKind::AllReduce) => allreduce_tree::schedule(coll),
             (Algo::Ring, CollKind::AllGather) => allgather_ring::schedule(coll),
             (Algo::Ring, CollKind::ReduceScatter) => reduce_scatter_ring::schedule(coll),
             (Algo::Chain, CollKind::Broadcast) => broadcast_chain::schedule(coll),

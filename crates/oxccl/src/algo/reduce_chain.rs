@@ -1,14 +1,16 @@
-//! Pipelined chain reduce: root+1 → root+2 → ... → root, in segments.
+//! Pipelined chain reduce: root+1 → root+2 → ... → root, in segments (positions in the
+//! host-ordered ring of [`Ring`], so the chain crosses each host boundary once).
 //!
 //! The first rank of the chain sends its input; each middle rank receives segment `k`, adds
 //! its input into a scratch accumulator and forwards segment `k-1`; the root adds its input
 //! into the output. Each non-root rank sends the whole buffer once.
 
+use super::placement::{root_pos, Ring};
 use super::{segments, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The chain reduce schedule for `c`.
 pub fn schedule(c: &Coll) -> Schedule {
-    let (n, r, es) = (c.nranks, c.rank, c.dtype.size());
+    let (n, es) = (c.nranks, c.dtype.size());
     let all = c.count * es;
     let mut s = Schedule::new("chain");
     if n == 1 {
@@ -18,8 +20,9 @@ pub fn schedule(c: &Coll) -> Schedule {
         });
         return s;
     }
-    let pos = sub_mod(r, c.root + 1, n);
-    let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+    let ring = Ring::of(c);
+    let pos = sub_mod(ring.pos, root_pos(&ring, c.root) + 1, n);
+    let (prev, next) = (ring.left(), ring.right());
     let segs: Vec<(usize, usize)> = segments(c.count, es, c.chunk_bytes)
         .map(|(st, l)| (st * es, l * es))
         .collect();
@@ -31,7 +34,7 @@ pub fn schedule(c: &Coll) -> Schedule {
                 src: input(seg),
             }]);
         }
-    } else if r == c.root {
+    } else if c.rank == c.root {
         for &seg in &segs {
             s.push_xfers([Xfer::Recv {
                 peer: prev,

@@ -3,13 +3,16 @@
 //! In step `s` (0..n-1) rank `r` sends the partial sum of block `r-s-1` to the right and
 //! receives that of block `r-s-2` from the left, adding its own input block. Partial sums live
 //! in two alternating scratch blocks; the last step (block `r`) lands in the output. Each rank
-//! sends `(n-1)/n` of the input in `n-1` steps.
+//! sends `(n-1)/n` of the input in `n-1` steps. The ring follows host order when the
+//! topology is known ([`Ring`]); "block `r-s-1`" is then the block of the rank `s+1` places to
+//! the left.
 
-use super::{sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
+use super::placement::Ring;
+use super::{Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The ring reduce-scatter schedule for `c` (`c.count` = elements per rank's block).
 pub fn schedule(c: &Coll) -> Schedule {
-    let (n, r) = (c.nranks, c.rank);
+    let n = c.nranks;
     let bytes = c.count * c.dtype.size();
     let input = |i: usize| Region::new(Buf::Input, i * bytes, bytes);
     let out = Region::new(Buf::Output, 0, bytes);
@@ -23,10 +26,11 @@ pub fn schedule(c: &Coll) -> Schedule {
     }
     s.scratch_bytes = if n > 2 { 2 * bytes } else { 0 };
     let scratch = |i: usize| Region::new(Buf::Scratch, (i % 2) * bytes, bytes);
-    let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+    let ring = Ring::of(c);
+    let (left, right) = (ring.left(), ring.right());
     for step in 0..n - 1 {
-        let send_b = sub_mod(r, step + 1, n);
-        let recv_b = sub_mod(r, step + 2, n);
+        let send_b = ring.at(-(step as isize) - 1);
+        let recv_b = ring.at(-(step as isize) - 2);
         let src = if step == 0 {
             input(send_b)
         } else {

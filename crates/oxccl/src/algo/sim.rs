@@ -149,6 +149,7 @@ fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root:
         op,
         root,
         chunk_bytes: 24,
+        topo: None,
     }
 }
 

@@ -208,7 +208,12 @@ impl LaunchEnv {
         } else {
             match (var("MASTER_ADDR"), var("MASTER_PORT")) {
                 (Some(a), Some(p)) => {
-                    let port: u16 = p.parse().map_err(|_| Error::Env(format!("MASTER_PORT={p} is not a port number")))?;
+                    let mut port: u16 = p.parse().map_err(|_| Error::Env(format!("MASTER_PORT={p} is not a port number")))?;
+                    // torchrun's agent already listens on MASTER_PORT (its TCPStore, shared
+                    // with the workers): rank 0 takes the next port, as every rank knows.
+                    if var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+                        port = port.checked_add(1).ok_or_else(|| Error::Env(format!("MASTER_PORT={p}: torchrun holds it and there is no next port; set OXCCL_ROOT=host:port")))?;
+                    }
                     let host = a.trim_start_matches('[').trim_end_matches(']');
                     let text = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
                     ("MASTER_ADDR/MASTER_PORT", text)
@@ -253,6 +258,20 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         LaunchEnv::from_vars(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_agent_store_keeps_master_port() {
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("OXCCL_SECRET", "00112233445566778899aabbccddeeff"),
+        ])
+        .unwrap();
+        assert_eq!(e.root.port(), 29501);
     }
 
     fn env_err(pairs: &[(&str, &str)]) -> String {

@@ -19,6 +19,7 @@ pub mod direct;
 pub mod mem;
 pub mod shm;
 pub mod tcp;
+pub mod tcp_striped;
 
 /// Which transport a link uses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -89,6 +90,20 @@ pub trait Link: Send {
     /// (e.g. across the wrap of a ring) and stops once `consume` takes less than offered.
     /// Returns the total taken; 0 when nothing has arrived.
     fn try_recv(&mut self, consume: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, LinkError>;
+
+    /// Receives arrived bytes straight into a prefix of `dst` and returns how many; 0 when
+    /// nothing has arrived. Same stream as [`try_recv`](Self::try_recv) (the two may be
+    /// mixed); transports that can avoid a copy through their own buffer override it (TCP
+    /// reads from the socket into `dst`).
+    fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize, LinkError> {
+        let mut off = 0;
+        self.try_recv(&mut |data| {
+            let k = data.len().min(dst.len() - off);
+            dst[off..off + k].copy_from_slice(&data[..k]);
+            off += k;
+            k
+        })
+    }
 
     /// What to sleep on until [`try_send`](Self::try_send) may accept more bytes.
     fn send_wait(&self) -> WaitSource<'_>;

@@ -13,6 +13,7 @@ use crate::bootstrap::auth::{self, AcceptStop, Deadlined, Hello, Purpose, Verdic
 use crate::bootstrap::{decode_ip, encode_ip, local_ip, Exchange};
 use crate::error::{Error, Result};
 use crate::param::Config;
+use crate::transport::tcp_striped::StripedLink;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// Bytes a [`TcpLink`] reads ahead from its socket.
@@ -31,6 +32,10 @@ pub struct TcpLink {
     start: usize,
     end: usize,
     eof: bool,
+    /// See [`TcpLink::with_dead_after`]; zero: no check.
+    dead_after: Duration,
+    /// When [`Link::check_alive`] first saw sent bytes unacknowledged (reset once all are).
+    unacked_since: Option<Instant>,
 }
 
 impl std::fmt::Debug for TcpLink {
@@ -59,7 +64,42 @@ impl TcpLink {
             start: 0,
             end: 0,
             eof: false,
+            dead_after: Duration::ZERO,
+            unacked_since: None,
         })
+    }
+
+    /// Declares the peer lost when it acknowledges nothing for `after` (zero: never; the
+    /// kernel retransmits for many minutes). Two mechanisms, neither of which fires on a peer
+    /// that is alive but slow to read:
+    /// - an idle connection sends keepalive probes after `after/2`, every `after/6`, and the
+    ///   kernel fails the socket after 3 unanswered ones;
+    /// - while sent bytes are unacknowledged, [`Link::check_alive`] (called by a waiting
+    ///   executor) reads `TCP_INFO` and fails when no acknowledgement at all came for
+    ///   `after`. A receiver with a full buffer still acknowledges window probes, so a busy
+    ///   peer is not mistaken for a dead one.
+    ///
+    /// `TCP_USER_TIMEOUT` is deliberately not used: Linux applies it to zero-window probing
+    /// too, so it would kill the connection to a live peer that is busy elsewhere (a rank
+    /// writing a checkpoint) for longer than the timeout.
+    pub fn with_dead_after(mut self, after: Duration) -> io::Result<TcpLink> {
+        self.dead_after = after;
+        if !after.is_zero() {
+            let r = socket2::SockRef::from(&self.stream);
+            let secs = |d: Duration| d.max(Duration::from_secs(1));
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(secs(after / 2))
+                .with_interval(secs(after / 6))
+                .with_retries(3);
+            r.set_tcp_keepalive(&ka)?;
+            r.set_keepalive(true)?;
+        }
+        Ok(self)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn dead_after_for_test(&mut self, after: Duration) {
+        self.dead_after = after;
     }
 
     /// The rank at the other end.
@@ -150,6 +190,35 @@ impl Link for TcpLink {
         }
     }
 
+    fn try_recv_into(&mut self, dst: &mut [u8]) -> Result<usize, LinkError> {
+        // Bytes read ahead earlier first, then from the socket straight into `dst` (no copy
+        // through the link's buffer: on large receives that copy costs more than the
+        // kernel's).
+        let buffered = (self.end - self.start).min(dst.len());
+        dst[..buffered].copy_from_slice(&self.buf[self.start..self.start + buffered]);
+        self.start += buffered;
+        let mut total = buffered;
+        while total < dst.len() && !self.eof {
+            match (&self.stream).read(&mut dst[total..]) {
+                Ok(0) => self.eof = true,
+                Ok(n) => total += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if closed(&e) => {
+                    return Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
+                }
+                Err(e) => return Err(LinkError::Io(e)),
+            }
+        }
+        if total == 0 && self.eof && !dst.is_empty() {
+            return Err(LinkError::Closed(format!(
+                "rank {} closed the connection",
+                self.peer
+            )));
+        }
+        Ok(total)
+    }
+
     fn send_wait(&self) -> WaitSource<'_> {
         WaitSource::Fd(self.stream.as_fd())
     }
@@ -157,6 +226,63 @@ impl Link for TcpLink {
     fn recv_wait(&self) -> WaitSource<'_> {
         WaitSource::Fd(self.stream.as_fd())
     }
+
+    fn check_alive(&mut self) -> Result<(), LinkError> {
+        if self.dead_after.is_zero() {
+            return Ok(());
+        }
+        if let Ok(Err(e)) = rustix::net::sockopt::socket_error(&self.stream) {
+            return Err(LinkError::Closed(format!(
+                "rank {}: {}",
+                self.peer,
+                io::Error::from(e)
+            )));
+        }
+        let Some((unacked, last_ack)) = tcp_info(&self.stream) else {
+            return Ok(());
+        };
+        if unacked == 0 {
+            self.unacked_since = None;
+            return Ok(());
+        }
+        let since = *self.unacked_since.get_or_insert_with(Instant::now);
+        let silent = last_ack.min(since.elapsed());
+        if silent >= self.dead_after {
+            return Err(LinkError::Closed(format!(
+                "rank {}: no acknowledgement for {:.1} s with {unacked} segment(s) unacknowledged: \
+                 the network path is cut or the host is down (OXCCL_TCP_DEAD_AFTER={} s)",
+                self.peer,
+                silent.as_secs_f64(),
+                self.dead_after.as_secs_f64()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `TCP_INFO`: segments sent and not acknowledged, and the time since the last
+/// acknowledgement arrived.
+fn tcp_info(s: &TcpStream) -> Option<(u32, Duration)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain old data; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: a valid socket, a buffer of `len` bytes, and `len` passed by pointer.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then(|| {
+        (
+            info.tcpi_unacked,
+            Duration::from_millis(u64::from(info.tcpi_last_ack_recv)),
+        )
+    })
 }
 
 /// TCP_NODELAY and large socket buffers, best effort.
@@ -208,6 +334,15 @@ fn encode_blob(listen: Option<SocketAddr>, peers: &[usize]) -> Vec<u8> {
         b.extend_from_slice(&(*p as u32).to_le_bytes());
     }
     b
+}
+
+/// The connections per pair a peer's blob asks for: a `u32` after [`encode_blob`]'s fields
+/// (1 when absent).
+fn blob_streams(b: &[u8], listens: bool, npeers: usize) -> usize {
+    let fields = 2 + if listens { 19 } else { 0 } + 4 + 4 * npeers;
+    b.get(fields..fields + 4)
+        .and_then(|x| x.try_into().ok())
+        .map_or(1, |x| u32::from_le_bytes(x) as usize)
 }
 
 /// Reads a rank's contribution to the port exchange; `None` for anything malformed.
@@ -300,7 +435,10 @@ pub fn connect(
         })?),
         None => None,
     };
-    let all = ex.allgather(&encode_blob(listen_addr, &ranks))?;
+    let streams = cfg.tcp_streams.max(1);
+    let mut mine = encode_blob(listen_addr, &ranks);
+    mine.extend_from_slice(&(streams as u32).to_le_bytes());
+    let all = ex.allgather(&mine)?;
     if all.len() != n {
         return Err(Error::Protocol {
             rank: me,
@@ -324,6 +462,13 @@ pub fn connect(
         if !theirs.contains(&me) {
             return Err(proto(format!(
                 "rank {r} does not expect a TCP link to rank {me}"
+            )));
+        }
+        let their_streams = blob_streams(&all[r], addr.is_some(), theirs.len());
+        if their_streams != streams {
+            return Err(Error::Env(format!(
+                "OXCCL_TCP_STREAMS differs between ranks: {streams} on rank {me}, {their_streams} on rank {r}; \
+                 set the same value everywhere"
             )));
         }
         if r < me {
@@ -365,7 +510,7 @@ pub fn connect(
                 let res = auth::accept_loop(listener, deadline, cancel, handshake, |(h, s, from)| {
                     let verdict = if !higher.contains(&h.rank) {
                         Verdict::UnexpectedRank
-                    } else if got.iter().any(|(r, _)| *r == h.rank) {
+                    } else if got.iter().filter(|(r, _)| *r == h.rank).count() >= streams {
                         Verdict::DuplicateRank
                     } else {
                         Verdict::Accepted
@@ -379,7 +524,7 @@ pub fn connect(
                             let _ = s.shutdown(std::net::Shutdown::Both);
                         }
                     }
-                    Ok(got.len() == higher.len())
+                    Ok(got.len() == higher.len() * streams)
                 });
                 match res {
                     Ok(Ok(())) => Ok(got),
@@ -388,14 +533,14 @@ pub fn connect(
                         rank: me,
                         call: CALL,
                         seq: 0,
-                        waiting_on: higher.iter().copied().filter(|r| !got.iter().any(|(g, _)| g == r)).collect(),
+                        waiting_on: higher.iter().copied().filter(|r| got.iter().filter(|(g, _)| g == r).count() < streams).collect(),
                         elapsed: start.elapsed(),
                     }),
                     Err(AcceptStop::Io(source)) => Err(Error::Io { rank: me, context: "accepting data connections".into(), source }),
                 }
             })
         });
-        let connected = connect_lower(me, &lower, secret, tag, cfg.timeout, deadline);
+        let connected = connect_lower(me, &lower, streams, secret, tag, cfg.timeout, deadline);
         if connected.is_err() {
             cancel.store(true, Ordering::SeqCst);
         }
@@ -410,25 +555,42 @@ pub fn connect(
         };
         (accepted, connected)
     });
-    let mut streams = connected?;
-    streams.extend(accepted?);
-    streams.sort_by_key(|(r, _)| *r);
-    let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(streams.len());
-    for (r, s) in streams {
-        let link = TcpLink::new(s, r).map_err(|source| Error::Io {
-            rank: me,
-            context: format!("setting up the link to rank {r}"),
-            source,
-        })?;
-        links.push((r, Box::new(link)));
+    let mut conns = connected?;
+    conns.extend(accepted?);
+    // Stable: a peer's connections stay in the order they were made (the connecting side
+    // dials the next only after the previous one's verdict), the same on both ends.
+    conns.sort_by_key(|(r, _)| *r);
+    let mut groups: Vec<(usize, Vec<TcpLink>)> = Vec::with_capacity(ranks.len());
+    for (r, s) in conns {
+        let link = TcpLink::new(s, r)
+            .and_then(|l| l.with_dead_after(cfg.tcp_dead_after))
+            .map_err(|source| Error::Io {
+                rank: me,
+                context: format!("setting up the link to rank {r}"),
+                source,
+            })?;
+        match groups.last_mut() {
+            Some((g, v)) if *g == r => v.push(link),
+            _ => groups.push((r, vec![link])),
+        }
     }
-    Ok(links)
+    Ok(groups
+        .into_iter()
+        .map(|(r, mut v)| -> (usize, Box<dyn Link>) {
+            if v.len() == 1 {
+                (r, Box::new(v.pop().expect("one link")))
+            } else {
+                (r, Box::new(StripedLink::new(v)))
+            }
+        })
+        .collect())
 }
 
 /// Connects to each lower-ranked peer in turn, retrying until `deadline`.
 fn connect_lower(
     me: usize,
     lower: &[(usize, SocketAddr)],
+    streams: usize,
     secret: &[u8; 16],
     tag: u64,
     timeout: Duration,
@@ -439,8 +601,8 @@ fn connect_lower(
         purpose: Purpose::Data,
         tag,
     };
-    let mut out = Vec::with_capacity(lower.len());
-    for &(peer, addr) in lower {
+    let mut out = Vec::with_capacity(lower.len() * streams);
+    for &(peer, addr) in lower.iter().flat_map(|p| std::iter::repeat_n(p, streams)) {
         let addr_s = addr.to_string();
         let mut last_err = String::from("no attempt made");
         let mut pause = Duration::from_millis(10);

@@ -1,0 +1,256 @@
+//! The simulator ([`super::sim`]) on multi-host placements: host-ordered rings and chains,
+//! the hierarchical and tree all-reduce, against references, for many host layouts.
+
+use std::sync::Arc;
+
+use super::sim::{run, Bufs};
+use super::{Algo, Coll, CollKind};
+use crate::dtype::DataType;
+use crate::op::ReduceOp;
+use crate::topo::Topology;
+
+fn val(rank: usize, i: usize) -> i64 {
+    ((rank * 5 + i * 7) % 13) as i64 - 6
+}
+
+fn bytes(v: &[i64]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn reduce_ref(n: usize, i: usize, op: ReduceOp) -> i64 {
+    let vals = (0..n).map(|r| val(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<i64>() / n as i64,
+        ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
+        ReduceOp::Min => vals.min().unwrap(),
+        ReduceOp::Max => vals.max().unwrap(),
+    }
+}
+
+/// A topology from the host of each rank.
+fn topo(host_of: &[usize]) -> Arc<Topology> {
+    let nh = host_of.iter().max().map_or(0, |m| m + 1);
+    let mut hosts = vec![Vec::new(); nh];
+    for (r, &h) in host_of.iter().enumerate() {
+        hosts[h].push(r);
+    }
+    // Hosts numbered by first appearance, as Topology::new does.
+    let mut order: Vec<usize> = (0..nh).collect();
+    order.sort_by_key(|&h| hosts[h][0]);
+    let hosts: Vec<Vec<usize>> = order.iter().map(|&h| hosts[h].clone()).collect();
+    let mut host_of = vec![0; host_of.len()];
+    for (i, h) in hosts.iter().enumerate() {
+        for &r in h {
+            host_of[r] = i;
+        }
+    }
+    Arc::new(Topology { host_of, hosts })
+}
+
+fn colls(kind: CollKind, t: &Arc<Topology>, count: usize, op: ReduceOp, root: usize) -> Vec<Coll> {
+    let n = t.host_of.len();
+    (0..n)
+        .map(|rank| Coll {
+            kind,
+            rank,
+            nranks: n,
+            count,
+            dtype: DataType::I64,
+            op,
+            root,
+            chunk_bytes: 16,
+            topo: Some(t.clone()),
+        })
+        .collect()
+}
+
+const LAYOUTS: &[&[usize]] = &[
+    &[0],
+    &[0, 1],
+    &[0, 0],
+    &[0, 0, 1, 1],
+    &[0, 1, 0, 1],
+    &[0, 1, 2, 3],
+    &[0, 0, 0, 1, 1, 1],
+    &[0, 1, 2, 0, 1, 2],
+    &[0, 0, 1, 2],
+    &[0, 1, 1, 2, 2, 2],
+    &[0, 0, 1, 1, 2, 2, 3, 3],
+    &[0, 1, 2, 3, 4, 0, 1, 2, 3, 4],
+    &[0, 0, 0, 0, 1, 1, 1, 1],
+];
+
+#[test]
+fn all_reduce_on_every_layout() {
+    for layout in LAYOUTS {
+        let t = topo(layout);
+        let n = layout.len();
+        for count in [0usize, 1, 3, 8, 13, 40] {
+            for op in ReduceOp::ALL {
+                for algo in [Algo::Ring, Algo::Hier, Algo::Tree] {
+                    let cs = colls(CollKind::AllReduce, &t, count, op, 0);
+                    let mut bufs: Vec<Bufs> = (0..n)
+                        .map(|r| Bufs {
+                            input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                            output: vec![0; count * 8],
+                            ..Default::default()
+                        })
+                        .collect();
+                    run(algo, &cs, &mut bufs);
+                    let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+                    for (r, b) in bufs.iter().enumerate() {
+                        assert_eq!(
+                            b.output, want,
+                            "{algo} layout={layout:?} count={count} op={op} rank={r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rings_and_chains_on_every_layout() {
+    for layout in LAYOUTS {
+        let t = topo(layout);
+        let n = layout.len();
+        for count in [0usize, 1, 5, 9] {
+            // all_gather
+            let cs = colls(CollKind::AllGather, &t, count, ReduceOp::Sum, 0);
+            let mut bufs: Vec<Bufs> = (0..n)
+                .map(|r| Bufs {
+                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    output: vec![0; n * count * 8],
+                    ..Default::default()
+                })
+                .collect();
+            run(Algo::Ring, &cs, &mut bufs);
+            let want = bytes(
+                &(0..n * count)
+                    .map(|j| val(j / count.max(1), j % count.max(1)))
+                    .collect::<Vec<_>>(),
+            );
+            for b in &bufs {
+                assert_eq!(b.output, want, "all_gather {layout:?} count={count}");
+            }
+            // reduce_scatter
+            let cs = colls(CollKind::ReduceScatter, &t, count, ReduceOp::Sum, 0);
+            let mut bufs: Vec<Bufs> = (0..n)
+                .map(|r| Bufs {
+                    input: bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    output: vec![0; count * 8],
+                    ..Default::default()
+                })
+                .collect();
+            run(Algo::Ring, &cs, &mut bufs);
+            for (r, b) in bufs.iter().enumerate() {
+                let want: Vec<i64> = (0..count)
+                    .map(|i| reduce_ref(n, r * count + i, ReduceOp::Sum))
+                    .collect();
+                assert_eq!(b.output, bytes(&want), "reduce_scatter {layout:?} rank {r}");
+            }
+            for root in 0..n {
+                // broadcast
+                let cs = colls(CollKind::Broadcast, &t, count, ReduceOp::Sum, root);
+                let mut bufs: Vec<Bufs> = (0..n)
+                    .map(|r| Bufs {
+                        input: if r == root {
+                            bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>())
+                        } else {
+                            vec![]
+                        },
+                        output: vec![0; count * 8],
+                        ..Default::default()
+                    })
+                    .collect();
+                run(Algo::Chain, &cs, &mut bufs);
+                let want = bytes(&(0..count).map(|i| val(root, i)).collect::<Vec<_>>());
+                for b in &bufs {
+                    assert_eq!(b.output, want, "broadcast {layout:?} root={root}");
+                }
+                // reduce
+                let cs = colls(CollKind::Reduce, &t, count, ReduceOp::Max, root);
+                let mut bufs: Vec<Bufs> = (0..n)
+                    .map(|r| Bufs {
+                        input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                        output: vec![0; if r == root { count * 8 } else { 0 }],
+                        ..Default::default()
+                    })
+                    .collect();
+                run(Algo::Chain, &cs, &mut bufs);
+                let want = bytes(
+                    &(0..count)
+                        .map(|i| reduce_ref(n, i, ReduceOp::Max))
+                        .collect::<Vec<_>>(),
+                );
+                assert_eq!(bufs[root].output, want, "reduce {layout:?} root={root}");
+            }
+        }
+    }
+}
+
+/// Bytes a host sends to other hosts over one whole all-reduce.
+fn network_bytes(algo: Algo, layout: &[usize], count: usize) -> usize {
+    let t = topo(layout);
+    colls(CollKind::AllReduce, &t, count, ReduceOp::Sum, 0)
+        .iter()
+        .filter(|c| t.host_of[c.rank] == 0)
+        .map(|c| {
+            algo.schedule(c)
+                .steps
+                .iter()
+                .flat_map(|s| &s.xfers)
+                .map(|x| match *x {
+                    super::Xfer::Send { peer, src } if t.host_of[peer] != 0 => src.len,
+                    _ => 0,
+                })
+                .sum::<usize>()
+        })
+        .sum()
+}
+
+#[test]
+fn hierarchy_saves_network_bytes() {
+    let count = 1200; // 9600 bytes
+    let s = count * 8;
+    // 2 hosts x 2 ranks: a host-ordered ring puts 2(n-1)/n = 1.5 S on each host's link, the
+    // hierarchical all-reduce 2(H-1)/H = 1 S.
+    assert_eq!(network_bytes(Algo::Ring, &[0, 0, 1, 1], count), s * 3 / 2);
+    assert_eq!(network_bytes(Algo::Hier, &[0, 0, 1, 1], count), s);
+    // Round-robin placement: the host-ordered ring still crosses once.
+    assert_eq!(network_bytes(Algo::Ring, &[0, 1, 0, 1], count), s * 3 / 2);
+    // 4 hosts x 2 ranks: ring 2*7/8 S = 1.75 S, hier 2*3/4 S = 1.5 S.
+    let l = [0, 0, 1, 1, 2, 2, 3, 3];
+    assert_eq!(network_bytes(Algo::Ring, &l, count), s * 7 / 4);
+    assert_eq!(network_bytes(Algo::Hier, &l, count), s * 3 / 2);
+    // Tree: the leader of host 0 exchanges the whole buffer log2(4) = 2 times.
+    assert_eq!(network_bytes(Algo::Tree, &l, count), 2 * s);
+}
+
+#[test]
+fn pipelined_hier_on_large_buffers() {
+    // Enough elements for several pipeline chunks.
+    let count = 5 * (2 << 20) / 8 + 3;
+    assert!(super::allreduce_hier::chunks(count * 8) > 1);
+    for layout in [&[0usize, 0, 1, 1][..], &[0, 1, 0, 1], &[0, 0, 0, 1, 1, 1]] {
+        let t = topo(layout);
+        let n = layout.len();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let cs = colls(CollKind::AllReduce, &t, count, op, 0);
+            let mut bufs: Vec<Bufs> = (0..n)
+                .map(|r| Bufs {
+                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    output: vec![0; count * 8],
+                    ..Default::default()
+                })
+                .collect();
+            run(Algo::Hier, &cs, &mut bufs);
+            let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
+            for (r, b) in bufs.iter().enumerate() {
+                assert!(b.output == want, "hier layout={layout:?} op={op} rank={r}");
+            }
+        }
+    }
+}

@@ -1,0 +1,365 @@
+#!/usr/bin/env bash
+# An emulated cluster on one machine: N "hosts" are network namespaces, each with one veth
+# link (its eth0) to a switch namespace that bridges them. Both directions of every link are
+# shaped with tbf to OXCCL_CLUSTER_RATE (default 10gbit). Ranks run inside the host
+# namespaces with OXCCL_HOSTID=hostK, so ranks of one namespace share memory and ranks of
+# different namespaces talk TCP through the switch.
+#
+# Usage (as root, with `ip netns`):
+#   scripts/cluster.sh test            correctness on 2 hosts x 2 ranks (block and cyclic rank
+#                                      placement), 4 hosts x 1 rank and 2+1+1 ranks, every
+#                                      collective with results checked; torchrun as the
+#                                      launcher (if torch is installed); then a link cut
+#                                      mid-run: every rank must exit with an error in a bound
+#   scripts/cluster.sh bench [LO HI]   oxccl (tuned; also the flat ring on 2x2) and gloo side by side on the
+#                                      same cluster, all_reduce 8 B and 64 MB .. 256 MB
+#   scripts/cluster.sh iperf           iperf3 between two hosts (the link's TCP ceiling)
+#   scripts/cluster.sh perf H L ARGS   one checked `oxccl perf ARGS` on H hosts x L ranks
+#   scripts/cluster.sh cut H L         only the link-cut check
+#   scripts/cluster.sh torchrun        only the torchrun launch
+#
+# Settings: OXCCL_BIN (default target/release/oxccl), OXCCL_CLUSTER_RATE (10gbit),
+# OXCCL_CLUSTER_MTU (9000; 1500 for standard frames), GLOO_PY (python with torch; default
+# ~/.cache/oxccl-anchors/venv/bin/python), ANCHORS (../shared/anchors).
+#
+# Addresses are 10.77.0.K+1/24, inside namespaces this script creates (named oxc<pid>-...),
+# so nothing outside them is touched; everything is removed on exit, also on failure.
+# Every run is bounded by `timeout`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${OXCCL_BIN:-target/release/oxccl}
+RATE=${OXCCL_CLUSTER_RATE:-10gbit}
+MTU=${OXCCL_CLUSTER_MTU:-9000}
+P="oxc$$-"
+NET=10.77.0
+PORT=29611
+SECRET=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
+LOGS=$(mktemp -d /tmp/oxccl-cluster.XXXXXX)
+HOSTS=0
+
+log() { printf '== %s\n' "$*"; }
+die() {
+  printf 'cluster.sh: FAILED: %s\n' "$*" >&2
+  exit 1
+}
+
+can_run() {
+  [ "$(id -u)" = 0 ] || {
+    echo "not root"
+    return 1
+  }
+  command -v ip >/dev/null && command -v tc >/dev/null || {
+    echo "ip or tc (iproute2) missing"
+    return 1
+  }
+  local t="oxc$$-probe"
+  ip netns add "$t" 2>/dev/null || {
+    echo "ip netns add fails here (no CAP_SYS_ADMIN or no netns support)"
+    return 1
+  }
+  if ! ip link add a0 netns "$t" type veth peer name a1 netns "$t" 2>/dev/null ||
+    ! tc -n "$t" qdisc add dev a0 root tbf rate 1gbit burst 64k latency 1ms 2>/dev/null; then
+    ip netns del "$t" 2>/dev/null || true
+    echo "veth links or tc tbf unavailable"
+    return 1
+  fi
+  ip netns del "$t"
+}
+
+down() {
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$P" || true); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  HOSTS=0
+}
+
+cleanup() {
+  local rc=$?
+  down
+  if [ "$rc" = 0 ]; then rm -rf "$LOGS"; else echo "cluster.sh: logs kept in $LOGS" >&2; fi
+}
+
+# up N: N hosts, addresses $NET.1 .. $NET.N
+up() {
+  down
+  HOSTS=$1
+  ip netns add "${P}sw"
+  ip -n "${P}sw" link add br0 type bridge
+  ip -n "${P}sw" link set br0 up
+  local k
+  for ((k = 0; k < HOSTS; k++)); do
+    local h="${P}h$k"
+    ip netns add "$h"
+    ip link add eth0 netns "$h" mtu "$MTU" type veth peer name "p$k" netns "${P}sw" mtu "$MTU"
+    ip -n "$h" link set lo up
+    ip -n "$h" addr add "$NET.$((k + 1))/24" dev eth0
+    ip -n "$h" link set eth0 up
+    ip -n "${P}sw" link set "p$k" master br0
+    ip -n "${P}sw" link set "p$k" up
+    # Shape both directions: host -> switch on eth0, switch -> host on p$k.
+    tc -n "$h" qdisc add dev eth0 root tbf rate "$RATE" burst 512k latency 2ms
+    tc -n "${P}sw" qdisc add dev "p$k" root tbf rate "$RATE" burst 512k latency 2ms
+  done
+  for ((k = 1; k < HOSTS; k++)); do
+    # A refused connection proves the path works (no ping needed): only a timeout fails.
+    local out
+    out=$(ip netns exec "${P}h$k" timeout 3 bash -c "exec 3<>/dev/tcp/$NET.1/9" 2>&1) || true
+    case "$out" in *refused*) ;; *) die "host $k cannot reach host 0: $out" ;; esac
+  done
+}
+
+# launch NAME HOSTS PER_HOST PLACEMENT -- ARGS...: starts world = HOSTS*PER_HOST ranks of
+# `oxccl ARGS...`, rank r on host r/PER_HOST (block) or r%HOSTS (cyclic), in the background;
+# sets PIDS and LOGDIR. Extra environment: EXTRA_ENV (array of NAME=VALUE).
+launch() {
+  local name=$1 hosts=$2 per=$3 place=$4
+  shift 5
+  local world=$((hosts * per)) r h lr
+  LOGDIR="$LOGS/$name"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 1))
+  for ((r = 0; r < world; r++)); do
+    if [ "$place" = cyclic ]; then
+      h=$((r % hosts)) lr=$((r / hosts))
+    else
+      h=$((r / per)) lr=$((r % per))
+    fi
+    ip netns exec "${P}h$h" env RANK=$r WORLD_SIZE=$world LOCAL_RANK=$lr LOCAL_WORLD_SIZE=$per \
+      MASTER_ADDR=$NET.1 MASTER_PORT=$PORT OXCCL_SECRET="$SECRET" OXCCL_HOSTID="host$h" \
+      "${EXTRA_ENV[@]}" timeout -k 5 "${LIMIT:-300}" "$BIN" "$@" >"$LOGDIR/rank$r.log" 2>&1 &
+    PIDS+=($!)
+  done
+}
+
+# Waits for every rank of the last launch; fails unless all exit 0.
+wait_ok() {
+  local r rc bad=0
+  for r in "${!PIDS[@]}"; do
+    rc=0
+    wait "${PIDS[$r]}" || rc=$?
+    if [ "$rc" != 0 ]; then
+      echo "rank $r exited with $rc:" >&2
+      tail -5 "$LOGDIR/rank$r.log" >&2
+      bad=1
+    fi
+  done
+  [ "$bad" = 0 ] || die "$(basename "$LOGDIR"): a rank failed"
+}
+
+# run NAME HOSTS PER PLACEMENT -- perf args: one checked perf run, rank 0's table printed.
+run() {
+  local name=$1
+  EXTRA_ENV=(${EXTRA_ENV[@]+"${EXTRA_ENV[@]}"})
+  launch "$@"
+  wait_ok
+  grep -q '# Out of bounds values : 0 OK' "$LOGDIR/rank0.log" || die "$name: results not checked OK"
+  grep -v '^#  *iters\|^# *(B)' "$LOGDIR/rank0.log" | sed "s/^/[$name] /"
+}
+
+t_correctness() {
+  EXTRA_ENV=()
+  local c
+  up 2
+  log "2 hosts x 2 ranks, block placement (ranks 0,1 on host 0): every collective, checked"
+  for c in all_reduce all_gather reduce_scatter broadcast reduce all_to_all sendrecv; do
+    LIMIT=120 run "2x2-$c" 2 2 block -- perf "$c" -b 8 -e 4M -f 32 -n 3 -w 1 -c 1
+  done
+  LIMIT=120 run "2x2-dtypes" 2 2 block -- perf all_reduce -b 24 -e 1M -f 64 -n 2 -w 1 -d all -o all
+  for a in ring hier tree; do
+    LIMIT=120 run "2x2-$a" 2 2 block -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 -o avg --algo "$a"
+  done
+  log "2 hosts x 2 ranks, TCP striped over 3 connections per pair"
+  EXTRA_ENV=(OXCCL_TCP_STREAMS=3)
+  LIMIT=120 run "2x2-streams3" 2 2 block -- perf all_reduce -b 8 -e 8M -f 32 -n 2 -w 1 --algo ring
+  LIMIT=120 run "2x2-streams3-a2a" 2 2 block -- perf all_to_all -b 64 -e 4M -f 64 -n 2 -w 1
+  EXTRA_ENV=()
+  log "2 hosts x 2 ranks, cyclic placement (ranks 0,2 on host 0)"
+  for a in ring hier tree; do
+    LIMIT=120 run "2x2c-$a" 2 2 cyclic -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 --algo "$a"
+  done
+  LIMIT=120 run "2x2c-ag" 2 2 cyclic -- perf all_gather -b 64 -e 4M -f 64 -n 2 -w 1
+  LIMIT=120 run "2x2c-rs" 2 2 cyclic -- perf reduce_scatter -b 64 -e 4M -f 64 -n 2 -w 1
+  up 4
+  log "4 hosts x 1 rank: every collective, checked"
+  for c in all_reduce all_gather reduce_scatter broadcast reduce all_to_all sendrecv; do
+    LIMIT=120 run "4x1-$c" 4 1 block -- perf "$c" -b 8 -e 4M -f 32 -n 3 -w 1 -c 1
+  done
+  for a in ring hier tree; do
+    LIMIT=120 run "4x1-$a" 4 1 block -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 -o max --algo "$a"
+  done
+  log "3 hosts (2+1+1 ranks): uneven hosts"
+  up 3
+  launch_uneven
+}
+
+# 4 ranks on 3 hosts: 0,1 on host 0, 2 on host 1, 3 on host 2.
+launch_uneven() {
+  local r h lr place=(0 0 1 2)
+  LOGDIR="$LOGS/uneven"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 1))
+  for r in 0 1 2 3; do
+    h=${place[$r]}
+    ip netns exec "${P}h$h" env RANK=$r WORLD_SIZE=4 MASTER_ADDR=$NET.1 MASTER_PORT=$PORT \
+      OXCCL_SECRET="$SECRET" OXCCL_HOSTID="host$h" \
+      timeout -k 5 120 "$BIN" perf all_reduce -b 4 -e 4M -f 16 -n 2 -w 1 >"$LOGDIR/rank$r.log" 2>&1 &
+    PIDS+=($!)
+  done
+  wait_ok
+  grep -q '# Out of bounds values : 0 OK' "$LOGDIR/rank0.log" || die "uneven: results not OK"
+  grep '^ ' "$LOGDIR/rank0.log" | sed 's/^/[3 hosts, 2+1+1] /'
+}
+
+# torchrun as the launcher: one torchrun per host (--nnodes 2 --nproc-per-node 2), ranks
+# checked; skipped where torch is not installed.
+t_torchrun() {
+  local tr
+  tr=$(dirname "${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}")/torchrun
+  if [ ! -x "$tr" ]; then
+    echo "(torchrun launch skipped: $tr not found; ../shared/anchors/install.sh installs torch)"
+    return 0
+  fi
+  up 2
+  log "torchrun on 2 hosts x 2 ranks (one torchrun per host)"
+  LOGDIR="$LOGS/torchrun"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 2))
+  local k
+  for k in 0 1; do
+    ip netns exec "${P}h$k" env OXCCL_SECRET="$SECRET" OXCCL_HOSTID="host$k" \
+      timeout -k 5 180 "$tr" --nnodes 2 --nproc-per-node 2 --node-rank $k \
+      --master-addr $NET.1 --master-port $PORT --no-python \
+      "$(realpath "$BIN")" perf all_reduce -b 8 -e 4M -f 32 -n 2 -w 1 >"$LOGDIR/node$k.log" 2>&1 &
+    PIDS+=($!)
+  done
+  wait_ok
+  grep -q '# Out of bounds values : 0 OK' "$LOGDIR/node0.log" || die "torchrun: results not checked OK"
+  grep -q 'transport shm+tcp' "$LOGDIR/node0.log" || die "torchrun: expected shm+tcp links"
+  grep '^ \|transport' "$LOGDIR/node0.log" | sed 's/^/[torchrun] /'
+}
+
+# A link cut mid-run: every rank must exit non-zero, with an error message, within BOUND s.
+t_cut() {
+  local hosts=$1 per=$2 bound=${CUT_BOUND:-90}
+  up "$hosts"
+  log "link cut: $hosts hosts x $per ranks, host 1's link goes down mid-run"
+  EXTRA_ENV=()
+  LIMIT=600 launch "cut-${hosts}x$per" "$hosts" "$per" block -- perf all_reduce -b 16M -e 16M -n 100000 -w 1 -c 0
+  sleep 4
+  local r
+  for r in "${!PIDS[@]}"; do
+    kill -0 "${PIDS[$r]}" 2>/dev/null || die "rank $r ended before the cut"
+  done
+  ip -n "${P}sw" link set p1 down
+  local t0=$SECONDS
+  for r in "${!PIDS[@]}"; do
+    local rc=0 left=$((bound - (SECONDS - t0)))
+    while kill -0 "${PIDS[$r]}" 2>/dev/null && [ $left -gt 0 ]; do
+      sleep 1
+      left=$((bound - (SECONDS - t0)))
+    done
+    if kill -0 "${PIDS[$r]}" 2>/dev/null; then
+      die "rank $r still running ${bound}s after the cut (a hang)"
+    fi
+    wait "${PIDS[$r]}" || rc=$?
+    [ "$rc" != 0 ] || die "rank $r exited 0 after the cut"
+    [ "$rc" != 124 ] && [ "$rc" != 137 ] || die "rank $r was killed by timeout"
+    local msg
+    msg=$(grep -m1 'oxccl perf:' "$LOGDIR/rank$r.log" || true)
+    [ -n "$msg" ] || die "rank $r exited $rc without an error message"
+    echo "[cut] rank $r (host $((r / per))): exit $rc after $((SECONDS - t0))s: ${msg:0:200}"
+  done
+}
+
+t_iperf() {
+  up 2
+  command -v iperf3 >/dev/null || die "iperf3 not installed"
+  ip netns exec "${P}h0" iperf3 -s -1 -D
+  sleep 1
+  ip netns exec "${P}h1" timeout 30 iperf3 -c "$NET.1" -t 5 ${IPERF_ARGS:-} | tail -8
+}
+
+# gloo_run NAME HOSTS PER LO HI: gloo_coll_bench.py, one process per rank, in the namespaces.
+gloo_run() {
+  local name=$1 hosts=$2 per=$3 lo=$4 hi=$5 world=$(($2 * $3)) r h
+  LOGDIR="$LOGS/$name"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 1))
+  for ((r = 0; r < world; r++)); do
+    h=$((r / per))
+    ip netns exec "${P}h$h" env RANK=$r WORLD_SIZE=$world MASTER_ADDR=$NET.1 MASTER_PORT=$PORT \
+      GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+      timeout -k 5 900 "$GLOO_PY" "$ANCHORS/gloo_coll_bench.py" "$world" all_reduce "$lo" "$hi" \
+      >"$LOGDIR/rank$r.log" 2>&1 &
+    PIDS+=($!)
+  done
+  wait_ok
+  grep -v '^\[W' "$LOGDIR/rank0.log" | sed "s/^/[$name] /"
+}
+
+# bench [LO HI]: oxccl and gloo side by side, all_reduce float sum, in one run, on 2 hosts x
+# 1 rank, 4 x 1 and 2 x 2: 8 B and LO..HI (default 64 MB..256 MB); on 2 x 2 also the flat
+# ring at LO. Prints the load average before each shape (the machine may be shared).
+t_bench() {
+  local lo=${1:-67108864} hi=${2:-268435456}
+  GLOO_PY=${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}
+  ANCHORS=${ANCHORS:-../shared/anchors}
+  EXTRA_ENV=()
+  local shape hosts per
+  for shape in 2x1 4x1 2x2; do
+    hosts=${shape%x*} per=${shape#*x}
+    up "$hosts"
+    log "$shape: all_reduce float sum, rate $RATE, mtu $MTU, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    LIMIT=600 run "$shape-oxccl" "$hosts" "$per" block -- perf all_reduce -b 8 -e 8 -n 500 -w 50
+    LIMIT=600 run "$shape-oxccl" "$hosts" "$per" block -- perf all_reduce -b "$lo" -e "$hi" -f 2 -n 5 -w 2
+    if [ "$per" -gt 1 ]; then
+      LIMIT=600 run "$shape-oxccl-ring" "$hosts" "$per" block -- perf all_reduce -b "$lo" -e "$lo" -n 5 -w 2 --algo ring
+    fi
+    if [ -x "$GLOO_PY" ]; then
+      gloo_run "$shape-gloo" "$hosts" "$per" 8 8
+      gloo_run "$shape-gloo" "$hosts" "$per" "$lo" "$hi"
+    else
+      echo "(gloo skipped: $GLOO_PY not found; run ../shared/anchors/install.sh)"
+    fi
+  done
+}
+
+cmd=${1:-test}
+shift || true
+if ! why=$(can_run); then
+  echo "cluster.sh: SKIPPED ($why): the emulated cluster needs root and ip netns"
+  exit 0
+fi
+[ "$cmd" = iperf ] || [ -x "$BIN" ] || die "$BIN not built (cargo build --release -p oxccl-cli)"
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+case "$cmd" in
+test)
+  t_correctness
+  t_torchrun
+  t_cut 2 1
+  t_cut 4 1
+  t_cut 2 2
+  log "cluster tests passed"
+  ;;
+perf)
+  # perf HOSTS PER_HOST [OXCCL_PERF_ARGS...]: one checked run, e.g. `perf 2 2 all_reduce -b 64M`
+  up "$1"
+  EXTRA_ENV=()
+  h=$1 per=$2
+  shift 2
+  run "perf-${h}x$per" "$h" "$per" block -- perf "$@"
+  ;;
+cut) t_cut "${1:-2}" "${2:-1}" ;;
+torchrun) t_torchrun ;;
+bench) t_bench "$@" ;;
+iperf) t_iperf ;;
+*) die "unknown command $cmd (test, bench, cut, iperf)" ;;
+esac
