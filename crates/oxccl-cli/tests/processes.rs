@@ -42,56 +42,13 @@ fn assert_ok(out: &Output, what: &str) {
     );
 }
 
-fn kinds(n: usize) -> Vec<(CollKind, usize)> {
-    let mut k = vec![
-        (CollKind::AllReduce, 0),
-        (CollKind::AllGather, 0),
-        (CollKind::ReduceScatter, 0),
-        (CollKind::AllToAll, 0),
-        (CollKind::SendRecv { to: 0, from: 0 }, 0),
-    ];
-    for root in [0, n - 1] {
-        k.push((CollKind::Broadcast, root));
-        k.push((CollKind::Reduce, root));
-    }
-    k
-}
+use oxccl::check::kinds;
 
 fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
     let mut v = Vec::new();
     match mode {
-        "matrix" => {
-            for (kind, root) in kinds(n) {
-                let reduces = matches!(
-                    kind,
-                    CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-                );
-                for dtype in DataType::ALL {
-                    let ops: &[ReduceOp] = if reduces {
-                        &ReduceOp::ALL
-                    } else {
-                        &[ReduceOp::Sum]
-                    };
-                    for &op in ops {
-                        // 0, 1, odd, not divisible by the rank count, a few pages.
-                        for count in [0usize, 1, 7, 13, 2049] {
-                            for in_place in [false, true] {
-                                v.push(Case {
-                                    kind,
-                                    dtype,
-                                    op,
-                                    root,
-                                    count,
-                                    in_place,
-                                    rank,
-                                    nranks: n,
-                                });
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        // 0, 1, odd, not divisible by the rank count, a few pages.
+        "matrix" => v = oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 2049]),
         "large" => {
             // 64 MiB buffers: larger than every transport buffer (shm rings 4 MiB, sockets).
             for (kind, root) in kinds(n) {

@@ -14,6 +14,60 @@ use crate::dtype::DataType;
 use crate::error::Result;
 use crate::op::ReduceOp;
 
+/// Every collective a matrix test covers, with its root: broadcast and reduce from the first
+/// and from the last rank; `SendRecv` sends to the next rank and receives from the previous.
+pub fn kinds(nranks: usize) -> Vec<(CollKind, usize)> {
+    let mut k = vec![
+        (CollKind::AllReduce, 0),
+        (CollKind::AllGather, 0),
+        (CollKind::ReduceScatter, 0),
+        (CollKind::AllToAll, 0),
+        (CollKind::SendRecv { to: 0, from: 0 }, 0),
+    ];
+    for root in [0, nranks.saturating_sub(1)] {
+        k.push((CollKind::Broadcast, root));
+        k.push((CollKind::Reduce, root));
+    }
+    k
+}
+
+/// The correctness matrix for `rank` of `nranks`: every collective of [`kinds`] × every
+/// dtype × every op (for the reductions; sum otherwise) × each of `counts` × out of place and
+/// in place.
+pub fn matrix(rank: usize, nranks: usize, counts: &[usize]) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (kind, root) in kinds(nranks) {
+        let reduces = matches!(
+            kind,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        );
+        for dtype in DataType::ALL {
+            let ops: &[ReduceOp] = if reduces {
+                &ReduceOp::ALL
+            } else {
+                &[ReduceOp::Sum]
+            };
+            for &op in ops {
+                for &count in counts {
+                    for in_place in [false, true] {
+                        cases.push(Case {
+                            kind,
+                            dtype,
+                            op,
+                            root,
+                            count,
+                            in_place,
+                            rank,
+                            nranks,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    cases
+}
+
 /// One collective call with reference data: buffers to fill, the call, and the check.
 #[derive(Clone, Debug)]
 pub struct Case {

@@ -214,30 +214,7 @@ impl Runner<'_, '_, '_> {
     }
 
     fn link_err(&self, peer: usize, e: LinkError) -> Error {
-        let (rank, call, seq) = (self.ctx.rank, self.ctx.call, self.ctx.seq);
-        match e {
-            LinkError::Protocol(msg) => Error::Protocol {
-                rank,
-                peer,
-                call,
-                seq,
-                msg,
-            },
-            LinkError::Closed(reason) => Error::PeerLost {
-                rank,
-                peer,
-                call,
-                seq,
-                reason,
-            },
-            LinkError::Io(e) => Error::PeerLost {
-                rank,
-                peer,
-                call,
-                seq,
-                reason: e.to_string(),
-            },
-        }
+        e.into_error(self.ctx.rank, peer, self.ctx.call, self.ctx.seq)
     }
 
     fn local(&self, l: &Local) -> Result<()> {

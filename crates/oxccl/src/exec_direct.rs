@@ -146,30 +146,7 @@ impl DirectCtx<'_> {
     }
 
     fn lost(&self, peer: usize, e: LinkError) -> Error {
-        let (rank, call, seq) = (self.rank, self.call, self.seq);
-        match e {
-            LinkError::Protocol(msg) => Error::Protocol {
-                rank,
-                peer,
-                call,
-                seq,
-                msg,
-            },
-            LinkError::Closed(reason) => Error::PeerLost {
-                rank,
-                peer,
-                call,
-                seq,
-                reason,
-            },
-            LinkError::Io(e) => Error::PeerLost {
-                rank,
-                peer,
-                call,
-                seq,
-                reason: e.to_string(),
-            },
-        }
+        e.into_error(self.rank, peer, self.call, self.seq)
     }
 
     /// An error for a failed read of a peer's memory.

@@ -8,27 +8,7 @@ use oxccl::check::Case;
 use oxccl::transport::mem;
 use oxccl::{CollKind, Communicator, Config, DataType, ReduceOp};
 
-fn kinds(n: usize) -> Vec<(CollKind, usize)> {
-    let mut k = vec![
-        (CollKind::AllReduce, 0),
-        (CollKind::AllGather, 0),
-        (CollKind::ReduceScatter, 0),
-        (CollKind::AllToAll, 0),
-        (CollKind::SendRecv { to: 0, from: 0 }, 0),
-    ];
-    for root in [0, n - 1] {
-        k.push((CollKind::Broadcast, root));
-        k.push((CollKind::Reduce, root));
-    }
-    k
-}
-
-fn reduces(kind: CollKind) -> bool {
-    matches!(
-        kind,
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-    )
-}
+use oxccl::check::kinds;
 
 /// How the ranks of a group reach each other besides links.
 #[derive(Clone, Copy)]
@@ -107,33 +87,7 @@ fn matrix(n: usize) {
 
 fn matrix_with(n: usize, direct: Direct) {
     run_group_with(n, 96, direct, |rank| {
-        let mut cases = Vec::new();
-        for (kind, root) in kinds(n) {
-            for dtype in DataType::ALL {
-                let ops: &[ReduceOp] = if reduces(kind) {
-                    &ReduceOp::ALL
-                } else {
-                    &[ReduceOp::Sum]
-                };
-                for &op in ops {
-                    for count in [0usize, 1, 7, 13, 200] {
-                        for in_place in [false, true] {
-                            cases.push(Case {
-                                kind,
-                                dtype,
-                                op,
-                                root,
-                                count,
-                                in_place,
-                                rank,
-                                nranks: n,
-                            });
-                        }
-                    }
-                }
-            }
-        }
-        cases
+        oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 200])
     });
 }
 

@@ -63,6 +63,42 @@ pub enum LinkError {
     Io(#[from] std::io::Error),
 }
 
+impl LinkError {
+    /// The error of call `call` (number `seq`) on `rank` when its link to `peer` failed so.
+    pub fn into_error(
+        self,
+        rank: usize,
+        peer: usize,
+        call: &'static str,
+        seq: u64,
+    ) -> crate::Error {
+        use crate::Error;
+        match self {
+            LinkError::Protocol(msg) => Error::Protocol {
+                rank,
+                peer,
+                call,
+                seq,
+                msg,
+            },
+            LinkError::Closed(reason) => Error::PeerLost {
+                rank,
+                peer,
+                call,
+                seq,
+                reason,
+            },
+            LinkError::Io(e) => Error::PeerLost {
+                rank,
+                peer,
+                call,
+                seq,
+                reason: e.to_string(),
+            },
+        }
+    }
+}
+
 /// What a waiter sleeps on when a link cannot progress.
 #[derive(Debug, Clone, Copy)]
 pub enum WaitSource<'a> {
