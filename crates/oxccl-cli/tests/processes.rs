@@ -144,7 +144,10 @@ fn child() {
     let comm = Communicator::from_env().unwrap();
     let (rank, n) = (comm.rank(), comm.world_size());
     let mut failures = Vec::new();
-    for case in cases(&mode, rank, n) {
+    let all = cases(&mode, rank, n);
+    let ncases = all.len();
+    assert!(ncases >= 10, "mode {mode} has only {ncases} cases");
+    for case in all {
         let (mut s, mut r) = case.alloc();
         let (sl, rl) = case.sizes();
         let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut s)[..sl];
@@ -164,7 +167,7 @@ fn child() {
         comm.transport_summary()
     );
     println!(
-        "rank {rank}: all cases correct over {}",
+        "rank {rank}: all cases correct ({ncases}) over {}",
         comm.transport_summary()
     );
 }
