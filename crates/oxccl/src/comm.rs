@@ -393,6 +393,7 @@ impl Communicator {
             direct: st.direct.is_some(),
             cma: st.direct.as_ref().is_some_and(|d| d.can_read_peers()),
             slot_bytes: st.direct.as_ref().map_or(0, |d| d.slot_bytes()),
+            nranks: self.nranks,
             oneshot_max: self.cfg.oneshot_max,
             cma_min: self.cfg.cma_min,
             deterministic: self.cfg.deterministic,

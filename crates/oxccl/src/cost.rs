@@ -166,6 +166,7 @@ mod tests {
             direct: false,
             cma: false,
             slot_bytes: 0,
+            nranks: 2,
             oneshot_max: 0,
             cma_min: usize::MAX,
             deterministic: false,

@@ -55,8 +55,9 @@ pub struct Config {
     /// `OXCCL_CHUNK_BYTES`: pipeline segment of chained algorithms (broadcast, reduce).
     /// Default 256 KiB.
     pub chunk_bytes: usize,
-    /// `OXCCL_ONESHOT_MAX`: inputs up to this many bytes go one-shot through shared slots
-    /// when every rank shares a host. Default 8 KiB.
+    /// `OXCCL_ONESHOT_MAX`: with two ranks, inputs up to this many bytes go one-shot through
+    /// shared slots when every rank shares a host; with `n` ranks, `n - 1` times as many (up
+    /// to a slot, 64 KiB). Default 32 KiB.
     pub oneshot_max: usize,
     /// `OXCCL_CMA_MIN`: inputs from this many bytes on are copied straight from peers' buffers
     /// (`process_vm_readv`) when every rank shares a host. Default 64 KiB.
@@ -106,7 +107,7 @@ impl Default for Config {
             socket_ifname: None,
             algo: None,
             chunk_bytes: 256 << 10,
-            oneshot_max: 8 << 10,
+            oneshot_max: 32 << 10,
             cma_min: 64 << 10,
             cma: true,
             deterministic: false,

@@ -30,7 +30,11 @@ pub struct Situation {
     pub cma: bool,
     /// Capacity of a direct slot (the most one-shot can carry).
     pub slot_bytes: usize,
-    /// Largest input that goes one-shot (`OXCCL_ONESHOT_MAX`).
+    /// Ranks in the communicator.
+    pub nranks: usize,
+    /// Largest input that goes one-shot with two ranks (`OXCCL_ONESHOT_MAX`); with `n` ranks
+    /// the limit is `n - 1` times larger (up to a slot): one handshake replaces the ring's
+    /// `2(n-1)` steps, which cost more the more ranks share the cores.
     pub oneshot_max: usize,
     /// Smallest input that goes single-copy (`OXCCL_CMA_MIN`).
     pub cma_min: usize,
@@ -63,7 +67,10 @@ pub fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
     if s.kind == CollKind::Barrier && s.direct {
         return Algo::OneShot;
     }
-    if allowed(Algo::OneShot) && s.input_bytes <= s.oneshot_max {
+    let oneshot_max = s
+        .oneshot_max
+        .saturating_mul(s.nranks.saturating_sub(1).max(1));
+    if allowed(Algo::OneShot) && s.input_bytes <= oneshot_max {
         return Algo::OneShot;
     }
     if allowed(Algo::Cma) && s.input_bytes >= s.cma_min {
@@ -86,6 +93,7 @@ mod tests {
             direct,
             cma: direct,
             slot_bytes: 65536,
+            nranks: 2,
             oneshot_max: 8192,
             cma_min: 65536,
             deterministic: false,
@@ -141,6 +149,27 @@ mod tests {
         );
         assert_eq!(
             choose(&sit(CollKind::AllReduce, 1 << 20, false), None),
+            Algo::Ring
+        );
+    }
+
+    #[test]
+    fn one_shot_reaches_further_with_more_ranks() {
+        let eight = |bytes| Situation {
+            nranks: 8,
+            ..sit(CollKind::AllReduce, bytes, true)
+        };
+        assert_eq!(choose(&eight(50_000), None), Algo::OneShot);
+        assert_eq!(choose(&eight(7 * 8192), None), Algo::OneShot);
+        assert_eq!(choose(&eight(7 * 8192 + 1), None), Algo::Ring);
+        assert_eq!(choose(&eight(70_000), None), Algo::Cma);
+        let big = Situation {
+            oneshot_max: 1 << 20,
+            ..eight(65537)
+        };
+        assert_eq!(choose(&big, None), Algo::Cma, "never past a slot");
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 50_000, true), None),
             Algo::Ring
         );
     }
