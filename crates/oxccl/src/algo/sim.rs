@@ -131,11 +131,38 @@ pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
     }
 }
 
+/// Buffers for `n` ranks: rank r's input and output bytes.
+pub(crate) fn make_bufs(
+    n: usize,
+    input: impl Fn(usize) -> Vec<u8>,
+    output: impl Fn(usize) -> Vec<u8>,
+) -> Vec<Bufs> {
+    (0..n)
+        .map(|r| Bufs {
+            input: input(r),
+            output: output(r),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// The reduction over `n` ranks of `val(rank, i)`, with the integer kernels' wrapping.
+pub(crate) fn reduce_of(val: fn(usize, usize) -> i64, n: usize, i: usize, op: ReduceOp) -> i64 {
+    let vals = (0..n).map(|r| val(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<i64>() / n as i64,
+        ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
+        ReduceOp::Min => vals.min().unwrap(),
+        ReduceOp::Max => vals.max().unwrap(),
+    }
+}
+
 fn val(rank: usize, i: usize) -> i64 {
     ((rank * 7 + i * 3) % 11) as i64 - 5
 }
 
-fn bytes(v: &[i64]) -> Vec<u8> {
+pub(crate) fn bytes(v: &[i64]) -> Vec<u8> {
     bytemuck::cast_slice(v).to_vec()
 }
 
@@ -154,14 +181,7 @@ fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root:
 }
 
 fn reduce_ref(n: usize, i: usize, op: ReduceOp) -> i64 {
-    let vals = (0..n).map(|r| val(r, i));
-    match op {
-        ReduceOp::Sum => vals.sum(),
-        ReduceOp::Avg => vals.sum::<i64>() / n as i64,
-        ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
-        ReduceOp::Min => vals.min().unwrap(),
-        ReduceOp::Max => vals.max().unwrap(),
-    }
+    reduce_of(val, n, i, op)
 }
 
 #[test]
@@ -173,13 +193,11 @@ fn every_algorithm_matches_reference() {
                 let colls: Vec<_> = (0..n)
                     .map(|r| coll(CollKind::AllReduce, r, n, count, op, 0))
                     .collect();
-                let bufs: Vec<Bufs> = (0..n)
-                    .map(|r| Bufs {
-                        input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                        output: vec![0; count * 8],
-                        ..Default::default()
-                    })
-                    .collect();
+                let bufs = make_bufs(
+                    n,
+                    |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    |_| vec![0; count * 8],
+                );
                 for algo in [Algo::Ring, Algo::Ordered] {
                     let mut bufs = bufs.clone();
                     run(algo, &colls, &mut bufs);
@@ -195,13 +213,11 @@ fn every_algorithm_matches_reference() {
                 let colls: Vec<_> = (0..n)
                     .map(|r| coll(CollKind::ReduceScatter, r, n, count, op, 0))
                     .collect();
-                let bufs: Vec<Bufs> = (0..n)
-                    .map(|r| Bufs {
-                        input: bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                        output: vec![0; count * 8],
-                        ..Default::default()
-                    })
-                    .collect();
+                let bufs = make_bufs(
+                    n,
+                    |r| bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    |_| vec![0; count * 8],
+                );
                 for algo in [Algo::Ring, Algo::Ordered] {
                     let mut bufs = bufs.clone();
                     run(algo, &colls, &mut bufs);
@@ -222,13 +238,11 @@ fn every_algorithm_matches_reference() {
                     let colls: Vec<_> = (0..n)
                         .map(|r| coll(CollKind::Reduce, r, n, count, op, root))
                         .collect();
-                    let bufs: Vec<Bufs> = (0..n)
-                        .map(|r| Bufs {
-                            input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                            output: vec![0; if r == root { count * 8 } else { 0 }],
-                            ..Default::default()
-                        })
-                        .collect();
+                    let bufs = make_bufs(
+                        n,
+                        |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                        |r| vec![0; if r == root { count * 8 } else { 0 }],
+                    );
                     for algo in [Algo::Chain, Algo::Ordered] {
                         let mut bufs = bufs.clone();
                         run(algo, &colls, &mut bufs);
@@ -246,17 +260,17 @@ fn every_algorithm_matches_reference() {
                 let colls: Vec<_> = (0..n)
                     .map(|r| coll(CollKind::Broadcast, r, n, count, ReduceOp::Sum, root))
                     .collect();
-                let mut bufs: Vec<Bufs> = (0..n)
-                    .map(|r| Bufs {
-                        input: if r == root {
+                let mut bufs = make_bufs(
+                    n,
+                    |r| {
+                        if r == root {
                             bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>())
                         } else {
                             vec![]
-                        },
-                        output: vec![0; count * 8],
-                        ..Default::default()
-                    })
-                    .collect();
+                        }
+                    },
+                    |_| vec![0; count * 8],
+                );
                 run(Algo::Chain, &colls, &mut bufs);
                 let want = bytes(&(0..count).map(|i| val(root, i)).collect::<Vec<_>>());
                 for b in &bufs {
@@ -267,13 +281,11 @@ fn every_algorithm_matches_reference() {
             let colls: Vec<_> = (0..n)
                 .map(|r| coll(CollKind::AllGather, r, n, count, ReduceOp::Sum, 0))
                 .collect();
-            let mut bufs: Vec<Bufs> = (0..n)
-                .map(|r| Bufs {
-                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    output: vec![0; n * count * 8],
-                    ..Default::default()
-                })
-                .collect();
+            let mut bufs = make_bufs(
+                n,
+                |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                |_| vec![0; n * count * 8],
+            );
             run(Algo::Ring, &colls, &mut bufs);
             let want = bytes(
                 &(0..n * count)
@@ -286,13 +298,11 @@ fn every_algorithm_matches_reference() {
             let colls: Vec<_> = (0..n)
                 .map(|r| coll(CollKind::AllToAll, r, n, count, ReduceOp::Sum, 0))
                 .collect();
-            let mut bufs: Vec<Bufs> = (0..n)
-                .map(|r| Bufs {
-                    input: bytes(&(0..n * count).map(|j| val(r, j)).collect::<Vec<_>>()),
-                    output: vec![0; n * count * 8],
-                    ..Default::default()
-                })
-                .collect();
+            let mut bufs = make_bufs(
+                n,
+                |r| bytes(&(0..n * count).map(|j| val(r, j)).collect::<Vec<_>>()),
+                |_| vec![0; n * count * 8],
+            );
             run(Algo::Pairwise, &colls, &mut bufs);
             for (r, b) in bufs.iter().enumerate() {
                 // block p of rank r's output = block r of rank p's input

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::sim::{run, Bufs};
+use super::sim::{bytes, make_bufs, reduce_of, run};
 use super::{Algo, Coll, CollKind};
 use crate::dtype::DataType;
 use crate::op::ReduceOp;
@@ -13,19 +13,8 @@ fn val(rank: usize, i: usize) -> i64 {
     ((rank * 5 + i * 7) % 13) as i64 - 6
 }
 
-fn bytes(v: &[i64]) -> Vec<u8> {
-    bytemuck::cast_slice(v).to_vec()
-}
-
 fn reduce_ref(n: usize, i: usize, op: ReduceOp) -> i64 {
-    let vals = (0..n).map(|r| val(r, i));
-    match op {
-        ReduceOp::Sum => vals.sum(),
-        ReduceOp::Avg => vals.sum::<i64>() / n as i64,
-        ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
-        ReduceOp::Min => vals.min().unwrap(),
-        ReduceOp::Max => vals.max().unwrap(),
-    }
+    reduce_of(val, n, i, op)
 }
 
 /// A topology from the host of each rank.
@@ -90,13 +79,11 @@ fn all_reduce_on_every_layout() {
             for op in ReduceOp::ALL {
                 for algo in [Algo::Ring, Algo::Hier, Algo::Tree] {
                     let cs = colls(CollKind::AllReduce, &t, count, op, 0);
-                    let mut bufs: Vec<Bufs> = (0..n)
-                        .map(|r| Bufs {
-                            input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                            output: vec![0; count * 8],
-                            ..Default::default()
-                        })
-                        .collect();
+                    let mut bufs = make_bufs(
+                        n,
+                        |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                        |_| vec![0; count * 8],
+                    );
                     run(algo, &cs, &mut bufs);
                     let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
                     for (r, b) in bufs.iter().enumerate() {
@@ -119,13 +106,11 @@ fn rings_and_chains_on_every_layout() {
         for count in [0usize, 1, 5, 9] {
             // all_gather
             let cs = colls(CollKind::AllGather, &t, count, ReduceOp::Sum, 0);
-            let mut bufs: Vec<Bufs> = (0..n)
-                .map(|r| Bufs {
-                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    output: vec![0; n * count * 8],
-                    ..Default::default()
-                })
-                .collect();
+            let mut bufs = make_bufs(
+                n,
+                |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                |_| vec![0; n * count * 8],
+            );
             run(Algo::Ring, &cs, &mut bufs);
             let want = bytes(
                 &(0..n * count)
@@ -137,13 +122,11 @@ fn rings_and_chains_on_every_layout() {
             }
             // reduce_scatter
             let cs = colls(CollKind::ReduceScatter, &t, count, ReduceOp::Sum, 0);
-            let mut bufs: Vec<Bufs> = (0..n)
-                .map(|r| Bufs {
-                    input: bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    output: vec![0; count * 8],
-                    ..Default::default()
-                })
-                .collect();
+            let mut bufs = make_bufs(
+                n,
+                |r| bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                |_| vec![0; count * 8],
+            );
             run(Algo::Ring, &cs, &mut bufs);
             for (r, b) in bufs.iter().enumerate() {
                 let want: Vec<i64> = (0..count)
@@ -154,17 +137,17 @@ fn rings_and_chains_on_every_layout() {
             for root in 0..n {
                 // broadcast
                 let cs = colls(CollKind::Broadcast, &t, count, ReduceOp::Sum, root);
-                let mut bufs: Vec<Bufs> = (0..n)
-                    .map(|r| Bufs {
-                        input: if r == root {
+                let mut bufs = make_bufs(
+                    n,
+                    |r| {
+                        if r == root {
                             bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>())
                         } else {
                             vec![]
-                        },
-                        output: vec![0; count * 8],
-                        ..Default::default()
-                    })
-                    .collect();
+                        }
+                    },
+                    |_| vec![0; count * 8],
+                );
                 run(Algo::Chain, &cs, &mut bufs);
                 let want = bytes(&(0..count).map(|i| val(root, i)).collect::<Vec<_>>());
                 for b in &bufs {
@@ -172,13 +155,11 @@ fn rings_and_chains_on_every_layout() {
                 }
                 // reduce
                 let cs = colls(CollKind::Reduce, &t, count, ReduceOp::Max, root);
-                let mut bufs: Vec<Bufs> = (0..n)
-                    .map(|r| Bufs {
-                        input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                        output: vec![0; if r == root { count * 8 } else { 0 }],
-                        ..Default::default()
-                    })
-                    .collect();
+                let mut bufs = make_bufs(
+                    n,
+                    |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                    |r| vec![0; if r == root { count * 8 } else { 0 }],
+                );
                 run(Algo::Chain, &cs, &mut bufs);
                 let want = bytes(
                     &(0..count)
@@ -239,13 +220,11 @@ fn pipelined_hier_on_large_buffers() {
         let n = layout.len();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let cs = colls(CollKind::AllReduce, &t, count, op, 0);
-            let mut bufs: Vec<Bufs> = (0..n)
-                .map(|r| Bufs {
-                    input: bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    output: vec![0; count * 8],
-                    ..Default::default()
-                })
-                .collect();
+            let mut bufs = make_bufs(
+                n,
+                |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
+                |_| vec![0; count * 8],
+            );
             run(Algo::Hier, &cs, &mut bufs);
             let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
             for (r, b) in bufs.iter().enumerate() {
