@@ -225,6 +225,36 @@ fn stop_all(children: &mut Vec<(usize, Child)>) {
     children.clear();
 }
 
+/// A subcommand that is either one rank of a launched job (under torchrun, srun, mpirun or
+/// `oxccl run`: `rank_main` runs here) or the launcher of `ranks` local copies of this very
+/// command line, each with `env` added. Returns the exit code; `name` prefixes messages.
+pub fn rank_or_launch(
+    name: &str,
+    under_launcher: bool,
+    ranks: usize,
+    env: &[(&str, String)],
+    rank_main: impl FnOnce() -> Result<(), String>,
+) -> i32 {
+    if under_launcher {
+        return match rank_main() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("oxccl {name}: {e}");
+                1
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(p) => p.to_string_lossy().into_owned(),
+        Err(e) => {
+            eprintln!("oxccl {name}: cannot find my own executable: {e}");
+            return 1;
+        }
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    launch(ranks, &exe, &args, Output::Raw, env)
+}
+
 /// `oxccl run`.
 pub fn run_main(a: RunArgs) -> i32 {
     let mode = if a.no_prefix {

@@ -17,7 +17,7 @@ use oxccl::param::parse_bytes;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 use serde::Serialize;
 
-use crate::launch::{launch, Output};
+use crate::launch::rank_or_launch;
 
 /// `oxccl perf` arguments (nccl-tests' names).
 #[derive(ClapArgs, Clone)]
@@ -81,7 +81,8 @@ pub fn main(a: Args) -> i32 {
         eprintln!("oxccl perf: {e}");
         return 2;
     }
-    if under_launcher() {
+    let rank = under_launcher();
+    if rank {
         // One rank of a launched job: --transport and --algo apply to this process.
         // Set before any thread starts.
         if let Some(t) = &a.transport {
@@ -90,22 +91,7 @@ pub fn main(a: Args) -> i32 {
         if let Some(al) = &a.algo {
             std::env::set_var("OXCCL_ALGO", al);
         }
-        return match rank_main(&a) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("oxccl perf: {e}");
-                1
-            }
-        };
     }
-    let exe = match std::env::current_exe() {
-        Ok(p) => p.to_string_lossy().into_owned(),
-        Err(e) => {
-            eprintln!("oxccl perf: cannot find my own executable: {e}");
-            return 1;
-        }
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
     let mut env = Vec::new();
     if let Some(t) = &a.transport {
         env.push(("OXCCL_TRANSPORT", t.clone()));
@@ -113,7 +99,7 @@ pub fn main(a: Args) -> i32 {
     if let Some(al) = &a.algo {
         env.push(("OXCCL_ALGO", al.clone()));
     }
-    launch(a.ranks, &exe, &args, Output::Raw, &env)
+    rank_or_launch("perf", rank, a.ranks, &env, || rank_main(&a))
 }
 
 fn kind_of(name: &str) -> Result<CollKind, String> {

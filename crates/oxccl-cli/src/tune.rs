@@ -10,7 +10,7 @@ use oxccl::check::Case;
 use oxccl::param::{parse_bytes, Tuning};
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
-use crate::launch::{launch, Output};
+use crate::launch::rank_or_launch;
 use crate::perf::{time_calls, under_launcher};
 
 /// `oxccl tune` arguments.
@@ -32,29 +32,12 @@ pub struct Args {
 
 /// Entry point: start ranks, or be one.
 pub fn main(a: Args) -> i32 {
-    if under_launcher() {
-        return match rank_main(&a) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("oxccl tune: {e}");
-                1
-            }
-        };
-    }
-    let exe = match std::env::current_exe() {
-        Ok(p) => p.to_string_lossy().into_owned(),
-        Err(e) => {
-            eprintln!("oxccl tune: cannot find my own executable: {e}");
-            return 1;
-        }
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    // The measurement must not be steered by an earlier tuning or by forced settings.
+    // The measurement must not be steered by an earlier tuning: the ranks read none.
     let mut env = vec![("OXCCL_TUNE_FILE", String::new())];
     if let Some(p) = Tuning::path() {
         env.push(("OXCCL_USER_TUNE_FILE", p.to_string_lossy().into_owned()));
     }
-    launch(a.ranks, &exe, &args, Output::Raw, &env)
+    rank_or_launch("tune", under_launcher(), a.ranks, &env, || rank_main(&a))
 }
 
 const ALGOS: [Algo; 3] = [Algo::OneShot, Algo::Ring, Algo::Cma];
