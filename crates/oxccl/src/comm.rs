@@ -370,7 +370,12 @@ impl Communicator {
                 msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
             });
         }
-        self.guard.check(name, seq)?;
+        if let Err(e) = self.guard.check(name, seq) {
+            // A peer was lost before this call began: this call fails as the one that
+            // noticed it, and every later one is Aborted (as after a failure inside a call).
+            st.broken = Some(e.to_string());
+            return Err(e);
+        }
         let call = validate(seq)?;
         let coll = Coll {
             kind: call.kind,

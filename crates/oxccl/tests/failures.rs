@@ -208,10 +208,15 @@ fn abort_wakes_a_blocked_call_and_tells_the_others() {
                     "{e}"
                 );
                 go.wait();
-                format!("{e}")
+                // The failure was noticed before the call began; later calls still say
+                // that the communicator is unusable (checked outside the threads: a
+                // panicking rank would leave the other blocked at `go`).
+                let later = comm.barrier().unwrap_err();
+                format!("{e} | later: {}", matches!(later, Error::Aborted { .. }))
             }
         });
         assert!(res[1].contains("rank 0 called abort()"), "{res:?}");
+        assert!(res[1].ends_with("later: true"), "{res:?}");
     }
 }
 
