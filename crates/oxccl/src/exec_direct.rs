@@ -151,13 +151,22 @@ impl DirectCtx<'_> {
 
     /// An error for a failed read of a peer's memory.
     pub fn read_error(&self, peer: usize, e: std::io::Error) -> Error {
+        self.access_error(peer, "reading", e)
+    }
+
+    /// An error for a failed write into a peer's memory.
+    pub fn write_error(&self, peer: usize, e: std::io::Error) -> Error {
+        self.access_error(peer, "writing", e)
+    }
+
+    fn access_error(&self, peer: usize, what: &str, e: std::io::Error) -> Error {
         if self.direct.check_alive(peer).is_err() {
             return self.lost(peer, LinkError::Io(e));
         }
         Error::Io {
             rank: self.rank,
             context: format!(
-                "{} (call #{}): reading rank {peer}'s buffer",
+                "{} (call #{}): {what} rank {peer}'s buffer",
                 self.call, self.seq
             ),
             source: e,

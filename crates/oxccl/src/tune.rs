@@ -141,6 +141,10 @@ mod tests {
         );
         assert_eq!(
             choose(&sit(CollKind::Reduce, 1 << 20, true), None),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Reduce, 1 << 20, false), None),
             Algo::Chain
         );
         assert_eq!(
@@ -194,6 +198,10 @@ mod tests {
         );
         assert_eq!(
             choose(&det(CollKind::Reduce, 1 << 20, true), None),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&det(CollKind::Reduce, 1 << 20, false), None),
             Algo::Ordered
         );
         assert_eq!(

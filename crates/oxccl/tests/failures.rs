@@ -153,6 +153,16 @@ fn every_tried_mismatch_is_an_error_on_every_rank() {
         (Barrier, AllToAll(1)),
         (Shift(20, 20), Shift(21, 20)),
         (Shift(20, 20), AllReduce(20, ReduceOp::Sum)),
+        // Large enough for the single-copy algorithms, which touch peers' memory: the check
+        // must come before any byte moves.
+        (
+            AllReduce(1 << 18, ReduceOp::Sum),
+            AllReduce((1 << 18) + 1, ReduceOp::Sum),
+        ),
+        (Broadcast(1 << 18, 0), Broadcast(1 << 18, 1)),
+        (Reduce(1 << 18, 0), Reduce((1 << 18) + 4, 0)),
+        (AllGather(1 << 17), AllGather((1 << 17) + 1)),
+        (ReduceScatter(1 << 16), ReduceScatter((1 << 16) - 1)),
     ];
     for transport in BOTH {
         for (i, (good, other)) in cases.iter().enumerate() {

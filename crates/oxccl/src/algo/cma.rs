@@ -1,19 +1,26 @@
 //! Single-copy collectives for large messages between the ranks of one host: every rank
-//! publishes the addresses of its buffers and copies what it needs straight out of its peers'
-//! memory with `process_vm_readv` (cross-memory attach, as Open MPI's CMA path), instead of
-//! streaming everything through shared-memory rings (two copies).
+//! publishes the addresses of its buffers and moves what it needs straight between its own
+//! memory and its peers' with `process_vm_readv` / `process_vm_writev` (cross-memory attach, as
+//! Open MPI's CMA path), instead of streaming everything through shared-memory rings (two
+//! copies).
 //!
-//! - all_reduce: rank `r` reduces block `r` — for each 64 KiB chunk it reads the chunk of every
-//!   rank in rank order into a cache-resident buffer and folds it into its output (so all
-//!   ranks get identical bits) — then, once every rank has reduced its block, reads the other
-//!   blocks from their owners' outputs. Per rank: `(n-1)/n · S` read for the reduction plus
-//!   `(n-1)/n · S` for the gather, three events.
-//! - reduce_scatter: the first half of all_reduce, two events.
+//! - all_reduce: rank `r` owns block `r`. For each chunk of it, it reads the chunk of every
+//!   rank's input (in rank order, so that every element is combined the same way whoever owns
+//!   it: identical bits on every rank) into cache-resident buffers, folds them, and writes the
+//!   result straight into every rank's output. One pass over memory: per rank `S` read and `S`
+//!   written whatever the rank count (a reduce-scatter followed by an all-gather reads and
+//!   writes the owned blocks twice). Two events.
+//! - reduce_scatter: the same with the result written to the owner's output only.
+//! - reduce: the same with the result written to the root's output only, so every rank
+//!   reduces `1/n` of the data in parallel.
 //! - all_gather, all_to_all: each rank reads its peers' inputs into its output, two events.
-//! - broadcast: every rank reads the root's input, two events.
+//! - broadcast: every rank reads the root's input; an in-place root, which has nothing of its
+//!   own to copy, writes one block into each peer's output meanwhile, so that it shares the
+//!   copying. Two events.
 //!
-//! The last event of each call tells every rank that nobody reads its buffers any more, so it
-//! may return.
+//! Only the owner of a block touches that block of any buffer in a call, so a rank's in-place
+//! buffer is read before it is overwritten, by the same rank. The last event of each call tells
+//! every rank that nobody reads or writes its buffers any more, so it may return.
 
 use crate::algo::{block, Coll, CollKind};
 use crate::error::Result;
@@ -23,7 +30,7 @@ use crate::op::ReduceOp;
 use crate::reduce;
 
 /// Bytes reduced at a time (the temporary stays in the core's cache).
-const CHUNK: usize = 64 << 10;
+const CHUNK: usize = 256 << 10;
 
 /// Whether this module implements `kind`.
 pub fn supports(kind: CollKind) -> bool {
@@ -31,6 +38,7 @@ pub fn supports(kind: CollKind) -> bool {
         kind,
         CollKind::AllReduce
             | CollKind::ReduceScatter
+            | CollKind::Reduce
             | CollKind::AllGather
             | CollKind::AllToAll
             | CollKind::Broadcast
@@ -47,16 +55,13 @@ pub fn run(
     let (n, me, es) = (c.nranks, c.rank, c.dtype.size());
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
-    let e1 = cx.publish(
+    // The first event carries the call's header: every rank checks that its peers called the
+    // same collective on the same count before touching their memory.
+    let e1 = cx.begin(
         &[],
         [inp as u64, outp as u64, in_len as u64, out_len as u64],
-    );
-    cx.wait_all(e1)?;
+    )?;
     let addrs: Vec<[u64; 6]> = (0..n).map(|p| cx.direct.peer_addrs(p, e1)).collect();
-    // SAFETY: the output is valid for out_len bytes for the whole call; this rank writes only
-    // the parts that no peer reads in the current phase (see each case), and reads its own
-    // input through `read_own` (never through a reference overlapping `out`).
-    let out = unsafe { std::slice::from_raw_parts_mut(outp, out_len) };
     let read_own = |off: usize, dst: &mut [u8]| {
         // SAFETY: `off + dst.len() <= in_len` (callers stay within the input) and `dst` is a
         // separate buffer or the very same bytes (copy allows overlap).
@@ -67,69 +72,98 @@ pub fn run(
             .read_peer(p, addr, dst)
             .map_err(|e| cx.read_error(p, e))
     };
+    let write = |cx: &DirectCtx<'_>, p: usize, addr: u64, src: &[u8]| -> Result<()> {
+        cx.direct
+            .write_peer(p, addr, src)
+            .map_err(|e| cx.write_error(p, e))
+    };
+    // The whole output, for the cases where this rank writes only its own (reduce and
+    // reduce_scatter build no such reference: peers may write parts of a rank's output).
+    let whole_out = || {
+        // SAFETY: the output is valid for out_len bytes for the whole call; in these cases no
+        // peer touches it, and this rank reads its own input through `read_own` (never through
+        // a reference overlapping `out`).
+        unsafe { std::slice::from_raw_parts_mut(outp, out_len) }
+    };
     let bytes = c.count * es;
     match c.kind {
-        CollKind::AllReduce | CollKind::ReduceScatter => {
-            let (start, len, out_off) = if c.kind == CollKind::AllReduce {
-                let (s, l) = block(c.count, n, me);
-                (s * es, l * es, s * es)
-            } else {
-                (me * bytes, bytes, 0)
+        CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce => {
+            // This rank's block: where it starts in the inputs, its length, and where its
+            // result goes: (rank, address) pairs, this rank's own output included.
+            let (start, len, dests): (usize, usize, Vec<(usize, u64)>) = match c.kind {
+                CollKind::ReduceScatter => (me * bytes, bytes, vec![(me, outp as u64)]),
+                _ => {
+                    let (s, l) = block(c.count, n, me);
+                    let (s, l) = (s * es, l * es);
+                    let dests = if c.kind == CollKind::AllReduce {
+                        (0..n).map(|p| (p, addrs[p][1] + s as u64)).collect()
+                    } else {
+                        vec![(c.root, addrs[c.root][1] + s as u64)]
+                    };
+                    (s, l, dests)
+                }
             };
-            // In place, this rank's own chunk is overwritten by rank 0's before it is folded
-            // in: save it first (rank order must not change, for identical bits everywhere).
-            let alias =
-                (inp as usize) < outp as usize + out_len && (outp as usize) < inp as usize + in_len;
-            let words = (2 * CHUNK).div_ceil(8);
+            let words = (3 * CHUNK).div_ceil(8);
             if tmp.len() < words {
                 tmp.resize(words, 0);
             }
-            let (tmp, own) =
-                bytemuck::cast_slice_mut::<u64, u8>(tmp)[..2 * CHUNK].split_at_mut(CHUNK);
+            let (acc, rest) =
+                bytemuck::cast_slice_mut::<u64, u8>(tmp)[..3 * CHUNK].split_at_mut(CHUNK);
+            let (ta, tb) = rest.split_at_mut(CHUNK);
             let chunk = CHUNK / es * es;
             let mut off = 0;
             while off < len {
                 let k = chunk.min(len - off);
                 let at = start + off;
-                let saved = alias && me != 0;
-                if saved {
-                    read_own(at, &mut own[..k]);
-                }
-                let dst = &mut out[out_off + off..out_off + off + k];
-                #[allow(clippy::needless_range_loop)] // p is a rank, used for more than indexing
-                for p in 0..n {
-                    let t: &mut [u8] = if p == 0 { &mut *dst } else { &mut tmp[..k] };
-                    if p == me && saved {
-                        t.copy_from_slice(&own[..k]);
-                    } else if p == me {
-                        read_own(at, t);
+                // SAFETY: `at + k <= in_len`; the input stays valid and, in this phase, only
+                // this rank writes this block of it (after the last use of `own`).
+                let own = unsafe { std::slice::from_raw_parts(inp.add(at), k) };
+                let acc = &mut acc[..k];
+                // Rank order: acc = ((x0 ⊕ x1) ⊕ x2) ...
+                if n == 1 {
+                    acc.copy_from_slice(own);
+                } else {
+                    let x0: &[u8] = if me == 0 {
+                        own
                     } else {
-                        read(cx, p, addrs[p][0] + at as u64, t)?;
+                        read(cx, 0, addrs[0][0] + at as u64, &mut ta[..k])?;
+                        &ta[..k]
+                    };
+                    for p in 1..n {
+                        let xp: &[u8] = if p == me {
+                            own
+                        } else {
+                            read(cx, p, addrs[p][0] + at as u64, &mut tb[..k])?;
+                            &tb[..k]
+                        };
+                        if p == 1 {
+                            reduce::reduce_into(c.dtype, c.op, acc, x0, xp);
+                        } else {
+                            reduce::reduce_inplace(c.dtype, c.op, acc, xp);
+                        }
                     }
-                    if p > 0 {
-                        reduce::reduce_inplace(c.dtype, c.op, dst, &tmp[..k]);
+                }
+                if c.op == ReduceOp::Avg {
+                    reduce::divide_by(c.dtype, acc, n);
+                }
+                for &(p, addr) in &dests {
+                    let to = addr + off as u64;
+                    if p == me {
+                        // SAFETY: `to` is this rank's output at an offset of at most
+                        // `out_len - k` (its block, or all of it for reduce_scatter); `acc` is
+                        // a separate buffer, and `own` is not used past this point.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(acc.as_ptr(), to as usize as *mut u8, k)
+                        };
+                    } else {
+                        write(cx, p, to, acc)?;
                     }
                 }
                 off += k;
             }
-            if c.op == ReduceOp::Avg {
-                reduce::divide_by(c.dtype, &mut out[out_off..out_off + len], n);
-            }
-            if c.kind == CollKind::AllReduce {
-                let e2 = cx.publish(&[], [0; 4]);
-                cx.wait_all(e2)?;
-                for p in (0..n).filter(|&p| p != me) {
-                    let (s, l) = block(c.count, n, p);
-                    read(
-                        cx,
-                        p,
-                        addrs[p][1] + (s * es) as u64,
-                        &mut out[s * es..(s + l) * es],
-                    )?;
-                }
-            }
         }
         CollKind::AllGather => {
+            let out = whole_out();
             for p in 0..n {
                 let dst = &mut out[p * bytes..(p + 1) * bytes];
                 if p == me {
@@ -140,6 +174,7 @@ pub fn run(
             }
         }
         CollKind::AllToAll => {
+            let out = whole_out();
             for p in 0..n {
                 let dst = &mut out[p * bytes..(p + 1) * bytes];
                 if p == me {
@@ -150,10 +185,40 @@ pub fn run(
             }
         }
         CollKind::Broadcast => {
-            if me == c.root {
-                read_own(0, &mut out[..bytes]);
+            // An in-place root has nothing to copy for itself: it writes block p of the data
+            // into each peer p, which reads the rest (every rank learns this from the root's
+            // addresses, so they agree).
+            let root = c.root;
+            let helps = addrs[root][0] == addrs[root][1];
+            if me == root {
+                if !helps {
+                    read_own(0, &mut whole_out()[..bytes]);
+                } else {
+                    for p in (0..n).filter(|&p| p != root) {
+                        let (s, l) = block(c.count, n, p);
+                        // SAFETY: block p lies within the root's input of `bytes` bytes, which
+                        // nobody writes in this call.
+                        let src = unsafe { std::slice::from_raw_parts(inp.add(s * es), l * es) };
+                        write(cx, p, addrs[p][1] + (s * es) as u64, src)?;
+                    }
+                }
             } else {
-                read(cx, c.root, addrs[c.root][0], &mut out[..bytes])?;
+                let (s, l) = if helps {
+                    let (s, l) = block(c.count, n, me);
+                    (s * es, l * es)
+                } else {
+                    (bytes, 0)
+                };
+                for (from, to) in [(0, s), (s + l, bytes)] {
+                    if to > from {
+                        // SAFETY: within the output (`to <= bytes <= out_len`); while the root
+                        // writes block `me` of it, this rank touches only the other blocks,
+                        // through separate slices built here.
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(outp.add(from), to - from) };
+                        read(cx, root, addrs[root][0] + from as u64, dst)?;
+                    }
+                }
             }
         }
         _ => unreachable!("cma::run called for {}", c.kind.name()),

@@ -433,7 +433,8 @@ pub enum Algo {
     Direct,
     /// One-shot through shared slots (one host, small messages; not a schedule).
     OneShot,
-    /// Single copy from peers' buffers with `process_vm_readv` (one host; not a schedule).
+    /// Single copy between ranks' buffers with `process_vm_readv`/`writev` (one host; not a
+    /// schedule).
     Cma,
     /// Reductions in rank order, for bitwise reproducibility (`OXCCL_DETERMINISTIC=1`).
     Ordered,
@@ -518,6 +519,7 @@ impl Algo {
                     Algo::Cma,
                     CollKind::AllReduce
                         | CollKind::ReduceScatter
+                        | CollKind::Reduce
                         | CollKind::AllGather
                         | CollKind::AllToAll
                         | CollKind::Broadcast

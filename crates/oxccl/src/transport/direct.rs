@@ -54,7 +54,12 @@ pub trait Direct: Send {
     /// Copies `dst.len()` bytes at `addr` in `peer`'s address space into `dst`.
     fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()>;
 
-    /// Whether [`read_peer`](Self::read_peer) works between these processes (checked at setup).
+    /// Copies `src` to `addr` in `peer`'s address space. The peer published `addr` as a buffer
+    /// that it does not touch until the algorithm's next event.
+    fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()>;
+
+    /// Whether [`read_peer`](Self::read_peer) and [`write_peer`](Self::write_peer) work between
+    /// these processes (checked at setup).
     fn can_read_peers(&self) -> bool;
 
     /// This rank's doorbell, rung by peers when they publish.
@@ -159,6 +164,14 @@ impl Direct for MemDirect {
         unsafe {
             std::ptr::copy_nonoverlapping(addr as usize as *const u8, dst.as_mut_ptr(), dst.len())
         };
+        Ok(())
+    }
+
+    fn write_peer(&self, _peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()> {
+        // SAFETY: threads share one address space; the peer published `addr` as a buffer of at
+        // least this length that it neither reads nor writes until the algorithm's next event,
+        // and that no other rank writes in the same phase.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as usize as *mut u8, src.len()) };
         Ok(())
     }
 

@@ -7,13 +7,13 @@
 //! owner's [`Doorbell`] at 128, the event counter at 256, the address records at 384, the two
 //! slots from 4096 on.
 
-use std::io::IoSliceMut;
+use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
-use nix::sys::uio::{process_vm_readv, RemoteIoVec};
+use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
 use nix::unistd::Pid as NixPid;
 use rustix::fs::{FallocateFlags, Mode, OFlags};
 
@@ -165,12 +165,13 @@ pub fn connect(
         std::process::id()
     ));
     let mine = create(&path, rank);
-    // A probe value whose address peers try to read, to learn whether CMA works.
-    let probe: Box<u64> = Box::new(0x0c5a_u64 ^ tag);
+    // A probe value whose address peers read and write (the same bytes back), to learn whether
+    // CMA works. Atomic: peers write it behind the compiler's back.
+    let probe = Box::new(std::sync::atomic::AtomicU64::new(0x0c5a_u64 ^ tag));
     let msg = match &mine {
         Ok(_) => format!(
             "ok {} {} {}",
-            &*probe as *const u64 as usize,
+            probe.as_ptr() as usize,
             super::pid_namespace(),
             path.display()
         ),
@@ -214,8 +215,11 @@ pub fn connect(
                 continue;
             }
             let mut v = [0u8; 8];
+            // Read the peer's probe, then write the same bytes back: both directions must work
+            // (writing the value it already holds leaves it intact for the other readers).
             if read_remote(pid_of[r], addr, &mut v).is_err()
                 || u64::from_ne_bytes(v) != 0x0c5a_u64 ^ tag
+                || write_remote(pid_of[r], addr, &v).is_err()
             {
                 cma_ok = false;
             }
@@ -259,6 +263,28 @@ fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "process_vm_readv read nothing",
+            ));
+        }
+        done += k;
+    }
+    Ok(())
+}
+
+fn write_remote(pid: u32, addr: u64, src: &[u8]) -> std::io::Result<()> {
+    let len = src.len();
+    let mut done = 0;
+    while done < len {
+        let local = [IoSlice::new(&src[done..])];
+        let remote = [RemoteIoVec {
+            base: addr as usize + done,
+            len: len - done,
+        }];
+        let k = process_vm_writev(NixPid::from_raw(pid as i32), &local, &remote)
+            .map_err(std::io::Error::from)?;
+        if k == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "process_vm_writev wrote nothing",
             ));
         }
         done += k;
@@ -324,6 +350,11 @@ impl Direct for ShmDirect {
     fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
         let pid = self.pids[peer].map_or(0, |p| p.as_raw_nonzero().get() as u32);
         read_remote(pid, addr, dst)
+    }
+
+    fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()> {
+        let pid = self.pids[peer].map_or(0, |p| p.as_raw_nonzero().get() as u32);
+        write_remote(pid, addr, src)
     }
 
     fn can_read_peers(&self) -> bool {
