@@ -14,6 +14,8 @@ cargo bench -q -p oxccl --bench reduce -- memcpy 2>/dev/null | tee "$out/memcpy.
 for coll in all_reduce all_gather reduce_scatter broadcast; do
   bash "$anchors/compare.sh" "$ox" "$coll" 2 8 134217728 | tee "$out/$coll-2.txt"
 done
+# The anchors have no reduce row: scripts/anchors/compare_reduce.sh runs MPI_Reduce beside it.
+bash scripts/anchors/compare_reduce.sh "$ox" 2 8 134217728 | tee "$out/reduce-2.txt"
 for n in 4 8; do
   bash "$anchors/compare.sh" "$ox" all_reduce "$n" 8 33554432 | tee "$out/all_reduce-$n.txt"
 done

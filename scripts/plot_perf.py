@@ -17,11 +17,13 @@ FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
 }
 
 
 def ratio_rows(path):
-    """The final table of compare.sh: bytes, oxccl us, mpi us, gloo us."""
+    """The final table of compare.sh (bytes, oxccl us, mpi us, gloo us), or of
+    scripts/anchors/compare_reduce.sh (no gloo column: NaN)."""
     rows, seen = [], False
     for line in open(path):
         if line.startswith("#") and "mpi/ox time" in line:
@@ -30,6 +32,8 @@ def ratio_rows(path):
         f = line.split()
         if seen and len(f) == 6 and f[0].isdigit():
             rows.append((int(f[0]), float(f[1]), float(f[2]), float(f[3])))
+        elif seen and len(f) == 4 and f[0].isdigit():
+            rows.append((int(f[0]), float(f[1]), float(f[2]), float("nan")))
     return rows
 
 
@@ -60,7 +64,8 @@ def main(d):
         fig.savefig(os.path.join(d, f"{name}.png"), dpi=90)
         plt.close(fig)
         for b, ox, mpi, gl in rows:
-            summary.append(f"| {coll} | {n} | {b} | {ox:.2f} | {mpi:.2f} | {gl:.2f} | {mpi / ox:.2f} | {gl / ox:.2f} |")
+            g = f"{gl:.2f} | {gl / ox:.2f}" if gl == gl else "– | –"
+            summary.append(f"| {coll} | {n} | {b} | {ox:.2f} | {mpi:.2f} | {g.split(' | ')[0]} | {mpi / ox:.2f} | {g.split(' | ')[1]} |")
     with open(os.path.join(d, "summary.md"), "w") as f:
         f.write("\n".join(summary) + "\n")
 

@@ -427,7 +427,7 @@ impl Communicator {
                     timeout: self.guard.timeout(),
                     call: name,
                     seq,
-                    start: std::time::Instant::now(),
+                    start: None,
                     print: Some(&print),
                     health: Some(self.guard.health()),
                     links: Some(&mut links[..]),

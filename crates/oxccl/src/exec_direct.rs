@@ -30,8 +30,9 @@ pub struct DirectCtx<'a> {
     pub call: &'static str,
     /// The call's sequence number, for errors.
     pub seq: u64,
-    /// When the call started.
-    pub start: Instant,
+    /// When the call started, for its timeout; `None`: from the first time it sleeps (a call
+    /// done within its spin budget never reads the clock).
+    pub start: Option<Instant>,
     /// The call's fingerprint, published with its first event and checked against every
     /// peer's (`None`: unchecked).
     pub print: Option<&'a CallPrint>,
@@ -122,10 +123,10 @@ impl DirectCtx<'_> {
         self.wait_all(e)?;
         if let Some(p) = self.print {
             for peer in (0..self.nranks).filter(|&q| q != self.rank) {
-                let w = self.direct.peer_addrs(peer, e);
+                let w = self.direct.peer_header_words(peer, e);
                 let mut b = [0u8; HEADER_BYTES];
-                b[..8].copy_from_slice(&w[4].to_le_bytes());
-                b[8..].copy_from_slice(&w[5].to_le_bytes());
+                b[..8].copy_from_slice(&w[0].to_le_bytes());
+                b[8..].copy_from_slice(&w[1].to_le_bytes());
                 if p.matches(&b) {
                     continue;
                 }
@@ -205,7 +206,8 @@ impl DirectCtx<'_> {
         let me = self.rank;
         let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));
         let mut backoff = Backoff::new(self.spin);
-        let mut last_check = Instant::now();
+        // Read the clock only once spinning is over: the fast path never does.
+        let mut last_check: Option<Instant> = None;
         loop {
             let Some(_) = pending(&*self.direct) else {
                 if let Some(v) = self.step_ends.as_mut() {
@@ -216,6 +218,8 @@ impl DirectCtx<'_> {
             if !backoff.should_sleep() {
                 continue;
             }
+            let start = *self.start.get_or_insert_with(Instant::now);
+            let last = *last_check.get_or_insert(start);
             {
                 let bell = self.direct.doorbell();
                 // A failure elsewhere (abort, a lost rank, a mismatch) rings this doorbell.
@@ -230,8 +234,8 @@ impl DirectCtx<'_> {
                 }
                 bell.wait(token, SLEEP_SLICE);
             }
-            if last_check.elapsed() >= SLEEP_SLICE {
-                last_check = Instant::now();
+            if last.elapsed() >= SLEEP_SLICE {
+                last_check = Some(Instant::now());
                 let waiting: Vec<usize> = (0..n)
                     .filter(|&p| p != me && !self.direct.reached(p, e))
                     .collect();
@@ -243,7 +247,7 @@ impl DirectCtx<'_> {
                         return Err(self.lost(p, err));
                     }
                 }
-                let elapsed = self.start.elapsed();
+                let elapsed = start.elapsed();
                 if elapsed > self.timeout && !waiting.is_empty() {
                     return Err(Error::Timeout {
                         rank: me,

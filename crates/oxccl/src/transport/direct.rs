@@ -51,6 +51,13 @@ pub trait Direct: Send {
     /// The addresses `peer` published with event `e`.
     fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS];
 
+    /// Words 4 and 5 of what `peer` published with event `e` (the call's header): what every
+    /// call checks, so an implementation may keep them where they are cheapest to read.
+    fn peer_header_words(&self, peer: usize, e: u64) -> [u64; 2] {
+        let a = self.peer_addrs(peer, e);
+        [a[4], a[5]]
+    }
+
     /// Copies `dst.len()` bytes at `addr` in `peer`'s address space into `dst`.
     fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()>;
 

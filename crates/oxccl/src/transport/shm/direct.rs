@@ -1,11 +1,19 @@
 //! [`Direct`] over shared memory: each rank of a host owns a small segment
-//! (`/dev/shm/oxccl-<tag>-d<rank>-<pid>`) with its event counter, two address records and two
-//! data slots, mapped by every other rank of the host; peers' buffers are read with
-//! `process_vm_readv` (single copy, as Open MPI's CMA path) where the kernel allows it.
+//! (`/dev/shm/oxccl-<tag>-d<rank>-<pid>`) with two event records and two data slots, mapped by
+//! every other rank of the host; peers' buffers are read and written with `process_vm_readv` /
+//! `process_vm_writev` (single copy, as Open MPI's CMA path) where the kernel allows it.
 //!
 //! Layout: header (magic `"OXCCLDIR"`, version, owner pid and rank, slot size) at 0, the
-//! owner's [`Doorbell`] at 128, the event counter at 256, the address records at 384, the two
-//! slots from 4096 on.
+//! owner's [`Doorbell`] at 128, the closed flag at 320, the event records of the two parities
+//! at 384 and 640, the two slots from 4096 on.
+//!
+//! An event record holds everything a peer needs to see of an event besides bulk data, laid
+//! out so that the line a peer polls carries the most: data of up to 160 bytes ends right
+//! before the data's length, the two words of the call's header and, last, the event number,
+//! in the record's third cache line; the four algorithm words follow in the fourth. An
+//! 8-byte or 32-byte all_reduce thus crosses between cores as one cache line, data and flag
+//! together as in NCCL's LL protocol, instead of one line for a counter, one for the words and
+//! one for the data. Larger data goes to the slot.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::AsFd;
@@ -25,13 +33,30 @@ use crate::transport::LinkError;
 use crate::wait::Doorbell;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"OXCCLDIR");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Bytes of one data slot.
 pub const SLOT_BYTES: usize = 64 << 10;
 const BELL_OFF: usize = 128;
-const PROGRESS_OFF: usize = 256;
 const CLOSED_OFF: usize = 320;
-const ADDRS_OFF: usize = 384;
+const RECORDS_OFF: usize = 384;
+/// Bytes of one event record (four cache lines).
+const RECORD: usize = 256;
+/// Data bytes an event record carries itself.
+const INLINE: usize = 160;
+/// Offsets inside an event record: the inline data ends at INLINE (right-aligned, so that a
+/// small message shares the last line with the event number), then the data's length, the
+/// words that carry the call's header, the event number; the other words in the next line.
+const LEN_OFF: usize = INLINE;
+const HEADER_WORDS_OFF: usize = LEN_OFF + 8;
+const EVENT_OFF: usize = HEADER_WORDS_OFF + 16;
+const WORDS_OFF: usize = EVENT_OFF + 8;
+const _: () = assert!(
+    EVENT_OFF + 8 == 3 * 64
+        && WORDS_OFF + 4 * 8 <= RECORD
+        && ADDRS == 6
+        && RECORDS_OFF % 64 == 0
+        && RECORDS_OFF + 2 * RECORD <= SLOTS_OFF
+);
 const SLOTS_OFF: usize = 4096;
 const TOTAL: usize = SLOTS_OFF + 2 * SLOT_BYTES;
 
@@ -68,14 +93,28 @@ impl Area {
     fn bell(&self) -> &Doorbell {
         self.at(BELL_OFF)
     }
-    fn progress(&self) -> &AtomicU64 {
-        self.at(PROGRESS_OFF)
-    }
     fn closed(&self) -> &AtomicU32 {
         self.at(CLOSED_OFF)
     }
+    fn record(&self, parity: usize) -> *mut u8 {
+        // SAFETY: RECORDS_OFF + 2 * RECORD <= TOTAL (checked at compile time).
+        unsafe { self.base.as_ptr().add(RECORDS_OFF + parity * RECORD) }
+    }
+    /// The number of the last event published in the record of `parity`.
+    fn event_of(&self, parity: usize) -> &AtomicU64 {
+        self.at(RECORDS_OFF + parity * RECORD + EVENT_OFF)
+    }
+    /// The length of the data published in the record of `parity`.
+    fn len_of(&self, parity: usize) -> &AtomicU64 {
+        self.at(RECORDS_OFF + parity * RECORD + LEN_OFF)
+    }
     fn addr(&self, parity: usize, i: usize) -> &AtomicU64 {
-        self.at(ADDRS_OFF + (parity * ADDRS + i) * 8)
+        let off = if i < 4 {
+            WORDS_OFF + i * 8
+        } else {
+            HEADER_WORDS_OFF + (i - 4) * 8
+        };
+        self.at(RECORDS_OFF + parity * RECORD + off)
     }
     fn slot(&self, parity: usize) -> *mut u8 {
         // SAFETY: SLOTS_OFF + parity * SLOT_BYTES + SLOT_BYTES <= TOTAL for parity 0 and 1.
@@ -311,13 +350,33 @@ impl Direct for ShmDirect {
         let e = self.event;
         let p = (e % 2) as usize;
         let me = self.area(self.rank);
-        // SAFETY: the slot has SLOT_BYTES >= data.len() bytes; by the reuse rule no peer reads
-        // slot p now (they finished event e - 2 before publishing e - 1, which we waited for).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), me.slot(p), data.len()) };
-        for (i, a) in addrs.iter().enumerate() {
-            me.addr(p, i).store(*a, Ordering::Relaxed);
+        if data.len() <= INLINE {
+            // Small data travels in the record, right before the event number (see the layout).
+            // SAFETY: INLINE - len .. INLINE lies in the record; by the reuse rule no peer reads
+            // record p now (they finished event e - 2 before publishing e - 1, which we waited
+            // for).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr(),
+                    me.record(p).add(INLINE - data.len()),
+                    data.len(),
+                )
+            };
+        } else {
+            // SAFETY: the slot has SLOT_BYTES >= data.len() bytes; no peer reads slot p now
+            // (as above).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), me.slot(p), data.len()) };
         }
-        me.progress().store(e, Ordering::Release);
+        me.len_of(p).store(data.len() as u64, Ordering::Relaxed);
+        for (i, a) in addrs.iter().enumerate() {
+            let w = me.addr(p, i);
+            // Words 0-3 sit in a line of their own, which small calls leave at zero: writing
+            // only changed values keeps that line out of the peers' way.
+            if i >= 4 || w.load(Ordering::Relaxed) != *a {
+                w.store(*a, Ordering::Relaxed);
+            }
+        }
+        me.event_of(p).store(e, Ordering::Release);
         // Each ring() begins with the SeqCst fence the doorbell protocol needs after publishing.
         for r in 0..self.areas.len() {
             if r != self.rank {
@@ -328,7 +387,12 @@ impl Direct for ShmDirect {
     }
 
     fn reached(&self, peer: usize, e: u64) -> bool {
-        self.area(peer).progress().load(Ordering::Acquire) >= e
+        // The line of e's parity holds e - 2, e, or nothing newer: the peer cannot publish
+        // e + 2 before this rank publishes e + 1 (the reuse rule).
+        self.area(peer)
+            .event_of((e % 2) as usize)
+            .load(Ordering::Acquire)
+            >= e
     }
 
     fn event(&self) -> u64 {
@@ -337,9 +401,27 @@ impl Direct for ShmDirect {
 
     fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
         let len = len.min(SLOT_BYTES);
-        // SAFETY: in bounds of the peer's slot; the peer wrote it before publishing e (seen
-        // with Acquire by `reached`) and will not write it again before we publish e + 1.
-        unsafe { std::slice::from_raw_parts(self.area(peer).slot((e % 2) as usize), len) }
+        let p = (e % 2) as usize;
+        let area = self.area(peer);
+        // Where the peer put it depends on how much it published (a reader may want less:
+        // all_to_all reads a prefix).
+        let total = area.len_of(p).load(Ordering::Relaxed) as usize;
+        let at = if total <= INLINE {
+            // SAFETY: within the record: len <= total <= INLINE.
+            unsafe { area.record(p).add(INLINE - total).cast_const() }
+        } else {
+            area.slot(p).cast_const()
+        };
+        // SAFETY: `len` bytes at `at` lie in the peer's record or slot; the peer wrote them
+        // before publishing e (seen with Acquire by `reached`) and will not write them again
+        // before we publish e + 1.
+        unsafe { std::slice::from_raw_parts(at, len) }
+    }
+
+    fn peer_header_words(&self, peer: usize, e: u64) -> [u64; 2] {
+        // Both in the line `reached` polled: no further transfer between cores.
+        let a = self.area(peer);
+        [4, 5].map(|i| a.addr((e % 2) as usize, i).load(Ordering::Relaxed))
     }
 
     fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS] {
