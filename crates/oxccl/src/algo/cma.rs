@@ -129,6 +129,8 @@ pub fn run(
                         read(cx, 0, addrs[0][0] + at as u64, &mut ta[..k])?;
                         &ta[..k]
                     };
+                    #[allow(clippy::needless_range_loop)]
+                    // p is a rank, used for more than indexing
                     for p in 1..n {
                         let xp: &[u8] = if p == me {
                             own
