@@ -287,21 +287,20 @@ pub fn connect(
     }))
 }
 
-fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
-    let len = dst.len();
+/// Repeats `step(done)` (which moves bytes from offset `done` on and returns how many it
+/// moved) until `len` bytes have moved: the kernel may move fewer than asked.
+fn until_done(
+    len: usize,
+    what: &str,
+    mut step: impl FnMut(usize) -> nix::Result<usize>,
+) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
-        let mut local = [IoSliceMut::new(&mut dst[done..])];
-        let remote = [RemoteIoVec {
-            base: addr as usize + done,
-            len: len - done,
-        }];
-        let k = process_vm_readv(NixPid::from_raw(pid as i32), &mut local, &remote)
-            .map_err(std::io::Error::from)?;
+        let k = step(done).map_err(std::io::Error::from)?;
         if k == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                "process_vm_readv read nothing",
+                format!("{what} moved nothing"),
             ));
         }
         done += k;
@@ -309,26 +308,31 @@ fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-fn write_remote(pid: u32, addr: u64, src: &[u8]) -> std::io::Result<()> {
-    let len = src.len();
-    let mut done = 0;
-    while done < len {
-        let local = [IoSlice::new(&src[done..])];
+fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+    let len = dst.len();
+    until_done(len, "process_vm_readv", |done| {
         let remote = [RemoteIoVec {
             base: addr as usize + done,
             len: len - done,
         }];
-        let k = process_vm_writev(NixPid::from_raw(pid as i32), &local, &remote)
-            .map_err(std::io::Error::from)?;
-        if k == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "process_vm_writev wrote nothing",
-            ));
-        }
-        done += k;
-    }
-    Ok(())
+        let mut local = [IoSliceMut::new(&mut dst[done..])];
+        process_vm_readv(NixPid::from_raw(pid as i32), &mut local, &remote)
+    })
+}
+
+fn write_remote(pid: u32, addr: u64, src: &[u8]) -> std::io::Result<()> {
+    let len = src.len();
+    until_done(len, "process_vm_writev", |done| {
+        let remote = [RemoteIoVec {
+            base: addr as usize + done,
+            len: len - done,
+        }];
+        process_vm_writev(
+            NixPid::from_raw(pid as i32),
+            &[IoSlice::new(&src[done..])],
+            &remote,
+        )
+    })
 }
 
 impl ShmDirect {
