@@ -14,6 +14,7 @@ use crate::op::ReduceOp;
 use crate::topo::Topology;
 
 pub mod allgather_ring;
+pub mod allreduce_halving_doubling;
 pub mod allreduce_hier;
 pub mod allreduce_ring;
 pub mod allreduce_tree;
@@ -444,11 +445,14 @@ pub enum Algo {
     /// Tree all_reduce for small messages: reduce to each host's leader, recursive doubling
     /// among leaders, broadcast from the leader.
     Tree,
+    /// Halving-doubling (Rabenseifner) all_reduce: reduce-scatter by recursive halving, then
+    /// all-gather by recursive doubling; the ring's bytes in `2·log2 n` steps.
+    HalvingDoubling,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 10] = [
+    pub const ALL: [Algo; 11] = [
         Algo::Ring,
         Algo::Chain,
         Algo::Pairwise,
@@ -459,6 +463,7 @@ impl Algo {
         Algo::Ordered,
         Algo::Hier,
         Algo::Tree,
+        Algo::HalvingDoubling,
     ];
 
     /// The algorithm's name.
@@ -474,6 +479,7 @@ impl Algo {
             Algo::Ordered => "ordered",
             Algo::Hier => "hier",
             Algo::Tree => "tree",
+            Algo::HalvingDoubling => "hd",
         }
     }
 
@@ -500,7 +506,10 @@ impl Algo {
             ) | (Algo::Chain, CollKind::Broadcast | CollKind::Reduce)
                 | (Algo::Pairwise, CollKind::AllToAll)
                 | (Algo::Dissemination, CollKind::Barrier)
-                | (Algo::Hier | Algo::Tree, CollKind::AllReduce)
+                | (
+                    Algo::Hier | Algo::Tree | Algo::HalvingDoubling,
+                    CollKind::AllReduce
+                )
                 | (
                     Algo::OneShot,
                     CollKind::AllReduce
@@ -539,6 +548,9 @@ impl Algo {
             (Algo::Ring, CollKind::AllReduce) => allreduce_ring::schedule(coll),
             (Algo::Hier, CollKind::AllReduce) => allreduce_hier::schedule(coll),
             (Algo::Tree, CollKind::AllReduce) => allreduce_tree::schedule(coll),
+            (Algo::HalvingDoubling, CollKind::AllReduce) => {
+                allreduce_halving_doubling::schedule(coll)
+            }
             (Algo::Ring, CollKind::AllGather) => allgather_ring::schedule(coll),
             (Algo::Ring, CollKind::ReduceScatter) => reduce_scatter_ring::schedule(coll),
             (Algo::Chain, CollKind::Broadcast) => broadcast_chain::schedule(coll),

@@ -45,6 +45,11 @@ impl Ring {
         self.order[((self.pos as isize + delta).rem_euclid(n)) as usize]
     }
 
+    /// The rank at position `pos` (`pos < len()`).
+    pub fn rank_at(&self, pos: usize) -> usize {
+        self.order[pos]
+    }
+
     /// The left neighbour (sends to this rank).
     pub fn left(&self) -> usize {
         self.at(-1)

@@ -198,7 +198,7 @@ fn every_algorithm_matches_reference() {
                     |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
                     |_| vec![0; count * 8],
                 );
-                for algo in [Algo::Ring, Algo::Ordered] {
+                for algo in [Algo::Ring, Algo::Ordered, Algo::HalvingDoubling] {
                     let mut bufs = bufs.clone();
                     run(algo, &colls, &mut bufs);
                     let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());

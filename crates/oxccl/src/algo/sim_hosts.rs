@@ -1,5 +1,5 @@
 //! The simulator ([`super::sim`]) on multi-host placements: host-ordered rings and chains,
-//! the hierarchical and tree all-reduce, against references, for many host layouts.
+//! the hierarchical, tree and halving-doubling all-reduce, against references, for many host layouts.
 
 use std::sync::Arc;
 
@@ -77,7 +77,7 @@ fn all_reduce_on_every_layout() {
         let n = layout.len();
         for count in [0usize, 1, 3, 8, 13, 40] {
             for op in ReduceOp::ALL {
-                for algo in [Algo::Ring, Algo::Hier, Algo::Tree] {
+                for algo in [Algo::Ring, Algo::Hier, Algo::Tree, Algo::HalvingDoubling] {
                     let cs = colls(CollKind::AllReduce, &t, count, op, 0);
                     let mut bufs = make_bufs(
                         n,
@@ -208,6 +208,22 @@ fn hierarchy_saves_network_bytes() {
     assert_eq!(network_bytes(Algo::Hier, &l, count), s * 3 / 2);
     // Tree: the leader of host 0 exchanges the whole buffer log2(4) = 2 times.
     assert_eq!(network_bytes(Algo::Tree, &l, count), 2 * s);
+    // Halving-doubling in host order: the first step (S/2) stays inside the host, so each
+    // host link carries 2(H-1)/H S, as hier's, whatever the placement.
+    assert_eq!(
+        network_bytes(Algo::HalvingDoubling, &[0, 0, 1, 1], count),
+        s
+    );
+    assert_eq!(
+        network_bytes(Algo::HalvingDoubling, &[0, 1, 0, 1], count),
+        s
+    );
+    assert_eq!(network_bytes(Algo::HalvingDoubling, &l, count), s * 3 / 2);
+    // One rank per host: the ring's 2(n-1)/n S.
+    assert_eq!(
+        network_bytes(Algo::HalvingDoubling, &[0, 1, 2, 3], count),
+        s * 3 / 2
+    );
 }
 
 #[test]
