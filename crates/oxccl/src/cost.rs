@@ -10,9 +10,13 @@
 //! | ring (host order) | `2(n-1) · (α_net + S/n / β_net) + (n-1) · S/n / μ` (each host link carries one ring hop each way) |
 //! | hier | `max(T_net, T_loc) + T_loc/K` with `T_loc = 2(L-1) · (α_shm + S/L / β_shm) + (L-1)/L · S/μ`, `T_net = 2(H-1) · (α_net + S/H / β_net) + (H-1)/(HL) · S/μ` (the `L` ranks of a host share its link; `K` pipeline chunks overlap the two) |
 //! | tree | `2⌈log2 L⌉ · (α_shm + S/β_shm + S/μ) + (⌈log2 H⌉ + 2·[H not a power of 2]) · (α_net + S/β_net + S/μ)` |
+//! | hd | `2 Σ_{k=1..log2 P} (α_net + S/2^k / β_net) + (P-1)/P · S/μ` `= 2·log2 P · α_net + 2(P-1)/P · S/β_net + (P-1)/P · S/μ`, plus `2(α_net + S/β_net) + S/μ` when `n` is not a power of two (`P`: the largest power of two `≤ n`) |
 //!
 //! `μ` is the rate at which one rank reduces or copies memory (`local_gbps`); the tree
 //! reduces (and copies) the whole buffer at every step, the rings only a `1/n` block.
+//! Halving-doubling is charged as if every step crossed the network (as the ring is) and
+//! ignores that, in host order, its first `log2 L` steps stay inside a host: an
+//! overestimate when hosts have several ranks, exact with one rank per host.
 //!
 //! On one host this module decides nothing: [`tune::choose`] does.
 //! Defaults were measured on the emulated cluster of `scripts/cluster.sh` (10 Gbit/s links);
@@ -110,6 +114,20 @@ impl CostModel {
                 let k = crate::algo::allreduce_hier::chunks(bytes) as f64;
                 Some(net.max(local) + local / k)
             }
+            Algo::HalvingDoubling => {
+                let p = 1usize << n.max(1).ilog2();
+                let pf = p as f64;
+                // Step k of each phase moves S/2^(k+1); the owner reduces (P-1)/P of S.
+                let phase: f64 = (0..p.ilog2())
+                    .map(|k| link.time_us(s / f64::from(k + 1).exp2()))
+                    .sum();
+                let pairs = if n == p {
+                    0.0
+                } else {
+                    2.0 * link.time_us(s) + mem(s)
+                };
+                Some(2.0 * phase + mem(s * (pf - 1.0) / pf) + pairs)
+            }
             Algo::Tree => {
                 let net_steps = ceil_log2(h) + if h.is_power_of_two() { 0.0 } else { 2.0 };
                 Some(
@@ -135,7 +153,8 @@ impl CostModel {
             (CollKind::AllReduce, Some(t))
                 if t.hosts.len() > 1 && !forced_fits && !s.deterministic =>
             {
-                [Algo::Ring, Algo::Hier, Algo::Tree]
+                // On equal predictions the earlier candidate wins (`min_by` keeps the first).
+                [Algo::Ring, Algo::Hier, Algo::Tree, Algo::HalvingDoubling]
                     .into_iter()
                     .filter_map(|a| self.all_reduce_us(a, s.input_bytes, t).map(|us| (a, us)))
                     .min_by(|a, b| a.1.total_cmp(&b.1))
@@ -196,10 +215,45 @@ mod tests {
         assert_eq!(m.choose(ar, 8, Some(&two_by_two), None), Algo::Tree);
         assert_eq!(m.choose(ar, 64 << 20, Some(&two_by_two), None), Algo::Hier);
         assert_eq!(m.choose(ar, 8, Some(&four), None), Algo::Tree);
-        assert_eq!(m.choose(ar, 64 << 20, Some(&four), None), Algo::Ring);
+        // Four hosts of one rank: halving-doubling moves the ring's bytes in 4 steps instead
+        // of 6 (this was the ring before it existed).
+        assert_eq!(
+            m.choose(ar, 64 << 20, Some(&four), None),
+            Algo::HalvingDoubling
+        );
         let two = topo(vec![0, 1]);
         assert_eq!(m.choose(ar, 8, Some(&two), None), Algo::Tree);
+        // Two ranks: halving-doubling is the ring (same prediction), and the ring is kept.
+        assert_eq!(
+            m.0.all_reduce_us(Algo::HalvingDoubling, 1 << 20, &two),
+            m.0.all_reduce_us(Algo::Ring, 1 << 20, &two)
+        );
         assert_eq!(m.choose(ar, 1 << 20, Some(&two), None), Algo::Ring);
+        // Three hosts: the extra rank's two whole-buffer steps make it lose to the ring.
+        let three = topo(vec![0, 1, 2]);
+        assert_eq!(m.choose(ar, 1 << 20, Some(&three), None), Algo::Ring);
+        let eight = topo((0..8).collect());
+        assert_eq!(
+            m.choose(ar, 1 << 20, Some(&eight), None),
+            Algo::HalvingDoubling
+        );
+        // 4 hosts x 2 ranks: tree, then halving-doubling, then hier for large buffers.
+        let four_by_two = topo(vec![0, 0, 1, 1, 2, 2, 3, 3]);
+        assert_eq!(m.choose(ar, 8, Some(&four_by_two), None), Algo::Tree);
+        assert_eq!(
+            m.choose(ar, 1 << 20, Some(&four_by_two), None),
+            Algo::HalvingDoubling
+        );
+        assert_eq!(m.choose(ar, 64 << 20, Some(&four_by_two), None), Algo::Hier);
+        // Deterministic mode never takes it, forced or not.
+        let det = tune::Situation {
+            deterministic: true,
+            ..sit(ar, 1 << 20)
+        };
+        assert_eq!(
+            m.0.choose(&det, Some(&eight), Some(Algo::HalvingDoubling)),
+            Algo::Ordered
+        );
         // One host: the intra-host tuner decides.
         assert_eq!(
             m.choose(ar, 8, Some(&one), None),
