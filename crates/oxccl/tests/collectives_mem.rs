@@ -26,12 +26,26 @@ fn run_group(n: usize, cap: usize, cases: impl Fn(usize) -> Vec<Case> + Sync) {
 }
 
 fn run_group_with(n: usize, cap: usize, direct: Direct, cases: impl Fn(usize) -> Vec<Case> + Sync) {
+    run_group_algo(n, cap, direct, None, cases)
+}
+
+/// As [`run_group_with`], with `OXCCL_ALGO` set to `algo` (by name, parsed as the variable
+/// is): every call it implements must run with it, as `last_algo` reports.
+fn run_group_algo(
+    n: usize,
+    cap: usize,
+    direct: Direct,
+    algo: Option<&str>,
+    cases: impl Fn(usize) -> Vec<Case> + Sync,
+) {
     let mut cfg = Config {
         timeout: Duration::from_secs(60),
         spin: 200,
         chunk_bytes: 4096,
+        algo: algo.map(str::to_string),
         ..Config::default()
     };
+    let forced: Option<oxccl::algo::Algo> = algo.map(|a| a.parse().unwrap());
     let mut areas: Vec<Option<oxccl::transport::direct::MemDirect>> =
         (0..n).map(|_| None).collect();
     if let Direct::Yes {
@@ -70,6 +84,9 @@ fn run_group_with(n: usize, cap: usize, direct: Direct, cases: impl Fn(usize) ->
                             .unwrap_or_else(|e| panic!("{case:?}: {e}"));
                         let wrong = case.wrong(recv);
                         assert_eq!(wrong, 0, "rank {rank} ({}): {case:?}", comm.last_algo());
+                        if let Some(a) = forced.filter(|a| a.supports(case.kind)) {
+                            assert_eq!(comm.last_algo(), a.name(), "{case:?}");
+                        }
                     }
                     comm.barrier().unwrap();
                 })
@@ -114,6 +131,43 @@ fn matrix_4_ranks() {
 #[test]
 fn matrix_8_ranks() {
     matrix(8);
+}
+
+/// Halving-doubling forced (`OXCCL_ALGO=hd`) for every all_reduce of the matrix, on powers of
+/// two and not, over small queues (flow control on every stream), in and out of place.
+#[test]
+fn matrix_halving_doubling() {
+    for n in [1, 2, 3, 5, 6, 8] {
+        run_group_algo(n, 96, Direct::No, Some("hd"), |rank| {
+            oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 200])
+                .into_iter()
+                .filter(|c| c.kind == CollKind::AllReduce)
+                .collect()
+        });
+    }
+}
+
+/// Halving-doubling on buffers larger than the queues and than one pipeline chunk, with
+/// counts that do not divide by the number of participants.
+#[test]
+fn halving_doubling_larger_than_the_queues() {
+    for n in [3, 4, 7] {
+        run_group_algo(n, 64 << 10, Direct::No, Some("hd"), |rank| {
+            [(ReduceOp::Sum, false), (ReduceOp::Avg, true)]
+                .into_iter()
+                .map(|(op, in_place)| Case {
+                    kind: CollKind::AllReduce,
+                    dtype: DataType::F32,
+                    op,
+                    root: 0,
+                    count: 300_001,
+                    in_place,
+                    rank,
+                    nranks: n,
+                })
+                .collect()
+        });
+    }
 }
 
 // With a direct area: the small sizes go one-shot, the larger single-copy where it applies.
@@ -301,8 +355,8 @@ fn timeout_names_the_missing_rank() {
 }
 
 /// `OXCCL_DETERMINISTIC=1`: random floats reduce to the same bits on every rank whatever the
-/// algorithm (one-shot, single-copy, rank-ordered schedule; a forced ring is overridden), and
-/// equal to a serial fold in rank order.
+/// algorithm (one-shot, single-copy, rank-ordered schedule; a forced ring or halving-doubling
+/// is overridden), and equal to a serial fold in rank order.
 #[test]
 fn deterministic_bits_whatever_the_algorithm() {
     use oxccl::algo::Algo;
@@ -355,6 +409,7 @@ fn deterministic_bits_whatever_the_algorithm() {
                                 Some(Algo::Cma),
                                 Some(Algo::Ordered),
                                 Some(Algo::Ring),
+                                Some(Algo::HalvingDoubling),
                                 None,
                             ] {
                                 comm.set_algo(algo);
@@ -380,9 +435,9 @@ fn deterministic_bits_whatever_the_algorithm() {
             });
             for (rank, o) in outs.iter().enumerate() {
                 for (algo, bytes) in o {
-                    assert_ne!(
-                        algo, "ring",
-                        "a forced ring must not reduce in deterministic mode"
+                    assert!(
+                        algo != "ring" && algo != "hd",
+                        "a forced ring or halving-doubling must not reduce in deterministic mode"
                     );
                     assert!(
                         bytes == &want,

@@ -13,8 +13,24 @@ use oxccl::{CollKind, Communicator, Config, DataType, ReduceOp, UniqueId};
 fn cases(rank: usize, n: usize) -> Vec<(Option<Algo>, Case)> {
     let mut v = Vec::new();
     let sizes = [1usize, 7, 1000, 70_000, 300_001];
-    for (i, &count) in sizes.iter().cycle().take(15).enumerate() {
-        let algo = [None, Some(Algo::Ring), Some(Algo::Hier), Some(Algo::Tree)][i % 4];
+    // Fifteen rounds rotate through the tuner's choice and three forced algorithms; five
+    // more force halving-doubling, once at every size.
+    let rounds = sizes
+        .iter()
+        .cycle()
+        .take(15)
+        .enumerate()
+        .map(|(i, &count)| {
+            let algo = [None, Some(Algo::Ring), Some(Algo::Hier), Some(Algo::Tree)][i % 4];
+            (i, count, algo)
+        })
+        .chain(
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &count)| (i, count, Some(Algo::HalvingDoubling))),
+        );
+    for (i, count, algo) in rounds {
         let (dtype, op) = [
             (DataType::F32, ReduceOp::Sum),
             (DataType::I32, ReduceOp::Max),
