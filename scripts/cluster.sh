@@ -169,7 +169,7 @@ t_correctness() {
     LIMIT=120 run "2x2-$c" 2 2 block -- perf "$c" -b 8 -e 4M -f 32 -n 3 -w 1 -c 1
   done
   LIMIT=120 run "2x2-dtypes" 2 2 block -- perf all_reduce -b 24 -e 1M -f 64 -n 2 -w 1 -d all -o all
-  for a in ring hier tree; do
+  for a in ring hier tree hd; do
     LIMIT=120 run "2x2-$a" 2 2 block -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 -o avg --algo "$a"
   done
   log "2 hosts x 2 ranks, TCP striped over 3 connections per pair"
@@ -178,7 +178,7 @@ t_correctness() {
   LIMIT=120 run "2x2-streams3-a2a" 2 2 block -- perf all_to_all -b 64 -e 4M -f 64 -n 2 -w 1
   EXTRA_ENV=()
   log "2 hosts x 2 ranks, cyclic placement (ranks 0,2 on host 0)"
-  for a in ring hier tree; do
+  for a in ring hier tree hd; do
     LIMIT=120 run "2x2c-$a" 2 2 cyclic -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 --algo "$a"
   done
   LIMIT=120 run "2x2c-ag" 2 2 cyclic -- perf all_gather -b 64 -e 4M -f 64 -n 2 -w 1
@@ -188,7 +188,7 @@ t_correctness() {
   for c in all_reduce all_gather reduce_scatter broadcast reduce all_to_all sendrecv; do
     LIMIT=120 run "4x1-$c" 4 1 block -- perf "$c" -b 8 -e 4M -f 32 -n 3 -w 1 -c 1
   done
-  for a in ring hier tree; do
+  for a in ring hier tree hd; do
     LIMIT=120 run "4x1-$a" 4 1 block -- perf all_reduce -b 4 -e 8M -f 8 -n 2 -w 1 -o max --algo "$a"
   done
   log "3 hosts (2+1+1 ranks): uneven hosts"
