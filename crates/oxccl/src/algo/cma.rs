@@ -14,9 +14,9 @@
 //! - reduce: the same with the result written to the root's output only, so every rank
 //!   reduces `1/n` of the data in parallel.
 //! - all_gather, all_to_all: each rank reads its peers' inputs into its output, two events.
-//! - broadcast: every rank reads the root's input; an in-place root, which has nothing of its
-//!   own to copy, writes one block into each peer's output meanwhile, so that it shares the
-//!   copying. Two events.
+//! - broadcast: every rank reads the root's input while the root writes part of each peer's
+//!   output itself: block `p` into peer `p` when it is in place (it has nothing of its own to
+//!   copy), the last `1/(2n)` when it also copies its input to its output. Two events.
 //!
 //! Only the owner of a block touches that block of any buffer in a call, so a rank's in-place
 //! buffer is read before it is overwritten, by the same rank. The last event of each call tells
@@ -187,34 +187,40 @@ pub fn run(
             }
         }
         CollKind::Broadcast => {
-            // An in-place root has nothing to copy for itself: it writes block p of the data
-            // into each peer p, which reads the rest (every rank learns this from the root's
-            // addresses, so they agree).
+            // The root shares the copying: it writes part of each peer's output itself while
+            // the peers read the rest (every rank learns from the root's addresses whether it
+            // is in place, so they agree on the parts). In place, the root has nothing of its
+            // own to copy and writes block p into each peer p. Out of place it must also copy
+            // its input to its output, at memcpy speed, about twice the kernel's
+            // cross-process copy here: it writes the last 1/(2n) of every peer's output.
             let root = c.root;
-            let helps = addrs[root][0] == addrs[root][1];
-            if me == root {
-                if !helps {
-                    read_own(0, &mut whole_out()[..bytes]);
+            let in_place = addrs[root][0] == addrs[root][1];
+            let root_part = |p: usize| {
+                let (s, l) = if in_place {
+                    block(c.count, n, p)
                 } else {
-                    for p in (0..n).filter(|&p| p != root) {
-                        let (s, l) = block(c.count, n, p);
-                        // SAFETY: block p lies within the root's input of `bytes` bytes, which
-                        // nobody writes in this call.
-                        let src = unsafe { std::slice::from_raw_parts(inp.add(s * es), l * es) };
-                        write(cx, p, addrs[p][1] + (s * es) as u64, src)?;
-                    }
+                    let k = c.count / (2 * n);
+                    (c.count - k, k)
+                };
+                (s * es, l * es)
+            };
+            if me == root {
+                for p in (0..n).filter(|&p| p != root) {
+                    let (s, l) = root_part(p);
+                    // SAFETY: `s + l <= bytes`, within the root's input, which nobody writes in
+                    // this call.
+                    let src = unsafe { std::slice::from_raw_parts(inp.add(s), l) };
+                    write(cx, p, addrs[p][1] + s as u64, src)?;
+                }
+                if !in_place {
+                    read_own(0, &mut whole_out()[..bytes]);
                 }
             } else {
-                let (s, l) = if helps {
-                    let (s, l) = block(c.count, n, me);
-                    (s * es, l * es)
-                } else {
-                    (bytes, 0)
-                };
+                let (s, l) = root_part(me);
                 for (from, to) in [(0, s), (s + l, bytes)] {
                     if to > from {
                         // SAFETY: within the output (`to <= bytes <= out_len`); while the root
-                        // writes block `me` of it, this rank touches only the other blocks,
+                        // writes `s..s + l` of it, this rank touches only the other bytes,
                         // through separate slices built here.
                         let dst =
                             unsafe { std::slice::from_raw_parts_mut(outp.add(from), to - from) };
