@@ -38,7 +38,12 @@ pub fn run(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>) -> Result<(
     // SAFETY: the buffers are valid for their lengths for the whole call (Buffers' contract);
     // the input is only read here, before anything is written to the output.
     let input = unsafe { std::slice::from_raw_parts(inp, in_len) };
-    let e = cx.begin(input, [0; 4])?;
+    // A broadcast needs only the root's data: the others publish none (no copy into the slot).
+    let publish = match c.kind {
+        CollKind::Broadcast if me != c.root => &input[..0],
+        _ => input,
+    };
+    let e = cx.begin(publish, [0; 4])?;
     // From here the input is no longer needed (it is in this rank's own slot), so writing the
     // output is fine even when it aliases the input.
     // SAFETY: valid for out_len bytes; no other reference to the output is live.
