@@ -12,7 +12,8 @@
 //! | tree | `2⌈log2 L⌉ · (α_shm + S/β_shm + S/μ) + (⌈log2 H⌉ + 2·[H not a power of 2]) · (α_net + S/β_net + S/μ)` |
 //! | hd | `2 Σ_{k=1..log2 P} (α_net + S/2^k / β_net) + (P-1)/P · S/μ` `= 2·log2 P · α_net + 2(P-1)/P · S/β_net + (P-1)/P · S/μ`, plus `2(α_net + S/β_net) + S/μ` when `n` is not a power of two (`P`: the largest power of two `≤ n`) |
 //!
-//! `μ` is the rate at which one rank reduces or copies memory (`local_gbps`); the tree
+//! `μ` is the rate at which one rank reduces or copies memory (`local_gbps`, or
+//! `cached_gbps` for buffers of at most 1 MiB, which stay in the caches); the tree
 //! reduces (and copies) the whole buffer at every step, the rings only a `1/n` block.
 //! Halving-doubling is charged as if every step crossed the network (as the ring is) and
 //! ignores that, in host order, its first `log2 L` steps stay inside a host: an
@@ -51,6 +52,9 @@ pub struct CostModel {
     pub net: LinkCost,
     /// GB/s at which one rank reduces or copies memory.
     pub local_gbps: f64,
+    /// The same while a call's buffer fits in the core's caches (at most
+    /// [`CACHE_BYTES`](Self::CACHE_BYTES)).
+    pub cached_gbps: f64,
 }
 
 impl Default for CostModel {
@@ -65,6 +69,7 @@ impl Default for CostModel {
                 gbps: 1.2,
             },
             local_gbps: 2.0,
+            cached_gbps: 10.0,
         }
     }
 }
@@ -78,6 +83,9 @@ fn ceil_log2(x: usize) -> f64 {
 }
 
 impl CostModel {
+    /// Buffers up to this size count as cache-resident ([`cached_gbps`](Self::cached_gbps)).
+    pub const CACHE_BYTES: usize = 1 << 20;
+
     /// The model with the network's latency and bandwidth replaced where given.
     pub fn with_net(mut self, gbps: Option<f64>, lat_us: Option<f64>) -> Self {
         if let Some(g) = gbps {
@@ -97,7 +105,15 @@ impl CostModel {
         let l = topo.hosts.iter().map(Vec::len).max().unwrap_or(1);
         let s = bytes as f64;
         let link = if h > 1 { self.net } else { self.shm };
-        let mem = |bytes: f64| bytes / (self.local_gbps * 1e3);
+        // Local work runs at cache speed while the whole buffer fits in the caches: the tree,
+        // which reduces the whole buffer at every step, was charged 5-10 times its measured
+        // local cost at 64-256 KB with the memory rate (4 x 1 emulated hosts).
+        let mu = if bytes <= Self::CACHE_BYTES {
+            self.cached_gbps
+        } else {
+            self.local_gbps
+        };
+        let mem = |bytes: f64| bytes / (mu * 1e3);
         let nf = n as f64;
         match algo {
             Algo::Ring => Some(2.0 * (nf - 1.0) * link.time_us(s / nf) + (nf - 1.0) * mem(s / nf)),
@@ -219,6 +235,14 @@ mod tests {
         // of 6 (this was the ring before it existed).
         assert_eq!(
             m.choose(ar, 64 << 20, Some(&four), None),
+            Algo::HalvingDoubling
+        );
+        // 4 x 1 on the emulated cluster (README): the tree up to 64 KB (116-142 µs against
+        // hd's 160-260 and the ring's 178-222), halving-doubling at 512 KB (1026-1176 µs
+        // against the ring's 1390-1891 and the tree's 1667-1719).
+        assert_eq!(m.choose(ar, 64 << 10, Some(&four), None), Algo::Tree);
+        assert_eq!(
+            m.choose(ar, 512 << 10, Some(&four), None),
             Algo::HalvingDoubling
         );
         let two = topo(vec![0, 1]);
