@@ -193,12 +193,15 @@ _LIVE: "weakref.WeakSet[Comm]" = weakref.WeakSet()
 
 @atexit.register
 def _drain() -> None:
-    # Queued calls take the GIL when they finish: let them finish before the interpreter goes.
+    # Queued calls take the GIL when they finish: let them finish before the interpreter goes
+    # (a thread that takes the GIL during finalization is ended mid-call, which aborts the
+    # process). Also those of communicators whose Python object is already gone.
     for c in list(_LIVE):
         try:
             c.synchronize()
         except Exception:  # pragma: no cover - best effort at exit
             pass
+    _oxccl.wait_inflight(60.0)
 
 
 class Comm:

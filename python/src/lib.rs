@@ -7,7 +7,8 @@
 //! release them, under the GIL, when the call has finished.
 
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use oxccl::{CollKind, Communicator, Config, DataType, Error, RawBufs, ReduceOp, UniqueId, Work};
 use pyo3::prelude::*;
@@ -222,7 +223,10 @@ impl RawComm {
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Handle> {
         let s = spec(py, kind, dtype, op, root, peer, send, recv, in_place)?;
+        let inflight = Inflight::new();
         let work = self.inner.submit(move |comm| {
+            // Counted until the end of this closure, after the callback released the GIL.
+            let _inflight = inflight;
             // SAFETY: `keepalive` owns the memory behind every address and lives until after
             // the call (it is dropped below, after `run` returns); the Python caller checked
             // the lengths and does not touch the output until completion.
@@ -398,11 +402,59 @@ fn unique_id_for(py: Python<'_>, addr: &str, secret: &str) -> PyResult<String> {
     Ok(id)
 }
 
+/// Queued calls whose completion callback may still take the GIL, over every communicator
+/// (a communicator's Python object may be gone while its calls still run: they hold the
+/// communicator). At exit, `wait_inflight` lets them finish before the interpreter does: a
+/// thread that takes the GIL during finalization is ended by Python mid-call.
+static INFLIGHT: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+
+/// One queued call, counted in [`INFLIGHT`] from its submission until it is dropped (after its
+/// callback ran, or unrun).
+struct Inflight;
+
+impl Inflight {
+    fn new() -> Self {
+        *INFLIGHT.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        Inflight
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        let mut n = INFLIGHT.0.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        INFLIGHT.1.notify_all();
+    }
+}
+
+/// Waits (GIL released) until no queued call can still take the GIL, or `timeout_s` passes.
+/// Returns how many are still in flight.
+#[pyfunction]
+fn wait_inflight(py: Python<'_>, timeout_s: f64) -> usize {
+    py.detach(|| {
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout_s.max(0.0));
+        let mut n = INFLIGHT.0.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            n = INFLIGHT
+                .1
+                .wait_timeout(n, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *n
+    })
+}
+
 #[pymodule]
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawComm>()?;
     m.add_class::<Handle>()?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_inflight, m)?)?;
     m.add_function(wrap_pyfunction!(init_with_id, m)?)?;
     m.add_function(wrap_pyfunction!(new_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(unique_id_for, m)?)?;
