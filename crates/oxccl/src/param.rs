@@ -123,6 +123,17 @@ impl Default for Config {
     }
 }
 
+/// `OXCCL_MEMBARRIER=0`: this process keeps the hardware fence in every doorbell ring instead of
+/// registering for asymmetric fences ([`crate::wait`]). Read once per process. Safe to set on
+/// some ranks only: waiters still issue the barrier, which costs a system call (and
+/// interrupts only CPUs running registered processes).
+pub fn membarrier_allowed() -> bool {
+    !matches!(
+        std::env::var("OXCCL_MEMBARRIER").as_deref().map(str::trim),
+        Ok("0")
+    )
+}
+
 /// Reads `name` and parses it with `parse`; a malformed value is an error naming it.
 fn env_parse<T>(
     name: &str,

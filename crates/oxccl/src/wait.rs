@@ -29,7 +29,11 @@
 //! to leave the store buffer; sleeping, the slow path, gains a system call. A waiter whose
 //! `membarrier` fails while a registered peer rings fence-free (only possible with different
 //! seccomp rules on one host) can miss a wake-up: it then wakes at its timeout slice (50 ms),
-//! never hangs.
+//! never hangs. The price is on the sleeping side: on this VM a barrier that reaches other
+//! CPUs costs the sleeper about 25 µs (a 4-rank all_reduce with `OXCCL_SPIN=0`, which sleeps
+//! at every wait, took 50 µs a call against 23 µs with fences); with the default spin budget
+//! the oversubscribed 4- and 8-rank benchmarks were no slower. `OXCCL_MEMBARRIER=0` keeps the
+//! fences ([`crate::param::membarrier_allowed`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::time::Duration;
@@ -71,7 +75,8 @@ fn fence_free() -> bool {
             use rustix::thread::{membarrier, MembarrierCommand};
             // Fence-free only once registered: a waiter's barrier that ran before
             // registration did not reach this process, but this process still fenced then.
-            let ok = global_expedited_supported()
+            let ok = crate::param::membarrier_allowed()
+                && global_expedited_supported()
                 && membarrier(MembarrierCommand::RegisterGlobalExpedited).is_ok();
             FENCE_FREE.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
             ok
