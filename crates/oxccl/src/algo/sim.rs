@@ -158,6 +158,66 @@ pub(crate) fn reduce_of(val: fn(usize, usize) -> i64, n: usize, i: usize, op: Re
     }
 }
 
+/// Runs `algo` on `colls` (one per rank, all the same call) over the inputs `val(rank, i)` and
+/// checks every rank's output against the plain reference; `what` names the case in failures.
+pub(crate) fn check(algo: Algo, colls: &[Coll], val: fn(usize, usize) -> i64, what: &str) {
+    let n = colls.len();
+    let Coll {
+        kind,
+        count,
+        op,
+        root,
+        ..
+    } = colls[0].clone();
+    let c = count.max(1);
+    let seq = |f: &dyn Fn(usize) -> i64, len: usize| bytes(&(0..len).map(f).collect::<Vec<_>>());
+    let (in_len, out_len) = match kind {
+        CollKind::ReduceScatter => (n * count, count),
+        CollKind::AllGather => (count, n * count),
+        CollKind::AllToAll => (n * count, n * count),
+        _ => (count, count),
+    };
+    let mut bufs = make_bufs(
+        n,
+        |r| {
+            if kind == CollKind::Broadcast && r != root {
+                vec![]
+            } else {
+                seq(&|i| val(r, i), in_len)
+            }
+        },
+        |r| {
+            vec![
+                0;
+                if kind == CollKind::Reduce && r != root {
+                    0
+                } else {
+                    out_len * 8
+                }
+            ]
+        },
+    );
+    run(algo, colls, &mut bufs);
+    for (r, b) in bufs.iter().enumerate() {
+        let want = match kind {
+            CollKind::AllReduce => seq(&|i| reduce_of(val, n, i, op), count),
+            CollKind::ReduceScatter => seq(&|i| reduce_of(val, n, r * count + i, op), count),
+            CollKind::Reduce if r == root => seq(&|i| reduce_of(val, n, i, op), count),
+            CollKind::Broadcast => seq(&|i| val(root, i), count),
+            CollKind::AllGather => seq(&|j| val(j / c, j % c), n * count),
+            // Block p of rank r's output is block r of rank p's input.
+            CollKind::AllToAll => seq(&|j| val(j / c, r * count + j % c), n * count),
+            _ => continue,
+        };
+        assert_eq!(
+            b.output,
+            want,
+            "{} {algo} {what} count={count} op={op} root={root} rank={r}",
+            kind.name()
+        );
+    }
+}
+
 fn val(rank: usize, i: usize) -> i64 {
     ((rank * 7 + i * 3) % 11) as i64 - 5
 }
@@ -180,143 +240,53 @@ fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root:
     }
 }
 
-fn reduce_ref(n: usize, i: usize, op: ReduceOp) -> i64 {
-    reduce_of(val, n, i, op)
-}
-
 #[test]
 fn every_algorithm_matches_reference() {
     for n in 1..=9usize {
+        let what = format!("n={n}");
+        let all = |kind, count, op, root| -> Vec<Coll> {
+            (0..n).map(|r| coll(kind, r, n, count, op, root)).collect()
+        };
         for count in [0usize, 1, 2, 5, 9, 17, 64] {
             for op in ReduceOp::ALL {
-                // all_reduce
-                let colls: Vec<_> = (0..n)
-                    .map(|r| coll(CollKind::AllReduce, r, n, count, op, 0))
-                    .collect();
-                let bufs = make_bufs(
-                    n,
-                    |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    |_| vec![0; count * 8],
-                );
+                let colls = all(CollKind::AllReduce, count, op, 0);
                 for algo in [Algo::Ring, Algo::Ordered, Algo::HalvingDoubling] {
-                    let mut bufs = bufs.clone();
-                    run(algo, &colls, &mut bufs);
-                    let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
-                    for b in &bufs {
-                        assert_eq!(
-                            b.output, want,
-                            "all_reduce {algo} n={n} count={count} op={op}"
-                        );
-                    }
+                    check(algo, &colls, val, &what);
                 }
-                // reduce_scatter: input n*count
-                let colls: Vec<_> = (0..n)
-                    .map(|r| coll(CollKind::ReduceScatter, r, n, count, op, 0))
-                    .collect();
-                let bufs = make_bufs(
-                    n,
-                    |r| bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    |_| vec![0; count * 8],
-                );
+                let colls = all(CollKind::ReduceScatter, count, op, 0);
                 for algo in [Algo::Ring, Algo::Ordered] {
-                    let mut bufs = bufs.clone();
-                    run(algo, &colls, &mut bufs);
-                    for (r, b) in bufs.iter().enumerate() {
-                        let want = bytes(
-                            &(0..count)
-                                .map(|i| reduce_ref(n, r * count + i, op))
-                                .collect::<Vec<_>>(),
-                        );
-                        assert_eq!(
-                            b.output, want,
-                            "reduce_scatter {algo} n={n} count={count} op={op}"
-                        );
-                    }
+                    check(algo, &colls, val, &what);
                 }
-                // reduce, every root
                 for root in 0..n {
-                    let colls: Vec<_> = (0..n)
-                        .map(|r| coll(CollKind::Reduce, r, n, count, op, root))
-                        .collect();
-                    let bufs = make_bufs(
-                        n,
-                        |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                        |r| vec![0; if r == root { count * 8 } else { 0 }],
-                    );
+                    let colls = all(CollKind::Reduce, count, op, root);
                     for algo in [Algo::Chain, Algo::Ordered] {
-                        let mut bufs = bufs.clone();
-                        run(algo, &colls, &mut bufs);
-                        let want =
-                            bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
-                        assert_eq!(
-                            bufs[root].output, want,
-                            "reduce {algo} n={n} count={count} op={op} root={root}"
-                        );
+                        check(algo, &colls, val, &what);
                     }
                 }
             }
-            // broadcast, every root
             for root in 0..n {
-                let colls: Vec<_> = (0..n)
-                    .map(|r| coll(CollKind::Broadcast, r, n, count, ReduceOp::Sum, root))
-                    .collect();
-                let mut bufs = make_bufs(
-                    n,
-                    |r| {
-                        if r == root {
-                            bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>())
-                        } else {
-                            vec![]
-                        }
-                    },
-                    |_| vec![0; count * 8],
-                );
-                run(Algo::Chain, &colls, &mut bufs);
-                let want = bytes(&(0..count).map(|i| val(root, i)).collect::<Vec<_>>());
-                for b in &bufs {
-                    assert_eq!(b.output, want, "broadcast n={n} count={count} root={root}");
-                }
+                let colls = all(CollKind::Broadcast, count, ReduceOp::Sum, root);
+                check(Algo::Chain, &colls, val, &what);
             }
-            // all_gather and all_to_all
-            let colls: Vec<_> = (0..n)
-                .map(|r| coll(CollKind::AllGather, r, n, count, ReduceOp::Sum, 0))
-                .collect();
-            let mut bufs = make_bufs(
-                n,
-                |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                |_| vec![0; n * count * 8],
+            check(
+                Algo::Ring,
+                &all(CollKind::AllGather, count, ReduceOp::Sum, 0),
+                val,
+                &what,
             );
-            run(Algo::Ring, &colls, &mut bufs);
-            let want = bytes(
-                &(0..n * count)
-                    .map(|j| val(j / count.max(1), j % count.max(1)))
-                    .collect::<Vec<_>>(),
+            check(
+                Algo::Pairwise,
+                &all(CollKind::AllToAll, count, ReduceOp::Sum, 0),
+                val,
+                &what,
             );
-            for b in &bufs {
-                assert_eq!(b.output, want, "all_gather n={n} count={count}");
-            }
-            let colls: Vec<_> = (0..n)
-                .map(|r| coll(CollKind::AllToAll, r, n, count, ReduceOp::Sum, 0))
-                .collect();
-            let mut bufs = make_bufs(
-                n,
-                |r| bytes(&(0..n * count).map(|j| val(r, j)).collect::<Vec<_>>()),
-                |_| vec![0; n * count * 8],
-            );
-            run(Algo::Pairwise, &colls, &mut bufs);
-            for (r, b) in bufs.iter().enumerate() {
-                // block p of rank r's output = block r of rank p's input
-                let want: Vec<i64> = (0..n * count)
-                    .map(|j| val(j / count.max(1), r * count + j % count.max(1)))
-                    .collect();
-                assert_eq!(b.output, bytes(&want), "all_to_all n={n} count={count}");
-            }
         }
-        let colls: Vec<_> = (0..n)
-            .map(|r| coll(CollKind::Barrier, r, n, 0, ReduceOp::Sum, 0))
-            .collect();
-        let mut bufs = vec![Bufs::default(); n];
-        run(Algo::Dissemination, &colls, &mut bufs);
+        check(
+            Algo::Dissemination,
+            &all(CollKind::Barrier, 0, ReduceOp::Sum, 0),
+            val,
+            &what,
+        );
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::sim::{bytes, make_bufs, reduce_of, run};
+use super::sim::{bytes, check, make_bufs, reduce_of, run};
 use super::{Algo, Coll, CollKind};
 use crate::dtype::DataType;
 use crate::op::ReduceOp;
@@ -74,24 +74,16 @@ const LAYOUTS: &[&[usize]] = &[
 fn all_reduce_on_every_layout() {
     for layout in LAYOUTS {
         let t = topo(layout);
-        let n = layout.len();
+        let what = format!("layout={layout:?}");
         for count in [0usize, 1, 3, 8, 13, 40] {
             for op in ReduceOp::ALL {
                 for algo in [Algo::Ring, Algo::Hier, Algo::Tree, Algo::HalvingDoubling] {
-                    let cs = colls(CollKind::AllReduce, &t, count, op, 0);
-                    let mut bufs = make_bufs(
-                        n,
-                        |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                        |_| vec![0; count * 8],
+                    check(
+                        algo,
+                        &colls(CollKind::AllReduce, &t, count, op, 0),
+                        val,
+                        &what,
                     );
-                    run(algo, &cs, &mut bufs);
-                    let want = bytes(&(0..count).map(|i| reduce_ref(n, i, op)).collect::<Vec<_>>());
-                    for (r, b) in bufs.iter().enumerate() {
-                        assert_eq!(
-                            b.output, want,
-                            "{algo} layout={layout:?} count={count} op={op} rank={r}"
-                        );
-                    }
                 }
             }
         }
@@ -103,70 +95,35 @@ fn rings_and_chains_on_every_layout() {
     for layout in LAYOUTS {
         let t = topo(layout);
         let n = layout.len();
+        let what = format!("layout={layout:?}");
         for count in [0usize, 1, 5, 9] {
-            // all_gather
-            let cs = colls(CollKind::AllGather, &t, count, ReduceOp::Sum, 0);
-            let mut bufs = make_bufs(
-                n,
-                |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                |_| vec![0; n * count * 8],
+            let sum = ReduceOp::Sum;
+            check(
+                Algo::Ring,
+                &colls(CollKind::AllGather, &t, count, sum, 0),
+                val,
+                &what,
             );
-            run(Algo::Ring, &cs, &mut bufs);
-            let want = bytes(
-                &(0..n * count)
-                    .map(|j| val(j / count.max(1), j % count.max(1)))
-                    .collect::<Vec<_>>(),
+            check(
+                Algo::Ring,
+                &colls(CollKind::ReduceScatter, &t, count, sum, 0),
+                val,
+                &what,
             );
-            for b in &bufs {
-                assert_eq!(b.output, want, "all_gather {layout:?} count={count}");
-            }
-            // reduce_scatter
-            let cs = colls(CollKind::ReduceScatter, &t, count, ReduceOp::Sum, 0);
-            let mut bufs = make_bufs(
-                n,
-                |r| bytes(&(0..n * count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                |_| vec![0; count * 8],
-            );
-            run(Algo::Ring, &cs, &mut bufs);
-            for (r, b) in bufs.iter().enumerate() {
-                let want: Vec<i64> = (0..count)
-                    .map(|i| reduce_ref(n, r * count + i, ReduceOp::Sum))
-                    .collect();
-                assert_eq!(b.output, bytes(&want), "reduce_scatter {layout:?} rank {r}");
-            }
             for root in 0..n {
-                // broadcast
-                let cs = colls(CollKind::Broadcast, &t, count, ReduceOp::Sum, root);
-                let mut bufs = make_bufs(
-                    n,
-                    |r| {
-                        if r == root {
-                            bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>())
-                        } else {
-                            vec![]
-                        }
-                    },
-                    |_| vec![0; count * 8],
+                check(
+                    Algo::Chain,
+                    &colls(CollKind::Broadcast, &t, count, sum, root),
+                    val,
+                    &what,
                 );
-                run(Algo::Chain, &cs, &mut bufs);
-                let want = bytes(&(0..count).map(|i| val(root, i)).collect::<Vec<_>>());
-                for b in &bufs {
-                    assert_eq!(b.output, want, "broadcast {layout:?} root={root}");
-                }
-                // reduce
-                let cs = colls(CollKind::Reduce, &t, count, ReduceOp::Max, root);
-                let mut bufs = make_bufs(
-                    n,
-                    |r| bytes(&(0..count).map(|i| val(r, i)).collect::<Vec<_>>()),
-                    |r| vec![0; if r == root { count * 8 } else { 0 }],
+                let max = ReduceOp::Max;
+                check(
+                    Algo::Chain,
+                    &colls(CollKind::Reduce, &t, count, max, root),
+                    val,
+                    &what,
                 );
-                run(Algo::Chain, &cs, &mut bufs);
-                let want = bytes(
-                    &(0..count)
-                        .map(|i| reduce_ref(n, i, ReduceOp::Max))
-                        .collect::<Vec<_>>(),
-                );
-                assert_eq!(bufs[root].output, want, "reduce {layout:?} root={root}");
             }
         }
     }
