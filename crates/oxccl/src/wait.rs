@@ -35,7 +35,8 @@
 //! the oversubscribed 4- and 8-rank benchmarks were no slower. `OXCCL_MEMBARRIER=0` keeps the
 //! fences ([`crate::param::membarrier_allowed`]).
 
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use rustix::thread::futex;
@@ -54,49 +55,34 @@ pub struct Doorbell {
 #[must_use = "pass the token to Doorbell::wait or Doorbell::cancel"]
 pub struct DoorbellToken(u32);
 
-/// Whether this process rings with a compiler fence only: 0 not decided, 1 yes (registered
-/// for global expedited membarrier), 2 no.
-static FENCE_FREE: AtomicU8 = AtomicU8::new(0);
-/// Whether waiters must call `membarrier` before sleeping: 0 not decided, 1 yes, 2 no.
-static WAITER_BARRIER: AtomicU8 = AtomicU8::new(0);
-
+/// Whether the kernel offers global expedited membarrier (queried once).
 fn global_expedited_supported() -> bool {
-    use rustix::thread::{membarrier_query, MembarrierQuery};
-    membarrier_query()
-        .contains(MembarrierQuery::GLOBAL_EXPEDITED | MembarrierQuery::REGISTER_GLOBAL_EXPEDITED)
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        use rustix::thread::{membarrier_query, MembarrierQuery};
+        membarrier_query().contains(
+            MembarrierQuery::GLOBAL_EXPEDITED | MembarrierQuery::REGISTER_GLOBAL_EXPEDITED,
+        )
+    })
 }
 
 /// Whether rings may skip the hardware fence (registers this process the first time).
 fn fence_free() -> bool {
-    match FENCE_FREE.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            use rustix::thread::{membarrier, MembarrierCommand};
-            // Fence-free only once registered: a waiter's barrier that ran before
-            // registration did not reach this process, but this process still fenced then.
-            let ok = crate::param::membarrier_allowed()
-                && global_expedited_supported()
-                && membarrier(MembarrierCommand::RegisterGlobalExpedited).is_ok();
-            FENCE_FREE.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
-            ok
-        }
-    }
+    static FENCE_FREE: OnceLock<bool> = OnceLock::new();
+    *FENCE_FREE.get_or_init(|| {
+        use rustix::thread::{membarrier, MembarrierCommand};
+        // Fence-free only once registered: a waiter's barrier that ran before registration
+        // did not reach this process, but this process still fenced then.
+        crate::param::membarrier_allowed()
+            && global_expedited_supported()
+            && membarrier(MembarrierCommand::RegisterGlobalExpedited).is_ok()
+    })
 }
 
 /// Before sleeping: a full barrier on every CPU running a registered process (see the
 /// module's account of asymmetric fences).
 fn waiter_barrier() {
-    let on = match WAITER_BARRIER.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let ok = global_expedited_supported();
-            WAITER_BARRIER.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
-            ok
-        }
-    };
-    if on {
+    if global_expedited_supported() {
         use rustix::thread::{membarrier, MembarrierCommand};
         let _ = membarrier(MembarrierCommand::GlobalExpedited);
     }

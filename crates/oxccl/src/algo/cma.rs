@@ -32,19 +32,6 @@ use crate::reduce;
 /// Bytes reduced at a time (the temporary stays in the core's cache).
 const CHUNK: usize = 256 << 10;
 
-/// Whether this module implements `kind`.
-pub fn supports(kind: CollKind) -> bool {
-    matches!(
-        kind,
-        CollKind::AllReduce
-            | CollKind::ReduceScatter
-            | CollKind::Reduce
-            | CollKind::AllGather
-            | CollKind::AllToAll
-            | CollKind::Broadcast
-    )
-}
-
 /// Runs `c` single-copy. `tmp` is reused across calls.
 pub fn run(
     cx: &mut DirectCtx<'_>,
@@ -77,8 +64,8 @@ pub fn run(
             .write_peer(p, addr, src)
             .map_err(|e| cx.write_error(p, e))
     };
-    // The whole output, for the cases where this rank writes only its own (reduce and
-    // reduce_scatter build no such reference: peers may write parts of a rank's output).
+    // The whole output, for the cases where no peer writes into it (the reductions build no
+    // such reference: there peers write parts of a rank's output).
     let whole_out = || {
         // SAFETY: the output is valid for out_len bytes for the whole call; in these cases no
         // peer touches it, and this rank reads its own input through `read_own` (never through

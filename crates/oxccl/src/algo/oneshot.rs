@@ -15,21 +15,6 @@ use crate::exec_direct::DirectCtx;
 use crate::op::ReduceOp;
 use crate::reduce;
 
-/// Whether one-shot handles `c` with slots of `slot_bytes`.
-pub fn fits(c: &Coll, slot_bytes: usize) -> bool {
-    let input = c.count
-        * c.dtype.size()
-        * if matches!(c.kind, CollKind::ReduceScatter | CollKind::AllToAll) {
-            c.nranks
-        } else {
-            1
-        };
-    !matches!(
-        c.kind,
-        CollKind::Send { .. } | CollKind::Recv { .. } | CollKind::SendRecv { .. }
-    ) && input <= slot_bytes
-}
-
 /// Runs `c` one-shot.
 pub fn run(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>) -> Result<()> {
     let (n, me, es) = (c.nranks, c.rank, c.dtype.size());

@@ -381,7 +381,8 @@ impl Direct for ShmDirect {
             }
         }
         me.event_of(p).store(e, Ordering::Release);
-        // Each ring() begins with the SeqCst fence the doorbell protocol needs after publishing.
+        // Each ring() orders the publish before its read of the sleepers (a fence, or the
+        // sleepers' membarrier: crate::wait).
         for r in 0..self.areas.len() {
             if r != self.rank {
                 self.area(r).bell().ring();
@@ -410,8 +411,11 @@ impl Direct for ShmDirect {
         // Where the peer put it depends on how much it published (a reader may want less:
         // all_to_all reads a prefix).
         let total = area.len_of(p).load(Ordering::Relaxed) as usize;
+        // Every reader asks for at most what the peer published: the call's header, checked
+        // before any slot is read, fixes the lengths on both sides.
+        debug_assert!(len <= total, "reading {len} bytes of {total} published");
         let at = if total <= INLINE {
-            // SAFETY: within the record: len <= total <= INLINE.
+            // SAFETY: `INLINE - total` lies within the record (total <= INLINE).
             unsafe { area.record(p).add(INLINE - total).cast_const() }
         } else {
             area.slot(p).cast_const()
