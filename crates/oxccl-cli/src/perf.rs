@@ -46,6 +46,11 @@ pub struct Args {
     /// Check results (1) and count wrong elements, or not (0).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
     check: u8,
+    /// Buffers: private memory (0), or shared buffers from `Communicator::alloc_shared` (1),
+    /// which peers on this host map (nccl-tests' `-R`, registered buffers).
+    #[arg(short = 'R', long = "register", default_value_t = 0, env = "OXCCL_PERF_REGISTER",
+          value_parser = clap::value_parser!(u8).range(0..=1))]
+    register: u8,
     /// Data type (float, half, bfloat16, int32, ...) or `all`.
     #[arg(short = 'd', long = "datatype", default_value = "float")]
     datatype: String,
@@ -234,10 +239,8 @@ struct Measured {
 }
 
 fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured> {
-    let (mut send_w, mut recv_w) = case.alloc();
-    let (sl, rl) = case.sizes();
-    let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut send_w)[..sl];
-    let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut recv_w)[..rl];
+    let mut bufs = case.buffers((a.register == 1).then_some(comm))?;
+    let (send, recv) = bufs.get();
     case.fill(send, recv);
     let (secs, algo) = time_calls(comm, case, send, recv, a.warmup, a.iters)?;
     let wrong = if a.check == 1 {
@@ -335,8 +338,14 @@ fn rank_main(a: &Args) -> Result<(), String> {
         );
         let _ = writeln!(
             out,
-            "#  iters {iters} warmup {} check {}",
-            a.warmup, a.check
+            "#  iters {iters} warmup {} check {} buffers {}",
+            a.warmup,
+            a.check,
+            if a.register == 1 {
+                "shared (-R 1)"
+            } else {
+                "private"
+            }
         );
         let _ = writeln!(out, "#{:>86}{:>36}", "out-of-place", "in-place");
         let _ = writeln!(

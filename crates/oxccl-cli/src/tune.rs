@@ -79,10 +79,8 @@ fn rank_main(a: &Args) -> Result<(), String> {
                 rank,
                 nranks: n,
             };
-            let (mut sw, mut rw) = case.alloc();
-            let (sl, rl) = case.sizes();
-            let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut sw)[..sl];
-            let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut rw)[..rl];
+            let mut bufs = case.buffers(None).map_err(|e| e.to_string())?;
+            let (send, recv) = bufs.get();
             case.fill(send, recv);
             let (secs, ran) =
                 time_calls(&comm, &case, send, recv, 3, None).map_err(|e| e.to_string())?;

@@ -82,10 +82,8 @@ fn random_case(rng: &mut Rng, rank: usize, n: usize) -> Case {
 }
 
 fn run_case(comm: &Communicator, case: &Case) -> oxccl::Result<usize> {
-    let (mut s, mut r) = case.alloc();
-    let (sl, rl) = case.sizes();
-    let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut s)[..sl];
-    let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut r)[..rl];
+    let mut bufs = case.buffers(None)?;
+    let (send, recv) = bufs.get();
     case.fill(send, recv);
     case.call(comm, send, recv)?;
     Ok(case.wrong(recv))

@@ -46,6 +46,11 @@ use oxccl::check::kinds;
 
 fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
     let mut v = Vec::new();
+    // Shared buffers (`alloc_shared`) on every rank, or on the even ranks only (peers reached
+    // both ways in one call): the same cases.
+    let mode = mode
+        .trim_start_matches("shared-")
+        .trim_start_matches("mixed-");
     match mode {
         // 0, 1, odd, not divisible by the rank count, a few pages.
         "matrix" => v = oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 2049]),
@@ -141,17 +146,25 @@ fn child() {
         }
         std::process::exit(0);
     }
-    let comm = Communicator::from_env().unwrap();
+    if mode.starts_with("shared-") || mode.starts_with("mixed-") {
+        // The parent checks that peers' shared buffers were mapped (not read with CMA).
+        std::env::set_var("OXCCL_DEBUG", "debug");
+        std::env::set_var("OXCCL_DEBUG_SUBSYS", "shm");
+    }
+    let mut comm = Communicator::from_env().unwrap();
     let (rank, n) = (comm.rank(), comm.world_size());
+    let shared = mode.starts_with("shared-") || (mode.starts_with("mixed-") && rank % 2 == 0);
+    if mode.contains("-matrix") {
+        // Small sizes too through the single-copy algorithms, where shared buffers matter.
+        comm.set_algo(Some(oxccl::algo::Algo::Cma));
+    }
     let mut failures = Vec::new();
     let all = cases(&mode, rank, n);
     let ncases = all.len();
     assert!(ncases >= 10, "mode {mode} has only {ncases} cases");
     for case in all {
-        let (mut s, mut r) = case.alloc();
-        let (sl, rl) = case.sizes();
-        let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut s)[..sl];
-        let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut r)[..rl];
+        let mut bufs = case.buffers(shared.then_some(&comm)).unwrap();
+        let (send, recv) = bufs.get();
         case.fill(send, recv);
         case.call(&comm, send, recv)
             .unwrap_or_else(|e| panic!("{case:?}: {e}"));
@@ -183,6 +196,10 @@ macro_rules! matrix {
             if $n > 1 {
                 assert!(stdout.contains(&format!("over {}", $t)), "{stdout}");
             }
+            if $mode.starts_with("shared-") || $mode.starts_with("mixed-") {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                assert!(stderr.contains("mapped a peer's shared buffer"), "{stderr}");
+            }
         }
     )*};
 }
@@ -201,6 +218,11 @@ matrix! {
     large_shm_3: 3, "shm", "large";
     large_tcp_2: 2, "tcp", "large";
     large_tcp_3: 3, "tcp", "large";
+    shared_matrix_2: 2, "shm", "shared-matrix";
+    shared_matrix_3: 3, "shm", "shared-matrix";
+    mixed_matrix_3: 3, "shm", "mixed-matrix";
+    shared_large_2: 2, "shm", "shared-large";
+    mixed_large_4: 4, "shm", "mixed-large";
 }
 
 #[test]

@@ -13,6 +13,35 @@ use crate::comm::{ByteBufs, Communicator};
 use crate::dtype::DataType;
 use crate::error::Result;
 use crate::op::ReduceOp;
+use crate::shared_buffer::SharedBuffer;
+
+enum Storage {
+    /// Words (8-byte aligned for every dtype) and the length in bytes.
+    Private(Vec<u64>, usize),
+    Shared(SharedBuffer),
+}
+
+impl Storage {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Storage::Private(w, len) => &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..*len],
+            Storage::Shared(b) => b,
+        }
+    }
+}
+
+/// The send and receive buffers of a [`Case`] ([`Case::buffers`]).
+pub struct CaseBuffers {
+    send: Storage,
+    recv: Storage,
+}
+
+impl CaseBuffers {
+    /// (send, recv) as bytes.
+    pub fn get(&mut self) -> (&mut [u8], &mut [u8]) {
+        (self.send.bytes(), self.recv.bytes())
+    }
+}
 
 /// Every collective a matrix test covers, with its root: broadcast and reduce from the first
 /// and from the last rank; `SendRecv` sends to the next rank and receives from the previous.
@@ -115,11 +144,20 @@ impl Case {
         }
     }
 
-    /// Zeroed, aligned (send, recv) buffers of the right sizes, as 8-byte words (view them with
-    /// `bytemuck::cast_slice`; the byte lengths are [`sizes`](Self::sizes)).
-    pub fn alloc(&self) -> (Vec<u64>, Vec<u64>) {
+    /// Zeroed, aligned (send, recv) buffers of the right [`sizes`](Self::sizes): private memory,
+    /// or shared buffers of `shared` ([`Communicator::alloc_shared`]).
+    pub fn buffers(&self, shared: Option<&Communicator>) -> Result<CaseBuffers> {
         let (s, r) = self.sizes();
-        (vec![0; s.div_ceil(8)], vec![0; r.div_ceil(8)])
+        let make = |len: usize| -> Result<Storage> {
+            Ok(match shared {
+                Some(c) => Storage::Shared(c.alloc_shared(len)?),
+                None => Storage::Private(vec![0; len.div_ceil(8)], len),
+            })
+        };
+        Ok(CaseBuffers {
+            send: make(s)?,
+            recv: make(r)?,
+        })
     }
 
     fn input_value(&self, g: usize) -> f64 {

@@ -14,6 +14,7 @@ use crate::fingerprint::{Fingerprint, Sequencer};
 use crate::guard::CommGuard;
 use crate::op::ReduceOp;
 use crate::param::Config;
+use crate::shared_buffer::SharedBuffer;
 use crate::topo::{self, Topology};
 use crate::transport::direct::Direct;
 use crate::transport::{shm, tcp, Link, TransportKind};
@@ -248,6 +249,13 @@ impl Communicator {
         self
     }
 
+    /// A zeroed buffer of `bytes` bytes in shared memory (like `ncclMemAlloc`): collectives
+    /// on it (or on any part of it) move bytes to and from the other ranks of this host with
+    /// plain loads and stores instead of kernel copies. See [`crate::shared_buffer`].
+    pub fn alloc_shared(&self, bytes: usize) -> Result<SharedBuffer> {
+        SharedBuffer::new(bytes, self.rank)
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -434,6 +442,7 @@ impl Communicator {
                     health: Some(self.guard.health()),
                     links: Some(&mut links[..]),
                     step_ends: timing.as_mut().map(|t| &mut t.1),
+                    nt_bytes: self.cfg.nt_bytes,
                 };
                 match algo {
                     Algo::OneShot => oneshot::run(&mut cx, &coll, &mut bufs),

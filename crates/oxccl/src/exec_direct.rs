@@ -43,6 +43,9 @@ pub struct DirectCtx<'a> {
     pub links: Option<&'a mut [Option<Box<dyn Link>>]>,
     /// When set, receives the time each event completes (the timeline's steps).
     pub step_ends: Option<&'a mut Vec<Instant>>,
+    /// Out-of-place results are written with streaming stores from this footprint on
+    /// ([`Config::nt_bytes`](crate::param::Config::nt_bytes)).
+    pub nt_bytes: usize,
 }
 
 fn header_of(w: &[u64]) -> [u8; HEADER_BYTES] {

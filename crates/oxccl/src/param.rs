@@ -64,6 +64,11 @@ pub struct Config {
     pub cma_min: usize,
     /// `OXCCL_CMA=0` forbids reading peers' memory (`process_vm_readv`); default allowed.
     pub cma: bool,
+    /// `OXCCL_NT_BYTES`: the single-copy algorithms write out-of-place results with streaming
+    /// (non-temporal) stores when the call's footprint on the host (ranks × (input + output))
+    /// reaches this many bytes, so that results too large for the cache are not first read
+    /// into it. Default half the last-level cache (from sysfs; 16 MiB where unknown).
+    pub nt_bytes: usize,
     /// `OXCCL_DETERMINISTIC=1`: floating-point reductions combine the ranks' values in rank
     /// order, so results are bitwise identical on every rank, from run to run and whatever
     /// algorithm runs. Default off.
@@ -110,6 +115,7 @@ impl Default for Config {
             oneshot_max: 32 << 10,
             cma_min: 64 << 10,
             cma: true,
+            nt_bytes: last_level_cache().unwrap_or(32 << 20) / 2,
             deterministic: false,
             heartbeat: Some(Duration::from_millis(1500)),
             flight_recorder: None,
@@ -132,6 +138,20 @@ pub fn membarrier_allowed() -> bool {
         std::env::var("OXCCL_MEMBARRIER").as_deref().map(str::trim),
         Ok("0")
     )
+}
+
+/// The size of the largest data cache of CPU 0 (sysfs), in bytes.
+fn last_level_cache() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| {
+        let p = e.ok()?.path();
+        let kind = std::fs::read_to_string(p.join("type")).ok()?;
+        if kind.trim() == "Instruction" {
+            return None;
+        }
+        parse_bytes(std::fs::read_to_string(p.join("size")).ok()?.trim()).ok()
+    })
+    .max()
 }
 
 /// Reads `name` and parses it with `parse`; a malformed value is an error naming it.
@@ -314,6 +334,9 @@ impl Config {
         }
         if let Some(b) = env_parse("OXCCL_CMA_MIN", parse_bytes)? {
             c.cma_min = b;
+        }
+        if let Some(b) = env_parse("OXCCL_NT_BYTES", parse_bytes)? {
+            c.nt_bytes = b;
         }
         if let Some(b) = env_parse("OXCCL_CMA", parse_bool)? {
             c.cma = b;

@@ -16,8 +16,13 @@ enum Direct {
     /// Links only: every collective runs a schedule.
     No,
     /// A direct area too: inputs up to `oneshot_max` bytes go one-shot, from `cma_min` on
-    /// single-copy.
-    Yes { oneshot_max: usize, cma_min: usize },
+    /// single-copy. `shared`: buffers from `alloc_shared` (peers reach them with loads and
+    /// stores), and results written with streaming stores at every size.
+    Yes {
+        oneshot_max: usize,
+        cma_min: usize,
+        shared: bool,
+    },
 }
 
 /// Runs `cases(rank)` on `n` threads, each with its own communicator.
@@ -48,13 +53,19 @@ fn run_group_algo(
     let forced: Option<oxccl::algo::Algo> = algo.map(|a| a.parse().unwrap());
     let mut areas: Vec<Option<oxccl::transport::direct::MemDirect>> =
         (0..n).map(|_| None).collect();
+    let mut shared = false;
     if let Direct::Yes {
         oneshot_max,
         cma_min,
+        shared: sh,
     } = direct
     {
         cfg.oneshot_max = oneshot_max;
         cfg.cma_min = cma_min;
+        shared = sh;
+        if sh {
+            cfg.nt_bytes = 0;
+        }
         areas = oxccl::transport::direct::mem_group(n)
             .into_iter()
             .map(Some)
@@ -75,10 +86,8 @@ fn run_group_algo(
                         comm = comm.with_direct(Box::new(a));
                     }
                     for case in cases(rank) {
-                        let (mut send, mut recv) = case.alloc();
-                        let (sl, rl) = case.sizes();
-                        let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut send)[..sl];
-                        let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut recv)[..rl];
+                        let mut bufs = case.buffers(shared.then_some(&comm)).unwrap();
+                        let (send, recv) = bufs.get();
                         case.fill(send, recv);
                         case.call(&comm, send, recv)
                             .unwrap_or_else(|e| panic!("{case:?}: {e}"));
@@ -178,6 +187,7 @@ fn matrix_direct_2_ranks() {
         Direct::Yes {
             oneshot_max: 64,
             cma_min: 100,
+            shared: false,
         },
     );
 }
@@ -189,6 +199,7 @@ fn matrix_direct_3_ranks() {
         Direct::Yes {
             oneshot_max: 64,
             cma_min: 100,
+            shared: false,
         },
     );
 }
@@ -200,6 +211,7 @@ fn matrix_direct_8_ranks() {
         Direct::Yes {
             oneshot_max: 64,
             cma_min: 100,
+            shared: false,
         },
     );
 }
@@ -212,19 +224,34 @@ fn matrix_oneshot_4_ranks() {
         Direct::Yes {
             oneshot_max: usize::MAX,
             cma_min: usize::MAX,
+            shared: false,
+        },
+    );
+}
+
+// Shared buffers: peers' buffers mapped, results written with streaming stores.
+#[test]
+fn matrix_direct_shared_3_ranks() {
+    matrix_with(
+        3,
+        Direct::Yes {
+            oneshot_max: 64,
+            cma_min: 100,
+            shared: true,
         },
     );
 }
 
 #[test]
 fn larger_than_the_chunks_single_copy() {
-    for n in [2, 3] {
+    for (n, shared) in [(2, false), (3, false), (2, true), (3, true)] {
         run_group_with(
             n,
             64 << 10,
             Direct::Yes {
                 oneshot_max: 0,
                 cma_min: 0,
+                shared,
             },
             |rank| {
                 kinds(n)

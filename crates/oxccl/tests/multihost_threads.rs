@@ -91,10 +91,8 @@ fn run(host_of: &[usize], streams: usize) {
                     assert_eq!(hosts, Some(host_of.iter().max().unwrap() + 1));
                     for (algo, case) in cases(rank, n) {
                         comm.set_algo(algo);
-                        let (mut send, mut recv) = case.alloc();
-                        let (sl, rl) = case.sizes();
-                        let send = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut send)[..sl];
-                        let recv = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut recv)[..rl];
+                        let mut bufs = case.buffers(None).unwrap();
+                        let (send, recv) = bufs.get();
                         case.fill(send, recv);
                         case.call(&comm, send, recv)
                             .unwrap_or_else(|e| panic!("{case:?} {algo:?}: {e}"));

@@ -22,15 +22,96 @@
 //! buffer is read before it is overwritten, by the same rank. The last event of each call tells
 //! every rank that nobody reads or writes its buffers any more, so it may return.
 
+use std::ptr::NonNull;
+
 use crate::algo::{block, Coll, CollKind};
 use crate::error::Result;
 use crate::exec::Buffers;
 use crate::exec_direct::DirectCtx;
 use crate::op::ReduceOp;
 use crate::reduce;
+use crate::shared_buffer::{region_of, Region};
 
 /// Bytes reduced at a time (the temporary stays in the core's cache).
 const CHUNK: usize = 256 << 10;
+
+/// How this rank reaches one buffer of a peer: through a mapping of the peer's shared memory
+/// (`local`: where the buffer starts here), or with the kernel's cross-memory copies at `addr`.
+#[derive(Clone, Copy)]
+struct PeerBuf {
+    peer: usize,
+    addr: u64,
+    local: Option<NonNull<u8>>,
+}
+
+impl PeerBuf {
+    /// Copies `dst.len()` bytes at `off` of the buffer into `dst` (with streaming stores if
+    /// `nt` and the buffer is mapped).
+    fn read(&self, cx: &DirectCtx<'_>, off: usize, dst: &mut [u8], nt: bool) -> Result<()> {
+        match self.local {
+            // SAFETY: `off + dst.len()` is within the peer's buffer (the header check made
+            // every rank's lengths agree), which lies inside the mapping (checked when it was
+            // mapped); nobody writes these bytes in this phase, and `dst` is this rank's own
+            // memory.
+            Some(l) => copy(nt, dst, unsafe {
+                std::slice::from_raw_parts(l.as_ptr().add(off), dst.len())
+            }),
+            None => cx
+                .direct
+                .read_peer(self.peer, self.addr + off as u64, dst)
+                .map_err(|e| cx.read_error(self.peer, e))?,
+        }
+        Ok(())
+    }
+
+    /// Copies `src` to `off` of the buffer (with streaming stores if `nt` and the buffer is
+    /// mapped).
+    fn write(&self, cx: &DirectCtx<'_>, off: usize, src: &[u8], nt: bool) -> Result<()> {
+        match self.local {
+            // SAFETY: within the peer's buffer as in `read`; only this rank touches these bytes
+            // in this phase, and `src` is this rank's own memory.
+            Some(l) => copy(
+                nt,
+                unsafe { std::slice::from_raw_parts_mut(l.as_ptr().add(off), src.len()) },
+                src,
+            ),
+            None => cx
+                .direct
+                .write_peer(self.peer, self.addr + off as u64, src)
+                .map_err(|e| cx.write_error(self.peer, e))?,
+        }
+        Ok(())
+    }
+
+    /// The `k` bytes at `off`: in place where the buffer is mapped, else read into `tmp`.
+    fn view<'t>(
+        &self,
+        cx: &DirectCtx<'_>,
+        off: usize,
+        k: usize,
+        tmp: &'t mut [u8],
+    ) -> Result<&'t [u8]> {
+        match self.local {
+            // SAFETY: as in `read`; the slice is dropped before this rank's next event, and
+            // nobody writes these bytes until then (only their owner, this rank, writes an
+            // in-place buffer's block, after its last read of it).
+            Some(l) => Ok(unsafe { std::slice::from_raw_parts(l.as_ptr().add(off), k) }),
+            None => {
+                self.read(cx, off, &mut tmp[..k], false)?;
+                Ok(&tmp[..k])
+            }
+        }
+    }
+}
+
+/// Copies `src` into `dst`, with streaming stores if `nt`.
+fn copy(nt: bool, dst: &mut [u8], src: &[u8]) {
+    if nt {
+        reduce::copy_streaming(dst, src);
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
 
 /// Runs `c` single-copy. `tmp` is reused across calls.
 pub fn run(
@@ -43,26 +124,55 @@ pub fn run(
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
     // The first event carries the call's header: every rank checks that its peers called the
-    // same collective on the same count before touching their memory.
+    // same collective on the same count before touching their memory. Its data: where this
+    // rank's buffers lie in shared buffers, if they do, for peers to map.
+    let mut regions = [0u64; 8];
+    for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
+        .into_iter()
+        .enumerate()
+    {
+        if let Some(r) = region_of(p, l) {
+            regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words());
+        }
+    }
     let e1 = cx.begin(
-        &[],
+        bytemuck::bytes_of(&regions),
         [inp as u64, outp as u64, in_len as u64, out_len as u64],
     )?;
-    let addrs: Vec<[u64; 6]> = (0..n).map(|p| cx.direct.peer_addrs(p, e1)).collect();
+    // Each peer's input and output, mapped where the peer has them in shared buffers.
+    let mut peers: Vec<[PeerBuf; 2]> = Vec::with_capacity(n);
+    for p in 0..n {
+        let a = cx.direct.peer_addrs(p, e1);
+        let mut w = [0u64; 8];
+        if p != me {
+            bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
+        }
+        let mut bufs = [0, 1].map(|i| PeerBuf {
+            peer: p,
+            addr: a[i],
+            local: None,
+        });
+        for (i, b) in bufs.iter_mut().enumerate() {
+            let Some(r) = Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"))
+            else {
+                continue;
+            };
+            if !r.covers(a[i], a[2 + i]) {
+                continue;
+            }
+            match cx.direct.map_peer(p, &r) {
+                // SAFETY: `a[i] - r.base < r.len`, inside the mapping.
+                Ok(Some(l)) => b.local = Some(unsafe { l.add((a[i] - r.base) as usize) }),
+                Ok(None) => {}
+                Err(e) => tracing::debug!(rank = me, peer = p, "cannot map a shared buffer: {e}"),
+            }
+        }
+        peers.push(bufs);
+    }
     let read_own = |off: usize, dst: &mut [u8]| {
         // SAFETY: `off + dst.len() <= in_len` (callers stay within the input) and `dst` is a
         // separate buffer or the very same bytes (copy allows overlap).
         unsafe { std::ptr::copy(inp.add(off), dst.as_mut_ptr(), dst.len()) }
-    };
-    let read = |cx: &DirectCtx<'_>, p: usize, addr: u64, dst: &mut [u8]| -> Result<()> {
-        cx.direct
-            .read_peer(p, addr, dst)
-            .map_err(|e| cx.read_error(p, e))
-    };
-    let write = |cx: &DirectCtx<'_>, p: usize, addr: u64, src: &[u8]| -> Result<()> {
-        cx.direct
-            .write_peer(p, addr, src)
-            .map_err(|e| cx.write_error(p, e))
     };
     // The whole output, for the cases where no peer writes into it (the reductions build no
     // such reference: there peers write parts of a rank's output).
@@ -73,19 +183,22 @@ pub fn run(
         unsafe { std::slice::from_raw_parts_mut(outp, out_len) }
     };
     let bytes = c.count * es;
+    // Streaming stores for results too large for the cache; never in place, where a result
+    // overwrites the very lines just read (in the cache: nothing to save).
+    let nt = inp.cast_mut() != outp && n.saturating_mul(in_len + out_len) >= cx.nt_bytes;
     match c.kind {
         CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce => {
             // This rank's block: where it starts in the inputs, its length, and where its
-            // result goes: (rank, address) pairs, this rank's own output included.
-            let (start, len, dests): (usize, usize, Vec<(usize, u64)>) = match c.kind {
-                CollKind::ReduceScatter => (me * bytes, bytes, vec![(me, outp as u64)]),
+            // result goes: (rank, offset in its output) pairs, this rank's own included.
+            let (start, len, dests): (usize, usize, Vec<(usize, usize)>) = match c.kind {
+                CollKind::ReduceScatter => (me * bytes, bytes, vec![(me, 0)]),
                 _ => {
                     let (s, l) = block(c.count, n, me);
                     let (s, l) = (s * es, l * es);
                     let dests = if c.kind == CollKind::AllReduce {
-                        (0..n).map(|p| (p, addrs[p][1] + s as u64)).collect()
+                        (0..n).map(|p| (p, s)).collect()
                     } else {
-                        vec![(c.root, addrs[c.root][1] + s as u64)]
+                        vec![(c.root, s)]
                     };
                     (s, l, dests)
                 }
@@ -113,8 +226,7 @@ pub fn run(
                     let x0: &[u8] = if me == 0 {
                         own
                     } else {
-                        read(cx, 0, addrs[0][0] + at as u64, &mut ta[..k])?;
-                        &ta[..k]
+                        peers[0][0].view(cx, at, k, ta)?
                     };
                     #[allow(clippy::needless_range_loop)]
                     // p is a rank, used for more than indexing
@@ -122,8 +234,7 @@ pub fn run(
                         let xp: &[u8] = if p == me {
                             own
                         } else {
-                            read(cx, p, addrs[p][0] + at as u64, &mut tb[..k])?;
-                            &tb[..k]
+                            peers[p][0].view(cx, at, k, tb)?
                         };
                         if p == 1 {
                             reduce::reduce_into(c.dtype, c.op, acc, x0, xp);
@@ -135,17 +246,15 @@ pub fn run(
                 if c.op == ReduceOp::Avg {
                     reduce::divide_by(c.dtype, acc, n);
                 }
-                for &(p, addr) in &dests {
-                    let to = addr + off as u64;
+                for &(p, base) in &dests {
                     if p == me {
-                        // SAFETY: `to` is this rank's output at an offset of at most
-                        // `out_len - k` (its block, or all of it for reduce_scatter); `acc` is
-                        // a separate buffer, and `own` is not used past this point.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(acc.as_ptr(), to as usize as *mut u8, k)
-                        };
+                        // SAFETY: `base + off + k <= out_len` (this rank's block, or all of
+                        // its output for reduce_scatter); `acc` is a separate buffer, and
+                        // `own` is not used past this point.
+                        let to = unsafe { std::slice::from_raw_parts_mut(outp.add(base + off), k) };
+                        copy(nt, to, acc);
                     } else {
-                        write(cx, p, to, acc)?;
+                        peers[p][1].write(cx, base + off, acc, nt)?;
                     }
                 }
                 off += k;
@@ -158,7 +267,7 @@ pub fn run(
                 if p == me {
                     read_own(0, dst);
                 } else {
-                    read(cx, p, addrs[p][0], dst)?;
+                    peers[p][0].read(cx, 0, dst, nt)?;
                 }
             }
         }
@@ -169,7 +278,7 @@ pub fn run(
                 if p == me {
                     read_own(me * bytes, dst);
                 } else {
-                    read(cx, p, addrs[p][0] + (me * bytes) as u64, dst)?;
+                    peers[p][0].read(cx, me * bytes, dst, nt)?;
                 }
             }
         }
@@ -181,7 +290,7 @@ pub fn run(
             // its input to its output, at memcpy speed, about twice the kernel's
             // cross-process copy here: it writes the last 1/(2n) of every peer's output.
             let root = c.root;
-            let in_place = addrs[root][0] == addrs[root][1];
+            let in_place = peers[root][0].addr == peers[root][1].addr;
             let root_part = |p: usize| {
                 let (s, l) = if in_place {
                     block(c.count, n, p)
@@ -197,7 +306,7 @@ pub fn run(
                     // SAFETY: `s + l <= bytes`, within the root's input, which nobody writes in
                     // this call.
                     let src = unsafe { std::slice::from_raw_parts(inp.add(s), l) };
-                    write(cx, p, addrs[p][1] + s as u64, src)?;
+                    peers[p][1].write(cx, s, src, nt)?;
                 }
                 if !in_place {
                     read_own(0, &mut whole_out()[..bytes]);
@@ -211,7 +320,7 @@ pub fn run(
                         // through separate slices built here.
                         let dst =
                             unsafe { std::slice::from_raw_parts_mut(outp.add(from), to - from) };
-                        read(cx, root, addrs[root][0] + from as u64, dst)?;
+                        peers[root][0].read(cx, from, dst, nt)?;
                     }
                 }
             }

@@ -14,6 +14,9 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 use crate::dtype::DataType;
 use crate::op::ReduceOp;
 
+mod copy;
+pub use copy::copy_streaming;
+
 /// Arithmetic of one element type.
 trait Arith: bytemuck::Pod {
     fn sum(a: Self, b: Self) -> Self;

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::LinkError;
+use crate::shared_buffer::Region;
 use crate::wait::Doorbell;
 
 /// Number of words a rank publishes with an event: four for the algorithm (buffer addresses
@@ -64,6 +65,19 @@ pub trait Direct: Send {
     /// Copies `src` to `addr` in `peer`'s address space. The peer published `addr` as a buffer
     /// that it does not touch until the algorithm's next event.
     fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()>;
+
+    /// A pointer, in this process, to the start of `peer`'s shared buffer `region` (which the
+    /// peer published, see [`crate::shared_buffer`]), mapping it on first use; `Ok(None)` where
+    /// this implementation does not map peers' memory. The mapping stays valid at least until
+    /// this rank's next event after the one that maps it.
+    fn map_peer(
+        &mut self,
+        peer: usize,
+        region: &Region,
+    ) -> std::io::Result<Option<std::ptr::NonNull<u8>>> {
+        let _ = (peer, region);
+        Ok(None)
+    }
 
     /// Whether [`read_peer`](Self::read_peer) and [`write_peer`](Self::write_peer) work between
     /// these processes (checked at setup).
@@ -180,6 +194,15 @@ impl Direct for MemDirect {
         // and that no other rank writes in the same phase.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as usize as *mut u8, src.len()) };
         Ok(())
+    }
+
+    fn map_peer(
+        &mut self,
+        _peer: usize,
+        region: &Region,
+    ) -> std::io::Result<Option<std::ptr::NonNull<u8>>> {
+        // Threads share one address space: the peer's buffer is where the peer has it.
+        Ok(std::ptr::NonNull::new(region.base as usize as *mut u8))
     }
 
     fn can_read_peers(&self) -> bool {

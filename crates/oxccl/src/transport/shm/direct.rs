@@ -28,6 +28,7 @@ use rustix::fs::{FallocateFlags, Mode, OFlags};
 use super::segment::{free_bytes, io_msg, map, SHM_DIR};
 use crate::bootstrap::Exchange;
 use crate::error::Result;
+use crate::shared_buffer::{PeerMapping, Region, PEER_MAPPINGS};
 use crate::transport::direct::{Direct, ADDRS};
 use crate::transport::LinkError;
 use crate::wait::Doorbell;
@@ -136,6 +137,8 @@ pub struct ShmDirect {
     pids: Vec<Option<rustix::process::Pid>>,
     event: u64,
     cma: bool,
+    /// Per peer: a pidfd (opened on first use) and the peer's shared buffers mapped here.
+    mapped: Vec<(Option<std::os::fd::OwnedFd>, Vec<PeerMapping>)>,
 }
 
 fn create(path: &PathBuf, rank: usize) -> std::result::Result<Area, String> {
@@ -284,6 +287,7 @@ pub fn connect(
         pids,
         event: 0,
         cma,
+        mapped: (0..n).map(|_| (None, Vec::new())).collect(),
     }))
 }
 
@@ -445,6 +449,45 @@ impl Direct for ShmDirect {
     fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()> {
         let pid = self.pids[peer].map_or(0, |p| p.as_raw_nonzero().get() as u32);
         write_remote(pid, addr, src)
+    }
+
+    fn map_peer(&mut self, peer: usize, region: &Region) -> std::io::Result<Option<NonNull<u8>>> {
+        let Some(pid) = self.pids[peer].filter(|_| self.cma) else {
+            return Ok(None);
+        };
+        let now = self.event;
+        let (pidfd, maps) = &mut self.mapped[peer];
+        if let Some(m) = maps.iter_mut().find(|m| m.id == region.id) {
+            m.used = now;
+            return Ok(Some(m.local));
+        }
+        if pidfd.is_none() {
+            *pidfd = Some(rustix::process::pidfd_open(
+                pid,
+                rustix::process::PidfdFlags::empty(),
+            )?);
+        }
+        let m = PeerMapping::map(pidfd.as_ref().expect("opened above"), region, now)?;
+        if maps.len() >= PEER_MAPPINGS {
+            // The least recently used: not one of this event's (those carry `now`, and a call
+            // maps at most two buffers per peer).
+            let (i, _) = maps
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, m)| m.used)
+                .expect("not empty");
+            maps.swap_remove(i);
+        }
+        let local = m.local;
+        maps.push(m);
+        tracing::debug!(
+            rank = self.rank,
+            peer,
+            id = region.id,
+            len = region.len,
+            "mapped a peer's shared buffer"
+        );
+        Ok(Some(local))
     }
 
     fn can_read_peers(&self) -> bool {
