@@ -27,6 +27,19 @@ fn memcpy(b: Bencher, bytes: usize) {
     });
 }
 
+/// The same copy with streaming stores (`reduce::copy_streaming`), as the single-copy
+/// algorithms write results too large for the cache.
+#[divan::bench(args = SIZES)]
+fn memcpy_streaming(b: Bencher, bytes: usize) {
+    let (mut dst, src) = buffers(bytes);
+    b.counter(BytesCount::new(bytes)).bench_local(|| {
+        oxccl::reduce::copy_streaming(
+            bytemuck::cast_slice_mut(&mut dst),
+            divan::black_box(bytemuck::cast_slice(&src)),
+        );
+    });
+}
+
 fn reduce(b: Bencher, bytes: usize, dtype: DataType, op: ReduceOp) {
     let (mut dst, src) = buffers(bytes);
     b.counter(BytesCount::new(bytes)).bench_local(|| {

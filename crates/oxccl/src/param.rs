@@ -67,7 +67,7 @@ pub struct Config {
     /// `OXCCL_NT_BYTES`: the single-copy algorithms write out-of-place results with streaming
     /// (non-temporal) stores when the call's footprint on the host (ranks × (input + output))
     /// reaches this many bytes, so that results too large for the cache are not first read
-    /// into it. Default half the last-level cache (from sysfs; 16 MiB where unknown).
+    /// into it. Default a quarter of the last-level cache (from sysfs; 8 MiB where unknown).
     pub nt_bytes: usize,
     /// `OXCCL_DETERMINISTIC=1`: floating-point reductions combine the ranks' values in rank
     /// order, so results are bitwise identical on every rank, from run to run and whatever
@@ -115,7 +115,7 @@ impl Default for Config {
             oneshot_max: 32 << 10,
             cma_min: 64 << 10,
             cma: true,
-            nt_bytes: last_level_cache().unwrap_or(32 << 20) / 2,
+            nt_bytes: last_level_cache().unwrap_or(32 << 20) / 4,
             deterministic: false,
             heartbeat: Some(Duration::from_millis(1500)),
             flight_recorder: None,

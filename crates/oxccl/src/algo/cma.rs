@@ -42,6 +42,9 @@ struct PeerBuf {
     peer: usize,
     addr: u64,
     local: Option<NonNull<u8>>,
+    /// Whether its owner published it as a shared buffer (known alike to every rank, unlike
+    /// `local`: a rank that fails to map it falls back to cross-memory copies).
+    published: bool,
 }
 
 impl PeerBuf {
@@ -143,7 +146,7 @@ pub fn run(
     let mut peers: Vec<[PeerBuf; 2]> = Vec::with_capacity(n);
     for p in 0..n {
         let a = cx.direct.peer_addrs(p, e1);
-        let mut w = [0u64; 8];
+        let mut w = regions;
         if p != me {
             bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
         }
@@ -151,13 +154,14 @@ pub fn run(
             peer: p,
             addr: a[i],
             local: None,
+            published: w[4 * i] != 0,
         });
         for (i, b) in bufs.iter_mut().enumerate() {
             let Some(r) = Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"))
             else {
                 continue;
             };
-            if !r.covers(a[i], a[2 + i]) {
+            if p == me || !r.covers(a[i], a[2 + i]) {
                 continue;
             }
             match cx.direct.map_peer(p, &r) {
@@ -169,10 +173,23 @@ pub fn run(
         }
         peers.push(bufs);
     }
+    // Streaming stores for results too large for the cache; never in place, where a result
+    // overwrites the very lines just read (in the cache: nothing to save).
+    let disjoint =
+        inp as usize + in_len <= outp as usize || outp as usize + out_len <= inp as usize;
+    let nt = disjoint && n.saturating_mul(in_len + out_len) >= cx.nt_bytes;
     let read_own = |off: usize, dst: &mut [u8]| {
-        // SAFETY: `off + dst.len() <= in_len` (callers stay within the input) and `dst` is a
-        // separate buffer or the very same bytes (copy allows overlap).
-        unsafe { std::ptr::copy(inp.add(off), dst.as_mut_ptr(), dst.len()) }
+        if nt {
+            // SAFETY: `off + dst.len() <= in_len` (callers stay within the input), and the
+            // input does not overlap the output, where `dst` lies.
+            copy(true, dst, unsafe {
+                std::slice::from_raw_parts(inp.add(off), dst.len())
+            });
+        } else {
+            // SAFETY: `off + dst.len() <= in_len` and `dst` is a separate buffer or the very
+            // same bytes (copy allows overlap).
+            unsafe { std::ptr::copy(inp.add(off), dst.as_mut_ptr(), dst.len()) }
+        }
     };
     // The whole output, for the cases where no peer writes into it (the reductions build no
     // such reference: there peers write parts of a rank's output).
@@ -183,9 +200,6 @@ pub fn run(
         unsafe { std::slice::from_raw_parts_mut(outp, out_len) }
     };
     let bytes = c.count * es;
-    // Streaming stores for results too large for the cache; never in place, where a result
-    // overwrites the very lines just read (in the cache: nothing to save).
-    let nt = inp.cast_mut() != outp && n.saturating_mul(in_len + out_len) >= cx.nt_bytes;
     match c.kind {
         CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce => {
             // This rank's block: where it starts in the inputs, its length, and where its
@@ -288,12 +302,16 @@ pub fn run(
             // is in place, so they agree on the parts). In place, the root has nothing of its
             // own to copy and writes block p into each peer p. Out of place it must also copy
             // its input to its output, at memcpy speed, about twice the kernel's
-            // cross-process copy here: it writes the last 1/(2n) of every peer's output.
+            // cross-process copy here: it writes the last 1/(2n) of every peer's output. Where
+            // its input is a shared buffer, peers copy at memcpy speed too, and the root's own
+            // copy is its whole share.
             let root = c.root;
             let in_place = peers[root][0].addr == peers[root][1].addr;
             let root_part = |p: usize| {
                 let (s, l) = if in_place {
                     block(c.count, n, p)
+                } else if peers[root][0].published {
+                    (c.count, 0)
                 } else {
                     let k = c.count / (2 * n);
                     (c.count - k, k)
