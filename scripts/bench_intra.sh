@@ -20,9 +20,9 @@ bash scripts/anchors/compare_reduce.sh "$ox" 2 8 134217728 | tee "$out/reduce-2.
 # buffers with loads and stores. Same anchors (their buffers are private), large sizes.
 mkdir -p "$out/shared"
 for coll in all_reduce all_gather reduce_scatter broadcast; do
-  OXCCL_PERF_REGISTER=1 bash "$anchors/compare.sh" "$ox" "$coll" 2 65536 134217728 | tee "$out/shared/$coll-2.txt"
+  OXCCL_PERF_REGISTER=1 bash "$anchors/compare.sh" "$ox" "$coll" 2 32768 134217728 | tee "$out/shared/$coll-2.txt"
 done
-OXCCL_PERF_REGISTER=1 bash scripts/anchors/compare_reduce.sh "$ox" 2 65536 134217728 | tee "$out/shared/reduce-2.txt"
+OXCCL_PERF_REGISTER=1 bash scripts/anchors/compare_reduce.sh "$ox" 2 32768 134217728 | tee "$out/shared/reduce-2.txt"
 for n in 4 8; do
   bash "$anchors/compare.sh" "$ox" all_reduce "$n" 8 33554432 | tee "$out/all_reduce-$n.txt"
 done

@@ -1,7 +1,9 @@
 """Plots bus bandwidth against size for oxccl, Open MPI and gloo from compare.sh outputs.
 
 Usage: python3 scripts/plot_perf.py DIR   (reads DIR/<collective>-<ranks>.txt, writes DIR/*.png
-and DIR/summary.md, the ratio tables in Markdown)
+and DIR/summary.md, the ratio tables in Markdown). Where DIR/shared/<collective>-<ranks>.txt
+exists (the same comparison with oxccl's buffers from alloc_shared, `oxccl perf -R 1`), its
+oxccl line joins the plot and its rows a second table in the summary.
 """
 import glob
 import os
@@ -37,9 +39,21 @@ def ratio_rows(path):
     return rows
 
 
+HEADER = ["| collective | ranks | bytes | oxccl µs | Open MPI µs | gloo µs | MPI/oxccl time | gloo/oxccl time |",
+          "|---|---|---|---|---|---|---|---|"]
+
+
+def table_rows(coll, n, rows):
+    out = []
+    for b, ox, mpi, gl in rows:
+        g = f"{gl:.2f} | {gl / ox:.2f}" if gl == gl else "– | –"
+        out.append(f"| {coll} | {n} | {b} | {ox:.2f} | {mpi:.2f} | {g.split(' | ')[0]} | {mpi / ox:.2f} | {g.split(' | ')[1]} |")
+    return out
+
+
 def main(d):
-    summary = ["| collective | ranks | bytes | oxccl µs | Open MPI µs | gloo µs | MPI/oxccl time | gloo/oxccl time |",
-               "|---|---|---|---|---|---|---|---|"]
+    summary = ["Private buffers (the default):", ""] + HEADER
+    shared_summary = ["", "Shared buffers (`Communicator::alloc_shared`, `oxccl perf -R 1`):", ""] + HEADER
     for path in sorted(glob.glob(os.path.join(d, "*-[0-9].txt"))):
         name = os.path.basename(path)[:-4]
         coll, n = name.rsplit("-", 1)
@@ -53,6 +67,12 @@ def main(d):
             xs = [r[0] for r in rows if r[i] == r[i] and r[i] > 0]
             ys = [r[0] / r[i] / 1e3 * fac for r in rows if r[i] == r[i] and r[i] > 0]
             ax.plot(xs, ys, marker="o", label=label)
+        shared_path = os.path.join(d, "shared", os.path.basename(path))
+        shared = ratio_rows(shared_path) if os.path.exists(shared_path) else []
+        if shared:
+            ax.plot([r[0] for r in shared], [r[0] / r[1] / 1e3 * fac for r in shared],
+                    marker="s", label="oxccl, shared buffers (-R 1)")
+            shared_summary.extend(table_rows(coll, n, shared))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("size (bytes)")
@@ -63,9 +83,9 @@ def main(d):
         fig.tight_layout()
         fig.savefig(os.path.join(d, f"{name}.png"), dpi=90)
         plt.close(fig)
-        for b, ox, mpi, gl in rows:
-            g = f"{gl:.2f} | {gl / ox:.2f}" if gl == gl else "– | –"
-            summary.append(f"| {coll} | {n} | {b} | {ox:.2f} | {mpi:.2f} | {g.split(' | ')[0]} | {mpi / ox:.2f} | {g.split(' | ')[1]} |")
+        summary.extend(table_rows(coll, n, rows))
+    if len(shared_summary) > 5:
+        summary.extend(shared_summary)
     with open(os.path.join(d, "summary.md"), "w") as f:
         f.write("\n".join(summary) + "\n")
 
