@@ -10,7 +10,10 @@ use std::str::FromStr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use oxccl::{CollKind, Communicator, Config, DataType, Error, RawBufs, ReduceOp, UniqueId, Work};
+use oxccl::{
+    CollKind, Communicator, Config, DataType, Error, RawBufs, ReduceOp, SharedBuffer, UniqueId,
+    Work,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
@@ -144,6 +147,26 @@ impl CallSpec {
     }
 }
 
+/// A buffer in shared memory (`Communicator::alloc_shared`); `Comm.empty` views it as a numpy
+/// array through its address and keeps this object alive as long as the array.
+#[pyclass(frozen, module = "oxccl._oxccl", name = "SharedMemory")]
+struct SharedMemory {
+    buf: SharedBuffer,
+}
+
+#[pymethods]
+impl SharedMemory {
+    /// Address of the first byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.buf.as_ptr() as usize
+    }
+
+    fn __len__(&self) -> usize {
+        self.buf.len()
+    }
+}
+
 /// A communicator (use `oxccl.init`, which wraps this in `oxccl.Comm`).
 #[pyclass(frozen, module = "oxccl._oxccl", name = "RawComm")]
 struct RawComm {
@@ -179,6 +202,12 @@ impl RawComm {
 
     fn pending(&self) -> u64 {
         self.inner.pending_calls()
+    }
+
+    /// A zeroed shared buffer of `nbytes` bytes.
+    fn alloc_shared(&self, py: Python<'_>, nbytes: usize) -> PyResult<SharedMemory> {
+        let buf = self.inner.alloc_shared(nbytes).map_err(|e| err(py, &e))?;
+        Ok(SharedMemory { buf })
     }
 
     /// A blocking call on raw addresses, GIL released. The caller keeps the memory alive.
@@ -453,6 +482,7 @@ fn wait_inflight(py: Python<'_>, timeout_s: f64) -> usize {
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawComm>()?;
     m.add_class::<Handle>()?;
+    m.add_class::<SharedMemory>()?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(wait_inflight, m)?)?;
     m.add_function(wrap_pyfunction!(init_with_id, m)?)?;

@@ -40,3 +40,12 @@ def test_package_surface():
         oxccl.init(rank=0)
     with pytest.raises(oxccl.InvalidArgumentError):
         oxccl.init(rank=0, world_size=1, unique_id="nonsense")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_shared_arrays(n):
+    res = launch(n, "shared", env={"OXCCL_DEBUG": "debug", "OXCCL_DEBUG_SUBSYS": "shm"})
+    for _, out in res:
+        assert "shared ok" in out, out
+        # the large calls mapped the peers' arrays instead of copying through the kernel
+        assert "mapped a peer's shared buffer" in out, out

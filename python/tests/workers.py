@@ -462,3 +462,40 @@ def fsdp():
     assert torch.equal(flat, other)
     print(f"rank {r}: fsdp ok, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory arrays (Comm.empty): large calls on them map peers' buffers.
+# ---------------------------------------------------------------------------------------------
+def shared():
+    import torch
+
+    import oxccl
+
+    comm = oxccl.init()
+    r, n = comm.rank, comm.world_size
+    count = 300_001  # above the single-copy threshold, not divisible by the rank count
+    x = comm.empty(count, np.float32)
+    assert x.shape == (count,) and x.dtype == np.float32 and x.flags.writeable
+    assert not x.any()
+    x[:] = np.arange(count, dtype=np.float32) % 7 + r
+    comm.all_reduce(x)
+    want = (np.arange(count) % 7) * n + n * (n - 1) / 2
+    assert np.array_equal(x, want.astype(np.float32)), x[:8]
+    # out of place, as torch tensors viewing shared arrays
+    src = comm.empty((count,), np.float64)
+    src[:] = r + 1
+    out = torch.from_numpy(comm.empty(count, np.float64))
+    comm.all_reduce(torch.from_numpy(src), op="max", out=out)
+    assert bool((out == n).all())
+    g = comm.all_gather(comm.empty((2, 50_000), np.int32) + 0)  # a private copy: mixed use
+    assert g.shape == (2 * n, 50_000)
+    b = comm.empty(count, np.int64)
+    if r == n - 1:
+        b[:] = 42
+    comm.broadcast(b, root=n - 1)
+    assert bool((b == 42).all())
+    assert comm.empty(0, np.float32).size == 0
+    del x, src, out, b
+    comm.barrier()
+    _ok("shared")
