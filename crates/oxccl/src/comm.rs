@@ -19,6 +19,7 @@ use crate::topo::{self, Topology};
 use crate::transport::direct::Direct;
 use crate::transport::{shm, tcp, Link, TransportKind};
 use crate::tune;
+use crate::wait::Spin;
 
 /// A group of ranks that call collectives together.
 ///
@@ -41,6 +42,8 @@ pub struct Communicator {
     local_rank: usize,
     local_size: usize,
     cfg: Config,
+    /// How waiting calls spin: `cfg`'s settings, for this host's rank count.
+    spin: Spin,
     forced_algo: Option<Algo>,
     transports: Vec<TransportKind>,
     /// Failure handling (dropped before the links: it says goodbye first).
@@ -158,6 +161,7 @@ impl Communicator {
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
+        comm.spin = comm.cfg.spin_policy(comm.local_size);
         comm.guard = CommGuard::with_bootstrap(&mut boot, &comm.cfg)?;
         comm.topo = Some(Arc::new(topo));
         comm.state
@@ -220,6 +224,7 @@ impl Communicator {
             local_rank: 0,
             local_size: 1,
             guard: CommGuard::local(rank, nranks, &cfg),
+            spin: cfg.spin_policy(1),
             cfg,
             forced_algo,
             transports,
@@ -433,7 +438,7 @@ impl Communicator {
                     direct,
                     rank: self.rank,
                     nranks: self.nranks,
-                    spin: self.cfg.spin,
+                    spin: self.spin,
                     timeout: self.guard.timeout(),
                     call: name,
                     seq,
@@ -463,7 +468,7 @@ impl Communicator {
                     dtype: call.dtype,
                     op: call.op,
                     nranks: self.nranks,
-                    spin: self.cfg.spin,
+                    spin: self.spin,
                     timeout: self.guard.timeout(),
                     call: name,
                     seq,

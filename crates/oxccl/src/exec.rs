@@ -21,7 +21,7 @@ use crate::health::Health;
 use crate::op::ReduceOp;
 use crate::reduce;
 use crate::transport::{Link, LinkError, WaitSource};
-use crate::wait::{Backoff, Doorbell};
+use crate::wait::{Backoff, Doorbell, Spin};
 
 /// How long one sleep lasts before the executor re-checks deadline and liveness.
 const SLEEP_SLICE: Duration = Duration::from_millis(50);
@@ -93,8 +93,8 @@ pub struct Ctx<'a> {
     pub op: ReduceOp,
     /// Number of ranks (for averages).
     pub nranks: usize,
-    /// Spin budget before sleeping.
-    pub spin: u32,
+    /// How to spin before sleeping.
+    pub spin: Spin,
     /// How long the whole call may take.
     pub timeout: Duration,
     /// The call's name, for errors.

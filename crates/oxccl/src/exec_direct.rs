@@ -10,7 +10,7 @@ use crate::fingerprint::{CallPrint, Header, HEADER_BYTES};
 use crate::health::Health;
 use crate::transport::direct::{Direct, ADDRS};
 use crate::transport::{Link, LinkError};
-use crate::wait::Backoff;
+use crate::wait::{Backoff, Spin};
 
 const SLEEP_SLICE: Duration = Duration::from_millis(50);
 
@@ -22,8 +22,8 @@ pub struct DirectCtx<'a> {
     pub rank: usize,
     /// Number of ranks (all on this host).
     pub nranks: usize,
-    /// Spin budget before sleeping.
-    pub spin: u32,
+    /// How to spin before sleeping.
+    pub spin: Spin,
     /// How long the call may take.
     pub timeout: Duration,
     /// The call's name, for errors.

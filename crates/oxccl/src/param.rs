@@ -45,6 +45,11 @@ pub struct Config {
     pub shm_ring_bytes: usize,
     /// `OXCCL_SPIN`: progress checks a waiting rank makes before it sleeps. Default 2000.
     pub spin: u32,
+    /// `OXCCL_YIELD_EVERY`: progress checks between two yields of the core while spinning.
+    /// Default (`None`): 1 where this host's ranks of the communicator outnumber the CPUs this
+    /// process may run on (the rank waited for may be waiting for this very core, as Open
+    /// MPI's `mpi_yield_when_idle` when oversubscribed), else 64.
+    pub yield_every: Option<u32>,
     /// `OXCCL_HOSTID`: overrides the host identity that decides who shares memory.
     pub host_id: Option<String>,
     /// `OXCCL_SOCKET_IFNAME`: the network interface to listen on; by default the one that
@@ -108,6 +113,7 @@ impl Default for Config {
             transport: TransportChoice::Auto,
             shm_ring_bytes: 4 << 20,
             spin: 2000,
+            yield_every: None,
             host_id: None,
             socket_ifname: None,
             algo: None,
@@ -285,6 +291,20 @@ pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
 }
 
 impl Config {
+    /// The waiting policy these settings give, for a host where `local_ranks` ranks of the
+    /// communicator run.
+    pub fn spin_policy(&self, local_ranks: usize) -> crate::wait::Spin {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        crate::wait::Spin {
+            budget: self.spin,
+            yield_every: self.yield_every.unwrap_or(if local_ranks > cpus {
+                1
+            } else {
+                crate::wait::Spin::YIELD_EVERY
+            }),
+        }
+    }
+
     /// Reads every `OXCCL_*` setting from the environment; unset ones keep their defaults.
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
@@ -317,6 +337,14 @@ impl Config {
             v.parse::<u32>().map_err(|e| e.to_string())
         })? {
             c.spin = s;
+        }
+        if let Some(y) = env_parse("OXCCL_YIELD_EVERY", |v| {
+            v.parse::<u32>()
+                .ok()
+                .filter(|&y| y > 0)
+                .ok_or_else(|| "expected a positive number of checks".to_string())
+        })? {
+            c.yield_every = Some(y);
         }
         c.host_id = env_parse("OXCCL_HOSTID", |v| Ok(v.to_string()))?;
         c.socket_ifname = env_parse("OXCCL_SOCKET_IFNAME", |v| Ok(v.to_string()))?;
@@ -397,6 +425,24 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spinning_yields_every_round_only_when_ranks_outnumber_cpus() {
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        let c = Config::default();
+        assert_eq!(
+            c.spin_policy(cpus).yield_every,
+            crate::wait::Spin::YIELD_EVERY
+        );
+        assert_eq!(c.spin_policy(cpus + 1).yield_every, 1);
+        assert_eq!(c.spin_policy(1).budget, c.spin);
+        let forced = Config {
+            yield_every: Some(8),
+            ..Config::default()
+        };
+        assert_eq!(forced.spin_policy(cpus + 1).yield_every, 8);
+        assert_eq!(forced.spin_policy(1).yield_every, 8);
+    }
 
     #[test]
     fn tuning_file() {

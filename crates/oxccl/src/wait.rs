@@ -141,18 +141,43 @@ impl Doorbell {
     }
 }
 
+/// How a waiting rank spins before it sleeps ([`Backoff`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spin {
+    /// Progress checks before sleeping ([`Config::spin`](crate::param::Config::spin)).
+    pub budget: u32,
+    /// Checks between two yields of the core
+    /// ([`Config::yield_every`](crate::param::Config::yield_every)).
+    pub yield_every: u32,
+}
+
+impl Spin {
+    /// Rounds between yields on a host with a core for every rank.
+    pub const YIELD_EVERY: u32 = 64;
+
+    /// Spin `budget` rounds, yielding every [`YIELD_EVERY`](Self::YIELD_EVERY).
+    pub fn new(budget: u32) -> Spin {
+        Spin {
+            budget,
+            yield_every: Self::YIELD_EVERY,
+        }
+    }
+}
+
 /// How long to spin before sleeping, shared by every wait loop.
 #[derive(Debug, Clone, Copy)]
 pub struct Backoff {
     spins: u32,
-    budget: u32,
+    spin: Spin,
 }
 
 impl Backoff {
-    /// A backoff that spins `budget` rounds (a round is a cheap progress check) before
-    /// [`should_sleep`](Self::should_sleep) says yes. Every 64 rounds it yields the core.
-    pub fn new(budget: u32) -> Self {
-        Backoff { spins: 0, budget }
+    /// A backoff that spins `spin.budget` rounds (a round is a cheap progress check) before
+    /// [`should_sleep`](Self::should_sleep) says yes, yielding the core every
+    /// `spin.yield_every` rounds (every round where ranks outnumber cores: the rank waited for
+    /// may need this very core).
+    pub fn new(spin: Spin) -> Self {
+        Backoff { spins: 0, spin }
     }
 
     /// Call after a round that made progress.
@@ -162,11 +187,11 @@ impl Backoff {
 
     /// Call after a round without progress. Returns true once the spin budget is spent.
     pub fn should_sleep(&mut self) -> bool {
-        if self.spins >= self.budget {
+        if self.spins >= self.spin.budget {
             return true;
         }
         self.spins += 1;
-        if self.spins % 64 == 0 {
+        if self.spins % self.spin.yield_every.max(1) == 0 {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();

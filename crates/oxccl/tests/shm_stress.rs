@@ -327,7 +327,7 @@ fn throughput() {
         ex.barrier().unwrap();
         let t0 = Instant::now();
         let mut done = 0u64;
-        let mut backoff = oxccl::wait::Backoff::new(2000);
+        let mut backoff = oxccl::wait::Backoff::new(oxccl::wait::Spin::new(2000));
         let mut pos = 0usize;
         let mut step = |link: &mut Box<dyn oxccl::transport::Link>, done: u64| {
             if ex_rank == 0 {

@@ -170,7 +170,7 @@ pub fn run_rank(
         .collect();
     let mut rng = Rng(pair_seed(plan.tag, rank, 1000) | 1);
     let mut buf = vec![0u8; plan.max_send as usize];
-    let mut backoff = Backoff::new(spin);
+    let mut backoff = Backoff::new(oxccl::wait::Spin::new(spin));
     let mut stats = Stats::default();
     loop {
         if pairs
