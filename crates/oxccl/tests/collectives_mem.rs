@@ -481,3 +481,51 @@ fn deterministic_bits_whatever_the_algorithm() {
         }
     }
 }
+
+// Parts of shared buffers, at offsets that are not page- or block-aligned, freed and
+// reallocated between calls. Threads share one address space, so this checks the offsets; the
+// mapping caches of separate processes (address reuse, eviction past PEER_MAPPINGS) are
+// exercised by `shared_matrix_*` in oxccl-cli's tests/processes.rs, whose every case allocates
+// new buffers.
+#[test]
+fn parts_of_shared_buffers_and_reused_addresses() {
+    let n = 3;
+    let cfg = Config {
+        oneshot_max: 0,
+        cma_min: 0,
+        nt_bytes: 0,
+        timeout: Duration::from_secs(60),
+        ..Config::default()
+    };
+    let areas = oxccl::transport::direct::mem_group(n);
+    let groups = mem::group(n, 4096);
+    std::thread::scope(|s| {
+        for (rank, (links, area)) in groups.into_iter().zip(areas).enumerate() {
+            let cfg = cfg.clone();
+            s.spawn(move || {
+                let comm = Communicator::from_links(rank, n, links, cfg)
+                    .unwrap()
+                    .with_direct(Box::new(area));
+                for round in 0..(oxccl::shared_buffer::PEER_MAPPINGS + 4) {
+                    let count = 10_001 + round;
+                    let mut buf = comm.alloc_shared((count + 3) * 4).unwrap();
+                    let v = &mut buf.as_mut_slice::<f32>()[3..3 + count];
+                    for (i, x) in v.iter_mut().enumerate() {
+                        *x = (i % 13 + rank * 100 + round) as f32;
+                    }
+                    let mut out = comm.alloc_shared(count * 4 + 5).unwrap();
+                    let o = &mut bytemuck::cast_slice_mut::<u8, f32>(&mut out[..count * 4])[..];
+                    comm.all_reduce(v, o, ReduceOp::Sum).unwrap();
+                    assert_eq!(comm.last_algo(), "cma");
+                    for (i, x) in o.iter().enumerate() {
+                        let want = (0..n)
+                            .map(|r| (i % 13 + r * 100 + round) as f32)
+                            .sum::<f32>();
+                        assert_eq!(*x, want, "rank {rank} round {round} element {i}");
+                    }
+                    comm.barrier().unwrap();
+                }
+            });
+        }
+    });
+}
