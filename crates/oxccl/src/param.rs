@@ -135,14 +135,13 @@ impl Default for Config {
     }
 }
 
-/// `OXCCL_MEMBARRIER=0`: this process keeps the hardware fence in every doorbell ring instead of
-/// registering for asymmetric fences ([`crate::wait`]). Read once per process. Safe to set on
-/// some ranks only: waiters still issue the barrier, which costs a system call (and
-/// interrupts only CPUs running registered processes).
+/// `OXCCL_MEMBARRIER=1`: asymmetric fences in the doorbell ([`crate::wait`]): rings without a
+/// hardware fence, sleepers issue `membarrier`. Off by default: a stress test lost wake-ups
+/// with it (see `crate::wait`). Read once per process; set it on every rank of a host or none.
 pub fn membarrier_allowed() -> bool {
-    !matches!(
+    matches!(
         std::env::var("OXCCL_MEMBARRIER").as_deref().map(str::trim),
-        Ok("0")
+        Ok("1")
     )
 }
 

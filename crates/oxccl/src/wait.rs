@@ -17,23 +17,25 @@
 //! woken), or the waiter's re-check sees the published data and it does not sleep. A ringer
 //! with nobody asleep writes nothing to the shared line: one fence and one load.
 //!
-//! Asymmetric fences: where the kernel offers `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`,
-//! a process registers for it on its first ring and from then on rings with a compiler fence
-//! only, and every waiter calls `membarrier` after `sleepers += 1`. The kernel then runs a
-//! full barrier on every CPU running a registered process, which stands in for the ringer's
-//! fence (the scheme liburcu and folly use): if the barrier lands between the ringer's
-//! publish and its read of `sleepers`, it is the fence; if before the publish, the ringer's
-//! read comes after the waiter's `sleepers += 1` was visible; if after the read, the publish
-//! is visible before `membarrier` returns and the waiter's re-check sees it. The fast path
-//! (a ring with nobody asleep) loses its hardware fence, which waited for the published line
-//! to leave the store buffer; sleeping, the slow path, gains a system call. A waiter whose
-//! `membarrier` fails while a registered peer rings fence-free (only possible with different
-//! seccomp rules on one host) can miss a wake-up: it then wakes at its timeout slice (50 ms),
-//! never hangs. The price is on the sleeping side: on this VM a barrier that reaches other
-//! CPUs costs the sleeper about 25 µs (a 4-rank all_reduce with `OXCCL_SPIN=0`, which sleeps
-//! at every wait, took 50 µs a call against 23 µs with fences); with the default spin budget
-//! the oversubscribed 4- and 8-rank benchmarks were no slower. `OXCCL_MEMBARRIER=0` keeps the
-//! fences ([`crate::param::membarrier_allowed`]).
+//! Asymmetric fences (`OXCCL_MEMBARRIER=1`, off by default): where the kernel offers
+//! `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`, a process registers for it on its first ring
+//! and from then on rings with a compiler fence only, and every waiter calls `membarrier` after
+//! `sleepers += 1`. The kernel then runs a full barrier on every CPU running a registered
+//! process, which should stand in for the ringer's fence (the scheme liburcu and folly use):
+//! if the barrier lands between the ringer's publish and its read of `sleepers`, it is the
+//! fence; if before the publish, the ringer's read comes after the waiter's `sleepers += 1`
+//! was visible; if after the read, the publish is visible before `membarrier` returns and the
+//! waiter's re-check sees it. It saved about 0.05 µs on an 8-byte all_reduce (no hardware
+//! fence on the ring's fast path) and cost the sleeper about 25 µs per sleep on a VM. It is
+//! off by default because it loses wake-ups in practice: `shm_stress`'s `stress_rounded_ring`
+//! (2 ranks as threads, 8 MiB each way through 5000-byte rings, spin 50, so both sleep often)
+//! saw a 20 s sleep slice run out in 13 of 600 runs with it and in 0 of 900 without (kernel
+//! 6.18 on a Firecracker VM, 2 vCPUs). The argument above does not account for it; a
+//! suspect is the kernel's per-runqueue registration state, which a CPU idling in lazy-TLB
+//! mode on the registered mm may not refresh when it switches back to a thread of that mm,
+//! so that CPU would not be sent the barrier. Where a wake-up is lost, the waiter wakes at its
+//! timeout slice (50 ms in the executors): slow, never a hang. Reproduce with
+//! `for i in $(seq 600); do OXCCL_MEMBARRIER=1 target/debug/deps/shm_stress-* stress_rounded_ring || echo lost; done`.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
@@ -80,9 +82,10 @@ fn fence_free() -> bool {
 }
 
 /// Before sleeping: a full barrier on every CPU running a registered process (see the
-/// module's account of asymmetric fences).
+/// module's account of asymmetric fences; only where they are on).
 fn waiter_barrier() {
-    if global_expedited_supported() {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if *ON.get_or_init(|| crate::param::membarrier_allowed() && global_expedited_supported()) {
         use rustix::thread::{membarrier, MembarrierCommand};
         let _ = membarrier(MembarrierCommand::GlobalExpedited);
     }
@@ -98,8 +101,8 @@ impl Doorbell {
     }
 
     /// Signals progress (to be called after publishing it); wakes the owner if it sleeps.
-    /// Cheap when nobody sleeps: one load (and a fence where membarrier is missing), no
-    /// write, no system call.
+    /// Cheap when nobody sleeps: a fence and one load (the fence only a compiler fence with
+    /// `OXCCL_MEMBARRIER=1`), no write, no system call.
     pub fn ring(&self) {
         if fence_free() {
             // Sleepers' membarrier provides the hardware barrier (module docs).
