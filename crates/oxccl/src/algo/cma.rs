@@ -13,7 +13,9 @@
 //! - reduce_scatter: the same with the result written to the owner's output only.
 //! - reduce: the same with the result written to the root's output only, so every rank
 //!   reduces `1/n` of the data in parallel.
-//! - all_gather, all_to_all: each rank reads its peers' inputs into its output, two events.
+//! - all_gather, all_to_all: each rank reads its peers' inputs into its output, two events;
+//!   all_gather into outputs that are shared buffers is pushed instead: each rank reads each
+//!   chunk of its input once and writes it into every output.
 //! - broadcast: every rank reads the root's input while the root writes part of each peer's
 //!   output itself: block `p` into peer `p` when it is in place (it has nothing of its own to
 //!   copy), the last `1/(2n)` when it also copies its input to its output. Two events.
@@ -275,12 +277,46 @@ pub fn run(
             }
         }
         CollKind::AllGather => {
-            let out = whole_out();
-            for p in 0..n {
-                let dst = &mut out[p * bytes..(p + 1) * bytes];
-                if p == me {
-                    read_own(0, dst);
-                } else {
+            // Block q of rank p's output is pushed by q where p's output is a shared buffer
+            // (q reads each chunk of its input once and writes it into every such output),
+            // else pulled by p; every rank knows which outputs were published as shared.
+            let pushed = |p: usize| peers[p][1].published;
+            // SAFETY: block `me` of this rank's output (`(me + 1) * bytes <= out_len`); only
+            // this rank writes it, through this pointer.
+            let own_block = unsafe { outp.add(me * bytes) };
+            let in_place = own_block.cast_const() == inp;
+            let pushing = (0..n).any(|p| p != me && pushed(p));
+            let mut off = 0;
+            while off < bytes && pushing {
+                let k = CHUNK.min(bytes - off);
+                // SAFETY: `off + k <= bytes <= in_len`; nobody writes this rank's input.
+                let src = unsafe { std::slice::from_raw_parts(inp.add(off), k) };
+                if !in_place {
+                    // SAFETY: within `own_block`, which does not overlap the input (not in
+                    // place) and which only this rank writes.
+                    copy(
+                        nt,
+                        unsafe { std::slice::from_raw_parts_mut(own_block.add(off), k) },
+                        src,
+                    );
+                }
+                for p in (0..n).filter(|&p| p != me && pushed(p)) {
+                    peers[p][1].write(cx, me * bytes + off, src, nt)?;
+                }
+                off += k;
+            }
+            // This rank's own block, unless copied above or already there (in place).
+            if !pushing && !in_place {
+                // SAFETY: `own_block` is valid for `bytes` bytes and written only here.
+                read_own(0, unsafe {
+                    std::slice::from_raw_parts_mut(own_block, bytes)
+                });
+            }
+            if !pushed(me) {
+                for p in (0..n).filter(|&p| p != me) {
+                    // SAFETY: block `p` of this rank's output; nobody pushes into an output
+                    // that was not published as shared, and this rank writes it only here.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(outp.add(p * bytes), bytes) };
                     peers[p][0].read(cx, 0, dst, nt)?;
                 }
             }
