@@ -235,7 +235,19 @@ impl DirectCtx<'_> {
                     bell.cancel(token);
                     continue;
                 }
+                let slept = Instant::now();
                 bell.wait(token, SLEEP_SLICE);
+                if slept.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
+                    // Every peer had published, yet no ring woke this rank: a lost wake-up
+                    // (never expected; the doorbell's protocol is in crate::wait).
+                    crate::wait::LOST_WAKEUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        rank = me,
+                        call = self.call,
+                        seq = self.seq,
+                        "no ring within the sleep slice although every peer had published: a lost wake-up (or a publish just as the slice ended)"
+                    );
+                }
             }
             if last.elapsed() >= SLEEP_SLICE {
                 last_check = Some(Instant::now());

@@ -384,12 +384,12 @@ impl Direct for ShmDirect {
                 w.store(*a, Ordering::Relaxed);
             }
         }
-        me.event_of(p).store(e, Ordering::Release);
-        // Each ring() orders the publish before its read of the sleepers (a fence, or the
-        // sleepers' membarrier: crate::wait).
+        // SeqCst: the store is a full barrier, which orders the publish before the reads of
+        // the peers' sleeper counts (one barrier for every peer, see crate::wait).
+        me.event_of(p).store(e, Ordering::SeqCst);
         for r in 0..self.areas.len() {
             if r != self.rank {
-                self.area(r).bell().ring();
+                self.area(r).bell().ring_after_seqcst_store();
             }
         }
         e
