@@ -138,20 +138,9 @@ impl SharedBuffer {
             .map_err(|e| shm_error(format!("memfd_create: {e}")))?;
         rustix::fs::ftruncate(&fd, mapped as u64)
             .map_err(|e| shm_error(format!("ftruncate of a {mapped}-byte memfd: {e}")))?;
-        // SAFETY: a fresh shared mapping of a memfd of `mapped` bytes, at an address the kernel
-        // picks; it is unmapped once, in Drop.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                mapped,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .map_err(|e| shm_error(format!("mmap of a {mapped}-byte shared buffer: {e}")))?;
-        let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap returned null");
+        // Unmapped once, in Drop.
+        let ptr = map_shared(&fd, mapped)
+            .map_err(|e| shm_error(format!("mmap of a {mapped}-byte shared buffer: {e}")))?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         REGISTRY.write().unwrap_or_else(|e| e.into_inner()).insert(
             ptr.as_ptr() as usize,
@@ -232,6 +221,25 @@ impl Drop for SharedBuffer {
     }
 }
 
+/// Maps the first `len` bytes of the file behind `fd` (at least that long: callers sized or
+/// checked it) readable and writable, shared, at an address the kernel picks. The caller
+/// unmaps it.
+fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<NonNull<u8>> {
+    // SAFETY: a fresh mapping at an address the kernel picks overlaps no Rust object; the file
+    // holds `len` bytes, so every mapped page is backed.
+    let p = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::SHARED,
+            fd,
+            0,
+        )
+    }?;
+    Ok(NonNull::new(p.cast::<u8>()).expect("mmap returned null"))
+}
+
 /// A peer's shared buffer mapped into this process.
 pub(crate) struct PeerMapping {
     /// The buffer's id in the peer's process.
@@ -266,21 +274,11 @@ impl PeerMapping {
                 region.fd, st.st_size, region.len
             )));
         }
-        // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long, at an
-        // address the kernel picks; unmapped once, in Drop.
-        let p = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }?;
+        // Unmapped once, in Drop.
+        let local = map_shared(&fd, len)?;
         Ok(PeerMapping {
             id: region.id,
-            local: NonNull::new(p.cast::<u8>()).expect("mmap returned null"),
+            local,
             len,
             used,
         })
