@@ -6,7 +6,8 @@
 //! A rank [`publish`](Direct::publish)es event `e` (its data and/or the addresses of its
 //! buffers), then waits until every peer has published `e` too, then reads what they
 //! published, and may copy straight out of their buffers ([`read_peer`](Direct::read_peer),
-//! `process_vm_readv`, single copy).
+//! `process_vm_readv`, single copy), or map a peer's shared buffer and use it in place
+//! ([`map_peer`](Direct::map_peer)).
 //!
 //! Reuse of a slot is safe without acknowledgements because every algorithm keeps one rule:
 //! **before publishing event `e + 1`, a rank has waited for every peer to publish `e`** (and

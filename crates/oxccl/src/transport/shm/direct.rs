@@ -1,7 +1,9 @@
 //! [`Direct`] over shared memory: each rank of a host owns a small segment
 //! (`/dev/shm/oxccl-<tag>-d<rank>-<pid>`) with two event records and two data slots, mapped by
 //! every other rank of the host; peers' buffers are read and written with `process_vm_readv` /
-//! `process_vm_writev` (single copy, as Open MPI's CMA path) where the kernel allows it.
+//! `process_vm_writev` (single copy, as Open MPI's CMA path) where the kernel allows it, and
+//! peers' shared buffers ([`crate::shared_buffer`]) are mapped here once (`pidfd_getfd` of
+//! their memfd, at most [`PEER_MAPPINGS`] per peer) and reached with loads and stores.
 //!
 //! Layout: header (magic `"OXCCLDIR"`, version, owner pid and rank, slot size) at 0, the
 //! owner's [`Doorbell`] at 128, the closed flag at 320, the event records of the two parities
