@@ -5,7 +5,7 @@
 //! 16-byte [`Header`]: the call's [`Fingerprint`] (collective, element type, count, op,
 //! root) and its matching sequence number. The receiver reads the header before the first
 //! data byte of that peer in the call and compares it with its own call: any difference is
-//! an [`Error::Mismatch`](crate::Error::Mismatch) naming both ranks and both calls, found
+//! an [`Error::Mismatch`] naming both ranks and both calls, found
 //! before a byte of the peer's data is stored or reduced. The header rides in the same
 //! write as the first data (one `send` for small messages), and no reply is awaited.
 //!

@@ -1,7 +1,7 @@
 //! Algorithms as schedules: each collective algorithm turns a call ([`Coll`]) into a
 //! [`Schedule`] of steps, each step a set of sends and receives over byte ranges of the
 //! call's buffers. Schedules do no I/O: they are checked here against a deterministic
-//! in-memory simulator ([`sim`]), and run over real links by [`crate::exec`].
+//! in-memory simulator (`sim`, in tests), and run over real links by [`crate::exec`].
 //!
 //! One file per algorithm, named `<collective>_<algorithm>` as in Gloo. docs/algorithms.md
 //! lists each one's steps and bytes on the wire.
