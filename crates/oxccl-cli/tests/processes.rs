@@ -437,3 +437,56 @@ fn waiting_ranks_sleep_instead_of_spinning() {
         eprintln!("{transport}:\n{stdout}");
     }
 }
+
+/// `oxccl run` binds each rank to one CPU, round-robin, only where the ranks outnumber the
+/// CPUs (and not with `OXCCL_BIND=none`); each rank reports the CPUs it may run on.
+#[test]
+fn oversubscribed_ranks_are_bound_round_robin() {
+    let mask = rustix::thread::sched_getaffinity(None).unwrap();
+    let cpus = (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&c| mask.is_set(c))
+        .count();
+    if cpus > 32 {
+        return; // many ranks for little gain on a big machine
+    }
+    let allowed = |n: usize, bind: Option<&str>| -> Vec<String> {
+        let mut cmd = Command::new(OXCCL);
+        cmd.args(["run", "-n", &n.to_string(), "--", "sh", "-c"])
+            .arg("grep Cpus_allowed_list /proc/self/status");
+        if let Some(b) = bind {
+            cmd.env("OXCCL_BIND", b);
+        }
+        let out = cmd.output().unwrap();
+        assert_ok(&out, "oxccl run");
+        let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.to_string())
+            .collect();
+        lines.sort();
+        assert_eq!(lines.len(), n, "{lines:?}");
+        lines
+            .iter()
+            .map(|l| l.rsplit('\t').next().unwrap().trim().to_string())
+            .collect()
+    };
+    let mine = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("Cpus_allowed_list:")
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap();
+    // One rank per CPU: nothing bound.
+    assert!(allowed(cpus, None).iter().all(|a| *a == mine), "{mine}");
+    // More ranks than CPUs: one CPU each, every CPU used.
+    let bound = allowed(cpus + 1, None);
+    assert!(
+        bound.iter().all(|a| a.parse::<usize>().is_ok()),
+        "{bound:?}"
+    );
+    let distinct: std::collections::BTreeSet<&String> = bound.iter().collect();
+    assert_eq!(distinct.len(), cpus, "{bound:?}");
+    // Turned off.
+    assert!(allowed(cpus + 1, Some("none")).iter().all(|a| *a == mine));
+}
