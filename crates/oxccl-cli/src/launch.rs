@@ -93,8 +93,9 @@ fn pump(
 /// Where the launched ranks outnumber the CPUs this launcher may use, each is bound to one of
 /// them, round-robin (`OXCCL_BIND=none` turns it off), as `mpirun` binds its ranks: unbound,
 /// the kernel's balancer moves ranks between CPUs, and an uneven split (5 ranks on one CPU, 3
-/// on the other) slows every collective for as long as it lasts (8 ranks on 2 CPUs: 8 B
-/// all_reduce 5.4–9.7 µs a row unbound, 5.2–5.7 µs bound, six runs each). With a CPU or more
+/// on the other) slows every collective for as long as it lasts (8 ranks on 2 CPUs, 8 B to
+/// 128 B all_reduce: 10 of 54 rows at 7.4–9.7 µs unbound, none above 6.5 µs bound, 18 runs
+/// each; the other rows 5.3–6.2 µs either way). With a CPU or more
 /// per rank nothing is bound (a rank's own threads may need several).
 struct Binding {
     /// The launcher's CPUs, and its own mask to restore.
