@@ -48,4 +48,6 @@ def test_shared_arrays(n):
     for _, out in res:
         assert "shared ok" in out, out
         # the large calls mapped the peers' arrays instead of copying through the kernel
-        assert "mapped a peer's shared buffer" in out, out
+        # (where ptrace rules allow it, as for cross-memory attach)
+        if "cma=false" not in out:
+            assert "mapped a peer's shared buffer" in out, out

@@ -197,8 +197,12 @@ macro_rules! matrix {
                 assert!(stdout.contains(&format!("over {}", $t)), "{stdout}");
             }
             if $mode.starts_with("shared-") || $mode.starts_with("mixed-") {
+                // Mapping needs what cross-memory attach needs (ptrace rights over the peer);
+                // where the kernel forbids it, the calls ran with kernel copies instead.
                 let stderr = String::from_utf8_lossy(&out.stderr);
-                assert!(stderr.contains("mapped a peer's shared buffer"), "{stderr}");
+                if !stderr.contains("cma=false") {
+                    assert!(stderr.contains("mapped a peer's shared buffer"), "{stderr}");
+                }
             }
         }
     )*};
