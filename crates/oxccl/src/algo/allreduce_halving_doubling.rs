@@ -218,32 +218,39 @@ mod tests {
         (1..n).fold(v(0), |a, r| f(a, v(r)))
     }
 
-    #[test]
-    fn i32_matches_reference() {
+    /// How a reference combines two values for an op.
+    type Fold<T> = fn(T, T) -> T;
+
+    /// Every op on `dtype` over the inputs `val(rank, i)`, against a fold in rank order with
+    /// `combine(op)` (avg: the sum, then `avg(sum, n)`), bit for bit on every rank.
+    fn matches_reference<T: bytemuck::Pod>(
+        dtype: DataType,
+        val: fn(usize, usize) -> T,
+        combine: fn(ReduceOp) -> Fold<T>,
+        avg: fn(T, usize) -> T,
+    ) {
         for n in 1..=9usize {
             for count in counts(n) {
                 for op in ReduceOp::ALL {
-                    let outs = outputs(n, count, DataType::I32, op, |r| {
-                        let v: Vec<i32> = (0..count).map(|i| int_val(r, i)).collect();
+                    let outs = outputs(n, count, dtype, op, |r| {
+                        let v: Vec<T> = (0..count).map(|i| val(r, i)).collect();
                         bytemuck::cast_slice(&v).to_vec()
                     });
-                    let want: Vec<i32> = (0..count)
+                    let want: Vec<T> = (0..count)
                         .map(|i| {
-                            let v = |r| int_val(r, i);
-                            match op {
-                                ReduceOp::Sum => fold(n, v, i32::wrapping_add),
-                                ReduceOp::Avg => fold(n, v, i32::wrapping_add) / n as i32,
-                                ReduceOp::Prod => fold(n, v, i32::wrapping_mul),
-                                ReduceOp::Min => fold(n, v, i32::min),
-                                ReduceOp::Max => fold(n, v, i32::max),
+                            let folded = fold(n, |r| val(r, i), combine(op));
+                            if op == ReduceOp::Avg {
+                                avg(folded, n)
+                            } else {
+                                folded
                             }
                         })
                         .collect();
                     for (r, o) in outs.iter().enumerate() {
                         assert_eq!(
                             o.as_slice(),
-                            bytemuck::cast_slice::<i32, u8>(&want),
-                            "i32 n={n} count={count} op={op} rank={r}"
+                            bytemuck::cast_slice::<T, u8>(&want),
+                            "{dtype} n={n} count={count} op={op} rank={r}"
                         );
                     }
                 }
@@ -252,36 +259,33 @@ mod tests {
     }
 
     #[test]
+    fn i32_matches_reference() {
+        matches_reference(
+            DataType::I32,
+            int_val,
+            |op| match op {
+                ReduceOp::Sum | ReduceOp::Avg => i32::wrapping_add,
+                ReduceOp::Prod => i32::wrapping_mul,
+                ReduceOp::Min => Ord::min,
+                ReduceOp::Max => Ord::max,
+            },
+            |s, n| s / n as i32,
+        );
+    }
+
+    #[test]
     fn f32_matches_reference() {
-        for n in 1..=9usize {
-            for count in counts(n) {
-                for op in ReduceOp::ALL {
-                    let outs = outputs(n, count, DataType::F32, op, |r| {
-                        let v: Vec<f32> = (0..count).map(|i| exact_f32(r, i)).collect();
-                        bytemuck::cast_slice(&v).to_vec()
-                    });
-                    let want: Vec<f32> = (0..count)
-                        .map(|i| {
-                            let v = |r| exact_f32(r, i);
-                            match op {
-                                ReduceOp::Sum => fold(n, v, |a, b| a + b),
-                                ReduceOp::Avg => fold(n, v, |a, b| a + b) / n as f32,
-                                ReduceOp::Prod => fold(n, v, |a, b| a * b),
-                                ReduceOp::Min => fold(n, v, f32::min),
-                                ReduceOp::Max => fold(n, v, f32::max),
-                            }
-                        })
-                        .collect();
-                    for (r, o) in outs.iter().enumerate() {
-                        assert_eq!(
-                            o.as_slice(),
-                            bytemuck::cast_slice::<f32, u8>(&want),
-                            "f32 n={n} count={count} op={op} rank={r}"
-                        );
-                    }
-                }
-            }
-        }
+        matches_reference(
+            DataType::F32,
+            exact_f32,
+            |op| match op {
+                ReduceOp::Sum | ReduceOp::Avg => |a, b| a + b,
+                ReduceOp::Prod => |a, b| a * b,
+                ReduceOp::Min => f32::min,
+                ReduceOp::Max => f32::max,
+            },
+            |s, n| s / n as f32,
+        );
     }
 
     /// Values whose sums and products round: every rank must still get the same bits (each
