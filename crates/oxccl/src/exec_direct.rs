@@ -240,7 +240,6 @@ impl DirectCtx<'_> {
                 if slept.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
                     // Every peer had published, yet no ring woke this rank: a lost wake-up
                     // (never expected; the doorbell's protocol is in crate::wait).
-                    crate::wait::LOST_WAKEUPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::warn!(
                         rank = me,
                         call = self.call,

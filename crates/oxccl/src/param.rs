@@ -145,18 +145,22 @@ pub fn membarrier_allowed() -> bool {
     )
 }
 
-/// The size of the largest data cache of CPU 0 (sysfs), in bytes.
+/// The size of the largest data cache of CPU 0 (sysfs), in bytes; read once per process
+/// (every `Config::default()` asks).
 fn last_level_cache() -> Option<usize> {
-    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
-    dir.filter_map(|e| {
-        let p = e.ok()?.path();
-        let kind = std::fs::read_to_string(p.join("type")).ok()?;
-        if kind.trim() == "Instruction" {
-            return None;
-        }
-        parse_bytes(std::fs::read_to_string(p.join("size")).ok()?.trim()).ok()
+    static LLC: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *LLC.get_or_init(|| {
+        let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+        dir.filter_map(|e| {
+            let p = e.ok()?.path();
+            let kind = std::fs::read_to_string(p.join("type")).ok()?;
+            if kind.trim() == "Instruction" {
+                return None;
+            }
+            parse_bytes(std::fs::read_to_string(p.join("size")).ok()?.trim()).ok()
+        })
+        .max()
     })
-    .max()
 }
 
 /// Reads `name` and parses it with `parse`; a malformed value is an error naming it.

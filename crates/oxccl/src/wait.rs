@@ -43,11 +43,6 @@ use std::time::Duration;
 
 use rustix::thread::futex;
 
-/// Waits of the direct area's executor that ended by their sleep slice although every peer had
-/// published (wake-ups lost by the doorbell protocol; logged as a warning too). For tests and
-/// soak runs; stays 0.
-pub static LOST_WAKEUPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
 /// An event count used to sleep until a peer makes progress. `repr(C)` so that it can live in
 /// shared memory at a fixed layout.
 #[repr(C)]
@@ -115,12 +110,7 @@ impl Doorbell {
         } else {
             std::sync::atomic::fence(Ordering::SeqCst);
         }
-        if self.sleepers.load(Ordering::SeqCst) != 0 {
-            self.seq.fetch_add(1, Ordering::SeqCst);
-            // Errors from futex_wake cannot be acted upon (the memory is valid while `self`
-            // is borrowed); a lost wake-up is bounded by the waiter's timeout slice.
-            let _ = futex::wake(&self.seq, futex::Flags::empty(), i32::MAX as u32);
-        }
+        self.ring_after_seqcst_store();
     }
 
     /// As [`ring`](Self::ring), for a caller whose publish was a `SeqCst` store (an `xchg` on
@@ -132,7 +122,8 @@ impl Doorbell {
     pub fn ring_after_seqcst_store(&self) {
         if self.sleepers.load(Ordering::SeqCst) != 0 {
             self.seq.fetch_add(1, Ordering::SeqCst);
-            // As in `ring`.
+            // Errors from futex_wake cannot be acted upon (the memory is valid while `self`
+            // is borrowed); a lost wake-up is bounded by the waiter's timeout slice.
             let _ = futex::wake(&self.seq, futex::Flags::empty(), i32::MAX as u32);
         }
     }

@@ -152,28 +152,25 @@ pub fn run(
         if p != me {
             bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
         }
-        let mut bufs = [0, 1].map(|i| PeerBuf {
-            peer: p,
-            addr: a[i],
-            local: None,
-            published: w[4 * i] != 0,
-        });
-        for (i, b) in bufs.iter_mut().enumerate() {
-            let Some(r) = Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"))
-            else {
-                continue;
-            };
-            if p == me || !r.covers(a[i], a[2 + i]) {
-                continue;
+        peers.push([0, 1].map(|i| {
+            let region = Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"));
+            let local = region
+                .filter(|r| p != me && r.covers(a[i], a[2 + i]))
+                .and_then(|r| match cx.direct.map_peer(p, &r) {
+                    // SAFETY: `a[i] - r.base < r.len`, inside the mapping.
+                    Ok(l) => l.map(|l| unsafe { l.add((a[i] - r.base) as usize) }),
+                    Err(e) => {
+                        tracing::debug!(rank = me, peer = p, "cannot map a shared buffer: {e}");
+                        None
+                    }
+                });
+            PeerBuf {
+                peer: p,
+                addr: a[i],
+                local,
+                published: region.is_some(),
             }
-            match cx.direct.map_peer(p, &r) {
-                // SAFETY: `a[i] - r.base < r.len`, inside the mapping.
-                Ok(Some(l)) => b.local = Some(unsafe { l.add((a[i] - r.base) as usize) }),
-                Ok(None) => {}
-                Err(e) => tracing::debug!(rank = me, peer = p, "cannot map a shared buffer: {e}"),
-            }
-        }
-        peers.push(bufs);
+        }));
     }
     // Streaming stores for results too large for the cache; never in place, where a result
     // overwrites the very lines just read (in the cache: nothing to save).
@@ -292,13 +289,10 @@ pub fn run(
                 // SAFETY: `off + k <= bytes <= in_len`; nobody writes this rank's input.
                 let src = unsafe { std::slice::from_raw_parts(inp.add(off), k) };
                 if !in_place {
-                    // SAFETY: within `own_block`, which does not overlap the input (not in
-                    // place) and which only this rank writes.
-                    copy(
-                        nt,
-                        unsafe { std::slice::from_raw_parts_mut(own_block.add(off), k) },
-                        src,
-                    );
+                    // SAFETY: within `own_block`, which only this rank writes.
+                    read_own(off, unsafe {
+                        std::slice::from_raw_parts_mut(own_block.add(off), k)
+                    });
                 }
                 for p in (0..n).filter(|&p| p != me && pushed(p)) {
                     peers[p][1].write(cx, me * bytes + off, src, nt)?;
@@ -355,7 +349,7 @@ pub fn run(
                 (s * es, l * es)
             };
             if me == root {
-                for p in (0..n).filter(|&p| p != root) {
+                for p in (0..n).filter(|&p| p != root && root_part(p).1 > 0) {
                     let (s, l) = root_part(p);
                     // SAFETY: `s + l <= bytes`, within the root's input, which nobody writes in
                     // this call.

@@ -459,7 +459,12 @@ impl Direct for ShmDirect {
         };
         let now = self.event;
         let (pidfd, maps) = &mut self.mapped[peer];
-        if let Some(m) = maps.iter_mut().find(|m| m.id == region.id) {
+        // The region's length decides which offsets callers use: a cached mapping serves only
+        // if it is at least that long (it is: ids are never reused for another buffer).
+        if let Some(m) = maps
+            .iter_mut()
+            .find(|m| m.id == region.id && m.len as u64 >= region.len)
+        {
             m.used = now;
             return Ok(Some(m.local));
         }
