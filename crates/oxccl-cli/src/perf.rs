@@ -5,7 +5,9 @@
 //! the input for reduce_scatter, and the whole send buffer for all_to_all; `algbw = size /
 //! time`; `busbw = algbw × factor` with factor 2(n-1)/n for all_reduce, (n-1)/n for
 //! all_gather, reduce_scatter and all_to_all, and 1 for broadcast, reduce and sendrecv.
-//! Times are averages over `-n` iterations after `-w` warm-up ones, the slowest rank's.
+//! Times are averages over `-n` iterations after `-w` warm-up ones, the slowest rank's; `cpu`
+//! is the CPU time (user + system, all threads) of all ranks together per call, over the same
+//! iterations.
 
 use std::fs::File;
 use std::io::Write;
@@ -220,6 +222,7 @@ struct Row<'a> {
     algo: &'a str,
     in_place: bool,
     time_us: f64,
+    cpu_us: f64,
     algbw_gbps: f64,
     busbw_gbps: f64,
     wrong: Option<u64>,
@@ -234,6 +237,7 @@ const MAX_ITERS: usize = 100_000;
 
 struct Measured {
     time_us: f64,
+    cpu_us: f64,
     wrong: Option<u64>,
     algo: &'static str,
 }
@@ -242,7 +246,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     let mut bufs = case.buffers((a.register == 1).then_some(comm))?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);
-    let (secs, algo) = time_calls(comm, case, send, recv, a.warmup, a.iters)?;
+    let (secs, algo, cpu) = time_calls_cpu(comm, case, send, recv, a.warmup, a.iters)?;
     let wrong = if a.check == 1 {
         case.fill(send, recv);
         case.call(comm, send, recv)?;
@@ -254,6 +258,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     };
     Ok(Measured {
         time_us: secs * 1e6,
+        cpu_us: cpu * 1e6,
         wrong,
         algo,
     })
@@ -270,6 +275,24 @@ pub(crate) fn time_calls(
     warmup: usize,
     iters: Option<usize>,
 ) -> oxccl::Result<(f64, &'static str)> {
+    time_calls_cpu(comm, case, send, recv, warmup, iters).map(|(t, algo, _)| (t, algo))
+}
+
+/// This process's CPU time so far (user + system, all threads), in seconds.
+fn cpu_now() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// [`time_calls`], and the CPU seconds one call costs, summed over all ranks.
+fn time_calls_cpu(
+    comm: &Communicator,
+    case: &Case,
+    send: &[u8],
+    recv: &mut [u8],
+    warmup: usize,
+    iters: Option<usize>,
+) -> oxccl::Result<(f64, &'static str, f64)> {
     for _ in 0..warmup {
         case.call(comm, send, recv)?;
     }
@@ -295,15 +318,17 @@ pub(crate) fn time_calls(
         }
     };
     comm.barrier()?;
-    let t = Instant::now();
+    let (t, cpu0) = (Instant::now(), cpu_now());
     for _ in 0..iters {
         case.call(comm, send, recv)?;
     }
     let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
-    // Before the reduction of the times below, which runs an algorithm of its own.
+    let mut cpu = [(cpu_now() - cpu0) / iters as f64];
+    // Before the reductions below, which run an algorithm of their own.
     let algo = comm.last_algo();
     comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
-    Ok((secs[0], algo))
+    comm.all_reduce_in_place(&mut cpu, ReduceOp::Sum)?;
+    Ok((secs[0], algo, cpu[0]))
 }
 
 fn rank_main(a: &Args) -> Result<(), String> {
@@ -347,16 +372,16 @@ fn rank_main(a: &Args) -> Result<(), String> {
                 "private"
             }
         );
-        let _ = writeln!(out, "#{:>86}{:>36}", "out-of-place", "in-place");
+        let _ = writeln!(out, "#{:>97}{:>47}", "out-of-place", "in-place");
         let _ = writeln!(
             out,
-            "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>6} {:>10} {:>7} {:>7} {:>6} {:>10} {:>7} {:>7} {:>6}",
-            "size", "count", "type", "redop", "root", "algo", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"
+            "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>6} {:>10} {:>10} {:>7} {:>7} {:>6} {:>10} {:>10} {:>7} {:>7} {:>6}",
+            "size", "count", "type", "redop", "root", "algo", "time", "cpu", "algbw", "busbw", "#wrong", "time", "cpu", "algbw", "busbw", "#wrong"
         );
         let _ = writeln!(
             out,
-            "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>6} {:>10} {:>7} {:>7} {:>6} {:>10} {:>7} {:>7} {:>6}",
-            "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""
+            "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>6} {:>10} {:>10} {:>7} {:>7} {:>6} {:>10} {:>10} {:>7} {:>7} {:>6}",
+            "(B)", "(elements)", "", "", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(GB/s)", "(GB/s)", ""
         );
         let _ = out.flush();
     }
@@ -417,8 +442,8 @@ fn rank_main(a: &Args) -> Result<(), String> {
                     let wrong = m.wrong.map_or("N/A".to_string(), |w| w.to_string());
                     total_wrong += m.wrong.unwrap_or(0);
                     cols += &format!(
-                        " {:>10.2} {:>7.3} {:>7.3} {:>6}",
-                        m.time_us, algbw, busbw, wrong
+                        " {:>10.2} {:>10.2} {:>7.3} {:>7.3} {:>6}",
+                        m.time_us, m.cpu_us, algbw, busbw, wrong
                     );
                     bw_sum += busbw;
                     rows += 1;
@@ -435,6 +460,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
                             algo: m.algo,
                             in_place,
                             time_us: m.time_us,
+                            cpu_us: m.cpu_us,
                             algbw_gbps: algbw,
                             busbw_gbps: busbw,
                             wrong: m.wrong,

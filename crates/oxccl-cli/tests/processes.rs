@@ -336,6 +336,7 @@ fn perf_prints_rows_and_json() {
                 "algo",
                 "in_place",
                 "time_us",
+                "cpu_us",
                 "algbw_gbps",
                 "busbw_gbps",
                 "wrong",
