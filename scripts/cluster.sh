@@ -13,6 +13,10 @@
 #                                      mid-run: every rank must exit with an error in a bound
 #   scripts/cluster.sh bench [LO HI]   oxccl (tuned; also the flat ring on 2x2) and gloo side by side on the
 #                                      same cluster, all_reduce 8 B and 64 MB .. 256 MB
+#   scripts/cluster.sh cpu [SIZE]      CPU-seconds per GB all-reduced, oxccl and gloo side by
+#                                      side in one run, at 2.5 and 10 Gbit/s (OXCCL_CPU_RATES),
+#                                      on 2x1, 2x2 and 4x1 (OXCCL_CPU_SHAPES), in-place float
+#                                      sum of SIZE bytes (default 64 MiB)
 #   scripts/cluster.sh iperf           iperf3 between two hosts (the link's TCP ceiling)
 #   scripts/cluster.sh perf H L ARGS   one checked `oxccl perf ARGS` on H hosts x L ranks
 #   scripts/cluster.sh cut H L         only the link-cut check
@@ -277,6 +281,79 @@ t_cut() {
   done
 }
 
+# cpu_oxccl NAME HOSTS PER SIZE ITERS: one unchecked in-place row; prints "time_us cpu_us algbw busbw".
+cpu_oxccl() {
+  local name=$1 hosts=$2 per=$3 size=$4 iters=$5
+  EXTRA_ENV=()
+  LIMIT=300 launch "$name" "$hosts" "$per" block -- perf all_reduce -b "$size" -e "$size" \
+    -n "$iters" -w 2 -c 0 --json "$LOGS/$name.json"
+  wait_ok
+  python3 -c '
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if r["in_place"]:
+        print(r["time_us"], r["cpu_us"], r["algbw_gbps"], r["busbw_gbps"], r["algo"])' "$LOGS/$name.json"
+}
+
+# cpu_gloo NAME HOSTS PER SIZE ITERS: prints "time_us cpu_us" (scripts/gloo_cpu_bench.py).
+cpu_gloo() {
+  local name=$1 hosts=$2 per=$3 size=$4 iters=$5 world=$(($2 * $3)) r
+  LOGDIR="$LOGS/$name"
+  mkdir -p "$LOGDIR"
+  PIDS=()
+  PORT=$((PORT + 1))
+  for ((r = 0; r < world; r++)); do
+    ip netns exec "${P}h$((r / per))" env RANK=$r WORLD_SIZE=$world MASTER_ADDR=$NET.1 \
+      MASTER_PORT=$PORT GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+      timeout -k 5 300 "$GLOO_PY" scripts/gloo_cpu_bench.py "$size" "$iters" 2 \
+      >"$LOGDIR/rank$r.log" 2>&1 &
+    PIDS+=($!)
+  done
+  wait_ok
+  awk '$1 == "gloo" { print $3, $4 }' "$LOGDIR/rank0.log"
+}
+
+# cpu [SIZE]: CPU-seconds (user + system of all ranks) per GB all-reduced (SIZE bytes per
+# call), oxccl and gloo one after the other on the same cluster, for every rate and shape.
+# "link %" is busbw over the line rate (algbw for oxccl's hier on 2x2: each host sends SIZE
+# over its link per call).
+t_cpu() {
+  local size=${1:-67108864} iters=${OXCCL_CPU_ITERS:-10} rate shape hosts per
+  GLOO_PY=${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}
+  [ -x "$GLOO_PY" ] || die "GLOO_PY=$GLOO_PY: not found (a python with torch)"
+  printf '#%7s %5s %6s %10s %10s %7s %10s %10s %7s %9s\n' rate shape algo "ox us" "ox cpu-s/GB" "ox link%" \
+    "gloo us" "gloo cpu-s/GB" "gloo %" "cpu ox/gl"
+  for rate in ${OXCCL_CPU_RATES:-2500mbit 10gbit}; do
+    RATE=$rate
+    local gbps=${rate%mbit}
+    if [ "$gbps" != "$rate" ]; then gbps=$(awk "BEGIN{print $gbps / 1000}"); else gbps=${rate%gbit}; fi
+    for shape in ${OXCCL_CPU_SHAPES:-2x1 2x2 4x1}; do
+      hosts=${shape%x*} per=${shape#*x}
+      up "$hosts"
+      # (Not in $(...): launch counts ports up in this shell.)
+      cpu_oxccl "cpu-$rate-$shape-oxccl" "$hosts" "$per" "$size" "$iters" >"$LOGS/ox.out"
+      cpu_gloo "cpu-$rate-$shape-gloo" "$hosts" "$per" "$size" "$iters" >"$LOGS/gloo.out"
+      local ox gl
+      ox=$(cat "$LOGS/ox.out") gl=$(cat "$LOGS/gloo.out")
+      python3 - "$rate" "$shape" "$size" "$gbps" "$ox" "$gl" <<'PY'
+import sys
+rate, shape, size, gbps, ox, gl = sys.argv[1:]
+size, line = int(size), float(gbps) / 8
+ot, oc, alg, bus, algo = ox.split()
+gt, gc = map(float, gl.split())
+ot, oc, alg, bus = map(float, (ot, oc, alg, bus))
+world = eval(shape.replace("x", "*"))
+gbus = size / gt / 1e3 * 2 * (world - 1) / world
+olink = (alg if algo == "hier" else bus) / line * 100
+per_gb = lambda cpu_us: cpu_us * 1e-6 / (size / 1e9)
+print(f" {rate:>7} {shape:>5} {algo:>6} {ot:>10.0f} {per_gb(oc):>10.3f} {olink:>7.0f}% "
+      f"{gt:>10.0f} {per_gb(gc):>10.3f} {gbus / line * 100:>6.0f}% {oc / gc:>9.2f}", flush=True)
+PY
+    done
+  done
+}
+
 t_iperf() {
   up 2
   command -v iperf3 >/dev/null || die "iperf3 not installed"
@@ -360,6 +437,7 @@ perf)
 cut) t_cut "${1:-2}" "${2:-1}" ;;
 torchrun) t_torchrun ;;
 bench) t_bench "$@" ;;
+cpu) t_cpu "$@" ;;
 iperf) t_iperf ;;
-*) die "unknown command $cmd (test, bench, cut, iperf)" ;;
+*) die "unknown command $cmd (test, bench, cpu, cut, iperf)" ;;
 esac
