@@ -274,7 +274,14 @@ impl Runner<'_, '_, '_> {
                     .start(p, x.peer(), matches!(x, Xfer::Send { .. }));
             }
         }
-        let mut backoff = Backoff::new(self.ctx.spin);
+        // Where every link of the step is a socket, a spin round is a system call per
+        // transfer: spin briefly, then sleep in poll(), so a slow link costs no CPU.
+        let spin = if self.sockets_only(step) {
+            self.ctx.spin.for_sockets()
+        } else {
+            self.ctx.spin
+        };
+        let mut backoff = Backoff::new(spin);
         let mut last_check = Instant::now();
         loop {
             let (progressed, done) = self.progress(step, &mut st)?;
@@ -417,6 +424,20 @@ impl Runner<'_, '_, '_> {
             }
         }
         Ok((progressed, all_done))
+    }
+
+    /// Whether every transfer of `step` waits on a socket.
+    fn sockets_only(&self, step: &Step) -> bool {
+        step.xfers.iter().all(|x| {
+            self.ctx
+                .links
+                .get(x.peer())
+                .and_then(|l| l.as_ref())
+                .is_some_and(|l| match x {
+                    Xfer::Send { .. } => matches!(l.send_wait(), WaitSource::Fd(_)),
+                    Xfer::Recv { .. } => matches!(l.recv_wait(), WaitSource::Fd(_)),
+                })
+        })
     }
 
     /// Sleeps until a pending link may progress or a slice passes. Returns true if the

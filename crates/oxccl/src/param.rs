@@ -45,6 +45,10 @@ pub struct Config {
     pub shm_ring_bytes: usize,
     /// `OXCCL_SPIN`: progress checks a waiting rank makes before it sleeps. Default 2000.
     pub spin: u32,
+    /// `OXCCL_TCP_SPIN`: progress checks before sleeping in `poll(2)` when every link a
+    /// waiting rank waits on is a socket (each check is a system call). Default 0: sleep at
+    /// once (on 2 shared cores spinning cost CPU and latency, README "CPU per byte").
+    pub tcp_spin: u32,
     /// `OXCCL_YIELD_EVERY`: progress checks between two yields of the core while spinning.
     /// Default (`None`): 1 where this host's ranks of the communicator outnumber the CPUs this
     /// process may run on (the rank waited for may be waiting for this very core, as Open
@@ -113,6 +117,7 @@ impl Default for Config {
             transport: TransportChoice::Auto,
             shm_ring_bytes: 4 << 20,
             spin: 2000,
+            tcp_spin: 0,
             yield_every: None,
             host_id: None,
             socket_ifname: None,
@@ -300,6 +305,7 @@ impl Config {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         crate::wait::Spin {
             budget: self.spin,
+            socket_budget: self.tcp_spin,
             yield_every: self.yield_every.unwrap_or(if local_ranks > cpus {
                 1
             } else {
@@ -340,6 +346,11 @@ impl Config {
             v.parse::<u32>().map_err(|e| e.to_string())
         })? {
             c.spin = s;
+        }
+        if let Some(s) = env_parse("OXCCL_TCP_SPIN", |v| {
+            v.parse::<u32>().map_err(|e| e.to_string())
+        })? {
+            c.tcp_spin = s;
         }
         if let Some(y) = env_parse("OXCCL_YIELD_EVERY", |v| {
             v.parse::<u32>()
@@ -439,6 +450,7 @@ mod tests {
         );
         assert_eq!(c.spin_policy(cpus + 1).yield_every, 1);
         assert_eq!(c.spin_policy(1).budget, c.spin);
+        assert_eq!(c.spin_policy(1).socket_budget, c.tcp_spin);
         let forced = Config {
             yield_every: Some(8),
             ..Config::default()

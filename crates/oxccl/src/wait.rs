@@ -159,6 +159,9 @@ impl Doorbell {
 pub struct Spin {
     /// Progress checks before sleeping ([`Config::spin`](crate::param::Config::spin)).
     pub budget: u32,
+    /// Progress checks before sleeping when every link waited on is a socket, where each
+    /// check is a system call ([`Config::tcp_spin`](crate::param::Config::tcp_spin)).
+    pub socket_budget: u32,
     /// Checks between two yields of the core
     /// ([`Config::yield_every`](crate::param::Config::yield_every)).
     pub yield_every: u32,
@@ -168,11 +171,20 @@ impl Spin {
     /// Rounds between yields on a host with a core for every rank.
     pub const YIELD_EVERY: u32 = 64;
 
-    /// Spin `budget` rounds, yielding every [`YIELD_EVERY`](Self::YIELD_EVERY).
+    /// Spin `budget` rounds (on sockets too), yielding every [`YIELD_EVERY`](Self::YIELD_EVERY).
     pub fn new(budget: u32) -> Spin {
         Spin {
             budget,
+            socket_budget: budget,
             yield_every: Self::YIELD_EVERY,
+        }
+    }
+
+    /// The policy for a wait on sockets only: [`socket_budget`](Self::socket_budget) rounds.
+    pub fn for_sockets(self) -> Spin {
+        Spin {
+            budget: self.socket_budget,
+            ..self
         }
     }
 }
