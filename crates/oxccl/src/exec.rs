@@ -3,9 +3,10 @@
 //! Within a step every transfer progresses at once: sends copy as much as the link takes,
 //! receives consume what has arrived, storing or reducing it straight into the destination in
 //! whole elements (a partial element is carried over). When no transfer can progress, the
-//! executor spins for [`Config::spin`](crate::Config::spin) rounds, then sleeps on the links'
-//! doorbells or sockets in slices, checking between slices the call's deadline and that the
-//! peers it waits for are alive.
+//! executor spins for [`Config::spin`](crate::Config::spin) rounds
+//! ([`Config::tcp_spin`](crate::Config::tcp_spin) where it waits on sockets only), then
+//! sleeps on the links' doorbells or sockets in slices, checking between slices the call's
+//! deadline and that the peers it waits for are alive.
 
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
@@ -275,7 +276,8 @@ impl Runner<'_, '_, '_> {
             }
         }
         // Where every link of the step is a socket, a spin round is a system call per
-        // transfer: spin briefly, then sleep in poll(), so a slow link costs no CPU.
+        // transfer: spin only `tcp_spin` rounds, then sleep in poll(), so that a slow link
+        // costs no CPU.
         let spin = if self.sockets_only(step) {
             self.ctx.spin.for_sockets()
         } else {
