@@ -344,6 +344,8 @@ fn perf_prints_rows_and_json() {
                 assert!(r.get(key).is_some(), "missing {key} in {r}");
             }
             assert_eq!(r["wrong"], 0, "{r}");
+            // Every call costs some CPU time: a zero means the column is not measured.
+            assert!(r["cpu_us"].as_f64().is_some_and(|c| c > 0.0), "{r}");
             assert_eq!(r["ranks"], 3);
             assert_eq!(r["transport"], transport);
             assert!(r["in_place"].is_boolean());
