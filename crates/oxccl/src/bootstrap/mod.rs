@@ -28,6 +28,9 @@ use crate::param::Config;
 use auth::{Deadlined, Hello, Purpose};
 use root_join::RootJoin;
 
+/// The most ranks a communicator may have; larger world sizes are an
+/// [`Error::InvalidArgument`] (or [`Error::Env`] from a launcher's variables).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
 /// Largest frame a rank accepts on a bootstrap connection (an allgather result).
 pub const MAX_FRAME: usize = 256 << 20;
 /// Largest join message (a [`PeerInfo`]) rank 0 accepts.
@@ -278,12 +281,17 @@ impl Bootstrap {
     /// has another world size (telling the ranks already joined). The other ranks connect
     /// with retries until `cfg.timeout`, then fail with [`Error::Connect`].
     pub fn init(id: &UniqueId, rank: usize, world_size: usize, cfg: &Config) -> Result<Bootstrap> {
-        if world_size == 0 || rank >= world_size {
+        if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
+            let msg = if world_size > MAX_WORLD_SIZE {
+                format!("world size {world_size} is more than the {MAX_WORLD_SIZE} ranks oxccl supports")
+            } else {
+                format!("rank {rank} is not below world size {world_size}")
+            };
             return Err(Error::InvalidArgument {
                 rank,
                 call: "init",
                 seq: 0,
-                msg: format!("rank {rank} is not below world size {world_size}"),
+                msg,
             });
         }
         let me = PeerInfo {
