@@ -473,3 +473,61 @@ impl std::fmt::Debug for ShmLink {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::local::LocalExchange;
+
+    /// Both ways of sharing: links carry bytes, and nothing of the communicator is left in
+    /// `/dev/shm` once `connect_as` returns.
+    #[test]
+    fn memfd_and_named_segments_both_carry_bytes_and_leave_nothing() {
+        for sharing in [Sharing::Memfd, Sharing::Named] {
+            let mut tag_bytes = [0u8; 8];
+            getrandom::fill(&mut tag_bytes).unwrap();
+            let tag = u64::from_le_bytes(tag_bytes);
+            let pid = std::process::id();
+            let ts: Vec<_> = LocalExchange::group(2)
+                .into_iter()
+                .map(|mut ex| {
+                    std::thread::spawn(move || {
+                        let peer = 1 - ex.rank();
+                        let mut links =
+                            connect_as(&mut ex, &[(peer, pid)], tag, &Config::default(), sharing)
+                                .unwrap()
+                                .unwrap();
+                        ex.barrier().unwrap();
+                        let left: Vec<String> = std::fs::read_dir(segment::SHM_DIR)
+                            .unwrap()
+                            .flatten()
+                            .filter_map(|e| e.file_name().into_string().ok())
+                            .filter(|n| n.contains(&format!("{tag:016x}")))
+                            .collect();
+                        let msg = [ex.rank() as u8 + 1; 100];
+                        let link = &mut links[0].1;
+                        let mut sent = 0;
+                        let mut got = Vec::new();
+                        while sent < msg.len() || got.len() < msg.len() {
+                            if sent < msg.len() {
+                                sent += link.try_send(&msg[sent..]).unwrap();
+                            }
+                            link.try_recv(&mut |d| {
+                                got.extend_from_slice(d);
+                                d.len()
+                            })
+                            .unwrap();
+                        }
+                        ex.barrier().unwrap();
+                        (left, got)
+                    })
+                })
+                .collect();
+            for (r, t) in ts.into_iter().enumerate() {
+                let (left, got) = t.join().unwrap();
+                assert!(left.is_empty(), "{sharing:?}: left {left:?}");
+                assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
+            }
+        }
+    }
+}
