@@ -188,6 +188,14 @@ fn io_auth(rank: usize, addr: &str, step: &str, e: io::Error) -> Error {
 }
 
 fn io_client(rank: usize, addr: &str, step: &str, source: io::Error) -> Error {
+    // A socket timeout reads "Resource temporarily unavailable (os error 11)": say what it is.
+    let source = match source.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+            io::ErrorKind::TimedOut,
+            "no answer in time (the acceptor is busy, stopped or not an oxccl rank)",
+        ),
+        _ => source,
+    };
     Error::Io {
         rank,
         context: format!("handshake with {addr}: {step}"),

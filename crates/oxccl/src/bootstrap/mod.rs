@@ -651,7 +651,10 @@ impl Bootstrap {
                 peer,
                 call,
                 seq: self.seq,
-                reason: format!("bootstrap connection: {e}"),
+                reason: format!(
+                    "bootstrap connection: {}",
+                    crate::transport::describe_io(&e)
+                ),
             },
         }
     }

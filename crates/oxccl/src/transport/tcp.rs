@@ -634,7 +634,7 @@ fn connect_lower(
                     Err(e @ Error::Auth { .. }) => return Err(e),
                     Err(e) => last_err = e.to_string(),
                 },
-                Err(e) => last_err = e.to_string(),
+                Err(e) => last_err = format!("connecting: {e}"),
             }
             std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
             pause = (pause * 2).min(Duration::from_millis(200));
