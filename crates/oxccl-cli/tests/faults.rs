@@ -467,7 +467,7 @@ fn oxccl_run_blames_the_killed_rank_even_when_it_sees_every_death_at_once() {
     // The launcher is stopped while rank 1 is killed and the others fail after it: when it
     // goes on, every death is there at once, and rank 0 is the first in rank order.
     let c = child_command("die_and_fail", "shm");
-    let mut launcher = Command::new(OXCCL)
+    let launcher = Command::new(OXCCL)
         .args(["run", "-n", "3", "--"])
         .arg(std::env::current_exe().unwrap())
         .args(c.get_args())

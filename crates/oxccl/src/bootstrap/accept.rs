@@ -103,7 +103,7 @@ impl Strangers {
         if v.is_empty() {
             return None;
         }
-        v.sort_by(|a, b| b.0.cmp(&a.0));
+        v.sort_by_key(|a| std::cmp::Reverse(a.0));
         let parts: Vec<String> = v
             .iter()
             .take(3)

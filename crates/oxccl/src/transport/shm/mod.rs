@@ -176,6 +176,9 @@ pub fn connect(
     })
 }
 
+/// Links by peer rank.
+type Links = Vec<(usize, Box<dyn Link>)>;
+
 /// [`connect`] with segments shared as `sharing` says; `Ok(None)` when some rank may not
 /// open a peer's memfd (every rank then returns `None`: the decision is collective).
 fn connect_as(
@@ -184,7 +187,7 @@ fn connect_as(
     tag: u64,
     cfg: &Config,
     sharing: Sharing,
-) -> Result<Option<Vec<(usize, Box<dyn Link>)>>> {
+) -> Result<Option<Links>> {
     let rank = ex.rank();
     let world = ex.world_size();
     let pid = std::process::id();
