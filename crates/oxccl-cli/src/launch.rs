@@ -48,16 +48,83 @@ fn random_secret() -> std::io::Result<String> {
     Ok(s.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// The name of signal `s`, where it is a common one.
+fn signal_name(s: i32) -> Option<&'static str> {
+    Some(match s {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        5 => "SIGTRAP",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        10 => "SIGUSR1",
+        11 => "SIGSEGV",
+        12 => "SIGUSR2",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        24 => "SIGXCPU",
+        25 => "SIGXFSZ",
+        31 => "SIGSYS",
+        _ => return None,
+    })
+}
+
 fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with code {c}"),
-        (None, Some(s)) => format!(
-            "was killed by signal {s}{}",
-            if s == 9 { " (SIGKILL)" } else { "" }
-        ),
+        (None, Some(s)) => match signal_name(s) {
+            Some(name) => format!("was killed by signal {s} ({name})"),
+            None => format!("was killed by signal {s}"),
+        },
         _ => "ended abnormally".into(),
     }
+}
+
+/// A rank's end, as its waiter thread saw it.
+struct Death {
+    rank: usize,
+    status: std::io::Result<ExitStatus>,
+    at: Instant,
+}
+
+impl Death {
+    fn failed(&self) -> bool {
+        !matches!(&self.status, Ok(s) if s.success())
+    }
+
+    fn by_signal(&self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        matches!(&self.status, Ok(s) if s.signal().is_some())
+    }
+
+    fn describe(&self) -> String {
+        match &self.status {
+            Ok(s) => describe(*s),
+            Err(e) => format!("could not be waited for ({e})"),
+        }
+    }
+}
+
+/// How long after the first failure the launcher waits for others before it blames one: the
+/// survivors of a killed rank see its death and fail within milliseconds, and the waiter
+/// threads may wake in either order.
+const BLAME_WINDOW: Duration = Duration::from_millis(100);
+
+/// The rank to blame among `failures` (in the order seen): the first killed by a signal
+/// within [`BLAME_WINDOW`] of the first failure (a rank that exits with an error is most
+/// often reporting a peer's death), else the first failure.
+fn blame(failures: &[Death]) -> Option<&Death> {
+    let first = failures.first()?;
+    failures
+        .iter()
+        .filter(|d| d.at.saturating_duration_since(first.at) <= BLAME_WINDOW)
+        .find(|d| d.by_signal())
+        .or(Some(first))
 }
 
 fn pump(
@@ -201,7 +268,13 @@ pub fn launch(
             }
             Err(e) => {
                 eprintln!("oxccl: cannot start rank {rank} ({program}): {e}");
-                stop_all(&mut children);
+                for (_, c) in &mut children {
+                    if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+                        let _ =
+                            rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+                    }
+                    let _ = c.wait();
+                }
                 return 1;
             }
         }
@@ -217,41 +290,59 @@ pub fn launch(
         // Registration only fails for forbidden signals; these are not.
         let _ = signal_hook::flag::register_usize(sig, signal.clone(), sig as usize);
     }
+    // One waiter thread per rank reports its end with the time it saw it, so that the
+    // launcher can tell which rank failed first.
+    let (tx, rx) = std::sync::mpsc::channel::<Death>();
+    let mut alive: Vec<(usize, u32)> = Vec::with_capacity(children.len());
+    for (rank, mut child) in children {
+        alive.push((rank, child.id()));
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let status = child.wait();
+            let _ = tx.send(Death {
+                rank,
+                status,
+                at: Instant::now(),
+            });
+        });
+    }
+    drop(tx);
     let mut code = 0;
-    let mut running: Vec<(usize, Child)> = children;
-    while !running.is_empty() {
+    let mut failures: Vec<Death> = Vec::new();
+    while !alive.is_empty() {
         let sig = signal.load(Ordering::Relaxed);
         if sig != 0 {
-            eprintln!(
-                "oxccl: got signal {sig}; stopping {} rank(s)",
-                running.len()
-            );
-            stop_all(&mut running);
+            eprintln!("oxccl: got signal {sig}; stopping {} rank(s)", alive.len());
+            stop_all(&mut alive, &rx);
             code = 128 + sig as i32;
             break;
         }
-        let mut failed = None;
-        running.retain_mut(|(rank, child)| match child.try_wait() {
-            Ok(Some(st)) => {
-                if !st.success() && failed.is_none() {
-                    failed = Some((*rank, st));
-                }
-                false
+        if let Some(first) = failures.first() {
+            if first.at.elapsed() >= BLAME_WINDOW {
+                eprintln!(
+                    "oxccl: {}; stopping the other {} rank(s)",
+                    summary(&failures),
+                    alive.len()
+                );
+                stop_all(&mut alive, &rx);
+                code = 1;
+                break;
             }
-            Ok(None) => true,
-            Err(_) => false,
-        });
-        if let Some((rank, st)) = failed {
-            eprintln!(
-                "oxccl: rank {rank} {}; stopping the other {} rank(s)",
-                describe(st),
-                running.len()
-            );
-            stop_all(&mut running);
-            code = 1;
-            break;
         }
-        std::thread::sleep(Duration::from_millis(10));
+        match rx.recv_timeout(Duration::from_millis(10)) {
+            Ok(d) => {
+                alive.retain(|(r, _)| *r != d.rank);
+                if d.failed() {
+                    failures.push(d);
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    if code == 0 && !failures.is_empty() {
+        eprintln!("oxccl: {}", summary(&failures));
+        code = 1;
     }
     for p in pumps {
         let _ = p.join();
@@ -259,29 +350,49 @@ pub fn launch(
     code
 }
 
-fn stop_all(children: &mut Vec<(usize, Child)>) {
-    let signal_all = |sig: rustix::process::Signal, children: &[(usize, Child)]| {
-        for (_, c) in children {
-            if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+/// "rank 1 was killed by signal 9 (SIGKILL) first (then rank 0 exited with code 1)".
+fn summary(failures: &[Death]) -> String {
+    let Some(d) = blame(failures) else {
+        return "no rank failed".into();
+    };
+    let others: Vec<String> = failures
+        .iter()
+        .filter(|o| o.rank != d.rank)
+        .map(|o| format!("rank {} {}", o.rank, o.describe()))
+        .collect();
+    let then = if others.is_empty() {
+        String::new()
+    } else {
+        format!(" (then {})", others.join(", "))
+    };
+    format!("rank {} {} first{then}", d.rank, d.describe())
+}
+
+/// Stops the ranks still `alive` (SIGTERM to each one's process group, SIGKILL after 3 s)
+/// and waits for their waiter threads to see them end.
+fn stop_all(alive: &mut Vec<(usize, u32)>, ended: &std::sync::mpsc::Receiver<Death>) {
+    let signal_all = |sig: rustix::process::Signal, alive: &[(usize, u32)]| {
+        for (_, pid) in alive {
+            if let Some(pid) = rustix::process::Pid::from_raw(*pid as i32) {
                 // The child leads its own process group (see `launch`): signal the group.
                 let _ = rustix::process::kill_process_group(pid, sig);
             }
         }
     };
-    signal_all(rustix::process::Signal::TERM, children);
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline
-        && children
-            .iter_mut()
-            .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    signal_all(rustix::process::Signal::KILL, children);
-    for (_, c) in children.iter_mut() {
-        let _ = c.wait();
-    }
-    children.clear();
+    let reap = |alive: &mut Vec<(usize, u32)>, until: Instant| {
+        while !alive.is_empty() {
+            let left = until.saturating_duration_since(Instant::now());
+            match ended.recv_timeout(left) {
+                Ok(d) => alive.retain(|(r, _)| *r != d.rank),
+                Err(_) => break,
+            }
+        }
+    };
+    signal_all(rustix::process::Signal::TERM, alive);
+    reap(alive, Instant::now() + Duration::from_secs(3));
+    signal_all(rustix::process::Signal::KILL, alive);
+    reap(alive, Instant::now() + Duration::from_secs(10));
+    alive.clear();
 }
 
 /// A subcommand that is either one rank of a launched job (under torchrun, srun, mpirun or

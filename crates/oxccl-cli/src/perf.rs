@@ -243,6 +243,18 @@ struct Measured {
 }
 
 fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured> {
+    let (s, r) = case.sizes();
+    let local = comm.local_size() as u64;
+    oxccl::mem::check_fits(
+        (s as u64 + r as u64).saturating_mul(local),
+        &format!("{local} rank(s) on this host with {s} + {r} bytes of buffers each"),
+    )
+    .map_err(|msg| oxccl::Error::InvalidArgument {
+        rank: comm.rank(),
+        call: "perf",
+        seq: 0,
+        msg,
+    })?;
     let mut bufs = case.buffers((a.register == 1).then_some(comm))?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);

@@ -217,18 +217,28 @@ pub fn analyze(comm: &str, ranks: &[&Value]) -> String {
     }
     let mut mismatches = 0;
     for (m, calls) in &by_mseq {
-        let first = calls[0].1;
-        if let Some((r2, fp2)) = calls.iter().find(|(_, f)| *f != first) {
-            mismatches += 1;
-            let same: Vec<usize> = calls
-                .iter()
-                .filter(|(_, f)| *f == first)
-                .map(|(r, _)| *r)
-                .collect();
-            out.push_str(&format!(
-                "MISMATCH at collective #{m}: rank(s) {same:?} called {first}, rank {r2} called {fp2}\n"
-            ));
+        // The call most ranks made is the expected one; the others are named, whatever
+        // their rank numbers (the odd one out may well be rank 0).
+        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (r, f) in calls {
+            groups.entry(f).or_default().push(*r);
         }
+        if groups.len() < 2 {
+            continue;
+        }
+        mismatches += 1;
+        let mut groups: Vec<(&str, Vec<usize>)> = groups.into_iter().collect();
+        // Largest group first; ties: the group holding the lowest rank.
+        groups.sort_by_key(|(_, rs)| (std::cmp::Reverse(rs.len()), rs[0]));
+        let (expected, same) = &groups[0];
+        let odd: Vec<String> = groups[1..]
+            .iter()
+            .map(|(f, rs)| format!("rank(s) {rs:?} called {f}"))
+            .collect();
+        out.push_str(&format!(
+            "MISMATCH at collective #{m}: rank(s) {same:?} called {expected}; {}\n",
+            odd.join("; ")
+        ));
     }
     if !missing.is_empty() {
         out.push_str(&format!(
@@ -285,4 +295,40 @@ pub fn analyze(comm: &str, ranks: &[&Value]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(rank: usize, fps: &[&str]) -> Value {
+        let entries: Vec<Value> = fps
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                serde_json::json!({
+                    "seq": i + 1, "mseq": i + 1, "kind": 1, "fingerprint": f,
+                    "state": "completed"
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "comm": "c", "rank": rank, "world_size": 4, "pid": 100 + rank,
+            "reason": "error", "entries": entries
+        })
+    }
+
+    #[test]
+    fn a_mismatch_names_the_odd_rank_even_when_it_is_rank_0() {
+        let docs: Vec<Value> = (0..4)
+            .map(|r| doc(r, &["ar:8", if r == 0 { "bc:10" } else { "bc:12" }]))
+            .collect();
+        let refs: Vec<&Value> = docs.iter().collect();
+        let out = analyze("c", &refs);
+        assert!(
+            out.contains("MISMATCH at collective #2: rank(s) [1, 2, 3] called bc:12; rank(s) [0] called bc:10"),
+            "{out}"
+        );
+        assert!(!out.contains("MISMATCH at collective #1"), "{out}");
+    }
 }

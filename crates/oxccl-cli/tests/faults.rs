@@ -210,6 +210,21 @@ fn fault_child() {
                 assert!(i < 100_000, "rank {rank}: no failure seen");
             }
         }
+        "die_and_fail" => {
+            // The victim is SIGKILLed at call 30; the survivors fail (exit code 1) at once.
+            for i in 0.. {
+                if rank == victim && i == 30 {
+                    let _ = rustix::process::kill_process(
+                        rustix::process::getpid(),
+                        rustix::process::Signal::KILL,
+                    );
+                }
+                if let Err(e) = comm.all_reduce_in_place(&mut [1.0f32; 64], ReduceOp::Sum) {
+                    eprintln!("rank {rank}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
         m => panic!("unknown mode {m}"),
     }
 }
@@ -394,6 +409,100 @@ fn a_rank_killed_at_a_random_moment_is_reported_by_every_survivor_within_2s() {
             check_survivors(&outs, &errs, killed, victim, &what);
         }
     }
+}
+
+#[test]
+fn oxccl_run_blames_the_killed_rank_not_the_survivors_that_fail_after_it() {
+    for round in 0..3 {
+        let c = child_command("die_and_fail", "shm");
+        let out = Command::new(OXCCL)
+            .args(["run", "-n", "3", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(c.get_args())
+            .envs(c.get_envs().map(|(k, v)| (k, v.unwrap())))
+            .env("OXCCL_VICTIM", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "round {round}: {err}");
+        let summary = err
+            .lines()
+            .find(|l| l.starts_with("oxccl: rank"))
+            .unwrap_or_else(|| panic!("round {round}: no summary\n{err}"));
+        assert!(
+            summary.starts_with("oxccl: rank 1 was killed by signal 9 (SIGKILL) first"),
+            "round {round}: {summary}\n{err}"
+        );
+    }
+}
+
+/// The pids of `launcher`'s children, by their `RANK`.
+fn ranks_of(launcher: u32) -> Vec<(usize, i32)> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{launcher}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for pid in kids
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            if let Some(r) = env
+                .split(|&b| b == 0)
+                .find_map(|kv| kv.strip_prefix(b"RANK="))
+                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())
+            {
+                out.push((r, pid));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn oxccl_run_blames_the_killed_rank_even_when_it_sees_every_death_at_once() {
+    // The launcher is stopped while rank 1 is killed and the others fail after it: when it
+    // goes on, every death is there at once, and rank 0 is the first in rank order.
+    let c = child_command("die_and_fail", "shm");
+    let launcher = Command::new(OXCCL)
+        .args(["run", "-n", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(c.get_args())
+        .envs(c.get_envs().map(|(k, v)| (k, v.unwrap())))
+        .env("OXCCL_VICTIM", "99")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lpid = rustix::process::Pid::from_raw(launcher.id() as i32).unwrap();
+    let start = Instant::now();
+    let mut kids = ranks_of(launcher.id());
+    while kids.len() < 3 && start.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+        kids = ranks_of(launcher.id());
+    }
+    assert_eq!(kids.len(), 3, "{kids:?}");
+    // Let them get into their calls.
+    std::thread::sleep(Duration::from_millis(1500));
+    rustix::process::kill_process(lpid, rustix::process::Signal::STOP).unwrap();
+    let victim = rustix::process::Pid::from_raw(kids[1].1).unwrap();
+    rustix::process::kill_process(victim, rustix::process::Signal::KILL).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    rustix::process::kill_process(lpid, rustix::process::Signal::CONT).unwrap();
+    let out = launcher.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let summary = err
+        .lines()
+        .find(|l| l.starts_with("oxccl: rank"))
+        .unwrap_or_else(|| panic!("no summary\n{err}"));
+    assert!(
+        summary.starts_with("oxccl: rank 1 was killed by signal 9 (SIGKILL) first"),
+        "{summary}\n{err}"
+    );
+    assert!(summary.contains("rank 0 exited with code 1"), "{summary}");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use crate::algo::{Coll, CollKind};
 use crate::comm::{ByteBufs, Communicator};
 use crate::dtype::DataType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::op::ReduceOp;
 use crate::shared_buffer::SharedBuffer;
 
@@ -148,10 +148,24 @@ impl Case {
     /// or shared buffers of `shared` ([`Communicator::alloc_shared`]).
     pub fn buffers(&self, shared: Option<&Communicator>) -> Result<CaseBuffers> {
         let (s, r) = self.sizes();
+        let invalid = |msg: String| Error::InvalidArgument {
+            rank: self.rank,
+            call: "buffers",
+            seq: 0,
+            msg,
+        };
+        crate::mem::check_fits(
+            (s as u64).saturating_add(r as u64),
+            &format!("the send and receive buffers of {:?}", self.kind),
+        )
+        .map_err(invalid)?;
         let make = |len: usize| -> Result<Storage> {
             Ok(match shared {
                 Some(c) => Storage::Shared(c.alloc_shared(len)?),
-                None => Storage::Private(vec![0; len.div_ceil(8)], len),
+                None => Storage::Private(
+                    crate::mem::try_zeroed(len.div_ceil(8), "a test buffer").map_err(invalid)?,
+                    len,
+                ),
             })
         };
         Ok(CaseBuffers {

@@ -342,7 +342,13 @@ fn run(sh: Arc<Shared>, mut conns: Vec<Conn>, settings: WatchSettings, on_failur
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(e) => {
                         c.done = true;
-                        lost.push((c.peer, format!("control connection: {e}")));
+                        lost.push((
+                            c.peer,
+                            format!(
+                                "control connection: {}",
+                                crate::transport::describe_io(&std::io::Error::from(e))
+                            ),
+                        ));
                         break;
                     }
                 }

@@ -73,6 +73,17 @@ pub fn init_from_env() {
     });
 }
 
+/// Tells the user something they must see whatever `OXCCL_DEBUG` says (a warning about the
+/// setup, what a start-up waits for): through `tracing` when a subscriber is installed, else
+/// on stderr as `oxccl: MSG`.
+pub fn announce(msg: &str) {
+    if tracing::dispatcher::has_been_set() {
+        tracing::warn!(target: "oxccl::init", "{msg}");
+    } else {
+        eprintln!("oxccl: {msg}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

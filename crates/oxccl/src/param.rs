@@ -108,6 +108,14 @@ pub struct Config {
     /// (sent data, or keepalive probes on an idle connection) is lost. Default 20 s; 0 leaves
     /// the kernel's defaults (minutes).
     pub tcp_dead_after: Duration,
+    // Start-up settings (bootstrap/mod.rs).
+    /// `OXCCL_STARTUP_REPORT_SECS`: while a rank waits in init, it says every this many
+    /// seconds what it waits for. Default 10 s; 0 says nothing.
+    pub startup_report: Option<Duration>,
+    /// `OXCCL_RENDEZVOUS_REFUSED_SECS`: a rank whose connections to the rendezvous are refused
+    /// (nothing listens there: rank 0 not started yet, or dead) for this long fails. Default
+    /// 60 s (never more than `OXCCL_TIMEOUT`).
+    pub rendezvous_refused: Duration,
 }
 
 impl Default for Config {
@@ -136,6 +144,8 @@ impl Default for Config {
             net_lat_us: None,
             tcp_streams: 1,
             tcp_dead_after: Duration::from_secs(20),
+            startup_report: Some(Duration::from_secs(10)),
+            rendezvous_refused: Duration::from_secs(60),
         }
     }
 }
@@ -403,6 +413,7 @@ impl Config {
         }
         c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
         c.read_net_env()?;
+        c.read_startup_env()?;
         Ok(c)
     }
 
@@ -431,6 +442,23 @@ impl Config {
                 .ok_or_else(|| "expected seconds (0: the kernel's defaults)".to_string())
         })? {
             self.tcp_dead_after = t;
+        }
+        Ok(())
+    }
+
+    fn read_startup_env(&mut self) -> Result<()> {
+        let secs = |v: &str| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s >= 0.0 && s.is_finite())
+                .map(Duration::from_secs_f64)
+                .ok_or_else(|| "expected a number of seconds".to_string())
+        };
+        if let Some(t) = env_parse("OXCCL_STARTUP_REPORT_SECS", secs)? {
+            self.startup_report = (!t.is_zero()).then_some(t);
+        }
+        if let Some(t) = env_parse("OXCCL_RENDEZVOUS_REFUSED_SECS", secs)? {
+            self.rendezvous_refused = t;
         }
         Ok(())
     }

@@ -42,8 +42,9 @@ fn stress(n: usize, bytes: u64, ring: usize, spin: u32) {
                 );
                 assert!(links.iter().all(|l| l.1.kind() == TransportKind::Shm));
                 assert!(
-                    !shm::segment_path(tag, rank, pid).exists(),
-                    "own segment unlinked by connect"
+                    leftover_segments(tag).is_empty(),
+                    "nothing of the communicator in /dev/shm after connect ({})",
+                    shm::segment_name(tag, rank)
                 );
                 let plan = Plan {
                     bytes,

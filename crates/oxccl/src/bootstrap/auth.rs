@@ -22,9 +22,7 @@
 //! wrapper that bounds the total time a handshake may take.
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, KeyInit, Mac};
@@ -40,16 +38,13 @@ pub const MAGIC: [u8; 8] = *b"OXCCLAUT";
 pub const VERSION: u16 = 1;
 /// How long an acceptor gives an accepted socket to complete its part of the handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
-/// At most this many handshakes of accepted sockets run at once; more are dropped at once
-/// (a legitimate connector retries).
-pub const MAX_PENDING_HANDSHAKES: usize = 64;
 
-const NONCE: usize = 16;
+pub(crate) const NONCE: usize = 16;
 const TAG: usize = 32;
-const HELLO_C_LEN: usize = 8 + 2 + NONCE;
-const HELLO_A_LEN: usize = 8 + 2 + NONCE + TAG;
+pub(crate) const HELLO_C_LEN: usize = 8 + 2 + NONCE;
+pub(crate) const HELLO_A_LEN: usize = 8 + 2 + NONCE + TAG;
 const PAYLOAD_LEN: usize = 4 + 1 + 8;
-const PROOF_C_LEN: usize = PAYLOAD_LEN + TAG;
+pub(crate) const PROOF_C_LEN: usize = PAYLOAD_LEN + TAG;
 
 /// What a connection is for; part of the authenticated payload so that a connection made
 /// for one purpose can never be taken for another.
@@ -193,6 +188,14 @@ fn io_auth(rank: usize, addr: &str, step: &str, e: io::Error) -> Error {
 }
 
 fn io_client(rank: usize, addr: &str, step: &str, source: io::Error) -> Error {
+    // A socket timeout reads "Resource temporarily unavailable (os error 11)": say what it is.
+    let source = match source.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+            io::ErrorKind::TimedOut,
+            "no answer in time (the acceptor is busy, stopped or not an oxccl rank)",
+        ),
+        _ => source,
+    };
     Error::Io {
         rank,
         context: format!("handshake with {addr}: {step}"),
@@ -283,7 +286,8 @@ pub fn client_handshake<S: Read + Write>(
 /// the verdict with [`send_verdict`]. On a wrong proof, purpose or tag it sends
 /// [`Verdict::Refused`] itself and fails with [`Error::Auth`]. Garbage, truncated input or a
 /// silent peer (with a timeout on `s`) fail with [`Error::Auth`] too; nothing read is
-/// allocated.
+/// allocated. (Listeners use [`crate::bootstrap::accept`], which runs the same steps
+/// without a thread per connection.)
 pub fn server_handshake<S: Read + Write>(
     s: &mut S,
     secret: &[u8; 16],
@@ -295,7 +299,28 @@ pub fn server_handshake<S: Read + Write>(
     let mut m1 = [0u8; HELLO_C_LEN];
     s.read_exact(&mut m1)
         .map_err(|e| io_auth(rank, addr, "reading the challenge", e))?;
-    check_magic(&m1, rank, addr)?;
+    let (nonce_a, m2) = answer_challenge(&m1, secret, rank, addr)?;
+    s.write_all(&m2)
+        .and_then(|_| s.flush())
+        .map_err(|e| io_auth(rank, addr, "answering the challenge", e))?;
+    let mut m3 = [0u8; PROOF_C_LEN];
+    s.read_exact(&mut m3)
+        .map_err(|e| io_auth(rank, addr, "reading the proof", e))?;
+    let nonce_c: [u8; NONCE] = m1[10..].try_into().unwrap_or([0; NONCE]);
+    check_proof(&m3, secret, &nonce_c, &nonce_a, purpose, tag, rank, addr).inspect_err(|_| {
+        let _ = send_verdict(s, Verdict::Refused);
+    })
+}
+
+/// Step 2 of the acceptor: checks the connector's challenge `m1` (magic and version) and
+/// returns the acceptor's nonce and its answer, to be sent.
+pub(crate) fn answer_challenge(
+    m1: &[u8; HELLO_C_LEN],
+    secret: &[u8; 16],
+    rank: usize,
+    addr: &str,
+) -> Result<([u8; NONCE], [u8; HELLO_A_LEN])> {
+    check_magic(m1, rank, addr)?;
     let nonce_c = &m1[10..];
     let nonce_a = nonce(rank, addr)?;
     let tag_a = mac(secret, &[b"oxccl-acceptor", nonce_c, &nonce_a])
@@ -306,49 +331,51 @@ pub fn server_handshake<S: Read + Write>(
     m2[8..10].copy_from_slice(&VERSION.to_le_bytes());
     m2[10..10 + NONCE].copy_from_slice(&nonce_a);
     m2[10 + NONCE..].copy_from_slice(&tag_a);
-    s.write_all(&m2)
-        .and_then(|_| s.flush())
-        .map_err(|e| io_auth(rank, addr, "answering the challenge", e))?;
+    Ok((nonce_a, m2))
+}
 
-    let mut m3 = [0u8; PROOF_C_LEN];
-    s.read_exact(&mut m3)
-        .map_err(|e| io_auth(rank, addr, "reading the proof", e))?;
+/// Step 4 of the acceptor: checks the connector's proof `m3`, purpose and tag. On an error
+/// the caller should send [`Verdict::Refused`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_proof(
+    m3: &[u8; PROOF_C_LEN],
+    secret: &[u8; 16],
+    nonce_c: &[u8; NONCE],
+    nonce_a: &[u8; NONCE],
+    purpose: Purpose,
+    tag: u64,
+    rank: usize,
+    addr: &str,
+) -> Result<Hello> {
     let mut payload = [0u8; PAYLOAD_LEN];
     payload.copy_from_slice(&m3[..PAYLOAD_LEN]);
-    let refuse = |s: &mut S, msg: String| {
-        let _ = send_verdict(s, Verdict::Refused);
+    let refuse = |msg: String| {
         Err(Error::Auth {
             rank,
             addr: addr.to_string(),
             msg,
         })
     };
-    if mac(secret, &[b"oxccl-connector", &nonce_a, nonce_c, &payload])
+    if mac(secret, &[b"oxccl-connector", nonce_a, nonce_c, &payload])
         .verify_slice(&m3[PAYLOAD_LEN..])
         .is_err()
     {
-        return refuse(
-            s,
-            "the connector does not know this communicator's secret".into(),
-        );
+        return refuse("the connector does not know this communicator's secret".into());
     }
     let Some(hello) = Hello::decode(&payload) else {
-        return refuse(s, "unknown connection purpose".into());
+        return refuse("unknown connection purpose".into());
     };
     if hello.purpose != purpose {
-        return refuse(
-            s,
-            format!("connection for {:?}, expected {:?}", hello.purpose, purpose),
-        );
+        return refuse(format!(
+            "connection for {:?}, expected {:?}",
+            hello.purpose, purpose
+        ));
     }
     if hello.tag != tag {
-        return refuse(
-            s,
-            format!(
-                "connection for communicator {:016x}, expected {tag:016x}",
-                hello.tag
-            ),
-        );
+        return refuse(format!(
+            "connection for communicator {:016x}, expected {tag:016x}",
+            hello.tag
+        ));
     }
     Ok(hello)
 }
@@ -428,122 +455,10 @@ impl Write for Deadlined<'_> {
     }
 }
 
-/// Why [`accept_loop`] stopped without being told it is done.
-pub(crate) enum AcceptStop {
-    /// The deadline passed.
-    Deadline,
-    /// The listener failed.
-    Io(io::Error),
-}
-
-/// Accepts connections on `listener` until `on_ready` says it is done or `deadline` passes.
-/// Each accepted socket gets its own thread running `handshake` (which should bound its own
-/// time, e.g. with [`Deadlined`] and [`HANDSHAKE_TIMEOUT`]), so a silent stranger never
-/// stalls the others; failed handshakes are logged and dropped. `on_ready` runs in the
-/// caller's thread for each successful handshake and returns `Ok(true)` once it has all it
-/// needs; an error from it ends the loop. Setting `cancel` ends the loop like the deadline.
-pub(crate) fn accept_loop<T, H, R>(
-    listener: &TcpListener,
-    deadline: Instant,
-    cancel: &AtomicBool,
-    handshake: H,
-    mut on_ready: R,
-) -> std::result::Result<Result<()>, AcceptStop>
-where
-    T: Send + 'static,
-    H: Fn(TcpStream, SocketAddr) -> Result<T> + Send + Sync + 'static,
-    R: FnMut(T) -> Result<bool>,
-{
-    let handshake = Arc::new(handshake);
-    let pending = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::channel::<T>();
-    let mut refused = 0usize;
-    listener.set_nonblocking(true).map_err(AcceptStop::Io)?;
-    let result = loop {
-        // Take every finished handshake first.
-        let mut done = None;
-        while let Ok(item) = rx.try_recv() {
-            match on_ready(item) {
-                Ok(true) => {
-                    done = Some(Ok(()));
-                    break;
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    done = Some(Err(e));
-                    break;
-                }
-            }
-        }
-        if let Some(d) = done {
-            break Ok(d);
-        }
-        if Instant::now() >= deadline || cancel.load(Ordering::SeqCst) {
-            break Err(AcceptStop::Deadline);
-        }
-        match listener.accept() {
-            Ok((stream, from)) => {
-                if pending.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
-                    refused += 1;
-                    drop(stream);
-                    continue;
-                }
-                if stream.set_nonblocking(false).is_err() {
-                    continue;
-                }
-                pending.fetch_add(1, Ordering::SeqCst);
-                let (h, p, tx) = (handshake.clone(), pending.clone(), tx.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("oxccl-handshake".into())
-                    .spawn(move || {
-                        match h(stream, from) {
-                            Ok(item) => {
-                                // The receiver is gone when the loop already ended: drop the item.
-                                let _ = tx.send(item);
-                            }
-                            Err(e) => tracing::debug!("refused connection from {from}: {e}"),
-                        }
-                        p.fetch_sub(1, Ordering::SeqCst);
-                    });
-                if spawned.is_err() {
-                    pending.fetch_sub(1, Ordering::SeqCst);
-                    refused += 1;
-                }
-            }
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
-                // Nothing to accept: wait a little for a handshake to finish instead.
-                if let Ok(item) = rx.recv_timeout(Duration::from_millis(2)) {
-                    match on_ready(item) {
-                        Ok(true) => break Ok(Ok(())),
-                        Ok(false) => {}
-                        Err(e) => break Ok(Err(e)),
-                    }
-                }
-            }
-            // A connection that died in the backlog, or too many open files for a moment.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
-                ) => {}
-            Err(e) if e.raw_os_error() == Some(24) || e.raw_os_error() == Some(23) => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => break Err(AcceptStop::Io(e)),
-        }
-    };
-    if refused > 0 {
-        tracing::warn!("dropped {refused} connection(s) while too many handshakes were pending");
-    }
-    result
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::TcpListener;
     use std::os::unix::net::UnixStream;
 
     const S1: [u8; 16] = [7; 16];

@@ -85,7 +85,7 @@ impl LaunchEnv {
     }
 
     /// As [`from_env`](Self::from_env), with variables looked up by `get` (for tests and
-    /// embedders). Empty values count as unset.
+    /// embedders). Empty values count as unset, except `OXCCL_SECRET`, where one is an error.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
         let var = |name: &str| {
             get(name)
@@ -95,10 +95,11 @@ impl LaunchEnv {
         let num = |name: &str| -> Result<Option<usize>> {
             match var(name) {
                 None => Ok(None),
-                Some(v) => v
-                    .parse::<usize>()
-                    .map(Some)
-                    .map_err(|_| Error::Env(format!("{name}={v} is not a non-negative integer"))),
+                Some(v) => v.parse::<usize>().map(Some).map_err(|_| {
+                    Error::Env(format!(
+                        "{name}={v} is not a non-negative integer (digits only, e.g. 8)"
+                    ))
+                }),
             }
         };
 
@@ -124,6 +125,12 @@ impl LaunchEnv {
             if size == 0 {
                 return Err(Error::Env(format!(
                     "{size_var}=0: the world needs at least one rank"
+                )));
+            }
+            if size > super::MAX_WORLD_SIZE {
+                return Err(Error::Env(format!(
+                    "{size_var}={size}: more than the {} ranks oxccl supports",
+                    super::MAX_WORLD_SIZE
                 )));
             }
             if rank >= size {
@@ -154,6 +161,12 @@ impl LaunchEnv {
         }
 
         let (root_text, root) = Self::root_addr(&var)?;
+        if get("OXCCL_SECRET").is_some_and(|v| v.trim().is_empty()) {
+            return Err(Error::Env(
+                "OXCCL_SECRET is set but empty: set it to 32 random hex digits shared by all ranks, or unset it to derive a (guessable) secret from the job identity"
+                    .into(),
+            ));
+        }
         let (secret, secret_derived) = match var("OXCCL_SECRET") {
             Some(s) => (
                 parse_secret_hex(&s).ok_or_else(|| {
@@ -174,10 +187,12 @@ impl LaunchEnv {
                     String::new()
                 };
                 DERIVED_WARNING.call_once(|| {
-                    tracing::warn!(
-                        "OXCCL_SECRET is not set: deriving the communicator secret from the job identity and root address. \
-                         This only prevents accidental cross-talk between jobs, not hostile peers; set OXCCL_SECRET to 32 random hex digits shared by all ranks"
-                    )
+                    crate::debug::announce(&format!(
+                        "warning: OXCCL_SECRET is not set: the communicator secret is derived from the rendezvous address {root_text}{}, \
+                         so anyone who can reach that address can compute it and join or disturb the job. \
+                         Set OXCCL_SECRET to the same 32 random hex digits on every rank (oxccl run does)",
+                        if identity.is_empty() { String::new() } else { " and the launcher's job id".into() }
+                    ))
                 });
                 let mut h = Sha256::new();
                 h.update(b"oxccl-derived-secret-v1\0");
@@ -427,6 +442,26 @@ mod tests {
     }
 
     #[test]
+    fn absurd_world_sizes() {
+        for (ws, want) in [
+            ("4294967296", "more than the 65536 ranks"),
+            ("65537", "more than the 65536 ranks"),
+            ("1e9", "not a non-negative integer"),
+            ("-1", "not a non-negative integer"),
+            ("0", "at least one rank"),
+        ] {
+            let m = env_err(&[("RANK", "0"), ("WORLD_SIZE", ws), ROOT[0], ROOT[1]]);
+            assert!(m.contains(want) && m.contains(ws), "{ws}: {m}");
+        }
+        assert_eq!(
+            env(&[("RANK", "0"), ("WORLD_SIZE", "65536"), ROOT[0], ROOT[1]])
+                .unwrap()
+                .world_size,
+            65536
+        );
+    }
+
+    #[test]
     fn root_errors() {
         let m = env_err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")]);
         assert!(m.contains("MASTER_ADDR") && m.contains("OXCCL_ROOT"), "{m}");
@@ -502,6 +537,15 @@ mod tests {
             ("OXCCL_SECRET", &hex.replace('f', "g"))
         ])
         .contains("aabb"));
+
+        let m = env_err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ROOT[0],
+            ROOT[1],
+            ("OXCCL_SECRET", " "),
+        ]);
+        assert!(m.contains("OXCCL_SECRET is set but empty"), "{m}");
 
         // Derived secrets: equal across ranks of one job, different across jobs.
         let a0 = env(&[

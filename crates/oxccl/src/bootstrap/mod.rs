@@ -8,9 +8,11 @@
 //! their links: every rank sends its contribution to rank 0, which sends the concatenation
 //! back.
 
+pub(crate) mod accept;
 pub mod auth;
 pub mod env;
 pub mod local;
+mod root_join;
 mod unique_id;
 
 use std::io;
@@ -23,8 +25,12 @@ pub use unique_id::{default_ip, UniqueId};
 
 use crate::error::{Error, Result};
 use crate::param::Config;
-use auth::{Deadlined, Hello, Purpose, Verdict};
+use auth::{Deadlined, Hello, Purpose};
+use root_join::RootJoin;
 
+/// The most ranks a communicator may have; larger world sizes are an
+/// [`Error::InvalidArgument`] (or [`Error::Env`] from a launcher's variables).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
 /// Largest frame a rank accepts on a bootstrap connection (an allgather result).
 pub const MAX_FRAME: usize = 256 << 20;
 /// Largest join message (a [`PeerInfo`]) rank 0 accepts.
@@ -275,12 +281,17 @@ impl Bootstrap {
     /// has another world size (telling the ranks already joined). The other ranks connect
     /// with retries until `cfg.timeout`, then fail with [`Error::Connect`].
     pub fn init(id: &UniqueId, rank: usize, world_size: usize, cfg: &Config) -> Result<Bootstrap> {
-        if world_size == 0 || rank >= world_size {
+        if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
+            let msg = if world_size > MAX_WORLD_SIZE {
+                format!("world size {world_size} is more than the {MAX_WORLD_SIZE} ranks oxccl supports")
+            } else {
+                format!("rank {rank} is not below world size {world_size}")
+            };
             return Err(Error::InvalidArgument {
                 rank,
                 call: "init",
                 seq: 0,
-                msg: format!("rank {rank} is not below world size {world_size}"),
+                msg,
             });
         }
         let me = PeerInfo {
@@ -307,9 +318,9 @@ impl Bootstrap {
             seq: 0,
         };
         if rank == 0 {
-            b.init_root(me, deadline)?;
+            b.init_root(me, deadline, cfg)?;
         } else {
-            b.init_member(me, deadline)?;
+            b.init_member(me, deadline, cfg)?;
         }
         tracing::debug!(
             "rank {rank}/{world_size}: rendezvous at {} complete",
@@ -341,7 +352,7 @@ impl Bootstrap {
             )?;
             s.set_reuse_address(true)?;
             s.bind(&addr.into())?;
-            s.listen(128)?;
+            s.listen(accept::LISTEN_BACKLOG)?;
             Ok(s.into())
         };
         match bind(self.root) {
@@ -371,103 +382,57 @@ impl Bootstrap {
         }
     }
 
-    fn init_root(&mut self, me: PeerInfo, deadline: Instant) -> Result<()> {
+    fn init_root(&mut self, me: PeerInfo, deadline: Instant, cfg: &Config) -> Result<()> {
         let n = self.world_size;
         let listener = self.bind_root()?;
-        let mut conns: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
-        let mut infos: Vec<Option<PeerInfo>> = vec![None; n];
-        infos[0] = Some(me);
+        let mut join = RootJoin {
+            world: n,
+            root: self.root,
+            conns: (0..n).map(|_| None).collect(),
+            infos: vec![None; n],
+            joined: 1,
+            offender: None,
+            start: Instant::now(),
+            report_every: cfg.startup_report,
+            next_report: None,
+        };
+        join.infos[0] = Some(me);
+        join.next_report = cfg.startup_report.map(|p| join.start + p);
         if n > 1 {
-            let (secret, tag, root) = (self.secret, self.comm_tag(), self.root);
-            let handshake = move |stream: TcpStream,
-                                  from: SocketAddr|
-                  -> Result<(Hello, Vec<u8>, TcpStream, SocketAddr)> {
-                let addr = from.to_string();
-                let mut d = Deadlined::new(&stream, Instant::now() + auth::HANDSHAKE_TIMEOUT);
-                let hello =
-                    auth::server_handshake(&mut d, &secret, Purpose::Rendezvous, tag, 0, &addr)?;
-                let join = auth::send_verdict(&mut d, Verdict::Accepted)
-                    .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
-                    .map_err(|e| Error::Rendezvous {
-                        rank: 0,
-                        addr: root.to_string(),
-                        msg: format!("reading the join message of {addr}: {e}"),
-                    })?;
-                Ok((hello, join, stream, from))
+            let keys = accept::Keys {
+                secret: self.secret,
+                purpose: Purpose::Rendezvous,
+                tag: self.comm_tag(),
+                rank: 0,
             };
-            let mut joined = 1;
-            let mut offender: Option<TcpStream> = None;
-            let world = n;
-            let res = auth::accept_loop(
+            let res = accept::accept_loop(
                 &listener,
                 deadline,
                 &std::sync::atomic::AtomicBool::new(false),
-                handshake,
-                |(hello, join, stream, from)| {
-                    let fail = |msg: String, off: &mut Option<TcpStream>, s: TcpStream| {
-                        *off = Some(s);
-                        Err(Error::Rendezvous {
-                            rank: 0,
-                            addr: root.to_string(),
-                            msg,
-                        })
-                    };
-                    let Some((ws, info)) = parse_join(&join) else {
-                        return fail(
-                            format!(
-                                "malformed join message from {from} (claiming rank {})",
-                                hello.rank
-                            ),
-                            &mut offender,
-                            stream,
-                        );
-                    };
-                    if ws != world || info.rank != hello.rank {
-                        return fail(
-                        format!("rank {} at {from} was started with world size {ws}, rank 0 with {world}", info.rank),
-                        &mut offender,
-                        stream,
-                    );
-                    }
-                    if info.rank == 0 || info.rank >= world || infos[info.rank].is_some() {
-                        let first = infos
-                            .get(info.rank)
-                            .and_then(|i| i.as_ref())
-                            .map(|i| format!("{} (pid {})", i.hostname, i.pid));
-                        return fail(
-                            format!(
-                            "rank {} joined twice: from {from} ({}, pid {}) and earlier from {}",
-                            info.rank,
-                            info.hostname,
-                            info.pid,
-                            first.unwrap_or_default()
-                        ),
-                            &mut offender,
-                            stream,
-                        );
-                    }
-                    let r = info.rank;
-                    conns[r] = Some(stream);
-                    infos[r] = Some(info);
-                    joined += 1;
-                    Ok(joined == world)
-                },
+                &keys,
+                &mut join,
             );
             drop(listener);
             let err = match res {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e),
-                Err(auth::AcceptStop::Deadline) => {
-                    let missing: Vec<usize> = (0..n).filter(|&r| infos[r].is_none()).collect();
-                    Some(Error::Timeout {
-                        rank: 0,
-                        call: "init",
-                        seq: 0,
-                        waiting_on: missing,
-                        elapsed: self.timeout,
+                Err(accept::AcceptStop::Deadline(strangers)) => {
+                    let missing = join.missing();
+                    Some(match strangers.summary() {
+                        None => Error::Timeout {
+                            rank: 0,
+                            call: "init",
+                            seq: 0,
+                            waiting_on: missing,
+                            elapsed: self.timeout,
+                        },
+                        Some(s) => self.rz_err(format!(
+                            "init timed out after {:?}, still waiting on rank(s) {missing:?}; {s}",
+                            self.timeout
+                        )),
                     })
                 }
-                Err(auth::AcceptStop::Io(source)) => Some(Error::Io {
+                Err(accept::AcceptStop::Io(source)) => Some(Error::Io {
                     rank: 0,
                     context: format!("accepting on the rendezvous address {}", self.root),
                     source,
@@ -477,13 +442,21 @@ impl Bootstrap {
                 // Tell everyone who joined (and the offender) why the rendezvous failed.
                 let mut msg = vec![1u8];
                 msg.extend_from_slice(e.to_string().as_bytes());
-                for s in conns.iter_mut().flatten().chain(offender.as_mut()) {
+                for s in join
+                    .conns
+                    .iter_mut()
+                    .flatten()
+                    .chain(join.offender.as_mut())
+                {
                     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
                     let _ = auth::write_frame(s, &msg);
                 }
                 return Err(e);
             }
         }
+        let RootJoin {
+            mut conns, infos, ..
+        } = join;
         let peers: Vec<PeerInfo> = infos.into_iter().flatten().collect();
         let mut table = vec![0u8];
         table.extend_from_slice(&(n as u32).to_le_bytes());
@@ -502,7 +475,7 @@ impl Bootstrap {
         Ok(())
     }
 
-    fn init_member(&mut self, me: PeerInfo, deadline: Instant) -> Result<()> {
+    fn init_member(&mut self, me: PeerInfo, deadline: Instant, cfg: &Config) -> Result<()> {
         let addr = self.root.to_string();
         let hello = Hello {
             rank: self.rank,
@@ -514,19 +487,46 @@ impl Bootstrap {
         me.encode(&mut join);
         let mut last_err = String::from("no attempt made");
         let mut pause = Duration::from_millis(20);
+        let start = Instant::now();
+        let mut next_report = cfg.startup_report.map(|p| start + p);
+        // Since when every attempt was refused (nothing listens at the address).
+        let mut refused_since: Option<Instant> = None;
+        let refused_limit = cfg.rendezvous_refused.min(self.timeout);
         let stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
+            let refused_too_long = refused_since.is_some_and(|t| now - t >= refused_limit);
+            if left.is_zero() || refused_too_long {
+                let reason = if refused_too_long {
+                    format!(
+                        "{last_err} for {:.0?} (OXCCL_RENDEZVOUS_REFUSED_SECS): nothing listens there; rank 0 is not running (it died, or was never started) or the address is wrong",
+                        refused_limit
+                    )
+                } else {
+                    last_err
+                };
                 return Err(Error::Connect {
                     rank: self.rank,
                     peer: 0,
                     addr,
-                    timeout: self.timeout,
-                    reason: last_err,
+                    timeout: now - start,
+                    reason,
                 });
+            }
+            if let (Some(at), Some(every)) = (next_report, cfg.startup_report) {
+                if now >= at {
+                    next_report = Some(now + every);
+                    crate::debug::announce(&format!(
+                        "rank {}: still cannot join the rendezvous at {addr} after {:.0?} ({last_err}); waiting for rank 0 up to OXCCL_TIMEOUT={:?}",
+                        self.rank,
+                        now - start,
+                        self.timeout
+                    ));
+                }
             }
             match TcpStream::connect_timeout(&self.root, left.min(Duration::from_secs(5))) {
                 Ok(s) => {
+                    refused_since = None;
                     let mut d = Deadlined::new(&s, deadline);
                     match auth::client_handshake(&mut d, &self.secret, &hello, self.rank, &addr) {
                         Ok(()) => break s,
@@ -535,13 +535,23 @@ impl Bootstrap {
                         Err(e) => last_err = e.to_string(),
                     }
                 }
-                Err(e) => last_err = e.to_string(),
+                Err(e) => {
+                    if e.kind() == io::ErrorKind::ConnectionRefused {
+                        refused_since.get_or_insert(now);
+                    } else {
+                        refused_since = None;
+                    }
+                    last_err = format!("connecting: {e}");
+                }
             }
             std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
             pause = (pause * 2).min(Duration::from_millis(500));
         };
         let mut d = Deadlined::new(&stream, deadline);
         auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
+        if let Some(every) = cfg.startup_report {
+            self.await_table(&stream, deadline, start, every);
+        }
         let table = auth::read_frame(&mut d, MAX_FRAME).map_err(|e| match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => self.rz_err(format!(
                 "rank 0 did not send the peer table within {:?}: some rank has not joined",
@@ -581,6 +591,33 @@ impl Bootstrap {
         Ok(())
     }
 
+    /// Waits until rank 0 sends something on `stream` or `deadline` passes, saying every
+    /// `every` what it waits for.
+    fn await_table(&self, stream: &TcpStream, deadline: Instant, start: Instant, every: Duration) {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let wait = left.min(every);
+            let mut fds = [rustix::event::PollFd::new(
+                stream,
+                rustix::event::PollFlags::IN,
+            )];
+            let ts = rustix::event::Timespec {
+                tv_sec: wait.as_secs() as _,
+                tv_nsec: wait.subsec_nanos() as _,
+            };
+            match rustix::event::poll(&mut fds, Some(&ts)) {
+                Ok(0) if !left.is_zero() && wait < left => crate::debug::announce(&format!(
+                    "rank {}: joined the rendezvous at {} {:.0?} ago; rank 0 is still waiting for other ranks",
+                    self.rank,
+                    self.root,
+                    start.elapsed()
+                )),
+                Err(rustix::io::Errno::INTR) => {}
+                _ => return,
+            }
+        }
+    }
+
     fn proto(&self, peer: usize, call: &'static str, msg: &str) -> Error {
         Error::Protocol {
             rank: self.rank,
@@ -614,7 +651,10 @@ impl Bootstrap {
                 peer,
                 call,
                 seq: self.seq,
-                reason: format!("bootstrap connection: {e}"),
+                reason: format!(
+                    "bootstrap connection: {}",
+                    crate::transport::describe_io(&e)
+                ),
             },
         }
     }

@@ -176,14 +176,166 @@ fn wrong_secret_is_refused() {
     let e = Bootstrap::init(&other, 1, 2, &cfg(1500)).unwrap_err();
     assert!(matches!(e, Error::Auth { rank: 1, .. }), "{e}");
     let e = root.join().unwrap().unwrap_err();
-    match e {
-        Error::Timeout {
-            rank: 0,
-            waiting_on,
-            ..
-        } => assert_eq!(waiting_on, vec![1]),
+    match &e {
+        Error::Rendezvous { rank: 0, msg, .. } => {
+            assert!(msg.contains("still waiting on rank(s) [1]"), "{e}");
+            assert!(
+                msg.contains("1 connection(s) from 127.0.0.1 (1 closed mid-handshake) dropped without a valid handshake"),
+                "{e}"
+            );
+        }
         e => panic!("{e}"),
     }
+}
+
+/// Opens connections to `addr` until `stop`, keeping the last `keep` open; each sends `first`
+/// (nothing when empty) and then stays silent.
+fn flood(
+    addr: SocketAddr,
+    keep: usize,
+    first: Vec<u8>,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<usize> {
+    thread::spawn(move || {
+        let mut held = std::collections::VecDeque::new();
+        let mut opened = 0;
+        while !stop.load(Ordering::SeqCst) {
+            if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                opened += 1;
+                let _ = s.write_all(&first);
+                held.push_back(s);
+                if held.len() > keep {
+                    held.pop_front();
+                }
+            }
+            thread::sleep(Duration::from_micros(500));
+        }
+        opened
+    })
+}
+
+/// The challenge a connector sends first: well-formed, so the acceptor answers it and waits
+/// for a proof that never comes.
+fn valid_challenge() -> Vec<u8> {
+    [&auth::MAGIC[..], &auth::VERSION.to_le_bytes(), &[0x5a; 16]].concat()
+}
+
+#[test]
+fn floods_of_silent_stalled_and_garbage_connections_do_not_stop_init() {
+    let id = loopback_id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let floods = vec![
+        flood(id.addr, 300, Vec::new(), stop.clone()),
+        flood(id.addr, 300, Vec::new(), stop.clone()),
+        flood(id.addr, 300, valid_challenge(), stop.clone()),
+        flood(
+            id.addr,
+            50,
+            b"GET / HTTP/1.0\r\n\r\n".to_vec(),
+            stop.clone(),
+        ),
+    ];
+    // Rank 0 listens under the flood for a while before the others come.
+    let id2 = id.clone();
+    let res = ranks(3, move |r| {
+        if r > 0 {
+            thread::sleep(Duration::from_millis(1500));
+        }
+        let mut b = Bootstrap::init(&id2, r, 3, &cfg(30_000))?;
+        check_allgathers(&mut b);
+        Ok::<_, Error>(())
+    });
+    stop.store(true, Ordering::SeqCst);
+    let opened: usize = floods.into_iter().map(|f| f.join().unwrap()).sum();
+    for r in res {
+        r.unwrap();
+    }
+    assert!(opened > 500, "the flood opened only {opened} connections");
+}
+
+#[test]
+fn a_timeout_under_a_flood_names_the_flood() {
+    let id = loopback_id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let f = flood(id.addr, 100, Vec::new(), stop.clone());
+    let e = Bootstrap::init(&id, 0, 2, &cfg(2500)).unwrap_err();
+    stop.store(true, Ordering::SeqCst);
+    f.join().unwrap();
+    let msg = e.to_string();
+    assert!(msg.contains("still waiting on rank(s) [1]"), "{msg}");
+    assert!(msg.contains("from 127.0.0.1 ("), "{msg}");
+    assert!(msg.contains("dropped without a valid handshake"), "{msg}");
+}
+
+/// Joins the rendezvous of `id` as `rank` by hand and returns the connection, without
+/// waiting for the peer table.
+fn join_by_hand(id: &UniqueId, rank: usize, world: usize) -> TcpStream {
+    let mut s = TcpStream::connect(id.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Hello {
+        rank,
+        purpose: Purpose::Rendezvous,
+        tag: auth::comm_tag(&id.secret),
+    };
+    auth::client_handshake(&mut s, &id.secret, &hello, rank, "root").unwrap();
+    let mut join = vec![JOIN_VERSION];
+    join.extend_from_slice(&(world as u32).to_le_bytes());
+    PeerInfo {
+        rank,
+        host_id: "h".into(),
+        hostname: "joiner".into(),
+        pid: 4242,
+        ip: Ipv4Addr::LOCALHOST.into(),
+    }
+    .encode(&mut join);
+    auth::write_frame(&mut s, &join).unwrap();
+    s
+}
+
+#[test]
+fn root_fails_at_once_when_a_joined_rank_dies() {
+    let id = loopback_id();
+    let id2 = id.clone();
+    let root = thread::spawn(move || Bootstrap::init(&id2, 0, 3, &cfg(60_000)).map(|_| ()));
+    let s = join_by_hand(&id, 1, 3);
+    thread::sleep(Duration::from_millis(200));
+    drop(s);
+    let e = root.join().unwrap().unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank 1 (joiner, pid 4242) joined and then closed its connection"),
+        "{msg}"
+    );
+    assert!(msg.contains("still waiting on rank(s) [2]"), "{msg}");
+}
+
+#[test]
+fn a_rank_without_root_fails_when_refused_for_long() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port);
+    let c = Config {
+        rendezvous_refused: Duration::from_millis(300),
+        ..cfg(60_000)
+    };
+    let e = Bootstrap::init(&UniqueId::with_addr(addr, [1; 16]), 1, 2, &c).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(
+            e,
+            Error::Connect {
+                rank: 1,
+                peer: 0,
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(msg.contains(&addr.to_string()), "{msg}");
+    assert!(msg.contains("nothing listens there"), "{msg}");
 }
 
 #[test]

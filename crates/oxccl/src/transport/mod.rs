@@ -93,9 +93,36 @@ impl LinkError {
                 peer,
                 call,
                 seq,
-                reason: e.to_string(),
+                reason: describe_io(&e),
             },
         }
+    }
+}
+
+/// What an OS error on a peer's process or connection means, with the raw error after it:
+/// "its process is gone (No such process (os error 3))".
+pub fn describe_io(e: &std::io::Error) -> String {
+    let meaning = match e.raw_os_error() {
+        Some(libc::ESRCH) => Some("its process is gone"),
+        Some(libc::EFAULT) => Some("its buffer is no longer mapped (it died or freed it)"),
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            Some("the kernel refuses access to its memory (ptrace rules)")
+        }
+        _ => match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Some("it sent nothing within the socket's timeout")
+            }
+            std::io::ErrorKind::ConnectionReset => {
+                Some("the connection was reset (its process died or its host went away)")
+            }
+            std::io::ErrorKind::BrokenPipe => Some("it closed the connection"),
+            std::io::ErrorKind::UnexpectedEof => Some("it closed the connection mid-message"),
+            _ => None,
+        },
+    };
+    match meaning {
+        Some(m) => format!("{m} ({e})"),
+        None => e.to_string(),
     }
 }
 
@@ -152,5 +179,25 @@ pub trait Link: Send {
     /// default checks nothing.
     fn check_alive(&mut self) -> Result<(), LinkError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod describe_tests {
+    use super::*;
+
+    #[test]
+    fn raw_os_errors_are_explained() {
+        let gone = LinkError::Io(std::io::Error::from_raw_os_error(libc::ESRCH))
+            .into_error(0, 2, "all_reduce", 5)
+            .to_string();
+        assert!(
+            gone.contains("lost peer rank 2: its process is gone"),
+            "{gone}"
+        );
+        let again = describe_io(&std::io::Error::from_raw_os_error(libc::EAGAIN));
+        assert!(again.starts_with("it sent nothing within"), "{again}");
+        let other = describe_io(&std::io::Error::from_raw_os_error(libc::ENOSPC));
+        assert!(other.contains("os error"), "{other}");
     }
 }

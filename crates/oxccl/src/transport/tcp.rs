@@ -9,7 +9,8 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::bootstrap::auth::{self, AcceptStop, Deadlined, Hello, Purpose, Verdict};
+use crate::bootstrap::accept::{self, AcceptStop};
+use crate::bootstrap::auth::{self, Deadlined, Hello, Purpose, Verdict};
 use crate::bootstrap::{decode_ip, encode_ip, local_ip, Exchange};
 use crate::error::{Error, Result};
 use crate::param::Config;
@@ -304,7 +305,7 @@ fn listen(ip: IpAddr) -> io::Result<TcpListener> {
     let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
     let _ = s.set_send_buffer_size(SOCKET_BUFFER);
     s.bind(&addr.into())?;
-    s.listen(128)?;
+    s.listen(accept::LISTEN_BACKLOG)?;
     Ok(s.into())
 }
 
@@ -502,12 +503,8 @@ pub fn connect(
             scope.spawn(move || -> Result<Vec<(usize, TcpStream)>> {
                 let Some(listener) = listener else { return Ok(Vec::new()) };
                 let mut got: Vec<(usize, TcpStream)> = Vec::new();
-                let handshake = move |s: TcpStream, from: SocketAddr| -> Result<(Hello, TcpStream, SocketAddr)> {
-                    let mut d = Deadlined::new(&s, Instant::now() + auth::HANDSHAKE_TIMEOUT);
-                    let h = auth::server_handshake(&mut d, &secret, Purpose::Data, tag, me, &from.to_string())?;
-                    Ok((h, s, from))
-                };
-                let res = auth::accept_loop(listener, deadline, cancel, handshake, |(h, s, from)| {
+                let keys = accept::Keys { secret, purpose: Purpose::Data, tag, rank: me };
+                let mut admit = |h: Hello, s: TcpStream, from: SocketAddr| -> Result<bool> {
                     let verdict = if !higher.contains(&h.rank) {
                         Verdict::UnexpectedRank
                     } else if got.iter().filter(|(r, _)| *r == h.rank).count() >= streams {
@@ -525,17 +522,24 @@ pub fn connect(
                         }
                     }
                     Ok(got.len() == higher.len() * streams)
-                });
+                };
+                let res = accept::accept_loop(listener, deadline, cancel, &keys, &mut admit);
                 match res {
                     Ok(Ok(())) => Ok(got),
                     Ok(Err(e)) => Err(e),
-                    Err(AcceptStop::Deadline) => Err(Error::Timeout {
-                        rank: me,
-                        call: CALL,
-                        seq: 0,
-                        waiting_on: higher.iter().copied().filter(|r| got.iter().filter(|(g, _)| g == r).count() < streams).collect(),
-                        elapsed: start.elapsed(),
-                    }),
+                    Err(AcceptStop::Deadline(strangers)) => {
+                        let waiting_on: Vec<usize> = higher.iter().copied().filter(|r| got.iter().filter(|(g, _)| g == r).count() < streams).collect();
+                        Err(match strangers.summary() {
+                            None => Error::Timeout { rank: me, call: CALL, seq: 0, waiting_on, elapsed: start.elapsed() },
+                            Some(s) => Error::Connect {
+                                rank: me,
+                                peer: waiting_on.first().copied().unwrap_or(me),
+                                addr: listener.local_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
+                                timeout: start.elapsed(),
+                                reason: format!("no data connection from rank(s) {waiting_on:?} arrived; {s}"),
+                            },
+                        })
+                    }
                     Err(AcceptStop::Io(source)) => Err(Error::Io { rank: me, context: "accepting data connections".into(), source }),
                 }
             })
@@ -630,7 +634,7 @@ fn connect_lower(
                     Err(e @ Error::Auth { .. }) => return Err(e),
                     Err(e) => last_err = e.to_string(),
                 },
-                Err(e) => last_err = e.to_string(),
+                Err(e) => last_err = format!("connecting: {e}"),
             }
             std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
             pause = (pause * 2).min(Duration::from_millis(200));

@@ -1,5 +1,5 @@
-//! [`Direct`] over shared memory: each rank of a host owns a small segment
-//! (`/dev/shm/oxccl-<tag>-d<rank>-<pid>`) with two event records and two data slots, mapped by
+//! [`Direct`] over shared memory: each rank of a host owns a small segment (a memfd, handed
+//! to peers by [`super::handoff`]) with two event records and two data slots, mapped by
 //! every other rank of the host; peers' buffers are read and written with `process_vm_readv` /
 //! `process_vm_writev` (single copy, as Open MPI's CMA path) where the kernel allows it, and
 //! peers' shared buffers ([`crate::shared_buffer`]) are mapped here once (`pidfd_getfd` of
@@ -18,16 +18,17 @@
 //! one for the data. Larger data goes to the slot.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
 use nix::unistd::Pid as NixPid;
-use rustix::fs::{FallocateFlags, Mode, OFlags};
+use rustix::fs::FallocateFlags;
 
-use super::segment::{free_bytes, io_msg, map, SHM_DIR};
+use super::handoff;
+use super::segment::{io_msg, map};
 use crate::bootstrap::Exchange;
 use crate::error::Result;
 use crate::shared_buffer::{PeerMapping, Region, PEER_MAPPINGS};
@@ -143,17 +144,13 @@ pub struct ShmDirect {
     mapped: Vec<(Option<std::os::fd::OwnedFd>, Vec<PeerMapping>)>,
 }
 
-fn create(path: &PathBuf, rank: usize) -> std::result::Result<Area, String> {
-    let free = free_bytes(SHM_DIR)?;
-    if free < TOTAL as u64 {
-        return Err(format!("{SHM_DIR} has {free} bytes free, {TOTAL} needed"));
-    }
-    let fd = rustix::fs::open(
-        path,
-        OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
-        Mode::RUSR | Mode::WUSR,
-    )
-    .map_err(|e| io_msg("create", path, e))?;
+/// Creates this rank's area in a memfd (see [`super::handoff`]); returns it and the memfd,
+/// which peers copy until it is closed.
+fn create(name: &str, rank: usize) -> std::result::Result<(Area, OwnedFd), String> {
+    crate::mem::check_fits(TOTAL as u64, "the shared-memory direct area")?;
+    let fd = handoff::memfd(name)?;
+    let path = PathBuf::from(format!("memfd:{name}"));
+    let path = &path;
     if let Err(e) = rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, TOTAL as u64) {
         rustix::fs::ftruncate(&fd, TOTAL as u64).map_err(|_| io_msg("fallocate", path, e))?;
     }
@@ -165,16 +162,16 @@ fn create(path: &PathBuf, rank: usize) -> std::result::Result<Area, String> {
     h.rank.store(rank as u32, Ordering::Relaxed);
     h.slot_bytes.store(SLOT_BYTES as u32, Ordering::Relaxed);
     h.magic.store(MAGIC, Ordering::Release);
-    Ok(area)
+    Ok((area, fd))
 }
 
 fn open(path: &str, rank: usize, pid: u32) -> std::result::Result<Area, String> {
     let p = PathBuf::from(path);
-    if !path.starts_with(&format!("{SHM_DIR}/oxccl-")) || path.contains("..") {
-        return Err(format!("refusing segment path {path}"));
-    }
-    let fd = rustix::fs::open(&p, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
-        .map_err(|e| io_msg("open", &p, e))?;
+    let fd = handoff::open_token(path, pid).map_err(|e| match e {
+        handoff::OpenError::Refused(m) | handoff::OpenError::Failed(m) => {
+            format!("rank {rank}'s direct area: {m}")
+        }
+    })?;
     let st = rustix::fs::fstat(&fd).map_err(|e| io_msg("fstat", &p, e))?;
     if (st.st_size as u64) < TOTAL as u64 {
         return Err(format!("{path} is too small"));
@@ -204,20 +201,16 @@ pub fn connect(
     allow_cma: bool,
 ) -> Result<Option<ShmDirect>> {
     let (rank, n) = (ex.rank(), ex.world_size());
-    let path = PathBuf::from(format!(
-        "{SHM_DIR}/oxccl-{tag:016x}-d{rank}-{}",
-        std::process::id()
-    ));
-    let mine = create(&path, rank);
+    let mine = create(&format!("oxccl-{tag:016x}-d{rank}"), rank);
     // A probe value whose address peers read and write (the same bytes back), to learn whether
     // CMA works. Atomic: peers write it behind the compiler's back.
     let probe = Box::new(std::sync::atomic::AtomicU64::new(0x0c5a_u64 ^ tag));
     let msg = match &mine {
-        Ok(_) => format!(
+        Ok((_, fd)) => format!(
             "ok {} {} {}",
             probe.as_ptr() as usize,
             super::pid_namespace(),
-            path.display()
+            handoff::token(fd)
         ),
         Err(e) => format!("err {e}"),
     };
@@ -250,8 +243,11 @@ pub fn connect(
             _ => failure = failure.or(Some(format!("rank {r}: {m}"))),
         }
     }
-    if let Ok(a) = mine {
+    // The area's memfd stays open until every peer has copied it (the verdict below).
+    let mut my_fd = None;
+    if let Ok((a, fd)) = mine {
         areas[rank] = Some(a);
+        my_fd = Some(fd);
     }
     if cma_ok {
         for (r, &addr) in probes.iter().enumerate() {
@@ -272,7 +268,7 @@ pub fn connect(
     let verdict = [u8::from(failure.is_none()), u8::from(cma_ok)];
     let all = ex.allgather(&verdict)?;
     drop(probe);
-    let _ = rustix::fs::unlink(&path);
+    drop(my_fd);
     if let Some(f) = failure.or_else(|| {
         all.iter()
             .any(|v| v.first() != Some(&1))

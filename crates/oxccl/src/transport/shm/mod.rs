@@ -17,12 +17,14 @@
 //! described in `ring.rs`, the segment layout in `segment.rs`.
 
 pub mod direct;
+pub(crate) mod handoff;
 mod ring;
 mod segment;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
+use handoff::{OpenError, Sharing};
 use ring::{Consumer, Producer};
 use segment::Segment;
 
@@ -31,13 +33,11 @@ use crate::error::{Error, Result};
 use crate::param::Config;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
-/// The path of the segment that `rank` (process `pid`) creates for communicator `tag`.
-pub fn segment_path(tag: u64, rank: usize, pid: u32) -> PathBuf {
-    PathBuf::from(format!(
-        "{}/{}{tag:016x}-{rank}-{pid}",
-        segment::SHM_DIR,
-        segment::PREFIX
-    ))
+/// The name of the segment that `rank` creates for communicator `tag`: the memfd's name, or
+/// the start of its file name in `/dev/shm` where the ranks fall back to named files
+/// (`oxccl-<tag>-<rank>-<pidns>-<pid>`, see [`handoff`]).
+pub fn segment_name(tag: u64, rank: usize) -> String {
+    format!("{tag:016x}-{rank}")
 }
 
 /// Bytes of shared memory one rank reserves for `npeers` shared-memory peers with rings of
@@ -51,6 +51,8 @@ pub fn segment_bytes(npeers: usize, ring_bytes: usize) -> Option<u64> {
 const ST_NONE: u8 = 0;
 const ST_OK: u8 = 1;
 const ST_ERR: u8 = 2;
+/// Phase 2: this rank may not copy a peer's memfd; every rank retries with named files.
+const ST_REFUSED: u8 = 3;
 
 fn shm_err(rank: usize, msg: impl Into<String>) -> Error {
     Error::SharedMemory {
@@ -77,14 +79,15 @@ pub(crate) fn pid_namespace() -> String {
         .unwrap_or_default()
 }
 
-/// Phase messages: a status byte, then the segment path and, after a newline, the pid
-/// namespace (`ST_OK`), or an error message (`ST_ERR`), or nothing (`ST_NONE`).
-fn status_msg(r: &std::result::Result<Option<PathBuf>, String>) -> Vec<u8> {
+/// Phase messages: a status byte, then the segment's token ([`Segment::token`]) and, after a
+/// newline, the pid namespace (`ST_OK`), or an error message (`ST_ERR`), or nothing
+/// (`ST_NONE`).
+fn status_msg(r: &std::result::Result<Option<String>, String>) -> Vec<u8> {
     match r {
         Ok(None) => vec![ST_NONE],
         Ok(Some(p)) => {
             let mut v = vec![ST_OK];
-            v.extend_from_slice(p.to_string_lossy().as_bytes());
+            v.extend_from_slice(p.as_bytes());
             v.push(b'\n');
             v.extend_from_slice(pid_namespace().as_bytes());
             v
@@ -158,6 +161,33 @@ pub fn connect(
     tag: u64,
     cfg: &Config,
 ) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    if let Some(links) = connect_as(ex, peers, tag, cfg, Sharing::Memfd)? {
+        return Ok(links);
+    }
+    tracing::info!(
+        rank = ex.rank(),
+        "a rank may not copy its peers' memfds: shared-memory segments go through named files in /dev/shm"
+    );
+    connect_as(ex, peers, tag, cfg, Sharing::Named)?.ok_or_else(|| {
+        shm_err(
+            ex.rank(),
+            "named shared-memory segments refused too (internal error)",
+        )
+    })
+}
+
+/// Links by peer rank.
+type Links = Vec<(usize, Box<dyn Link>)>;
+
+/// [`connect`] with segments shared as `sharing` says; `Ok(None)` when some rank may not
+/// open a peer's memfd (every rank then returns `None`: the decision is collective).
+fn connect_as(
+    ex: &mut dyn Exchange,
+    peers: &[(usize, u32)],
+    tag: u64,
+    cfg: &Config,
+    sharing: Sharing,
+) -> Result<Option<Links>> {
     let rank = ex.rank();
     let world = ex.world_size();
     let pid = std::process::id();
@@ -173,7 +203,8 @@ pub fn connect(
         Ok(()) => {
             let producers: Vec<usize> = peers.iter().map(|p| p.0).collect();
             match Segment::create(
-                &segment_path(tag, rank, pid),
+                sharing,
+                &segment_name(tag, rank),
                 tag,
                 rank,
                 &producers,
@@ -189,7 +220,7 @@ pub fn connect(
     };
     let st1 = match (&local_err, &own) {
         (Some(e), _) => Err(e.to_string()),
-        (None, s) => Ok(s.as_ref().map(|s| s.path().to_path_buf())),
+        (None, s) => Ok(s.as_ref().map(|s| s.token())),
     };
     let all = ex.allgather(&status_msg(&st1))?;
     if let Some(e) = local_err {
@@ -207,56 +238,85 @@ pub fn connect(
 
     // Phase 2: open every peer's segment and find the ring meant for this rank.
     let my_ns = pid_namespace();
-    let opened: std::result::Result<Vec<(Arc<Segment>, u32, bool)>, String> = peers
+    let opened: std::result::Result<Vec<(Arc<Segment>, u32, bool)>, OpenError> = peers
         .iter()
         .map(|&(p, ppid)| {
+            let failed = |m: String| OpenError::Failed(m);
             let m = &all[p];
             if m.first() != Some(&ST_OK) {
-                return Err(format!("rank {p} has no shared-memory segment (does it list rank {rank} as a shm peer?)"));
+                return Err(failed(format!("rank {p} has no shared-memory segment (does it list rank {rank} as a shm peer?)")));
             }
-            let text = std::str::from_utf8(&m[1..]).map_err(|_| format!("rank {p} sent a non-UTF-8 path"))?;
-            let (path, ns) = text.split_once('\n').unwrap_or((text, ""));
+            let text = std::str::from_utf8(&m[1..]).map_err(|_| failed(format!("rank {p} sent a non-UTF-8 segment token")))?;
+            let (tok, ns) = text.split_once('\n').unwrap_or((text, ""));
             let same_ns = !ns.is_empty() && ns == my_ns;
             if !same_ns {
                 tracing::debug!(rank, peer = p, ns, my_ns, "peer in another pid namespace: no liveness checks by pid");
             }
-            let path = Path::new(path);
-            let expect_dir = Path::new(segment::SHM_DIR);
-            let name_ok = path.parent() == Some(expect_dir)
-                && path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(segment::PREFIX));
-            if !name_ok {
-                return Err(format!("rank {p} sent an unexpected segment path {}", path.display()));
+            let path = Path::new(tok);
+            let seg = if tok.starts_with("fd:") {
+                if !same_ns {
+                    return Err(OpenError::Refused(format!("rank {p} is in another pid namespace")));
+                }
+                let fd = handoff::open_token(tok, ppid).map_err(|e| match e {
+                    OpenError::Failed(m) => failed(format!("rank {p}'s segment: {m}")),
+                    refused => refused,
+                })?;
+                Segment::open_fd(fd, path, tag, p)
+            } else {
+                let expect_dir = Path::new(segment::SHM_DIR);
+                let name_ok = path.parent() == Some(expect_dir)
+                    && path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(segment::PREFIX));
+                if !name_ok {
+                    return Err(failed(format!("rank {p} sent an unexpected segment path {}", path.display())));
+                }
+                Segment::open(path, tag, p)
             }
-            let seg = Segment::open(path, tag, p).map_err(|e| format!("rank {p}'s segment: {e}"))?;
+            .map_err(|e| failed(format!("rank {p}'s segment: {e}")))?;
             if seg.owner_pid() != ppid {
-                return Err(format!(
+                return Err(failed(format!(
                     "rank {p}'s segment {} was created by pid {}, but rank {p} is pid {ppid}",
                     path.display(),
                     seg.owner_pid()
-                ));
+                )));
             }
             let ring = seg
                 .find_ring(rank)
-                .ok_or_else(|| format!("rank {p}'s segment has no ring for rank {rank} (asymmetric peer lists?)"))?;
+                .ok_or_else(|| failed(format!("rank {p}'s segment has no ring for rank {rank} (asymmetric peer lists?)")))?;
             Ok((Arc::new(seg), ring, same_ns))
         })
         .collect();
 
     // Everyone has opened (or failed to open) the segments it needs: the files can go.
-    let all2 = ex.allgather(&status_msg(
-        &opened.as_ref().map(|_| None).map_err(|e| e.clone()),
-    ));
+    let st2 = match &opened {
+        Ok(_) => vec![ST_NONE],
+        Err(OpenError::Refused(m)) => [&[ST_REFUSED][..], m.as_bytes()].concat(),
+        Err(OpenError::Failed(m)) => status_msg(&Err(m.clone())),
+    };
+    let all2 = ex.allgather(&st2);
     let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
     let all2 = all2?;
-    let opened = opened.map_err(|m| shm_err(rank, m))?;
     if let Some(e) = peer_failure(rank, &all2, "open the shared-memory segments of its peers") {
         return Err(e);
     }
+    if let Err(OpenError::Failed(m)) = &opened {
+        return Err(shm_err(rank, m.clone()));
+    }
+    if let Some(m) = all2.iter().find(|m| m.first() == Some(&ST_REFUSED)) {
+        tracing::debug!(
+            rank,
+            "memfd hand-over refused: {}",
+            String::from_utf8_lossy(&m[1..])
+        );
+        return Ok(None);
+    }
+    let opened = opened.map_err(|e| match e {
+        OpenError::Failed(m) | OpenError::Refused(m) => shm_err(rank, m),
+    })?;
     unlinked.map_err(|m| shm_err(rank, m))?;
 
     let own = match own {
         Some(o) => o,
-        None => return Ok(Vec::new()),
+        None => return Ok(Some(Vec::new())),
     };
     let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(peers.len());
     for (i, (&(p, ppid), (remote, ring_idx, same_ns))) in peers.iter().zip(opened).enumerate() {
@@ -284,7 +344,7 @@ pub fn connect(
         links.push((p, Box::new(link)));
     }
     tracing::debug!(rank, npeers = peers.len(), path = %own.path().display(), "shm links ready");
-    Ok(links)
+    Ok(Some(links))
 }
 
 /// A shared-memory [`Link`] to one peer on the same host; made by [`connect`].
@@ -414,5 +474,63 @@ impl std::fmt::Debug for ShmLink {
             .field("own", &self.own.path())
             .field("remote", &self.remote.path())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::local::LocalExchange;
+
+    /// Both ways of sharing: links carry bytes, and nothing of the communicator is left in
+    /// `/dev/shm` once `connect_as` returns.
+    #[test]
+    fn memfd_and_named_segments_both_carry_bytes_and_leave_nothing() {
+        for sharing in [Sharing::Memfd, Sharing::Named] {
+            let mut tag_bytes = [0u8; 8];
+            getrandom::fill(&mut tag_bytes).unwrap();
+            let tag = u64::from_le_bytes(tag_bytes);
+            let pid = std::process::id();
+            let ts: Vec<_> = LocalExchange::group(2)
+                .into_iter()
+                .map(|mut ex| {
+                    std::thread::spawn(move || {
+                        let peer = 1 - ex.rank();
+                        let mut links =
+                            connect_as(&mut ex, &[(peer, pid)], tag, &Config::default(), sharing)
+                                .unwrap()
+                                .unwrap();
+                        ex.barrier().unwrap();
+                        let left: Vec<String> = std::fs::read_dir(segment::SHM_DIR)
+                            .unwrap()
+                            .flatten()
+                            .filter_map(|e| e.file_name().into_string().ok())
+                            .filter(|n| n.contains(&format!("{tag:016x}")))
+                            .collect();
+                        let msg = [ex.rank() as u8 + 1; 100];
+                        let link = &mut links[0].1;
+                        let mut sent = 0;
+                        let mut got = Vec::new();
+                        while sent < msg.len() || got.len() < msg.len() {
+                            if sent < msg.len() {
+                                sent += link.try_send(&msg[sent..]).unwrap();
+                            }
+                            link.try_recv(&mut |d| {
+                                got.extend_from_slice(d);
+                                d.len()
+                            })
+                            .unwrap();
+                        }
+                        ex.barrier().unwrap();
+                        (left, got)
+                    })
+                })
+                .collect();
+            for (r, t) in ts.into_iter().enumerate() {
+                let (left, got) = t.join().unwrap();
+                assert!(left.is_empty(), "{sharing:?}: left {left:?}");
+                assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
+            }
+        }
     }
 }

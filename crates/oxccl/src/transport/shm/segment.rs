@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use rustix::fs::{FallocateFlags, Mode, OFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
+use super::handoff::{self, Sharing};
 use super::ring::RingCtrl;
 use crate::wait::Doorbell;
 
@@ -151,14 +152,17 @@ pub(crate) fn free_bytes(dir: &str) -> Result<u64, String> {
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
-/// A mapped segment: ours (created, unlinked once the peers have opened it) or a peer's.
+/// A mapped segment: ours (created, released once the peers have opened it) or a peer's.
 pub(crate) struct Segment {
     base: NonNull<u8>,
     layout: SegLayout,
+    /// Its file, or `memfd:NAME` for a memfd (for messages).
     path: PathBuf,
     owner_pid: u32,
     /// Set when this process created the file and has not unlinked it yet.
     to_unlink: AtomicBool,
+    /// Ours, until released: the descriptor peers take a copy of ([`handoff`]).
+    fd: std::sync::Mutex<Option<OwnedFd>>,
 }
 
 // SAFETY: the mapping is process-wide and lives until Drop; all shared bytes are accessed
@@ -190,10 +194,12 @@ pub(crate) fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, S
 }
 
 impl Segment {
-    /// Creates, sizes (really allocating the memory) and maps a new segment at `path`, with
-    /// one ring per entry of `producers` (the producer's rank), and fills its header.
+    /// Creates, sizes (really allocating the memory) and maps a new segment, with one ring per
+    /// entry of `producers` (the producer's rank), and fills its header: a memfd named `name`
+    /// ([`Sharing::Memfd`]) or the file [`handoff::named_path`]`(name)` in `/dev/shm`.
     pub(crate) fn create(
-        path: &Path,
+        sharing: Sharing,
+        name: &str,
         tag: u64,
         owner_rank: usize,
         producers: &[usize],
@@ -211,18 +217,37 @@ impl Segment {
         })?;
         let owner_rank_u32 =
             u32::try_from(owner_rank).map_err(|_| format!("rank {owner_rank} is too large"))?;
-        let dir = path.parent().and_then(Path::to_str).unwrap_or(SHM_DIR);
-        check_space(dir, layout.total, free_bytes(dir)?, cap, nrings)?;
-
-        let fd: OwnedFd = rustix::fs::open(
-            path,
-            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-        .map_err(|e| io_msg("cannot create", path, e))?;
+        crate::mem::check_fits(
+            layout.total,
+            &format!(
+                "the shared-memory segment ({nrings} ring(s) of {cap} bytes, OXCCL_SHM_RING_BYTES)"
+            ),
+        )?;
+        let (path, fd, guard) = match sharing {
+            Sharing::Memfd => {
+                let fd = handoff::memfd(name)?;
+                (PathBuf::from(format!("memfd:{name}")), fd, None)
+            }
+            Sharing::Named => {
+                handoff::remove_stale(Path::new(SHM_DIR));
+                let path = handoff::named_path(name);
+                let dir = path.parent().and_then(Path::to_str).unwrap_or(SHM_DIR);
+                check_space(dir, layout.total, free_bytes(dir)?, cap, nrings)?;
+                let fd: OwnedFd = rustix::fs::open(
+                    &path,
+                    OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )
+                .map_err(|e| io_msg("cannot create", &path, e))?;
+                // From here on the file exists: the Segment (or this guard) removes it on
+                // failure.
+                let guard = UnlinkGuard(path.clone());
+                (path, fd, Some(guard))
+            }
+        };
+        let path = path.as_path();
+        let dir = SHM_DIR;
         let pid = std::process::id();
-        // From here on the file exists: the Segment (or this guard) removes it on failure.
-        let guard = scopeguard(path);
         match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total) {
             Ok(()) => {}
             Err(rustix::io::Errno::NOSPC) => {
@@ -242,13 +267,15 @@ impl Segment {
             Err(e) => return Err(io_msg("fallocate", path, e)),
         }
         let base = map(&fd, layout.total, path)?;
+        let named = guard.is_some();
         std::mem::forget(guard);
         let seg = Segment {
             base,
             layout,
             path: path.to_path_buf(),
             owner_pid: pid,
-            to_unlink: AtomicBool::new(true),
+            to_unlink: AtomicBool::new(named),
+            fd: std::sync::Mutex::new(Some(fd)),
         };
         let h = seg.header();
         h.version.store(VERSION, Ordering::Relaxed);
@@ -271,6 +298,16 @@ impl Segment {
     pub(crate) fn open(path: &Path, tag: u64, expect_rank: usize) -> Result<Segment, String> {
         let fd: OwnedFd = rustix::fs::open(path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| io_msg("cannot open", path, e))?;
+        Self::open_fd(fd, path, tag, expect_rank)
+    }
+
+    /// As [`open`](Self::open), for a descriptor already open (`path` names it in messages).
+    pub(crate) fn open_fd(
+        fd: OwnedFd,
+        path: &Path,
+        tag: u64,
+        expect_rank: usize,
+    ) -> Result<Segment, String> {
         let size = rustix::fs::fstat(&fd)
             .map_err(|e| io_msg("fstat", path, e))?
             .st_size;
@@ -295,6 +332,7 @@ impl Segment {
             path: path.to_path_buf(),
             owner_pid: 0,
             to_unlink: AtomicBool::new(false),
+            fd: std::sync::Mutex::new(None),
         };
         let h = head.header();
         let magic = h.magic.load(Ordering::Acquire);
@@ -344,6 +382,7 @@ impl Segment {
             path: path.to_path_buf(),
             owner_pid,
             to_unlink: AtomicBool::new(false),
+            fd: std::sync::Mutex::new(None),
         })
     }
 
@@ -403,8 +442,18 @@ impl Segment {
         &self.path
     }
 
-    /// Removes the file (the mapping stays). Only the creator does, once.
+    /// What peers need to open it: the token of its memfd ([`handoff::token`]) or its path.
+    pub(crate) fn token(&self) -> String {
+        match &*self.fd.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(fd) if !self.to_unlink.load(Ordering::Acquire) => handoff::token(fd),
+            _ => self.path.display().to_string(),
+        }
+    }
+
+    /// Removes the file and closes the descriptor peers copied (the mapping stays). Only
+    /// the creator does, once.
     pub(crate) fn unlink(&self) -> Result<(), String> {
+        self.fd.lock().unwrap_or_else(|e| e.into_inner()).take();
         if self.to_unlink.swap(false, Ordering::AcqRel) {
             rustix::fs::unlink(&self.path).map_err(|e| io_msg("unlink", &self.path, e))?;
         }
@@ -431,14 +480,11 @@ impl Drop for Segment {
     }
 }
 
-/// Removes `path` when dropped unless forgotten: cleans up a half-created segment.
-struct UnlinkGuard<'a>(&'a Path);
-fn scopeguard(path: &Path) -> UnlinkGuard<'_> {
-    UnlinkGuard(path)
-}
-impl Drop for UnlinkGuard<'_> {
+/// Removes its path when dropped unless forgotten: cleans up a half-created segment.
+struct UnlinkGuard(PathBuf);
+impl Drop for UnlinkGuard {
     fn drop(&mut self) {
-        let _ = rustix::fs::unlink(self.0);
+        let _ = rustix::fs::unlink(&self.0);
     }
 }
 
@@ -452,6 +498,10 @@ mod tests {
             "{SHM_DIR}/{PREFIX}unittest-{name}-{}-{nonce:x}",
             std::process::id()
         ))
+    }
+
+    fn tmp_name(name: &str) -> String {
+        format!("unittest-{name}-{:x}", u64::from_le_bytes(rand8()))
     }
 
     fn rand8() -> [u8; 8] {
@@ -490,8 +540,10 @@ mod tests {
 
     #[test]
     fn create_open_roundtrip_and_unlink() {
-        let path = tmp_path("rt");
-        let own = Segment::create(&path, 0xabc, 2, &[0, 5], 4096).unwrap();
+        let name = tmp_name("rt");
+        let own = Segment::create(Sharing::Named, &name, 0xabc, 2, &[0, 5], 4096).unwrap();
+        let path = own.path().to_path_buf();
+        assert!(path.starts_with(SHM_DIR) && path.exists(), "{path:?}");
         let peer = Segment::open(&path, 0xabc, 2).unwrap();
         assert_eq!(peer.owner_pid(), std::process::id());
         assert_eq!(peer.find_ring(5), Some(1));
@@ -507,7 +559,7 @@ mod tests {
             .unwrap_err()
             .contains("owner rank"));
         // O_EXCL: a second create at the same path fails.
-        assert!(Segment::create(&path, 0xabc, 2, &[0], 4096).is_err());
+        assert!(Segment::create(Sharing::Named, &name, 0xabc, 2, &[0], 4096).is_err());
         own.unlink().unwrap();
         assert!(!path.exists());
         drop(own);
@@ -516,11 +568,40 @@ mod tests {
 
     #[test]
     fn drop_removes_file() {
-        let path = tmp_path("drop");
-        let own = Segment::create(&path, 1, 0, &[1], 64).unwrap();
+        let own = Segment::create(Sharing::Named, &tmp_name("drop"), 1, 0, &[1], 64).unwrap();
+        let path = own.path().to_path_buf();
         assert!(path.exists());
         drop(own);
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_memfd_segment_has_no_file_and_opens_by_token() {
+        let before = std::fs::read_dir(SHM_DIR).unwrap().count();
+        let own = Segment::create(Sharing::Memfd, &tmp_name("memfd"), 9, 1, &[0], 4096).unwrap();
+        assert!(own.path().to_string_lossy().starts_with("memfd:"));
+        let tok = own.token();
+        assert!(tok.starts_with("fd:"), "{tok}");
+        let fd = handoff::open_token(&tok, std::process::id()).unwrap();
+        let peer = Segment::open_fd(fd, Path::new(&tok), 9, 1).unwrap();
+        assert_eq!(peer.find_ring(0), Some(0));
+        own.doorbell().ring();
+        let t = peer.doorbell().prepare();
+        own.doorbell().cancel(t);
+        // Released: the descriptor is closed, no token any more.
+        own.unlink().unwrap();
+        assert!(!own.token().starts_with("fd:"));
+        assert!(std::fs::read_dir(SHM_DIR).unwrap().count() <= before);
+    }
+
+    #[test]
+    fn an_absurd_ring_is_an_error_before_anything_is_allocated() {
+        let e = Segment::create(Sharing::Memfd, &tmp_name("huge"), 1, 0, &[1, 2, 3], 1 << 40)
+            .unwrap_err();
+        assert!(
+            e.contains("OXCCL_SHM_RING_BYTES") && e.contains("requested"),
+            "{e}"
+        );
     }
 
     /// Writes `bytes` (then zero padding to `len`) to a fresh file and tries to open it.
