@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::fingerprint::CallPrint;
 use crate::flight::Recorder;
 use crate::health::{Failure, Health};
+use crate::metrics::{Identity, Metrics};
 use crate::param::Config;
 use crate::timeline::Timeline;
 
@@ -43,6 +44,7 @@ pub struct CommGuard {
     health: Arc<Health>,
     recorder: Arc<Recorder>,
     timeline: Option<Timeline>,
+    metrics: Option<Arc<Metrics>>,
     timeout_ns: AtomicU64,
     shrink: Option<ShrinkPlan>,
     // Last: dropped after the rest (it says goodbye to the peers).
@@ -64,6 +66,7 @@ impl CommGuard {
                 cfg.flight_recorder.clone(),
             ),
             timeline: cfg.trace.as_deref().map(|p| Timeline::new(rank, p)),
+            metrics: metrics(cfg, 0, rank, nranks, 1),
             timeout_ns: AtomicU64::new(cfg.timeout.as_nanos().min(u64::MAX as u128) as u64),
             shrink: None,
             watchdog: None,
@@ -83,6 +86,10 @@ impl CommGuard {
             cfg.flight_entries,
             cfg.flight_recorder.clone(),
         );
+        let mut hosts: Vec<&str> = boot.peers().iter().map(|p| p.host_id.as_str()).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        g.metrics = metrics(cfg, boot.comm_tag(), rank, nranks, hosts.len());
         let my_ip: IpAddr = boot.peers()[rank].ip;
         let listener = TcpListener::bind(SocketAddr::new(my_ip, 0));
         let port = listener
@@ -154,6 +161,9 @@ impl CommGuard {
         print: &CallPrint,
         algo: &'static str,
     ) -> Option<(Instant, Vec<Instant>)> {
+        if let Some(m) = &self.metrics {
+            m.begin();
+        }
         self.recorder.begin(
             seq,
             call,
@@ -193,6 +203,9 @@ impl CommGuard {
         }
         let err = res.as_ref().err();
         self.recorder.end(seq, err.map(|e| e.to_string()));
+        if let Some(m) = &self.metrics {
+            m.end(seq, call, &print.fp, err.is_some());
+        }
         if let (Some(t), Some((start, steps))) = (&self.timeline, timing) {
             t.record(
                 seq,
@@ -220,6 +233,24 @@ impl CommGuard {
             self.recorder.dump(&e.to_string());
         }
     }
+}
+
+/// The metrics of a communicator when `OXCCL_METRICS` is set.
+fn metrics(
+    cfg: &Config,
+    comm: u64,
+    rank: usize,
+    nranks: usize,
+    nnodes: usize,
+) -> Option<Arc<Metrics>> {
+    let dir = cfg.metrics.as_deref()?;
+    let id = Identity {
+        comm,
+        rank,
+        nranks,
+        nnodes,
+    };
+    Some(Metrics::new(id, dir, cfg.metrics_interval))
 }
 
 impl Communicator {

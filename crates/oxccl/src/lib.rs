@@ -32,6 +32,7 @@ pub mod flight;
 pub mod fuzzing;
 pub mod guard;
 pub mod health;
+pub mod metrics;
 pub mod op;
 pub mod param;
 pub mod reduce;

@@ -91,6 +91,11 @@ pub struct Config {
     /// `OXCCL_TRACE`: write a Chrome/Perfetto timeline of every call and step to this file
     /// (`file.<rank>.json`, or `%r` replaced by the rank).
     pub trace: Option<String>,
+    /// `OXCCL_METRICS`: directory where each rank writes its call metrics (JSON lines and a
+    /// Prometheus text file, see [`crate::metrics`]). Default off.
+    pub metrics: Option<String>,
+    /// `OXCCL_METRICS_INTERVAL` (seconds): how often the metrics are written. Default 10 s.
+    pub metrics_interval: Duration,
     // Multi-host settings (transport/tcp.rs, cost.rs).
     /// `OXCCL_NET_GBPS`: network bandwidth per host link in GB/s for the cost model
     /// (default: [`crate::cost::CostModel`]'s, 1.2).
@@ -127,6 +132,8 @@ impl Default for Config {
             flight_recorder: None,
             flight_entries: 256,
             trace: None,
+            metrics: None,
+            metrics_interval: Duration::from_secs(10),
             net_gbps: None,
             net_lat_us: None,
             tcp_streams: 1,
@@ -391,8 +398,24 @@ impl Config {
             c.flight_entries = n;
         }
         c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
+        c.read_ops_env()?;
         c.read_net_env()?;
         Ok(c)
+    }
+
+    /// Operations settings: metrics, status agent, torch flight records.
+    fn read_ops_env(&mut self) -> Result<()> {
+        self.metrics = env_parse("OXCCL_METRICS", |v| Ok(v.to_string()))?;
+        if let Some(t) = env_parse("OXCCL_METRICS_INTERVAL", |v| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s > 0.0 && s.is_finite())
+                .map(Duration::from_secs_f64)
+                .ok_or_else(|| "expected a positive number of seconds".to_string())
+        })? {
+            self.metrics_interval = t;
+        }
+        Ok(())
     }
 
     fn read_net_env(&mut self) -> Result<()> {
