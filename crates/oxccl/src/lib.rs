@@ -28,6 +28,7 @@ pub mod exec;
 pub mod exec_direct;
 pub mod fingerprint;
 pub mod flight;
+pub mod flight_torch;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guard;
@@ -38,6 +39,7 @@ pub mod param;
 pub mod reduce;
 pub mod shared_buffer;
 mod split;
+pub mod status;
 pub mod stream;
 pub mod timeline;
 pub mod topo;

@@ -96,6 +96,14 @@ pub struct Config {
     pub metrics: Option<String>,
     /// `OXCCL_METRICS_INTERVAL` (seconds): how often the metrics are written. Default 10 s.
     pub metrics_interval: Duration,
+    /// `OXCCL_FR_DUMP`: file prefix; each rank writes its flight record in PyTorch's format
+    /// to `PREFIX<rank>` (see [`crate::flight_torch`]) on an error, a timeout, `SIGUSR1` and
+    /// when the communicator is dropped. Default off.
+    pub fr_dump: Option<String>,
+    /// `OXCCL_STATUS`: a port (on 127.0.0.1) or `host:port` where rank 0 answers status
+    /// queries (`oxccl status`, [`crate::status`]); the other ranks where it is set answer
+    /// on an ephemeral port. Default off.
+    pub status: Option<String>,
     // Multi-host settings (transport/tcp.rs, cost.rs).
     /// `OXCCL_NET_GBPS`: network bandwidth per host link in GB/s for the cost model
     /// (default: [`crate::cost::CostModel`]'s, 1.2).
@@ -134,6 +142,8 @@ impl Default for Config {
             trace: None,
             metrics: None,
             metrics_interval: Duration::from_secs(10),
+            fr_dump: None,
+            status: None,
             net_gbps: None,
             net_lat_us: None,
             tcp_streams: 1,
@@ -415,6 +425,8 @@ impl Config {
         })? {
             self.metrics_interval = t;
         }
+        self.fr_dump = env_parse("OXCCL_FR_DUMP", |v| Ok(v.to_string()))?;
+        self.status = env_parse("OXCCL_STATUS", |v| Ok(v.to_string()))?;
         Ok(())
     }
 
