@@ -108,7 +108,6 @@ fn table(v: &Value, with_times: bool) -> String {
         let mut r = r.clone();
         if !with_times {
             if let Some(c) = r.get_mut("current").and_then(Value::as_object_mut) {
-                c.remove("running_ms");
                 c.insert("running_ms".into(), Value::String("…".into()));
             }
         }
@@ -127,7 +126,8 @@ pub fn main(a: Args) -> i32 {
             return 2;
         }
     };
-    if !(a.timeout > 0.0 && a.timeout.is_finite()) || a.watch.is_some_and(|w| !(w > 0.0)) {
+    let positive = |x: f64| x > 0.0 && x.is_finite();
+    if !positive(a.timeout) || a.watch.is_some_and(|w| !positive(w)) {
         eprintln!("oxccl status: --timeout and --watch take a positive number of seconds");
         return 2;
     }

@@ -8,7 +8,16 @@ const OXCCL: &str = env!("CARGO_BIN_EXE_oxccl");
 
 fn run(args: &[&str]) -> String {
     let o = Command::new(OXCCL)
-        .args(["perf", "all_reduce", "-b", "64K", "-e", "64K", "--ranks", "3"])
+        .args([
+            "perf",
+            "all_reduce",
+            "-b",
+            "64K",
+            "-e",
+            "64K",
+            "--ranks",
+            "3",
+        ])
         .args(args)
         .env("OXCCL_TIMEOUT", "60")
         .output()

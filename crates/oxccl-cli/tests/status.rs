@@ -119,11 +119,18 @@ fn status_shows_who_is_behind() {
     assert_eq!(stuck["max_seq"], CALLS as u64 + 1, "{stuck}");
     assert_eq!(stuck["behind"], serde_json::json!([2]), "{stuck}");
     for r in 0..2 {
-        assert_eq!(stuck["ranks"][r]["current"]["call"], "all_reduce", "{stuck}");
+        assert_eq!(
+            stuck["ranks"][r]["current"]["call"], "all_reduce",
+            "{stuck}"
+        );
         assert_eq!(stuck["ranks"][r]["alive"], true);
     }
     assert_eq!(stuck["ranks"][2]["alive"], true, "{stuck}");
-    assert_eq!(stuck["ranks"][2]["current"], serde_json::Value::Null, "{stuck}");
+    assert_eq!(
+        stuck["ranks"][2]["current"],
+        serde_json::Value::Null,
+        "{stuck}"
+    );
     assert_eq!(stuck["ranks"][2]["last_completed"]["seq"], CALLS as u64);
     assert!(
         text.contains("behind it: rank(s) 2")

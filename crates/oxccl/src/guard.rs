@@ -22,9 +22,9 @@ use crate::fingerprint::CallPrint;
 use crate::flight::Recorder;
 use crate::flight_torch::TorchDump;
 use crate::health::{Failure, Health};
-use crate::status::StatusAgent;
 use crate::metrics::{Identity, Metrics};
 use crate::param::Config;
+use crate::status::StatusAgent;
 use crate::timeline::Timeline;
 
 /// What [`Communicator::shrink`] needs: every rank's pre-opened rendezvous listener address,
@@ -284,7 +284,9 @@ fn status_listener(cfg: &Config, rank: usize, my_ip: IpAddr) -> Option<TcpListen
         SocketAddr::new(my_ip, 0)
     };
     TcpListener::bind(addr)
-        .map_err(|e| tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent"))
+        .map_err(
+            |e| tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent"),
+        )
         .ok()
 }
 

@@ -61,7 +61,10 @@ struct KindStats {
 }
 
 fn bump(a: &AtomicU64, by: u64) {
-    a.store(a.load(Ordering::Relaxed).wrapping_add(by), Ordering::Relaxed);
+    a.store(
+        a.load(Ordering::Relaxed).wrapping_add(by),
+        Ordering::Relaxed,
+    );
 }
 
 /// What one rank's communicator is, for the labels.
@@ -257,27 +260,58 @@ impl Metrics {
         };
         type Get = fn(&KindStats, f64) -> f64;
         let series: [(&str, &str, &str, Get); 7] = [
-            ("oxccl_collective_calls_total", "counter", "Completed calls.", |s, _| {
-                s.calls.load(Ordering::Relaxed) as f64
-            }),
-            ("oxccl_collective_errors_total", "counter", "Failed calls.", |s, _| {
-                s.errors.load(Ordering::Relaxed) as f64
-            }),
-            ("oxccl_collective_bytes_total", "counter", "Bytes of completed calls (nccl-tests sizes).", |s, _| {
-                s.bytes.load(Ordering::Relaxed) as f64
-            }),
-            ("oxccl_collective_time_seconds_total", "counter", "Time in completed calls.", |s, _| {
-                s.time_ns.load(Ordering::Relaxed) as f64 * 1e-9
-            }),
-            ("oxccl_collective_exec_time_microseconds", "gauge", "Time of the latest call.", |s, _| {
-                s.last_ns.load(Ordering::Relaxed) as f64 * 1e-3
-            }),
-            ("oxccl_algorithm_bandwidth_gbs", "gauge", "Algorithm bandwidth of the latest call, GB/s.", |s, _| {
-                gbps(s.last_bytes.load(Ordering::Relaxed), s.last_ns.load(Ordering::Relaxed))
-            }),
-            ("oxccl_bus_bandwidth_gbs", "gauge", "Bus bandwidth of the latest call, GB/s.", |s, f| {
-                gbps(s.last_bytes.load(Ordering::Relaxed), s.last_ns.load(Ordering::Relaxed)) * f
-            }),
+            (
+                "oxccl_collective_calls_total",
+                "counter",
+                "Completed calls.",
+                |s, _| s.calls.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "oxccl_collective_errors_total",
+                "counter",
+                "Failed calls.",
+                |s, _| s.errors.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "oxccl_collective_bytes_total",
+                "counter",
+                "Bytes of completed calls (nccl-tests sizes).",
+                |s, _| s.bytes.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "oxccl_collective_time_seconds_total",
+                "counter",
+                "Time in completed calls.",
+                |s, _| s.time_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            ),
+            (
+                "oxccl_collective_exec_time_microseconds",
+                "gauge",
+                "Time of the latest call.",
+                |s, _| s.last_ns.load(Ordering::Relaxed) as f64 * 1e-3,
+            ),
+            (
+                "oxccl_algorithm_bandwidth_gbs",
+                "gauge",
+                "Algorithm bandwidth of the latest call, GB/s.",
+                |s, _| {
+                    gbps(
+                        s.last_bytes.load(Ordering::Relaxed),
+                        s.last_ns.load(Ordering::Relaxed),
+                    )
+                },
+            ),
+            (
+                "oxccl_bus_bandwidth_gbs",
+                "gauge",
+                "Bus bandwidth of the latest call, GB/s.",
+                |s, f| {
+                    gbps(
+                        s.last_bytes.load(Ordering::Relaxed),
+                        s.last_ns.load(Ordering::Relaxed),
+                    ) * f
+                },
+            ),
         ];
         let mut out = String::new();
         for (name, ty, help, get) in series {
@@ -304,9 +338,10 @@ impl Metrics {
     /// Appends the new JSON lines and rewrites the Prometheus file (nothing before the first
     /// call); errors are logged.
     pub fn write(&self, all: bool) {
-        let idle = self.kinds.iter().all(|s| {
-            s.calls.load(Ordering::Relaxed) + s.errors.load(Ordering::Relaxed) == 0
-        });
+        let idle = self
+            .kinds
+            .iter()
+            .all(|s| s.calls.load(Ordering::Relaxed) + s.errors.load(Ordering::Relaxed) == 0);
         if idle {
             return;
         }
@@ -405,13 +440,17 @@ mod tests {
         assert!(m.json_lines(false).is_empty(), "nothing new since");
         let prom = m.prometheus();
         assert!(
-            prom.contains("oxccl_collective_calls_total{comm_id=\"0xabc\",collective=\"AllGather\"")
-                && prom.contains("oxccl_collective_errors_total{") && prom.contains("} 1\n"),
+            prom.contains(
+                "oxccl_collective_calls_total{comm_id=\"0xabc\",collective=\"AllGather\""
+            ) && prom.contains("oxccl_collective_errors_total{")
+                && prom.contains("} 1\n"),
             "{prom}"
         );
         let (jsonl, promf) = m.files();
         drop(m);
-        assert!(std::fs::read_to_string(promf).unwrap().contains("oxccl_bus_bandwidth_gbs"));
+        assert!(std::fs::read_to_string(promf)
+            .unwrap()
+            .contains("oxccl_bus_bandwidth_gbs"));
         let _ = std::fs::remove_file(jsonl);
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -164,10 +164,7 @@ pub fn local_json(src: &Source) -> String {
             Some(_) => json_str(&src.health.error(src.rank, "status", 0).to_string()),
         }
     );
-    let current = entries
-        .iter()
-        .rev()
-        .find(|e| e.state == CallState::Running);
+    let current = entries.iter().rev().find(|e| e.state == CallState::Running);
     match current {
         Some(e) => {
             let _ = write!(
@@ -247,28 +244,34 @@ fn reached_of(answer: &str) -> Option<u64> {
     rest[..end].parse().ok()
 }
 
-/// Every rank's state, gathered from their agents (in parallel, each bounded by
+/// Every rank's state, gathered from their agents (64 at a time, each bounded by
 /// [`IO_TIMEOUT`]), as one JSON object.
 pub fn job_json(src: &Source, peers: &[Option<SocketAddr>]) -> String {
-    let answers: Vec<Result<String, String>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..src.nranks)
-            .map(|r| {
-                let addr = peers.get(r).copied().flatten();
-                sc.spawn(move || {
-                    if r == src.rank {
-                        return Ok(local_json(src));
-                    }
-                    let Some(a) = addr else {
-                        return Err("no status agent (OXCCL_STATUS unset on that rank)".into());
-                    };
-                    ask(a, "local", IO_TIMEOUT).map_err(|e| format!("no answer from {a}: {e}"))
+    // In parallel, at most 64 ranks at a time.
+    let mut answers: Vec<Result<String, String>> = Vec::with_capacity(src.nranks);
+    for first in (0..src.nranks).step_by(64) {
+        let last = (first + 64).min(src.nranks);
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (first..last)
+                .map(|r| {
+                    let addr = peers.get(r).copied().flatten();
+                    sc.spawn(move || {
+                        if r == src.rank {
+                            return Ok(local_json(src));
+                        }
+                        let Some(a) = addr else {
+                            return Err("no status agent (OXCCL_STATUS unset on that rank)".into());
+                        };
+                        ask(a, "local", IO_TIMEOUT).map_err(|e| format!("no answer from {a}: {e}"))
+                    })
                 })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("agent query panicked".into())))
-            .collect()
-    });
+                .collect();
+            answers.extend(hs.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("agent query panicked".into()))
+            }));
+        });
+    }
     let reached: Vec<Option<u64>> = answers
         .iter()
         .map(|a| a.as_ref().ok().and_then(|s| reached_of(s)))
@@ -335,7 +338,9 @@ mod tests {
         // A stranger that connects and says nothing is answered (and dropped) within the bound.
         let t = std::time::Instant::now();
         let mut quiet = TcpStream::connect(a.addr()).unwrap();
-        quiet.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        quiet
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
         let mut got = String::new();
         let _ = quiet.read_to_string(&mut got);
         assert!(got.contains("no request"), "{got}");

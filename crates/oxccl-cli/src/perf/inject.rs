@@ -71,7 +71,9 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
         _ => return Err("give one of --kill-rank and --stall-rank".into()),
     };
     if n < 2 || victim >= n {
-        return Err(format!("rank {victim} is not one of {n} ranks (at least 2)"));
+        return Err(format!(
+            "rank {victim} is not one of {n} ranks (at least 2)"
+        ));
     }
     let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
     if rooted && a.root == victim {
