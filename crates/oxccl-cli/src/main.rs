@@ -4,10 +4,12 @@
 //! - `oxccl run -n N -- PROGRAM ARGS...`: starts N local ranks (see `launch.rs`).
 //! - `oxccl info`: what this host offers (see `info.rs`).
 //! - `oxccl trace FILES...`: merges flight recorder files (see `trace.rs`).
+//! - `oxccl status ADDR`: asks a running job where every rank is (see `status.rs`).
 
 mod info;
 mod launch;
 mod perf;
+mod status;
 mod trace;
 mod tune;
 
@@ -40,6 +42,9 @@ enum Cmd {
     /// Merge the flight recorder files of all ranks (OXCCL_FLIGHT_RECORDER) and say which
     /// rank stopped where; with --timeline, merge OXCCL_TRACE timelines.
     Trace(trace::Args),
+    /// Ask a running job (started with OXCCL_STATUS) where every rank is: alive, current
+    /// call and sequence number, last completed call, ranks behind, recent errors.
+    Status(status::Args),
 }
 
 fn main() {
@@ -50,6 +55,7 @@ fn main() {
         Cmd::Tune(a) => tune::main(a),
         Cmd::Info => info::main(),
         Cmd::Trace(a) => trace::main(a),
+        Cmd::Status(a) => status::main(a),
     };
     std::process::exit(code);
 }

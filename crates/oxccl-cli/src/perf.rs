@@ -21,6 +21,8 @@ use serde::Serialize;
 
 use crate::launch::rank_or_launch;
 
+mod inject;
+
 /// `oxccl perf` arguments (nccl-tests' names).
 #[derive(ClapArgs, Clone)]
 pub struct Args {
@@ -74,6 +76,19 @@ pub struct Args {
     /// Also write one JSON object per row and placement to this file.
     #[arg(long)]
     json: Option<String>,
+    /// Failure injection: this rank exits abruptly (as SIGKILL: no goodbye) at --at-iter;
+    /// the survivors report the time to detect, shrink, re-run and check (see perf/inject.rs).
+    #[arg(long, value_name = "RANK", conflicts_with = "stall_rank")]
+    kill_rank: Option<usize>,
+    /// Failure injection: this rank stops itself (SIGSTOP) at --at-iter for --stall-secs.
+    #[arg(long, value_name = "RANK")]
+    stall_rank: Option<usize>,
+    /// The iteration at which the injected failure happens.
+    #[arg(long, value_name = "I", default_value_t = 10)]
+    at_iter: usize,
+    /// How long a stalled rank stays stopped before it resumes and leaves.
+    #[arg(long, value_name = "SECS", default_value_t = 8.0)]
+    stall_secs: f64,
 }
 
 pub(crate) fn under_launcher() -> bool {
@@ -355,6 +370,9 @@ fn rank_main(a: &Args) -> Result<(), String> {
     }
     if a.root >= n && matches!(kind, CollKind::Broadcast | CollKind::Reduce) {
         return Err(format!("root {} is out of range for {n} ranks", a.root));
+    }
+    if a.kill_rank.is_some() || a.stall_rank.is_some() {
+        return inject::run(comm, a, kind);
     }
     let transport = comm.transport_summary();
     let mut json = match (&a.json, rank) {

@@ -14,6 +14,7 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once, Weak};
 
 use crate::fingerprint::Fingerprint;
+use crate::flight_torch::TorchDump;
 
 /// The state of a recorded call.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -121,6 +122,7 @@ pub struct Recorder {
     nranks: usize,
     comm: u64,
     path: Option<String>,
+    torch: Option<TorchDump>,
     slots: Box<[Slot]>,
     /// Calls recorded so far (the next slot is `count % slots`).
     count: AtomicU64,
@@ -137,24 +139,27 @@ fn now_us() -> u64 {
 
 impl Recorder {
     /// A recorder of the last `cap` calls (0: records nothing), writing under `path`
-    /// (`OXCCL_FLIGHT_RECORDER`) if set. With a path, `SIGUSR1` writes every live recorder.
+    /// (`OXCCL_FLIGHT_RECORDER`) and in torch's format (`OXCCL_FR_DUMP`, [`TorchDump`]) if
+    /// set. With either, `SIGUSR1` writes every live recorder.
     pub fn new(
         rank: usize,
         nranks: usize,
         comm: u64,
         cap: usize,
         path: Option<String>,
+        torch: Option<TorchDump>,
     ) -> Arc<Recorder> {
         let r = Arc::new(Recorder {
             rank,
             nranks,
             comm,
             path,
+            torch,
             slots: (0..cap).map(|_| Slot::default()).collect(),
             count: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
         });
-        if r.path.is_some() {
+        if r.path.is_some() || r.torch.is_some() {
             register(&r);
         }
         r
@@ -323,8 +328,22 @@ impl Recorder {
         s
     }
 
-    /// Writes the record to [`file`](Self::file) (if set); errors are logged, not returned.
+    /// True before the first call.
+    pub fn is_empty(&self) -> bool {
+        self.count.load(Ordering::Relaxed) == 0
+    }
+
+    /// Writes the record in torch's format (if `OXCCL_FR_DUMP` is set).
+    pub fn dump_torch(&self) {
+        if let Some(t) = &self.torch {
+            t.write(&self.entries(), self.rank, self.nranks, self.comm);
+        }
+    }
+
+    /// Writes the record to [`file`](Self::file) and in torch's format (where set); errors
+    /// are logged, not returned.
     pub fn dump(&self, reason: &str) {
+        self.dump_torch();
         let Some(path) = self.file() else { return };
         let tmp = path.with_extension("json.tmp");
         let res =
@@ -408,7 +427,7 @@ mod tests {
 
     #[test]
     fn keeps_the_last_calls_in_order() {
-        let r = Recorder::new(1, 4, 7, 3, None);
+        let r = Recorder::new(1, 4, 7, 3, None, None);
         let fp = Fingerprint {
             kind: 3,
             dtype: 8,
@@ -435,6 +454,6 @@ mod tests {
             json.contains("\"state\":\"running\"") && json.contains("\"error\":\"boom\""),
             "{json}"
         );
-        assert!(Recorder::new(0, 1, 0, 0, None).entries().is_empty());
+        assert!(Recorder::new(0, 1, 0, 0, None, None).entries().is_empty());
     }
 }

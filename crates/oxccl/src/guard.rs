@@ -20,8 +20,11 @@ use crate::control::{WatchSettings, Watchdog};
 use crate::error::{Error, Result};
 use crate::fingerprint::CallPrint;
 use crate::flight::Recorder;
+use crate::flight_torch::TorchDump;
 use crate::health::{Failure, Health};
+use crate::metrics::{Identity, Metrics};
 use crate::param::Config;
+use crate::status::StatusAgent;
 use crate::timeline::Timeline;
 
 /// What [`Communicator::shrink`] needs: every rank's pre-opened rendezvous listener address,
@@ -43,8 +46,10 @@ pub struct CommGuard {
     health: Arc<Health>,
     recorder: Arc<Recorder>,
     timeline: Option<Timeline>,
+    metrics: Option<Arc<Metrics>>,
     timeout_ns: AtomicU64,
     shrink: Option<ShrinkPlan>,
+    status: Option<StatusAgent>,
     // Last: dropped after the rest (it says goodbye to the peers).
     watchdog: Option<Watchdog>,
 }
@@ -62,10 +67,13 @@ impl CommGuard {
                 0,
                 cfg.flight_entries,
                 cfg.flight_recorder.clone(),
+                torch_dump(cfg),
             ),
             timeline: cfg.trace.as_deref().map(|p| Timeline::new(rank, p)),
+            metrics: metrics(cfg, 0, rank, nranks, 1),
             timeout_ns: AtomicU64::new(cfg.timeout.as_nanos().min(u64::MAX as u128) as u64),
             shrink: None,
+            status: None,
             watchdog: None,
         }
     }
@@ -82,7 +90,12 @@ impl CommGuard {
             boot.comm_tag(),
             cfg.flight_entries,
             cfg.flight_recorder.clone(),
+            torch_dump(cfg),
         );
+        let mut hosts: Vec<&str> = boot.peers().iter().map(|p| p.host_id.as_str()).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        g.metrics = metrics(cfg, boot.comm_tag(), rank, nranks, hosts.len());
         let my_ip: IpAddr = boot.peers()[rank].ip;
         let listener = TcpListener::bind(SocketAddr::new(my_ip, 0));
         let port = listener
@@ -90,7 +103,22 @@ impl CommGuard {
             .ok()
             .and_then(|l| l.local_addr().ok())
             .map_or(0u16, |a| a.port());
-        let ports = boot.allgather(&port.to_le_bytes())?;
+        let status = status_listener(cfg, rank, my_ip);
+        let status_port = status
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(0u16, |a| a.port());
+        let mut mine = port.to_le_bytes().to_vec();
+        mine.extend_from_slice(&status_port.to_le_bytes());
+        let ports = boot.allgather(&mine)?;
+        let status_addrs: Vec<Option<SocketAddr>> = ports
+            .iter()
+            .zip(boot.peers())
+            .map(|(p, info)| {
+                let port = p.get(2..4).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                (port != 0).then_some(SocketAddr::new(info.ip, port))
+            })
+            .collect();
         let addrs: Vec<SocketAddr> = ports
             .iter()
             .zip(boot.peers())
@@ -104,6 +132,18 @@ impl CommGuard {
             listener: Mutex::new(listener.ok()),
             secret: *boot.secret(),
         });
+        if let Some(l) = status {
+            let src = crate::status::Source {
+                rank,
+                nranks,
+                recorder: g.recorder.clone(),
+                health: g.health.clone(),
+            };
+            match StatusAgent::start(l, src, status_addrs) {
+                Ok(a) => g.status = Some(a),
+                Err(e) => tracing::warn!(rank, "cannot start the status agent: {e}"),
+            }
+        }
         let conns = boot.take_connections();
         if !conns.is_empty() {
             let rec = g.recorder.clone();
@@ -154,6 +194,9 @@ impl CommGuard {
         print: &CallPrint,
         algo: &'static str,
     ) -> Option<(Instant, Vec<Instant>)> {
+        if let Some(m) = &self.metrics {
+            m.begin();
+        }
         self.recorder.begin(
             seq,
             call,
@@ -193,6 +236,9 @@ impl CommGuard {
         }
         let err = res.as_ref().err();
         self.recorder.end(seq, err.map(|e| e.to_string()));
+        if let Some(m) = &self.metrics {
+            m.end(seq, call, &print.fp, err.is_some());
+        }
         if let (Some(t), Some((start, steps))) = (&self.timeline, timing) {
             t.record(
                 seq,
@@ -220,6 +266,65 @@ impl CommGuard {
             self.recorder.dump(&e.to_string());
         }
     }
+}
+
+/// This rank's status listener when `OXCCL_STATUS` is set: rank 0 on its address, the others
+/// on an ephemeral port of `my_ip`. A failure is a warning: the job goes on without it.
+fn status_listener(cfg: &Config, rank: usize, my_ip: IpAddr) -> Option<TcpListener> {
+    let v = cfg.status.as_deref()?;
+    let addr = if rank == 0 {
+        match crate::status::parse_addr(v) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(rank, "OXCCL_STATUS: {e}; no status agent");
+                return None;
+            }
+        }
+    } else {
+        SocketAddr::new(my_ip, 0)
+    };
+    TcpListener::bind(addr)
+        .map_err(
+            |e| tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent"),
+        )
+        .ok()
+}
+
+/// The torch-format flight record of a communicator when `OXCCL_FR_DUMP` is set.
+fn torch_dump(cfg: &Config) -> Option<TorchDump> {
+    cfg.fr_dump.clone().map(|prefix| TorchDump {
+        prefix,
+        timeout_ms: cfg.timeout.as_millis().min(u64::MAX as u128) as u64,
+    })
+}
+
+impl Drop for CommGuard {
+    fn drop(&mut self) {
+        // At exit (the communicator is dropped): the torch-format record, if asked for and
+        // there is something to say (not for the placeholder guard `Communicator::init`
+        // replaces).
+        if !self.recorder.is_empty() {
+            self.recorder.dump_torch();
+        }
+    }
+}
+
+/// The metrics of a communicator when `OXCCL_METRICS` is set.
+fn metrics(
+    cfg: &Config,
+    comm: u64,
+    rank: usize,
+    nranks: usize,
+    nnodes: usize,
+) -> Option<Arc<Metrics>> {
+    let dir = cfg.metrics.as_deref()?;
+    let id = Identity {
+        comm,
+        rank,
+        nranks,
+        nnodes,
+    };
+    Some(Metrics::new(id, dir, cfg.metrics_interval))
 }
 
 impl Communicator {
@@ -259,6 +364,11 @@ impl Communicator {
     /// The timeout in force for calls.
     pub fn timeout(&self) -> Duration {
         self.guard().timeout()
+    }
+
+    /// Where this rank's status agent (`OXCCL_STATUS`, [`crate::status`]) listens, if it runs.
+    pub fn status_addr(&self) -> Option<SocketAddr> {
+        self.guard().status.as_ref().map(|a| a.addr())
     }
 
     /// The flight recorder as JSON (what `OXCCL_FLIGHT_RECORDER` writes).

@@ -95,6 +95,19 @@ pub struct Config {
     /// `OXCCL_TRACE`: write a Chrome/Perfetto timeline of every call and step to this file
     /// (`file.<rank>.json`, or `%r` replaced by the rank).
     pub trace: Option<String>,
+    /// `OXCCL_METRICS`: directory where each rank writes its call metrics (JSON lines and a
+    /// Prometheus text file, see [`crate::metrics`]). Default off.
+    pub metrics: Option<String>,
+    /// `OXCCL_METRICS_INTERVAL` (seconds): how often the metrics are written. Default 10 s.
+    pub metrics_interval: Duration,
+    /// `OXCCL_FR_DUMP`: file prefix; each rank writes its flight record in PyTorch's format
+    /// to `PREFIX<rank>` (see [`crate::flight_torch`]) on an error, a timeout, `SIGUSR1` and
+    /// when the communicator is dropped. Default off.
+    pub fr_dump: Option<String>,
+    /// `OXCCL_STATUS`: a port (on 127.0.0.1) or `host:port` where rank 0 answers status
+    /// queries (`oxccl status`, [`crate::status`]); the other ranks where it is set answer
+    /// on an ephemeral port. Default off.
+    pub status: Option<String>,
     // Multi-host settings (transport/tcp.rs, cost.rs).
     /// `OXCCL_NET_GBPS`: network bandwidth per host link in GB/s for the cost model
     /// (default: [`crate::cost::CostModel`]'s, 1.2).
@@ -140,6 +153,10 @@ impl Default for Config {
             flight_recorder: None,
             flight_entries: 256,
             trace: None,
+            metrics: None,
+            metrics_interval: Duration::from_secs(10),
+            fr_dump: None,
+            status: None,
             net_gbps: None,
             net_lat_us: None,
             tcp_streams: 1,
@@ -412,9 +429,27 @@ impl Config {
             c.flight_entries = n;
         }
         c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
+        c.read_ops_env()?;
         c.read_net_env()?;
         c.read_startup_env()?;
         Ok(c)
+    }
+
+    /// Operations settings: metrics, status agent, torch flight records.
+    fn read_ops_env(&mut self) -> Result<()> {
+        self.metrics = env_parse("OXCCL_METRICS", |v| Ok(v.to_string()))?;
+        if let Some(t) = env_parse("OXCCL_METRICS_INTERVAL", |v| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| *s > 0.0 && s.is_finite())
+                .map(Duration::from_secs_f64)
+                .ok_or_else(|| "expected a positive number of seconds".to_string())
+        })? {
+            self.metrics_interval = t;
+        }
+        self.fr_dump = env_parse("OXCCL_FR_DUMP", |v| Ok(v.to_string()))?;
+        self.status = env_parse("OXCCL_STATUS", |v| Ok(v.to_string()))?;
+        Ok(())
     }
 
     fn read_net_env(&mut self) -> Result<()> {

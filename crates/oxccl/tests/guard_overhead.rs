@@ -28,11 +28,11 @@ fn per_iter(n: u32, mut f: impl FnMut(u32)) -> f64 {
 
 #[test]
 #[ignore = "a measurement: run with --ignored --nocapture"]
-fn per_call_cost_of_fingerprints_health_and_recorder() {
+fn per_call_cost_of_fingerprints_health_recorder_and_metrics() {
     let n = 2_000_000;
     let mut seq = Sequencer::new(8);
     let health = Health::new();
-    let rec = Recorder::new(0, 8, 1, 256, None);
+    let rec = Recorder::new(0, 8, 1, 256, None, None);
     let fp_cost = per_iter(n, |i| {
         let fp = Fingerprint::of(CollKind::AllReduce, DataType::F32, ReduceOp::Sum, 2, 0);
         black_box(seq.next(0, i as u64, CollKind::AllReduce, black_box(fp)));
@@ -52,8 +52,27 @@ fn per_call_cost_of_fingerprints_health_and_recorder() {
         rec.begin(i as u64, "all_reduce", fp, i as u64, "ring");
         rec.end(i as u64, None);
     });
+    let dir = std::env::temp_dir().join(format!("oxccl-overhead-{}", std::process::id()));
+    let id = oxccl::metrics::Identity {
+        comm: 1,
+        rank: 0,
+        nranks: 8,
+        nnodes: 1,
+    };
+    let metrics = oxccl::metrics::Metrics::new(
+        id,
+        dir.to_str().unwrap(),
+        std::time::Duration::from_secs(3600),
+    );
+    let metrics_cost = per_iter(n, |i| {
+        metrics.begin();
+        metrics.end(i as u64, "all_reduce", &fp, false);
+    });
+    drop(metrics);
+    let _ = std::fs::remove_dir_all(dir);
     println!(
         "per call: fingerprint+sequence {fp_cost:.1} ns, header encode+check (per link) {hdr_cost:.1} ns, \
-         health check {health_cost:.1} ns, flight recorder begin+end {rec_cost:.1} ns"
+         health check {health_cost:.1} ns, flight recorder begin+end {rec_cost:.1} ns, \
+         metrics (OXCCL_METRICS) begin+end {metrics_cost:.1} ns"
     );
 }

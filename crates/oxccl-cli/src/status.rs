@@ -1,0 +1,169 @@
+//! `oxccl status ADDR`: asks a running job's status agent (`OXCCL_STATUS`, see
+//! `oxccl::status`) where every rank is, and prints it as a table or JSON; with `--watch`,
+//! asks again every SECS seconds and prints only what changed.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args as ClapArgs;
+use serde_json::Value;
+
+/// `oxccl status` arguments.
+#[derive(ClapArgs)]
+pub struct Args {
+    /// The agent: rank 0's OXCCL_STATUS (`PORT` on this host, or `HOST:PORT`).
+    addr: String,
+    /// Print the agent's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Ask again every SECS seconds, printing only changes (Ctrl-C to stop).
+    #[arg(long, value_name = "SECS")]
+    watch: Option<f64>,
+    /// How long to wait for the agent, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    timeout: f64,
+}
+
+fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Value, String> {
+    let line = oxccl::status::ask(addr, "status", timeout)
+        .map_err(|e| format!("no answer from {addr}: {e}"))?;
+    let v: Value =
+        serde_json::from_str(&line).map_err(|e| format!("{addr} answered '{line}': {e}"))?;
+    if let Some(e) = v.get("error").and_then(Value::as_str) {
+        return Err(format!("{addr}: {e}"));
+    }
+    Ok(v)
+}
+
+/// One rank's line of the table.
+fn rank_line(r: &Value) -> String {
+    let rank = r["rank"].as_u64().map_or("?".into(), |n| n.to_string());
+    if r["alive"] != Value::Bool(true) {
+        return format!(
+            "{rank:>5}  {:<5}  {}",
+            "no",
+            r["error"].as_str().unwrap_or("no answer")
+        );
+    }
+    let state = match &r["current"] {
+        Value::Object(c) => format!(
+            "in {} #{} (collective #{}, {} for {} ms)",
+            c["call"].as_str().unwrap_or("?"),
+            c["seq"],
+            c["coll_seq"],
+            c["algo"].as_str().unwrap_or("?"),
+            c["running_ms"]
+        ),
+        _ => format!("idle after #{}", r["reached"]),
+    };
+    let done = match &r["last_completed"] {
+        Value::Object(d) => format!("#{} {}", d["seq"], d["call"].as_str().unwrap_or("?")),
+        _ => "-".into(),
+    };
+    let health = r["health"].as_str().unwrap_or("?");
+    let mut line = format!(
+        "{rank:>5}  {:<5}  {:<7}  {:<20}  {:<48}  {:<20}  {}",
+        "yes",
+        r["pid"],
+        r["host"].as_str().unwrap_or("?"),
+        state,
+        done,
+        health
+    );
+    if let Some(errs) = r["recent_errors"].as_array() {
+        for e in errs.iter().take(3) {
+            line += &format!(
+                "\n{:>7}error in {} #{}: {}",
+                "",
+                e["call"].as_str().unwrap_or("?"),
+                e["seq"],
+                e["error"].as_str().unwrap_or("?")
+            );
+        }
+    }
+    line
+}
+
+/// The table, without the times that change at every query (for --watch's comparison).
+fn table(v: &Value, with_times: bool) -> String {
+    let behind: Vec<String> = v["behind"]
+        .as_array()
+        .map(|a| a.iter().map(|r| r.to_string()).collect())
+        .unwrap_or_default();
+    let mut s = format!(
+        "{} ranks; highest call reached #{}; {}\n",
+        v["world_size"],
+        v["max_seq"],
+        if behind.is_empty() {
+            "no rank behind".to_string()
+        } else {
+            format!("behind it: rank(s) {}", behind.join(", "))
+        }
+    );
+    s += &format!(
+        "{:>5}  {:<5}  {:<7}  {:<20}  {:<48}  {:<20}  {}\n",
+        "rank", "alive", "pid", "host", "now", "last completed", "health"
+    );
+    for r in v["ranks"].as_array().into_iter().flatten() {
+        let mut r = r.clone();
+        if !with_times {
+            if let Some(c) = r.get_mut("current").and_then(Value::as_object_mut) {
+                c.insert("running_ms".into(), Value::String("…".into()));
+            }
+        }
+        s += &rank_line(&r);
+        s.push('\n');
+    }
+    s
+}
+
+/// Entry point.
+pub fn main(a: Args) -> i32 {
+    let addr = match oxccl::status::parse_addr(&a.addr) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("oxccl status: {e}");
+            return 2;
+        }
+    };
+    let positive = |x: f64| x > 0.0 && x.is_finite();
+    if !positive(a.timeout) || a.watch.is_some_and(|w| !positive(w)) {
+        eprintln!("oxccl status: --timeout and --watch take a positive number of seconds");
+        return 2;
+    }
+    let timeout = Duration::from_secs_f64(a.timeout);
+    let mut last = String::new();
+    loop {
+        let shown = match fetch(addr, timeout) {
+            Ok(v) if a.json => (v.to_string(), {
+                let mut v = v;
+                v["time_us"] = Value::Null;
+                table(&v, false)
+            }),
+            Ok(v) => (table(&v, true), table(&v, false)),
+            Err(e) => {
+                if a.watch.is_none() {
+                    eprintln!("oxccl status: {e}");
+                    return 1;
+                }
+                (format!("unreachable: {e}"), format!("unreachable: {e}"))
+            }
+        };
+        match a.watch {
+            None => {
+                println!("{}", shown.0.trim_end());
+                return 0;
+            }
+            Some(secs) => {
+                if shown.1 != last {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs());
+                    println!("== {now} (unix seconds)\n{}", shown.0.trim_end());
+                    last = shown.1;
+                }
+                std::thread::sleep(Duration::from_secs_f64(secs));
+            }
+        }
+    }
+}
