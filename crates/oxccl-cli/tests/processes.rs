@@ -75,16 +75,33 @@ fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
                     nranks: n,
                 });
             }
-            v.push(Case {
-                kind: CollKind::AllReduce,
-                dtype: DataType::Bf16,
-                op: ReduceOp::Max,
-                root: 0,
-                count: (32 << 20) + 3,
-                in_place: true,
-                rank,
-                nranks: n,
-            });
+            // The other element types and ops, larger than the buffers too.
+            for (kind, dtype, op) in [
+                (CollKind::AllReduce, DataType::Bf16, ReduceOp::Max),
+                (CollKind::AllReduce, DataType::Bool, ReduceOp::BXor),
+                (CollKind::Reduce, DataType::U16, ReduceOp::BAnd),
+                (CollKind::AllReduce, DataType::F16, ReduceOp::PreMulSum(0.5)),
+                (
+                    CollKind::ReduceScatter,
+                    DataType::I32,
+                    ReduceOp::PreMulSum(3.0),
+                ),
+            ] {
+                let count = match kind {
+                    CollKind::ReduceScatter => (16 << 20) / n,
+                    _ => (32 << 20) + 3,
+                };
+                v.push(Case {
+                    kind,
+                    dtype,
+                    op,
+                    root: n - 1,
+                    count,
+                    in_place: true,
+                    rank,
+                    nranks: n,
+                });
+            }
         }
         _ => panic!("unknown mode {mode}"),
     }

@@ -60,9 +60,21 @@ pub fn kinds(nranks: usize) -> Vec<(CollKind, usize)> {
     k
 }
 
+/// The ops a matrix covers on `dtype`: every op defined on it, premul_sum with a scalar exact
+/// in every type (a half for floats, 3 otherwise).
+pub fn ops(dtype: DataType) -> Vec<ReduceOp> {
+    let scalar = if dtype.is_float() { 0.5 } else { 3.0 };
+    ReduceOp::ALL
+        .into_iter()
+        .chain(ReduceOp::BITWISE)
+        .chain([ReduceOp::PreMulSum(scalar)])
+        .filter(|op| op.check(dtype).is_ok())
+        .collect()
+}
+
 /// The correctness matrix for `rank` of `nranks`: every collective of [`kinds`] × every
-/// dtype × every op (for the reductions; sum otherwise) × each of `counts` × out of place and
-/// in place.
+/// dtype × every op of [`ops`] (for the reductions; sum otherwise) × each of `counts` × out of
+/// place and in place.
 pub fn matrix(rank: usize, nranks: usize, counts: &[usize]) -> Vec<Case> {
     let mut cases = Vec::new();
     for (kind, root) in kinds(nranks) {
@@ -71,12 +83,12 @@ pub fn matrix(rank: usize, nranks: usize, counts: &[usize]) -> Vec<Case> {
             CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
         );
         for dtype in DataType::ALL {
-            let ops: &[ReduceOp] = if reduces {
-                &ReduceOp::ALL
+            let ops = if reduces {
+                ops(dtype)
             } else {
-                &[ReduceOp::Sum]
+                vec![ReduceOp::Sum]
             };
-            for &op in ops {
+            for op in ops {
                 for &count in counts {
                     for in_place in [false, true] {
                         cases.push(Case {
@@ -212,9 +224,9 @@ impl Case {
         let is_root = r == self.root;
         let nc = c.max(1);
         match self.kind {
-            CollKind::AllReduce => count_wrong(d, op, recv, |g| reduced(op, n, g)),
+            CollKind::AllReduce => count_wrong(d, op, recv, |g| reduced(d, op, n, g)),
             CollKind::Broadcast => count_wrong(d, op, recv, |g| value(op, self.root, g) as f64),
-            CollKind::Reduce if is_root => count_wrong(d, op, recv, |g| reduced(op, n, g)),
+            CollKind::Reduce if is_root => count_wrong(d, op, recv, |g| reduced(d, op, n, g)),
             CollKind::Reduce if self.in_place => {
                 count_wrong(d, op, recv, |g| value(op, r, g) as f64)
             }
@@ -226,7 +238,7 @@ impl Case {
                 } else {
                     recv
                 };
-                let mut wrong = count_wrong(d, op, out, |i| reduced(op, n, r * c + i));
+                let mut wrong = count_wrong(d, op, out, |i| reduced(d, op, n, r * c + i));
                 if self.in_place {
                     // The other blocks must be left as they were.
                     wrong += count_wrong(d, op, &recv[..r * c * es], |g| value(op, r, g) as f64);
@@ -256,16 +268,28 @@ pub fn value(op: ReduceOp, rank: usize, g: usize) -> i64 {
     }
 }
 
-/// The reduction over `nranks` ranks of [`value`] at element `g`, as a float of the
-/// result for float types (an average of integers need not be an integer).
-pub fn reduced(op: ReduceOp, nranks: usize, g: usize) -> f64 {
-    let vals = (0..nranks).map(|r| value(op, r, g));
+/// The reduction over `nranks` ranks of [`value`] at element `g` as `dtype` holds the values
+/// (bools as 0 and 1), as a float of the result for float types (an average of integers need
+/// not be an integer). A premul_sum's scalar is taken to be every rank's.
+pub fn reduced(dtype: DataType, op: ReduceOp, nranks: usize, g: usize) -> f64 {
+    let held = |v: i64| {
+        if dtype == DataType::Bool {
+            (v != 0) as i64
+        } else {
+            v
+        }
+    };
+    let vals = (0..nranks).map(|r| held(value(op, r, g)));
     match op {
         ReduceOp::Sum => vals.sum::<i64>() as f64,
         ReduceOp::Prod => vals.product::<i64>() as f64,
         ReduceOp::Min => vals.min().unwrap_or(0) as f64,
         ReduceOp::Max => vals.max().unwrap_or(0) as f64,
         ReduceOp::Avg => vals.sum::<i64>() as f64 / nranks as f64,
+        ReduceOp::BAnd => vals.fold(-1, |a, b| a & b) as f64,
+        ReduceOp::BOr => vals.fold(0, |a, b| a | b) as f64,
+        ReduceOp::BXor => vals.fold(0, |a, b| a ^ b) as f64,
+        ReduceOp::PreMulSum(s) => vals.map(|v| v as f64 * s).sum(),
     }
 }
 
@@ -276,6 +300,8 @@ pub fn encode(dtype: DataType, x: f64, out: &mut [u8]) {
     match dtype {
         DataType::I8 => out.copy_from_slice(&(w as i8).to_ne_bytes()),
         DataType::U8 => out.copy_from_slice(&(w as u8).to_ne_bytes()),
+        DataType::U16 => out.copy_from_slice(&(w as u16).to_ne_bytes()),
+        DataType::Bool => out[0] = (w != 0) as u8,
         DataType::I32 => out.copy_from_slice(&(w as i32).to_ne_bytes()),
         DataType::U32 => out.copy_from_slice(&(w as u32).to_ne_bytes()),
         DataType::I64 => out.copy_from_slice(&(w as i64).to_ne_bytes()),
@@ -296,7 +322,8 @@ pub fn decode(dtype: DataType, b: &[u8]) -> f64 {
     };
     match dtype {
         DataType::I8 => b[0] as i8 as f64,
-        DataType::U8 => b[0] as f64,
+        DataType::U8 | DataType::Bool => b[0] as f64,
+        DataType::U16 => u16::from_ne_bytes([b[0], b[1]]) as f64,
         DataType::I32 => i32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
         DataType::U32 => u32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
         DataType::I64 => i64::from_ne_bytes(a(8)) as f64,
@@ -355,9 +382,9 @@ mod tests {
     #[test]
     fn exact_everywhere() {
         for d in DataType::ALL {
-            for op in ReduceOp::ALL {
+            for op in ops(d) {
                 for n in [1, 2, 3, 8] {
-                    let want = |g: usize| reduced(op, n, g);
+                    let want = |g: usize| reduced(d, op, n, g);
                     let mut buf = vec![0u8; 64 * d.size()];
                     fill(d, &mut buf, want);
                     assert_eq!(count_wrong(d, op, &buf, want), 0, "{d} {op} {n}");

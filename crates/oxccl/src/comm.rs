@@ -398,7 +398,7 @@ impl Communicator {
             nranks: self.nranks,
             count: call.count,
             dtype: call.dtype,
-            op: call.op,
+            op: call.op.kernel(),
             root: call.root,
             chunk_bytes: self.cfg.chunk_bytes,
             topo: None,
@@ -466,7 +466,7 @@ impl Communicator {
                     rank: self.rank,
                     links,
                     dtype: call.dtype,
-                    op: call.op,
+                    op: call.op.kernel(),
                     nranks: self.nranks,
                     spin: self.spin,
                     timeout: self.guard.timeout(),
@@ -504,6 +504,69 @@ impl Communicator {
         root: usize,
         bufs: ByteBufs<'_>,
     ) -> Result<()> {
+        if let ReduceOp::PreMulSum(scalar) = op {
+            if kind.reduces() && op.check(dtype).is_ok() {
+                return self.premul_sum(kind, dtype, scalar, root, bufs);
+            }
+        }
+        self.call_checked(kind, dtype, op, root, bufs)
+    }
+
+    /// [`ReduceOp::PreMulSum`]: the input scaled into a copy (the caller's input is left as
+    /// it was), then a sum; the call keeps the op for the fingerprint check. Plain sums never
+    /// come here.
+    fn premul_sum(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        scalar: f64,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        let op = ReduceOp::PreMulSum(scalar);
+        let (n, es) = (self.nranks, dtype.size());
+        let (input, recv): (&[u8], &mut [u8]) = match bufs {
+            ByteBufs::Separate { send, recv } => (send, recv),
+            ByteBufs::InPlace(buf) => {
+                let len = buf.len();
+                if kind == CollKind::ReduceScatter && (len % (n * es) != 0) {
+                    // Let validation name the bad length.
+                    return self.call_checked(kind, dtype, op, root, ByteBufs::InPlace(buf));
+                }
+                let scaled = Self::scaled(dtype, scalar, buf);
+                let recv = match kind {
+                    CollKind::ReduceScatter => {
+                        let b = len / n;
+                        &mut buf[self.rank * b..(self.rank + 1) * b]
+                    }
+                    _ => buf,
+                };
+                let send = &bytemuck::cast_slice::<u64, u8>(&scaled)[..len];
+                return self.call_checked(kind, dtype, op, root, ByteBufs::Separate { send, recv });
+            }
+        };
+        let scaled = Self::scaled(dtype, scalar, input);
+        let send = &bytemuck::cast_slice::<u64, u8>(&scaled)[..input.len()];
+        self.call_checked(kind, dtype, op, root, ByteBufs::Separate { send, recv })
+    }
+
+    /// `input` times `scalar`, in an aligned copy.
+    fn scaled(dtype: DataType, scalar: f64, input: &[u8]) -> Vec<u64> {
+        let mut words = vec![0u64; input.len().div_ceil(8)];
+        let copy = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..input.len()];
+        copy.copy_from_slice(input);
+        crate::reduce::scale_by(dtype, copy, scalar);
+        words
+    }
+
+    fn call_checked(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
         let name = kind.name();
         let (n, r, es) = (self.nranks, self.rank, dtype.size());
         let (in_len, out_len, in_place, ptrs) = match &bufs {
@@ -531,6 +594,11 @@ impl Communicator {
             }
             if ptrs.iter().any(|p| p % es != 0) {
                 return bad(format!("buffers are not aligned for {dtype}"));
+            }
+            if kind.reduces() {
+                if let Err(msg) = op.check(dtype) {
+                    return bad(msg);
+                }
             }
             let (ic, oc) = (in_len / es, out_len / es);
             let call = |kind, count| {

@@ -47,7 +47,7 @@ pub mod wait;
 pub use algo::CollKind;
 pub use bootstrap::UniqueId;
 pub use comm::{ByteBufs, Communicator};
-pub use dtype::{DataType, Element};
+pub use dtype::{Bool, DataType, Element};
 pub use error::{Error, FailureKind, Result};
 pub use half::{bf16, f16};
 pub use op::ReduceOp;

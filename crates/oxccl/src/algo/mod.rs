@@ -85,6 +85,14 @@ impl CollKind {
             CollKind::Barrier => "barrier",
         }
     }
+
+    /// True for the collectives that reduce (all_reduce, reduce, reduce_scatter).
+    pub fn reduces(self) -> bool {
+        matches!(
+            self,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        )
+    }
 }
 
 /// One call as every algorithm sees it. Counts follow NCCL: `count` is the whole buffer for
