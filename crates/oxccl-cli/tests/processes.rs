@@ -175,6 +175,18 @@ fn child() {
         // Small sizes too through the single-copy algorithms, where shared buffers matter.
         comm.set_algo(Some(oxccl::algo::Algo::Cma));
     }
+    if mode == "p2p" {
+        // Send-first groups, tags out of order, any source: 0, 1, odd, not divisible by the
+        // rank count, and larger than every link buffer (shm rings 4 MiB, sockets).
+        let counts = [0, 1, 7, 13, 2049, (6 << 20) / 4 + 3];
+        let wrong = oxccl::check::p2p(&comm, &counts, 64 << 10);
+        assert_eq!(wrong, 0, "rank {rank} of {n}: wrong elements");
+        println!(
+            "rank {rank}: all cases correct (p2p) over {}",
+            comm.transport_summary()
+        );
+        return;
+    }
     let mut failures = Vec::new();
     let all = cases(&mode, rank, n);
     let ncases = all.len();
@@ -244,6 +256,13 @@ matrix! {
     mixed_matrix_3: 3, "shm", "mixed-matrix";
     shared_large_2: 2, "shm", "shared-large";
     mixed_large_4: 4, "shm", "mixed-large";
+    p2p_shm_1: 1, "shm", "p2p";
+    p2p_shm_2: 2, "shm", "p2p";
+    p2p_shm_3: 3, "shm", "p2p";
+    p2p_shm_4: 4, "shm", "p2p";
+    p2p_tcp_2: 2, "tcp", "p2p";
+    p2p_tcp_3: 3, "tcp", "p2p";
+    p2p_tcp_4: 4, "tcp", "p2p";
 }
 
 #[test]

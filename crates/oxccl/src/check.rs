@@ -13,6 +13,7 @@ use crate::comm::{ByteBufs, Communicator};
 use crate::dtype::DataType;
 use crate::error::Result;
 use crate::op::ReduceOp;
+use crate::p2p::P2pOp;
 use crate::shared_buffer::SharedBuffer;
 
 enum Storage {
@@ -373,6 +374,166 @@ pub fn count_wrong(
             true
         })
         .count()
+}
+
+/// The contents of a reference point-to-point message from `src` to `dst` with `tag`:
+/// element `i` (exact in every type but bool, where it is its lowest bit).
+fn p2p_value(src: usize, dst: usize, tag: u32, i: usize) -> f64 {
+    ((src * 7 + dst * 3 + tag as usize + i % 251) % 256) as f64
+}
+
+fn p2p_fill(dtype: DataType, count: usize, src: usize, dst: usize, tag: u32) -> Vec<u64> {
+    let bytes = count * dtype.size();
+    let mut w = vec![0u64; bytes.div_ceil(8)];
+    fill(
+        dtype,
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..bytes],
+        |i| p2p_value(src, dst, tag, i),
+    );
+    w
+}
+
+fn p2p_wrong(dtype: DataType, got: &[u8], src: usize, dst: usize, tag: u32) -> usize {
+    count_wrong(dtype, ReduceOp::Sum, got, |i| p2p_value(src, dst, tag, i))
+}
+
+/// The point-to-point reference, run by every rank of `comm` with message lengths `counts`;
+/// returns the wrong elements received (calls that fail panic with the case). Every rank:
+/// 1. in one [`Communicator::group_p2p`], sends to every other rank first, then receives
+///    from each (a send-first exchange, each message larger than the links' buffers for the
+///    largest count);
+/// 2. sends three tagged messages (u16) and a plain one to the next rank and receives them
+///    from the previous one in another order (tags 3, 0, 1, 2): separate calls for counts
+///    whose messages (and headers) fit in `buffered` bytes, a group otherwise;
+/// 3. rank 0 takes one message (i64, tag 9) from every other rank with
+///    [`Communicator::recv_any`], in whatever order they come.
+pub fn p2p(comm: &Communicator, counts: &[usize], buffered: usize) -> usize {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let bytes = |w: &[u64], count: usize, d: DataType| -> Vec<u8> {
+        bytemuck::cast_slice::<u64, u8>(w)[..count * d.size()].to_vec()
+    };
+    let mut wrong = 0;
+    for &count in counts {
+        let what = |step: &str| format!("rank {r} of {n}, count {count}: {step}");
+        // 1. Send-first exchange.
+        let f = DataType::F32;
+        let sends: Vec<Vec<u8>> = (0..n)
+            .map(|p| bytes(&p2p_fill(f, count, r, p, 0), count, f))
+            .collect();
+        let mut recvs: Vec<Vec<u64>> = (0..n).map(|_| vec![0; (count * 4).div_ceil(8)]).collect();
+        {
+            let mut ops: Vec<P2pOp<'_>> = (0..n)
+                .filter(|&p| p != r)
+                .map(|p| P2pOp::Send {
+                    peer: p,
+                    tag: 0,
+                    dtype: f,
+                    buf: &sends[p],
+                })
+                .collect();
+            for (p, w) in recvs.iter_mut().enumerate().filter(|(p, _)| *p != r) {
+                ops.push(P2pOp::Recv {
+                    peer: Some(p),
+                    tag: 0,
+                    dtype: f,
+                    buf: &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..count * 4],
+                    from: None,
+                });
+            }
+            comm.group_p2p(&mut ops)
+                .unwrap_or_else(|e| panic!("{}: {e}", what("exchange")));
+        }
+        for (p, w) in recvs.iter().enumerate().filter(|(p, _)| *p != r) {
+            wrong += p2p_wrong(f, &bytemuck::cast_slice::<u64, u8>(w)[..count * 4], p, r, 0);
+        }
+        if n == 1 {
+            continue;
+        }
+        // 2. Tags, received out of order.
+        let (next, prev, u) = ((r + 1) % n, (r + n - 1) % n, DataType::U16);
+        let tags = [1u32, 2, 3, 0];
+        let out: Vec<Vec<u64>> = tags
+            .iter()
+            .map(|&t| p2p_fill(u, count, r, next, t))
+            .collect();
+        let order = [2usize, 3, 0, 1]; // tags 3, 0, 1, 2
+        let mut got: Vec<Vec<u64>> = tags
+            .iter()
+            .map(|_| vec![0; (count * 2).div_ceil(8)])
+            .collect();
+        if (count * 2 + 24) * tags.len() <= buffered {
+            for (t, m) in tags.iter().zip(&out) {
+                let m = &bytemuck::cast_slice::<u64, u16>(m)[..count];
+                comm.send_tagged(m, next, *t)
+                    .unwrap_or_else(|e| panic!("{}: {e}", what("send_tagged")));
+            }
+            for &k in &order {
+                let buf = &mut bytemuck::cast_slice_mut::<u64, u16>(&mut got[k])[..count];
+                comm.recv_tagged(buf, prev, tags[k])
+                    .unwrap_or_else(|e| panic!("{}: {e}", what("recv_tagged")));
+            }
+        } else {
+            let mut ops: Vec<P2pOp<'_>> = tags
+                .iter()
+                .zip(&out)
+                .map(|(t, m)| P2pOp::Send {
+                    peer: next,
+                    tag: *t,
+                    dtype: u,
+                    buf: &bytemuck::cast_slice::<u64, u8>(m)[..count * 2],
+                })
+                .collect();
+            let mut slots: Vec<Option<&mut Vec<u64>>> = got.iter_mut().map(Some).collect();
+            for &k in &order {
+                let w = slots[k].take().expect("each once");
+                ops.push(P2pOp::Recv {
+                    peer: Some(prev),
+                    tag: tags[k],
+                    dtype: u,
+                    buf: &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..count * 2],
+                    from: None,
+                });
+            }
+            comm.group_p2p(&mut ops)
+                .unwrap_or_else(|e| panic!("{}: {e}", what("tagged group")));
+        }
+        for (k, w) in got.iter().enumerate() {
+            wrong += p2p_wrong(
+                u,
+                &bytemuck::cast_slice::<u64, u8>(w)[..count * 2],
+                prev,
+                r,
+                tags[k],
+            );
+        }
+        // 3. From any source, into rank 0.
+        let i = DataType::I64;
+        if r == 0 {
+            let mut seen = vec![false; n];
+            for _ in 1..n {
+                let mut buf = vec![0i64; count];
+                let src = comm
+                    .recv_any(&mut buf, 9)
+                    .unwrap_or_else(|e| panic!("{}: {e}", what("recv_any")));
+                assert!(
+                    src != 0 && !seen[src],
+                    "{}: source {src} again",
+                    what("recv_any")
+                );
+                seen[src] = true;
+                wrong += p2p_wrong(i, bytemuck::cast_slice(&buf), src, 0, 9);
+            }
+        } else {
+            let m = p2p_fill(i, count, r, 0, 9);
+            let m: &[i64] = &bytemuck::cast_slice(&m)[..count];
+            // Large messages in a group of one: sent as the receiver reads.
+            comm.send_tagged(m, 0, 9)
+                .unwrap_or_else(|e| panic!("{}: {e}", what("send to recv_any")));
+        }
+        comm.barrier()
+            .unwrap_or_else(|e| panic!("{}: {e}", what("barrier")));
+    }
+    wrong
 }
 
 #[cfg(test)]

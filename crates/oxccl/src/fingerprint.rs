@@ -107,6 +107,23 @@ impl Fingerprint {
     pub fn is_p2p(&self) -> bool {
         self.kind == P2P
     }
+
+    /// A point-to-point message of `count` elements of `dtype`; `tagged`: an 8-byte tag
+    /// follows the header ([`crate::p2p`]), marked in the op field (unused by messages).
+    pub fn p2p(dtype: DataType, count: usize, tagged: bool) -> Self {
+        Fingerprint {
+            kind: P2P,
+            dtype: dtype_code(dtype),
+            op: tagged as u8,
+            count: count as u64,
+            root: 0,
+        }
+    }
+
+    /// A message's element type.
+    pub fn data_type(&self) -> Option<DataType> {
+        DataType::ALL.get(self.dtype as usize).copied()
+    }
 }
 
 impl fmt::Display for Fingerprint {
@@ -467,6 +484,18 @@ impl Sequencer {
             recv_seq,
             call_seq,
         }
+    }
+}
+
+impl Sequencer {
+    /// The sequence number of the next message sent to `peer`.
+    pub fn next_send(&mut self, peer: usize) -> u64 {
+        bump(&mut self.sent, peer)
+    }
+
+    /// The sequence number expected of the next message read from `peer`.
+    pub fn next_recv(&mut self, peer: usize) -> u64 {
+        bump(&mut self.received, peer)
     }
 }
 

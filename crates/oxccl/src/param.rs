@@ -104,6 +104,10 @@ pub struct Config {
     /// (sent data, or keepalive probes on an idle connection) is lost. Default 20 s; 0 leaves
     /// the kernel's defaults (minutes).
     pub tcp_dead_after: Duration,
+    /// `OXCCL_P2P_STASH_BYTES`: how many bytes of point-to-point messages that arrived before
+    /// a receive asked for them (another tag, or read while waiting for any source) a rank
+    /// keeps; past it the call fails. Default 1 GiB.
+    pub p2p_stash_bytes: usize,
 }
 
 impl Default for Config {
@@ -131,6 +135,7 @@ impl Default for Config {
             net_lat_us: None,
             tcp_streams: 1,
             tcp_dead_after: Duration::from_secs(20),
+            p2p_stash_bytes: 1 << 30,
         }
     }
 }
@@ -420,6 +425,9 @@ impl Config {
                 .ok_or_else(|| "expected seconds (0: the kernel's defaults)".to_string())
         })? {
             self.tcp_dead_after = t;
+        }
+        if let Some(b) = env_parse("OXCCL_P2P_STASH_BYTES", parse_bytes)? {
+            self.p2p_stash_bytes = b;
         }
         Ok(())
     }

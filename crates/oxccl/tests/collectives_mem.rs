@@ -340,6 +340,28 @@ fn bad_arguments_are_errors() {
     assert!(!e.is_fatal());
 }
 
+/// Point-to-point: send-first exchanges in groups, tags out of order, any source
+/// ([`oxccl::check::p2p`]), over queues smaller than every message but the empty ones.
+#[test]
+fn p2p_groups_tags_and_any_source() {
+    for n in [1, 2, 3, 4] {
+        let groups = mem::group(n, 96);
+        std::thread::scope(|s| {
+            for (rank, links) in groups.into_iter().enumerate() {
+                s.spawn(move || {
+                    let cfg = Config {
+                        timeout: Duration::from_secs(60),
+                        ..Config::default()
+                    };
+                    let comm = Communicator::from_links(rank, n, links, cfg).unwrap();
+                    let wrong = oxccl::check::p2p(&comm, &[0, 1, 7, 13, 4099], 96);
+                    assert_eq!(wrong, 0, "rank {rank} of {n}");
+                });
+            }
+        });
+    }
+}
+
 /// premul_sum with a different scalar on every rank (as NCCL allows), for each reducing
 /// collective, in and out of place, with the callers' inputs left as they were.
 #[test]

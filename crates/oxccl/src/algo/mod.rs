@@ -86,6 +86,14 @@ impl CollKind {
         }
     }
 
+    /// True for point-to-point calls (send, recv, sendrecv).
+    pub fn is_p2p(self) -> bool {
+        matches!(
+            self,
+            CollKind::Send { .. } | CollKind::Recv { .. } | CollKind::SendRecv { .. }
+        )
+    }
+
     /// True for the collectives that reduce (all_reduce, reduce, reduce_scatter).
     pub fn reduces(self) -> bool {
         matches!(
