@@ -8,8 +8,8 @@
     everyone = h.wait()
 
 Every collective takes C-contiguous numpy arrays or contiguous torch CPU tensors of int8,
-uint8, int32, uint32, int64, uint64, float16, bfloat16 (torch, or numpy with ml_dtypes),
-float32 or float64; anything else raises ``oxccl.InvalidArgumentError``. Calls release the
+uint8, uint16, int32, uint32, int64, uint64, float16, bfloat16 (torch, or numpy with
+ml_dtypes), float32, float64 or bool; anything else raises ``oxccl.InvalidArgumentError``. Calls release the
 GIL while they run. ``import oxccl.torch`` registers the torch.distributed backend "oxccl".
 """
 
@@ -52,12 +52,17 @@ __all__ = [
     "DTYPES",
 ]
 
-#: Reduction ops, by name (``"product"`` and ``"mean"`` are accepted as aliases).
-OPS = ("sum", "prod", "min", "max", "avg")
+#: Reduction ops, by name (``"product"`` and ``"mean"`` are accepted as aliases). The bitwise
+#: ops take integers and bool only; on bool, sum and max are a logical or, prod and min a
+#: logical and, and avg is refused. ``op=("premul_sum", s)`` is NCCL's
+#: ``ncclRedOpCreatePreMulSum``: each rank's input times its own scalar ``s``, then summed
+#: (for integer and bool tensors ``s`` must be an integer).
+OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor", "premul_sum")
 
 _NP_DTYPES = {
     np.dtype(np.int8): "int8",
     np.dtype(np.uint8): "uint8",
+    np.dtype(np.uint16): "uint16",
     np.dtype(np.int32): "int32",
     np.dtype(np.uint32): "uint32",
     np.dtype(np.int64): "int64",
@@ -65,10 +70,24 @@ _NP_DTYPES = {
     np.dtype(np.float16): "float16",
     np.dtype(np.float32): "float32",
     np.dtype(np.float64): "float64",
+    np.dtype(np.bool_): "bool",
 }
 
 #: Element types, by oxccl's name.
-DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64")
+DTYPES = (
+    "int8",
+    "uint8",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "bool",
+)
 
 _TORCH_DTYPES: dict = {}
 
@@ -83,12 +102,23 @@ def _torch_dtypes(torch: Any) -> dict:
 
 
 def _op_name(op: Any) -> str:
-    if isinstance(op, str):
+    """The op as the native side reads it: a name, or ``premul_sum:SCALAR`` for
+    ``("premul_sum", scalar)``."""
+    if isinstance(op, tuple) and len(op) == 2 and isinstance(op[0], str) and op[0].lower() == "premul_sum":
+        scalar = op[1]
+        item = getattr(scalar, "item", None)  # a 0-d tensor or numpy scalar
+        if item is not None:
+            scalar = item()
+        if isinstance(scalar, (int, float)) and not isinstance(scalar, bool):
+            return f"premul_sum:{float(scalar)!r}"
+    elif isinstance(op, str):
         o = op.lower()
         o = {"product": "prod", "mean": "avg", "average": "avg"}.get(o, o)
-        if o in OPS:
+        if o in OPS and o != "premul_sum":
             return o
-    raise InvalidArgumentError(f"unsupported reduction op {op!r}: expected one of {', '.join(OPS)}")
+    raise InvalidArgumentError(
+        f"unsupported reduction op {op!r}: expected one of {', '.join(OPS[:-1])} or ('premul_sum', scalar)"
+    )
 
 
 class _Buf:

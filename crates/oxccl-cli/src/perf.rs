@@ -58,7 +58,7 @@ pub struct Args {
     /// Data type (float, half, bfloat16, int32, ...) or `all`.
     #[arg(short = 'd', long = "datatype", default_value = "float")]
     datatype: String,
-    /// Reduction op (sum, prod, min, max, avg) or `all`.
+    /// Reduction op (sum, prod, min, max, avg, band, bor, bxor, premul_sum:SCALAR) or `all`.
     #[arg(short = 'o', long = "op", default_value = "sum")]
     op: String,
     /// Root of broadcast and reduce.
@@ -148,23 +148,29 @@ fn dtypes(s: &str) -> Result<Vec<DataType>, String> {
     s.split(',').map(|d| d.parse()).collect()
 }
 
-fn ops(s: &str, kind: CollKind) -> Result<Vec<ReduceOp>, String> {
-    if !matches!(
-        kind,
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-    ) {
+/// The ops of `-o` for `dtype` (`all`: every op defined on it).
+fn ops(s: &str, kind: CollKind, dtype: DataType) -> Result<Vec<ReduceOp>, String> {
+    if !kind.reduces() {
         return Ok(vec![ReduceOp::Sum]);
     }
     if s == "all" {
-        return Ok(ReduceOp::ALL.to_vec());
+        return Ok(oxccl::check::ops(dtype));
     }
-    s.split(',').map(|o| o.parse()).collect()
+    let ops = s
+        .split(',')
+        .map(|o| o.parse())
+        .collect::<Result<Vec<ReduceOp>, String>>()?;
+    for op in &ops {
+        op.check(dtype)?;
+    }
+    Ok(ops)
 }
 
 fn validate(a: &Args) -> Result<(), String> {
     let kind = kind_of(&a.collective)?;
-    dtypes(&a.datatype)?;
-    ops(&a.op, kind)?;
+    for dtype in dtypes(&a.datatype)? {
+        ops(&a.op, kind, dtype)?;
+    }
     if a.minbytes > a.maxbytes {
         return Err(format!(
             "-b {} is larger than -e {}",
@@ -433,7 +439,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let (mut bw_sum, mut rows, mut total_wrong) = (0.0, 0usize, 0u64);
     let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
     for dtype in dtypes(&a.datatype)? {
-        for op in ops(&a.op, kind)? {
+        for op in ops(&a.op, kind, dtype)? {
             for size in sizes(a) {
                 let (count, elems, bytes) = shape(kind, size, dtype.size(), n);
                 let mut line = format!(

@@ -62,7 +62,8 @@ fn random_case(rng: &mut Rng, rank: usize, n: usize) -> Case {
     ];
     let kind = kinds[rng.below(kinds.len())];
     let dtype = DataType::ALL[rng.below(DataType::ALL.len())];
-    let op = ReduceOp::ALL[rng.below(ReduceOp::ALL.len())];
+    let ops = oxccl::check::ops(dtype);
+    let op = ops[rng.below(ops.len())];
     let count = match rng.below(10) {
         0 => 0,
         1..=6 => rng.below(64),

@@ -75,16 +75,33 @@ fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
                     nranks: n,
                 });
             }
-            v.push(Case {
-                kind: CollKind::AllReduce,
-                dtype: DataType::Bf16,
-                op: ReduceOp::Max,
-                root: 0,
-                count: (32 << 20) + 3,
-                in_place: true,
-                rank,
-                nranks: n,
-            });
+            // The other element types and ops, larger than the buffers too.
+            for (kind, dtype, op) in [
+                (CollKind::AllReduce, DataType::Bf16, ReduceOp::Max),
+                (CollKind::AllReduce, DataType::Bool, ReduceOp::BXor),
+                (CollKind::Reduce, DataType::U16, ReduceOp::BAnd),
+                (CollKind::AllReduce, DataType::F16, ReduceOp::PreMulSum(0.5)),
+                (
+                    CollKind::ReduceScatter,
+                    DataType::I32,
+                    ReduceOp::PreMulSum(3.0),
+                ),
+            ] {
+                let count = match kind {
+                    CollKind::ReduceScatter => (16 << 20) / n,
+                    _ => (32 << 20) + 3,
+                };
+                v.push(Case {
+                    kind,
+                    dtype,
+                    op,
+                    root: n - 1,
+                    count,
+                    in_place: true,
+                    rank,
+                    nranks: n,
+                });
+            }
         }
         _ => panic!("unknown mode {mode}"),
     }
@@ -158,6 +175,18 @@ fn child() {
         // Small sizes too through the single-copy algorithms, where shared buffers matter.
         comm.set_algo(Some(oxccl::algo::Algo::Cma));
     }
+    if mode == "p2p" {
+        // Send-first groups, tags out of order, any source: 0, 1, odd, not divisible by the
+        // rank count, and larger than every link buffer (shm rings 4 MiB, sockets).
+        let counts = [0, 1, 7, 13, 2049, (6 << 20) / 4 + 3];
+        let wrong = oxccl::check::p2p(&comm, &counts, 64 << 10);
+        assert_eq!(wrong, 0, "rank {rank} of {n}: wrong elements");
+        println!(
+            "rank {rank}: all cases correct (p2p) over {}",
+            comm.transport_summary()
+        );
+        return;
+    }
     let mut failures = Vec::new();
     let all = cases(&mode, rank, n);
     let ncases = all.len();
@@ -227,6 +256,13 @@ matrix! {
     mixed_matrix_3: 3, "shm", "mixed-matrix";
     shared_large_2: 2, "shm", "shared-large";
     mixed_large_4: 4, "shm", "mixed-large";
+    p2p_shm_1: 1, "shm", "p2p";
+    p2p_shm_2: 2, "shm", "p2p";
+    p2p_shm_3: 3, "shm", "p2p";
+    p2p_shm_4: 4, "shm", "p2p";
+    p2p_tcp_2: 2, "tcp", "p2p";
+    p2p_tcp_3: 3, "tcp", "p2p";
+    p2p_tcp_4: 4, "tcp", "p2p";
 }
 
 #[test]

@@ -13,6 +13,7 @@ use crate::comm::{ByteBufs, Communicator};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
+use crate::p2p::P2pOp;
 use crate::shared_buffer::SharedBuffer;
 
 enum Storage {
@@ -60,9 +61,21 @@ pub fn kinds(nranks: usize) -> Vec<(CollKind, usize)> {
     k
 }
 
+/// The ops a matrix covers on `dtype`: every op defined on it, premul_sum with a scalar exact
+/// in every type (a half for floats, 3 otherwise).
+pub fn ops(dtype: DataType) -> Vec<ReduceOp> {
+    let scalar = if dtype.is_float() { 0.5 } else { 3.0 };
+    ReduceOp::ALL
+        .into_iter()
+        .chain(ReduceOp::BITWISE)
+        .chain([ReduceOp::PreMulSum(scalar)])
+        .filter(|op| op.check(dtype).is_ok())
+        .collect()
+}
+
 /// The correctness matrix for `rank` of `nranks`: every collective of [`kinds`] × every
-/// dtype × every op (for the reductions; sum otherwise) × each of `counts` × out of place and
-/// in place.
+/// dtype × every op of [`ops`] (for the reductions; sum otherwise) × each of `counts` × out of
+/// place and in place.
 pub fn matrix(rank: usize, nranks: usize, counts: &[usize]) -> Vec<Case> {
     let mut cases = Vec::new();
     for (kind, root) in kinds(nranks) {
@@ -71,12 +84,12 @@ pub fn matrix(rank: usize, nranks: usize, counts: &[usize]) -> Vec<Case> {
             CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
         );
         for dtype in DataType::ALL {
-            let ops: &[ReduceOp] = if reduces {
-                &ReduceOp::ALL
+            let ops = if reduces {
+                ops(dtype)
             } else {
-                &[ReduceOp::Sum]
+                vec![ReduceOp::Sum]
             };
-            for &op in ops {
+            for op in ops {
                 for &count in counts {
                     for in_place in [false, true] {
                         cases.push(Case {
@@ -226,9 +239,9 @@ impl Case {
         let is_root = r == self.root;
         let nc = c.max(1);
         match self.kind {
-            CollKind::AllReduce => count_wrong(d, op, recv, |g| reduced(op, n, g)),
+            CollKind::AllReduce => count_wrong(d, op, recv, |g| reduced(d, op, n, g)),
             CollKind::Broadcast => count_wrong(d, op, recv, |g| value(op, self.root, g) as f64),
-            CollKind::Reduce if is_root => count_wrong(d, op, recv, |g| reduced(op, n, g)),
+            CollKind::Reduce if is_root => count_wrong(d, op, recv, |g| reduced(d, op, n, g)),
             CollKind::Reduce if self.in_place => {
                 count_wrong(d, op, recv, |g| value(op, r, g) as f64)
             }
@@ -240,7 +253,7 @@ impl Case {
                 } else {
                     recv
                 };
-                let mut wrong = count_wrong(d, op, out, |i| reduced(op, n, r * c + i));
+                let mut wrong = count_wrong(d, op, out, |i| reduced(d, op, n, r * c + i));
                 if self.in_place {
                     // The other blocks must be left as they were.
                     wrong += count_wrong(d, op, &recv[..r * c * es], |g| value(op, r, g) as f64);
@@ -270,16 +283,28 @@ pub fn value(op: ReduceOp, rank: usize, g: usize) -> i64 {
     }
 }
 
-/// The reduction over `nranks` ranks of [`value`] at element `g`, as a float of the
-/// result for float types (an average of integers need not be an integer).
-pub fn reduced(op: ReduceOp, nranks: usize, g: usize) -> f64 {
-    let vals = (0..nranks).map(|r| value(op, r, g));
+/// The reduction over `nranks` ranks of [`value`] at element `g` as `dtype` holds the values
+/// (bools as 0 and 1), as a float of the result for float types (an average of integers need
+/// not be an integer). A premul_sum's scalar is taken to be every rank's.
+pub fn reduced(dtype: DataType, op: ReduceOp, nranks: usize, g: usize) -> f64 {
+    let held = |v: i64| {
+        if dtype == DataType::Bool {
+            (v != 0) as i64
+        } else {
+            v
+        }
+    };
+    let vals = (0..nranks).map(|r| held(value(op, r, g)));
     match op {
         ReduceOp::Sum => vals.sum::<i64>() as f64,
         ReduceOp::Prod => vals.product::<i64>() as f64,
         ReduceOp::Min => vals.min().unwrap_or(0) as f64,
         ReduceOp::Max => vals.max().unwrap_or(0) as f64,
         ReduceOp::Avg => vals.sum::<i64>() as f64 / nranks as f64,
+        ReduceOp::BAnd => vals.fold(-1, |a, b| a & b) as f64,
+        ReduceOp::BOr => vals.fold(0, |a, b| a | b) as f64,
+        ReduceOp::BXor => vals.fold(0, |a, b| a ^ b) as f64,
+        ReduceOp::PreMulSum(s) => vals.map(|v| v as f64 * s).sum(),
     }
 }
 
@@ -290,6 +315,8 @@ pub fn encode(dtype: DataType, x: f64, out: &mut [u8]) {
     match dtype {
         DataType::I8 => out.copy_from_slice(&(w as i8).to_ne_bytes()),
         DataType::U8 => out.copy_from_slice(&(w as u8).to_ne_bytes()),
+        DataType::U16 => out.copy_from_slice(&(w as u16).to_ne_bytes()),
+        DataType::Bool => out[0] = (w != 0) as u8,
         DataType::I32 => out.copy_from_slice(&(w as i32).to_ne_bytes()),
         DataType::U32 => out.copy_from_slice(&(w as u32).to_ne_bytes()),
         DataType::I64 => out.copy_from_slice(&(w as i64).to_ne_bytes()),
@@ -310,7 +337,8 @@ pub fn decode(dtype: DataType, b: &[u8]) -> f64 {
     };
     match dtype {
         DataType::I8 => b[0] as i8 as f64,
-        DataType::U8 => b[0] as f64,
+        DataType::U8 | DataType::Bool => b[0] as f64,
+        DataType::U16 => u16::from_ne_bytes([b[0], b[1]]) as f64,
         DataType::I32 => i32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
         DataType::U32 => u32::from_ne_bytes(a(4)[..4].try_into().unwrap_or_default()) as f64,
         DataType::I64 => i64::from_ne_bytes(a(8)) as f64,
@@ -362,6 +390,166 @@ pub fn count_wrong(
         .count()
 }
 
+/// The contents of a reference point-to-point message from `src` to `dst` with `tag`:
+/// element `i` (exact in every type but bool, where it is its lowest bit).
+fn p2p_value(src: usize, dst: usize, tag: u32, i: usize) -> f64 {
+    ((src * 7 + dst * 3 + tag as usize + i % 251) % 256) as f64
+}
+
+fn p2p_fill(dtype: DataType, count: usize, src: usize, dst: usize, tag: u32) -> Vec<u64> {
+    let bytes = count * dtype.size();
+    let mut w = vec![0u64; bytes.div_ceil(8)];
+    fill(
+        dtype,
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..bytes],
+        |i| p2p_value(src, dst, tag, i),
+    );
+    w
+}
+
+fn p2p_wrong(dtype: DataType, got: &[u8], src: usize, dst: usize, tag: u32) -> usize {
+    count_wrong(dtype, ReduceOp::Sum, got, |i| p2p_value(src, dst, tag, i))
+}
+
+/// The point-to-point reference, run by every rank of `comm` with message lengths `counts`;
+/// returns the wrong elements received (calls that fail panic with the case). Every rank:
+/// 1. in one [`Communicator::group_p2p`], sends to every other rank first, then receives
+///    from each (a send-first exchange, each message larger than the links' buffers for the
+///    largest count);
+/// 2. sends three tagged messages (u16) and a plain one to the next rank and receives them
+///    from the previous one in another order (tags 3, 0, 1, 2): separate calls for counts
+///    whose messages (and headers) fit in `buffered` bytes, a group otherwise;
+/// 3. rank 0 takes one message (i64, tag 9) from every other rank with
+///    [`Communicator::recv_any`], in whatever order they come.
+pub fn p2p(comm: &Communicator, counts: &[usize], buffered: usize) -> usize {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let bytes = |w: &[u64], count: usize, d: DataType| -> Vec<u8> {
+        bytemuck::cast_slice::<u64, u8>(w)[..count * d.size()].to_vec()
+    };
+    let mut wrong = 0;
+    for &count in counts {
+        let what = |step: &str| format!("rank {r} of {n}, count {count}: {step}");
+        // 1. Send-first exchange.
+        let f = DataType::F32;
+        let sends: Vec<Vec<u8>> = (0..n)
+            .map(|p| bytes(&p2p_fill(f, count, r, p, 0), count, f))
+            .collect();
+        let mut recvs: Vec<Vec<u64>> = (0..n).map(|_| vec![0; (count * 4).div_ceil(8)]).collect();
+        {
+            let mut ops: Vec<P2pOp<'_>> = (0..n)
+                .filter(|&p| p != r)
+                .map(|p| P2pOp::Send {
+                    peer: p,
+                    tag: 0,
+                    dtype: f,
+                    buf: &sends[p],
+                })
+                .collect();
+            for (p, w) in recvs.iter_mut().enumerate().filter(|(p, _)| *p != r) {
+                ops.push(P2pOp::Recv {
+                    peer: Some(p),
+                    tag: 0,
+                    dtype: f,
+                    buf: &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..count * 4],
+                    from: None,
+                });
+            }
+            comm.group_p2p(&mut ops)
+                .unwrap_or_else(|e| panic!("{}: {e}", what("exchange")));
+        }
+        for (p, w) in recvs.iter().enumerate().filter(|(p, _)| *p != r) {
+            wrong += p2p_wrong(f, &bytemuck::cast_slice::<u64, u8>(w)[..count * 4], p, r, 0);
+        }
+        if n == 1 {
+            continue;
+        }
+        // 2. Tags, received out of order.
+        let (next, prev, u) = ((r + 1) % n, (r + n - 1) % n, DataType::U16);
+        let tags = [1u32, 2, 3, 0];
+        let out: Vec<Vec<u64>> = tags
+            .iter()
+            .map(|&t| p2p_fill(u, count, r, next, t))
+            .collect();
+        let order = [2usize, 3, 0, 1]; // tags 3, 0, 1, 2
+        let mut got: Vec<Vec<u64>> = tags
+            .iter()
+            .map(|_| vec![0; (count * 2).div_ceil(8)])
+            .collect();
+        if (count * 2 + 24) * tags.len() <= buffered {
+            for (t, m) in tags.iter().zip(&out) {
+                let m = &bytemuck::cast_slice::<u64, u16>(m)[..count];
+                comm.send_tagged(m, next, *t)
+                    .unwrap_or_else(|e| panic!("{}: {e}", what("send_tagged")));
+            }
+            for &k in &order {
+                let buf = &mut bytemuck::cast_slice_mut::<u64, u16>(&mut got[k])[..count];
+                comm.recv_tagged(buf, prev, tags[k])
+                    .unwrap_or_else(|e| panic!("{}: {e}", what("recv_tagged")));
+            }
+        } else {
+            let mut ops: Vec<P2pOp<'_>> = tags
+                .iter()
+                .zip(&out)
+                .map(|(t, m)| P2pOp::Send {
+                    peer: next,
+                    tag: *t,
+                    dtype: u,
+                    buf: &bytemuck::cast_slice::<u64, u8>(m)[..count * 2],
+                })
+                .collect();
+            let mut slots: Vec<Option<&mut Vec<u64>>> = got.iter_mut().map(Some).collect();
+            for &k in &order {
+                let w = slots[k].take().expect("each once");
+                ops.push(P2pOp::Recv {
+                    peer: Some(prev),
+                    tag: tags[k],
+                    dtype: u,
+                    buf: &mut bytemuck::cast_slice_mut::<u64, u8>(w)[..count * 2],
+                    from: None,
+                });
+            }
+            comm.group_p2p(&mut ops)
+                .unwrap_or_else(|e| panic!("{}: {e}", what("tagged group")));
+        }
+        for (k, w) in got.iter().enumerate() {
+            wrong += p2p_wrong(
+                u,
+                &bytemuck::cast_slice::<u64, u8>(w)[..count * 2],
+                prev,
+                r,
+                tags[k],
+            );
+        }
+        // 3. From any source, into rank 0.
+        let i = DataType::I64;
+        if r == 0 {
+            let mut seen = vec![false; n];
+            for _ in 1..n {
+                let mut buf = vec![0i64; count];
+                let src = comm
+                    .recv_any(&mut buf, 9)
+                    .unwrap_or_else(|e| panic!("{}: {e}", what("recv_any")));
+                assert!(
+                    src != 0 && !seen[src],
+                    "{}: source {src} again",
+                    what("recv_any")
+                );
+                seen[src] = true;
+                wrong += p2p_wrong(i, bytemuck::cast_slice(&buf), src, 0, 9);
+            }
+        } else {
+            let m = p2p_fill(i, count, r, 0, 9);
+            let m: &[i64] = &bytemuck::cast_slice(&m)[..count];
+            // Large messages in a group of one: sent as the receiver reads.
+            comm.send_tagged(m, 0, 9)
+                .unwrap_or_else(|e| panic!("{}: {e}", what("send to recv_any")));
+        }
+        comm.barrier()
+            .unwrap_or_else(|e| panic!("{}: {e}", what("barrier")));
+    }
+    wrong
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,9 +557,9 @@ mod tests {
     #[test]
     fn exact_everywhere() {
         for d in DataType::ALL {
-            for op in ReduceOp::ALL {
+            for op in ops(d) {
                 for n in [1, 2, 3, 8] {
-                    let want = |g: usize| reduced(op, n, g);
+                    let want = |g: usize| reduced(d, op, n, g);
                     let mut buf = vec![0u8; 64 * d.size()];
                     fill(d, &mut buf, want);
                     assert_eq!(count_wrong(d, op, &buf, want), 0, "{d} {op} {n}");

@@ -10,9 +10,10 @@ use crate::dtype::{DataType, Element};
 use crate::error::{Error, Result};
 use crate::exec::{self, Buffers, Ctx};
 use crate::exec_direct::DirectCtx;
-use crate::fingerprint::{Fingerprint, Sequencer};
+use crate::fingerprint::{CallPrint, Fingerprint, Sequencer};
 use crate::guard::CommGuard;
 use crate::op::ReduceOp;
+use crate::p2p::{self, P2pOp};
 use crate::param::Config;
 use crate::shared_buffer::SharedBuffer;
 use crate::topo::{self, Topology};
@@ -64,6 +65,8 @@ struct State {
     broken: Option<String>,
     last_algo: &'static str,
     seqr: Sequencer,
+    /// Point-to-point messages that arrived before a receive asked for them.
+    stash: crate::p2p::Stash,
     _boot: Option<Bootstrap>,
 }
 
@@ -237,6 +240,7 @@ impl Communicator {
                 broken: None,
                 last_algo: "",
                 seqr: Sequencer::new(nranks),
+                stash: Default::default(),
                 _boot: None,
             }),
             stream: Default::default(),
@@ -373,22 +377,7 @@ impl Communicator {
         validate: impl FnOnce(u64) -> Result<Call>,
         mut bufs: Buffers<'b>,
     ) -> Result<()> {
-        self.stream.wait_turn(); // after the calls queued before this one (crate::stream)
-        let mut st = self.lock();
-        st.seq += 1;
-        let seq = st.seq;
-        if let Some(why) = &st.broken {
-            return Err(Error::Aborted {
-                rank: self.rank,
-                msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
-            });
-        }
-        if let Err(e) = self.guard.check(name, seq) {
-            // A peer was lost before this call began: this call fails as the one that
-            // noticed it, and every later one is Aborted (as after a failure inside a call).
-            st.broken = Some(e.to_string());
-            return Err(e);
-        }
+        let (mut st, seq) = self.begin_call(name)?;
         let call = validate(seq)?;
         // The topology joins the call only for schedules (below): the direct algorithms do not
         // use it, and cloning the Arc twice a call was a measurable part of an 8-byte call.
@@ -398,7 +387,7 @@ impl Communicator {
             nranks: self.nranks,
             count: call.count,
             dtype: call.dtype,
-            op: call.op,
+            op: call.op.kernel(),
             root: call.root,
             chunk_bytes: self.cfg.chunk_bytes,
             topo: None,
@@ -430,6 +419,7 @@ impl Communicator {
             links,
             scratch,
             direct,
+            stash,
             ..
         } = &mut *st;
         let res = match direct.as_deref_mut().filter(|_| algo.is_direct()) {
@@ -466,7 +456,7 @@ impl Communicator {
                     rank: self.rank,
                     links,
                     dtype: call.dtype,
-                    op: call.op,
+                    op: call.op.kernel(),
                     nranks: self.nranks,
                     spin: self.spin,
                     timeout: self.guard.timeout(),
@@ -477,12 +467,40 @@ impl Communicator {
                         health: Some(self.guard.health()),
                         step_ends: timing.as_mut().map(|t| &mut t.1),
                         direct: direct.as_deref().map(|d| d as &dyn Direct),
+                        held: Some(stash.held_mut()),
                     },
                 };
                 exec::execute(&mut ctx, &sched, &mut bufs, scratch)
             }
         };
         let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
+        Self::end_call(&mut st, res)
+    }
+
+    /// A call's start: its turn after queued calls, its sequence number, and the checks that
+    /// the communicator still works.
+    fn begin_call(&self, name: &'static str) -> Result<(MutexGuard<'_, State>, u64)> {
+        self.stream.wait_turn(); // after the calls queued before this one (crate::stream)
+        let mut st = self.lock();
+        st.seq += 1;
+        let seq = st.seq;
+        if let Some(why) = &st.broken {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
+            });
+        }
+        if let Err(e) = self.guard.check(name, seq) {
+            // A peer was lost before this call began: this call fails as the one that
+            // noticed it, and every later one is Aborted (as after a failure inside a call).
+            st.broken = Some(e.to_string());
+            return Err(e);
+        }
+        Ok((st, seq))
+    }
+
+    /// A call's end: a fatal error leaves the communicator unusable.
+    fn end_call(st: &mut State, res: Result<()>) -> Result<()> {
         if let Err(e) = &res {
             if e.is_fatal() {
                 st.broken = Some(e.to_string());
@@ -491,12 +509,195 @@ impl Communicator {
         res
     }
 
+    /// Runs a point-to-point group ([`crate::p2p`]) as one call.
+    fn run_p2p(
+        &self,
+        name: &'static str,
+        validate: impl FnOnce(u64) -> Result<Call>,
+        ops: &mut [P2pOp<'_>],
+    ) -> Result<()> {
+        let (mut st, seq) = self.begin_call(name)?;
+        let call = validate(seq)?;
+        let print = CallPrint {
+            fp: Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root),
+            send_seq: 0,
+            recv_seq: 0,
+            call_seq: seq,
+        };
+        st.last_algo = "p2p";
+        let timing = self.guard.begin(seq, name, &print, "p2p");
+        let State {
+            links, seqr, stash, ..
+        } = &mut *st;
+        let res = p2p::Ctx {
+            rank: self.rank,
+            links,
+            seqr,
+            stash,
+            stash_limit: self.cfg.p2p_stash_bytes,
+            spin: self.spin,
+            timeout: self.guard.timeout(),
+            health: Some(self.guard.health()),
+            call: name,
+            seq,
+        }
+        .run(ops);
+        let res = self.guard.end(seq, name, &print, "p2p", timing, res);
+        Self::end_call(&mut st, res)
+    }
+
+    /// Runs sends and receives together, as NCCL's `ncclGroupStart`/`ncclGroupEnd` around
+    /// `ncclSend`/`ncclRecv`: all progress at once, so any mix completes at any size (two
+    /// ranks that both send first included), and the call returns when every send has been
+    /// taken by its link and every receive filled. Any rank may be in a group with any
+    /// others; ranks not in it need not call. Sends to one peer arrive in order; a receive
+    /// takes the first message of its source and tag (see [`crate::p2p`]); a receive with
+    /// `peer: None` takes one from any rank and records it in `from`. Sends and receives to
+    /// and from this rank itself are matched with each other.
+    pub fn group_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        let first = ops.first().map(|op| match op {
+            P2pOp::Send {
+                peer, dtype, buf, ..
+            } => (CollKind::Send { peer: *peer }, *dtype, buf.len()),
+            P2pOp::Recv {
+                peer, dtype, buf, ..
+            } => (
+                CollKind::Recv {
+                    peer: peer.unwrap_or(self.rank),
+                },
+                *dtype,
+                buf.len(),
+            ),
+        });
+        let (kind, dtype, len) = first.unwrap_or((CollKind::Send { peer: 0 }, DataType::U8, 0));
+        let validate = |_seq| {
+            Ok(Call {
+                kind,
+                count: len / dtype.size(),
+                dtype,
+                op: ReduceOp::Sum,
+                root: 0,
+            })
+        };
+        self.run_p2p("group_p2p", validate, ops)
+    }
+
+    /// Sends `buf` to `peer` with `tag`; the peer receives it with [`recv_tagged`]
+    /// (Self::recv_tagged) (or [`recv_any`](Self::recv_any)) naming the same tag, in any
+    /// order relative to its other tags. Tag 0 is [`send`](Self::send)'s.
+    pub fn send_tagged<T: Element>(&self, buf: &[T], peer: usize, tag: u32) -> Result<()> {
+        self.group_p2p(&mut [P2pOp::Send {
+            peer,
+            tag,
+            dtype: T::DTYPE,
+            buf: bytemuck::cast_slice(buf),
+        }])
+    }
+
+    /// Receives `buf.len()` elements sent by `peer` with `tag`: the first such message,
+    /// whether or not messages with other tags came before it (those are kept for later
+    /// receives, up to [`Config::p2p_stash_bytes`]).
+    pub fn recv_tagged<T: Element>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
+        self.group_p2p(&mut [P2pOp::Recv {
+            peer: Some(peer),
+            tag,
+            dtype: T::DTYPE,
+            buf: bytemuck::cast_slice_mut(buf),
+            from: None,
+        }])
+    }
+
+    /// Receives `buf.len()` elements sent with `tag` by any other rank (gloo's
+    /// `recvFromAny`) and returns that rank. The message must have `buf`'s length and type.
+    /// While it waits, this rank reads the next message of every peer (keeping the others
+    /// for later receives): no peer may begin a collective with this rank meanwhile.
+    pub fn recv_any<T: Element>(&self, buf: &mut [T], tag: u32) -> Result<usize> {
+        let mut ops = [P2pOp::Recv {
+            peer: None,
+            tag,
+            dtype: T::DTYPE,
+            buf: bytemuck::cast_slice_mut(buf),
+            from: None,
+        }];
+        self.group_p2p(&mut ops)?;
+        match ops[0] {
+            P2pOp::Recv { from: Some(f), .. } => Ok(f),
+            _ => Err(Error::Aborted {
+                rank: self.rank,
+                msg: "internal error in recv_any: completed without a source".into(),
+            }),
+        }
+    }
+
     /// The byte-level entry behind every collective: `kind` on buffers of `dtype` elements,
     /// for callers that know the type only at run time (the benchmark, the Python package).
     /// Lengths are in bytes and must be multiples of the element size, and the buffers aligned
     /// for it; what each buffer holds follows the typed methods ([`all_reduce`](Self::all_reduce)
     /// and friends, and their `_in_place` forms).
     pub fn call_bytes(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        if let ReduceOp::PreMulSum(scalar) = op {
+            if kind.reduces() && op.check(dtype).is_ok() {
+                return self.premul_sum(kind, dtype, scalar, root, bufs);
+            }
+        }
+        self.call_checked(kind, dtype, op, root, bufs)
+    }
+
+    /// [`ReduceOp::PreMulSum`]: the input scaled into a copy (the caller's input is left as
+    /// it was), then a sum; the call keeps the op for the fingerprint check. Plain sums never
+    /// come here.
+    fn premul_sum(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        scalar: f64,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        let op = ReduceOp::PreMulSum(scalar);
+        let (n, es) = (self.nranks, dtype.size());
+        let (input, recv): (&[u8], &mut [u8]) = match bufs {
+            ByteBufs::Separate { send, recv } => (send, recv),
+            ByteBufs::InPlace(buf) => {
+                let len = buf.len();
+                if kind == CollKind::ReduceScatter && (len % (n * es) != 0) {
+                    // Let validation name the bad length.
+                    return self.call_checked(kind, dtype, op, root, ByteBufs::InPlace(buf));
+                }
+                let scaled = Self::scaled(dtype, scalar, buf);
+                let recv = match kind {
+                    CollKind::ReduceScatter => {
+                        let b = len / n;
+                        &mut buf[self.rank * b..(self.rank + 1) * b]
+                    }
+                    _ => buf,
+                };
+                let send = &bytemuck::cast_slice::<u64, u8>(&scaled)[..len];
+                return self.call_checked(kind, dtype, op, root, ByteBufs::Separate { send, recv });
+            }
+        };
+        let scaled = Self::scaled(dtype, scalar, input);
+        let send = &bytemuck::cast_slice::<u64, u8>(&scaled)[..input.len()];
+        self.call_checked(kind, dtype, op, root, ByteBufs::Separate { send, recv })
+    }
+
+    /// `input` times `scalar`, in an aligned copy.
+    fn scaled(dtype: DataType, scalar: f64, input: &[u8]) -> Vec<u64> {
+        let mut words = vec![0u64; input.len().div_ceil(8)];
+        let copy = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..input.len()];
+        copy.copy_from_slice(input);
+        crate::reduce::scale_by(dtype, copy, scalar);
+        words
+    }
+
+    fn call_checked(
         &self,
         kind: CollKind,
         dtype: DataType,
@@ -531,6 +732,11 @@ impl Communicator {
             }
             if ptrs.iter().any(|p| p % es != 0) {
                 return bad(format!("buffers are not aligned for {dtype}"));
+            }
+            if kind.reduces() {
+                if let Err(msg) = op.check(dtype) {
+                    return bad(msg);
+                }
             }
             let (ic, oc) = (in_len / es, out_len / es);
             let call = |kind, count| {
@@ -612,6 +818,30 @@ impl Communicator {
             }
         };
         match bufs {
+            // Point-to-point goes through its engine (tags, the stash of early messages).
+            ByteBufs::Separate { send, recv } if kind.is_p2p() => {
+                let (to, from) = match kind {
+                    CollKind::SendRecv { to, from } => (Some(to), Some(from)),
+                    CollKind::Recv { peer } => (None, Some(peer)),
+                    CollKind::Send { peer } => (Some(peer), None),
+                    _ => (None, None),
+                };
+                let send = to.map(|peer| P2pOp::Send {
+                    peer,
+                    tag: 0,
+                    dtype,
+                    buf: send,
+                });
+                let recv = from.map(|peer| P2pOp::Recv {
+                    peer: Some(peer),
+                    tag: 0,
+                    dtype,
+                    buf: recv,
+                    from: None,
+                });
+                let mut ops: Vec<P2pOp<'_>> = send.into_iter().chain(recv).collect();
+                self.run_p2p(name, validate, &mut ops)
+            }
             ByteBufs::Separate { send, recv } => {
                 let send: &[u8] = if kind == CollKind::Broadcast && !is_root {
                     &[]

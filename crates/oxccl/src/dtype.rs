@@ -28,11 +28,16 @@ pub enum DataType {
     F32,
     /// `f64` (`double`).
     F64,
+    /// `bool` (`bool`): one byte, 0 or 1. Reductions are logical, as in gloo and NCCL: sum and
+    /// max are *or*, prod and min are *and*; avg is not defined.
+    Bool,
+    /// `u16` (`uint16`).
+    U16,
 }
 
 impl DataType {
-    /// Every data type, in NCCL's order.
-    pub const ALL: [DataType; 10] = [
+    /// Every data type: NCCL's, in NCCL's order, then `bool` and `u16`.
+    pub const ALL: [DataType; 12] = [
         DataType::I8,
         DataType::U8,
         DataType::I32,
@@ -43,13 +48,15 @@ impl DataType {
         DataType::F32,
         DataType::F64,
         DataType::Bf16,
+        DataType::Bool,
+        DataType::U16,
     ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
-            DataType::I8 | DataType::U8 => 1,
-            DataType::F16 | DataType::Bf16 => 2,
+            DataType::I8 | DataType::U8 | DataType::Bool => 1,
+            DataType::F16 | DataType::Bf16 | DataType::U16 => 2,
             DataType::I32 | DataType::U32 | DataType::F32 => 4,
             DataType::I64 | DataType::U64 | DataType::F64 => 8,
         }
@@ -68,6 +75,8 @@ impl DataType {
             DataType::Bf16 => "bfloat16",
             DataType::F32 => "float",
             DataType::F64 => "double",
+            DataType::Bool => "bool",
+            DataType::U16 => "uint16",
         }
     }
 
@@ -101,9 +110,11 @@ impl FromStr for DataType {
             "bfloat16" | "bf16" => DataType::Bf16,
             "float" | "f32" | "float32" => DataType::F32,
             "double" | "f64" | "float64" => DataType::F64,
+            "bool" => DataType::Bool,
+            "uint16" | "u16" => DataType::U16,
             _ => {
                 return Err(format!(
-                    "unknown data type '{s}' (expected one of int8 uint8 int32 uint32 int64 uint64 half bfloat16 float double)"
+                    "unknown data type '{s}' (expected one of int8 uint8 uint16 int32 uint32 int64 uint64 half bfloat16 float double bool)"
                 ))
             }
         })
@@ -114,7 +125,8 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// A Rust type that collectives accept in slices: `i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64`.
+/// A Rust type that collectives accept in slices: `i8 u8 u16 i32 u32 i64 u64 f16 bf16 f32 f64`
+/// and [`Bool`].
 ///
 /// Sealed: the reduction kernels exist for exactly these types.
 pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + sealed::Sealed {
@@ -130,8 +142,31 @@ macro_rules! element {
         }
     )*};
 }
-element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
-         f16 => F16, bf16 => Bf16, f32 => F32, f64 => F64);
+element!(i8 => I8, u8 => U8, u16 => U16, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
+         f16 => F16, bf16 => Bf16, f32 => F32, f64 => F64, Bool => Bool);
+
+/// A boolean element ([`DataType::Bool`]): one byte holding 0 or 1, as C's and torch's `bool`
+/// (Rust's `bool` cannot be viewed from arbitrary bytes, so slices of it are not accepted).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[repr(transparent)]
+pub struct Bool(pub u8);
+
+// SAFETY: a transparent wrapper of `u8`: no padding, every bit pattern valid, zero is valid.
+unsafe impl bytemuck::Zeroable for Bool {}
+// SAFETY: as above; `Bool` is `Copy` and `'static`.
+unsafe impl bytemuck::Pod for Bool {}
+
+impl From<bool> for Bool {
+    fn from(b: bool) -> Self {
+        Bool(b as u8)
+    }
+}
+
+impl From<Bool> for bool {
+    fn from(b: Bool) -> Self {
+        b.0 != 0
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -145,5 +180,7 @@ mod tests {
         assert!("complex".parse::<DataType>().is_err());
         assert_eq!(<f16 as Element>::DTYPE.size(), 2);
         assert_eq!(<u64 as Element>::DTYPE.size(), 8);
+        assert_eq!(<Bool as Element>::DTYPE.size(), 1);
+        assert_eq!(<u16 as Element>::DTYPE, DataType::U16);
     }
 }

@@ -119,6 +119,9 @@ pub struct Guard<'a> {
     /// The host's direct area, when the communicator has one: a peer that publishes an event
     /// there while this call waits for it over a link is in another call (a mismatch).
     pub direct: Option<&'a dyn crate::transport::direct::Direct>,
+    /// Call headers that a point-to-point receive from any source read off a peer's link
+    /// before this call began ([`crate::p2p`]): the start of this call's data from that peer.
+    pub held: Option<&'a mut [Option<[u8; crate::fingerprint::HEADER_BYTES]>]>,
 }
 
 /// Progress of one transfer.
@@ -273,6 +276,19 @@ impl Runner<'_, '_, '_> {
                 s.hdr = self
                     .headers
                     .start(p, x.peer(), matches!(x, Xfer::Send { .. }));
+                let held = match (x, self.ctx.guard.held.as_deref_mut()) {
+                    (Xfer::Recv { .. }, Some(h)) if s.hdr.pending() => {
+                        h.get_mut(x.peer()).and_then(|h| h.take())
+                    }
+                    _ => None,
+                };
+                if let Some(bytes) = held {
+                    let mut fault = None;
+                    s.hdr.take(&bytes, Some(p), &mut fault);
+                    if let Some(f) = fault {
+                        return Err(f.error(self.ctx.rank, x.peer(), self.ctx.call, self.ctx.seq));
+                    }
+                }
             }
         }
         // Where every link of the step is a socket, a spin round is a system call per

@@ -38,7 +38,8 @@ pub struct Fingerprint {
     pub kind: u8,
     /// Index of the element type in [`DataType::ALL`].
     pub dtype: u8,
-    /// Index of the op in [`ReduceOp::ALL`] (0 where the call does not reduce).
+    /// The op's [`ReduceOp::code`] (0 where the call does not reduce; a premul_sum's scalar
+    /// is not part of it: ranks may pass different ones).
     pub op: u8,
     /// Elements, as the algorithms count them.
     pub count: u64,
@@ -79,7 +80,7 @@ fn dtype_code(d: DataType) -> u8 {
 }
 
 fn op_code(o: ReduceOp) -> u8 {
-    ReduceOp::ALL.iter().position(|&x| x == o).unwrap_or(0) as u8
+    o.code()
 }
 
 impl Fingerprint {
@@ -106,6 +107,23 @@ impl Fingerprint {
     pub fn is_p2p(&self) -> bool {
         self.kind == P2P
     }
+
+    /// A point-to-point message of `count` elements of `dtype`; `tagged`: an 8-byte tag
+    /// follows the header ([`crate::p2p`]), marked in the op field (unused by messages).
+    pub fn p2p(dtype: DataType, count: usize, tagged: bool) -> Self {
+        Fingerprint {
+            kind: P2P,
+            dtype: dtype_code(dtype),
+            op: tagged as u8,
+            count: count as u64,
+            root: 0,
+        }
+    }
+
+    /// A message's element type.
+    pub fn data_type(&self) -> Option<DataType> {
+        DataType::ALL.get(self.dtype as usize).copied()
+    }
 }
 
 impl fmt::Display for Fingerprint {
@@ -119,9 +137,7 @@ impl fmt::Display for Fingerprint {
             .map_or("?", |d| d.name());
         write!(f, "{name}({} x {dt}", self.count)?;
         if matches!(self.kind, 1 | 3 | 5) {
-            let op = ReduceOp::ALL
-                .get(self.op as usize)
-                .map_or("?", |o| o.name());
+            let op = ReduceOp::from_code(self.op).map_or("?", |o| o.name());
             write!(f, ", {op}")?;
         }
         if matches!(self.kind, 2 | 3) {
@@ -171,7 +187,7 @@ impl Header {
         if b[0] & 0xf0 != TAG
             || !known
             || dtype as usize >= DataType::ALL.len()
-            || op as usize >= ReduceOp::ALL.len()
+            || ReduceOp::from_code(op).is_none()
         {
             let shown: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
             return Err(format!(
@@ -468,6 +484,18 @@ impl Sequencer {
             recv_seq,
             call_seq,
         }
+    }
+}
+
+impl Sequencer {
+    /// The sequence number of the next message sent to `peer`.
+    pub fn next_send(&mut self, peer: usize) -> u64 {
+        bump(&mut self.sent, peer)
+    }
+
+    /// The sequence number expected of the next message read from `peer`.
+    pub fn next_recv(&mut self, peer: usize) -> u64 {
+        bump(&mut self.received, peer)
     }
 }
 

@@ -129,6 +129,10 @@ pub struct Config {
     /// (nothing listens there: rank 0 not started yet, or dead) for this long fails. Default
     /// 60 s (never more than `OXCCL_TIMEOUT`).
     pub rendezvous_refused: Duration,
+    /// `OXCCL_P2P_STASH_BYTES`: how many bytes of point-to-point messages that arrived before
+    /// a receive asked for them (another tag, or read while waiting for any source) a rank
+    /// keeps; past it the call fails. Default 1 GiB.
+    pub p2p_stash_bytes: usize,
 }
 
 impl Default for Config {
@@ -163,6 +167,7 @@ impl Default for Config {
             tcp_dead_after: Duration::from_secs(20),
             startup_report: Some(Duration::from_secs(10)),
             rendezvous_refused: Duration::from_secs(60),
+            p2p_stash_bytes: 1 << 30,
         }
     }
 }
@@ -477,6 +482,9 @@ impl Config {
                 .ok_or_else(|| "expected seconds (0: the kernel's defaults)".to_string())
         })? {
             self.tcp_dead_after = t;
+        }
+        if let Some(b) = env_parse("OXCCL_P2P_STASH_BYTES", parse_bytes)? {
+            self.p2p_stash_bytes = b;
         }
         Ok(())
     }

@@ -320,11 +320,94 @@ fn bad_arguments_are_errors() {
     assert!(e.to_string().contains("do not divide"), "{e}");
     let e = comm.all_to_all(&[0u8; 4], &mut [0u8; 6]).unwrap_err();
     assert!(e.to_string().contains("divisible"), "{e}");
+    // Ops a type does not have.
+    let e = comm
+        .all_reduce_in_place(&mut [oxccl::Bool(1); 2], ReduceOp::Avg)
+        .unwrap_err();
+    assert!(e.to_string().contains("avg is not defined on bool"), "{e}");
+    let e = comm
+        .reduce_in_place(&mut [1.0f32; 2], ReduceOp::BXor, 0)
+        .unwrap_err();
+    assert!(e.to_string().contains("bitwise op"), "{e}");
+    let e = comm
+        .reduce_scatter(&[1i64; 4], &mut [0i64; 2], ReduceOp::PreMulSum(0.5))
+        .unwrap_err();
+    assert!(e.to_string().contains("integer scalar"), "{e}");
     // Sequence numbers advance with every call, rejected or not.
     let e = comm.recv(&mut [0u8; 1], 7).unwrap_err();
-    assert!(e.to_string().contains("call #7"), "{e}");
+    assert!(e.to_string().contains("call #10"), "{e}");
     // Bad arguments do not break the communicator: no error is fatal.
     assert!(!e.is_fatal());
+}
+
+/// Point-to-point: send-first exchanges in groups, tags out of order, any source
+/// ([`oxccl::check::p2p`]), over queues smaller than every message but the empty ones.
+#[test]
+fn p2p_groups_tags_and_any_source() {
+    for n in [1, 2, 3, 4] {
+        let groups = mem::group(n, 96);
+        std::thread::scope(|s| {
+            for (rank, links) in groups.into_iter().enumerate() {
+                s.spawn(move || {
+                    let cfg = Config {
+                        timeout: Duration::from_secs(60),
+                        ..Config::default()
+                    };
+                    let comm = Communicator::from_links(rank, n, links, cfg).unwrap();
+                    let wrong = oxccl::check::p2p(&comm, &[0, 1, 7, 13, 4099], 96);
+                    assert_eq!(wrong, 0, "rank {rank} of {n}");
+                });
+            }
+        });
+    }
+}
+
+/// premul_sum with a different scalar on every rank (as NCCL allows), for each reducing
+/// collective, in and out of place, with the callers' inputs left as they were.
+#[test]
+fn premul_sum_scalars_may_differ_between_ranks() {
+    for n in [1, 2, 3] {
+        let groups = mem::group(n, 96);
+        std::thread::scope(|s| {
+            for (rank, links) in groups.into_iter().enumerate() {
+                s.spawn(move || {
+                    let comm = Communicator::from_links(rank, n, links, Config::default()).unwrap();
+                    let count = 7 * n;
+                    let input =
+                        |r: usize| -> Vec<f32> { (0..count).map(|i| (i + r) as f32).collect() };
+                    let scalar = |r: usize| 0.5 * (r + 1) as f64;
+                    let want: Vec<f32> = (0..count)
+                        .map(|i| (0..n).map(|r| input(r)[i] * scalar(r) as f32).sum())
+                        .collect();
+                    let op = ReduceOp::PreMulSum(scalar(rank));
+                    let send = input(rank);
+                    let mut out = vec![0f32; count];
+                    comm.all_reduce(&send, &mut out, op).unwrap();
+                    assert_eq!(out, want);
+                    assert_eq!(send, input(rank), "the input is not scaled in place");
+                    let mut buf = input(rank);
+                    comm.all_reduce_in_place(&mut buf, op).unwrap();
+                    assert_eq!(buf, want);
+                    let mut buf = input(rank);
+                    comm.reduce_in_place(&mut buf, op, n - 1).unwrap();
+                    let kept = if rank == n - 1 {
+                        want.clone()
+                    } else {
+                        input(rank)
+                    };
+                    assert_eq!(buf, kept, "reduce leaves non-roots' buffers as they were");
+                    let block = count / n;
+                    let mine = &want[rank * block..(rank + 1) * block];
+                    let mut out = vec![0f32; block];
+                    comm.reduce_scatter(&send, &mut out, op).unwrap();
+                    assert_eq!(out, mine);
+                    let mut buf = input(rank);
+                    comm.reduce_scatter_in_place(&mut buf, op).unwrap();
+                    assert_eq!(&buf[rank * block..(rank + 1) * block], mine);
+                });
+            }
+        });
+    }
 }
 
 #[test]

@@ -48,6 +48,7 @@ const BOTH: [TransportChoice; 2] = [TransportChoice::Shm, TransportChoice::Tcp];
 enum Call {
     AllReduce(usize, ReduceOp),
     AllReduceU8(usize),
+    AllReduceI32(usize, ReduceOp),
     Broadcast(usize, usize),
     Reduce(usize, usize),
     AllGather(usize),
@@ -65,6 +66,7 @@ fn make(comm: &Communicator, c: Call) -> oxccl::Result<()> {
     match c {
         Call::AllReduce(k, op) => comm.all_reduce_in_place(&mut vec![1.0f32; k], op),
         Call::AllReduceU8(k) => comm.all_reduce_in_place(&mut vec![1u8; k], ReduceOp::Sum),
+        Call::AllReduceI32(k, op) => comm.all_reduce_in_place(&mut vec![1i32; k], op),
         Call::Broadcast(k, root) => comm.broadcast_in_place(&mut vec![1.0f32; k], root),
         Call::Reduce(k, root) => comm.reduce_in_place(&mut vec![1.0f32; k], ReduceOp::Sum, root),
         Call::AllGather(k) => comm.all_gather_in_place(&mut vec![1.0f32; k * n]),
@@ -163,6 +165,19 @@ fn every_tried_mismatch_is_an_error_on_every_rank() {
         (Reduce(1 << 18, 0), Reduce((1 << 18) + 4, 0)),
         (AllGather(1 << 17), AllGather((1 << 17) + 1)),
         (ReduceScatter(1 << 16), ReduceScatter((1 << 16) - 1)),
+        // Ops: premul_sum is not a sum (its scalar is no part of the check: ranks may differ).
+        (
+            AllReduce(64, ReduceOp::Sum),
+            AllReduce(64, ReduceOp::PreMulSum(0.5)),
+        ),
+        (
+            AllReduceI32(64, ReduceOp::BAnd),
+            AllReduceI32(64, ReduceOp::BOr),
+        ),
+        (
+            AllReduceI32(64, ReduceOp::BXor),
+            AllReduceI32(64, ReduceOp::Sum),
+        ),
     ];
     for transport in BOTH {
         for (i, (good, other)) in cases.iter().enumerate() {

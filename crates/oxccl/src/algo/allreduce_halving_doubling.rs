@@ -268,6 +268,10 @@ mod tests {
                 ReduceOp::Prod => i32::wrapping_mul,
                 ReduceOp::Min => Ord::min,
                 ReduceOp::Max => Ord::max,
+                ReduceOp::BAnd => |a, b| a & b,
+                ReduceOp::BOr => |a, b| a | b,
+                ReduceOp::BXor => |a, b| a ^ b,
+                ReduceOp::PreMulSum(_) => unreachable!("not in ReduceOp::ALL"),
             },
             |s, n| s / n as i32,
         );
@@ -283,6 +287,7 @@ mod tests {
                 ReduceOp::Prod => |a, b| a * b,
                 ReduceOp::Min => f32::min,
                 ReduceOp::Max => f32::max,
+                _ => unreachable!("not in ReduceOp::ALL"),
             },
             |s, n| s / n as f32,
         );
@@ -314,6 +319,7 @@ mod tests {
                                 ReduceOp::Prod => fold(n, v, |a, b| a * b),
                                 ReduceOp::Min => fold(n, v, f64::min),
                                 ReduceOp::Max => fold(n, v, f64::max),
+                                _ => unreachable!("not in ReduceOp::ALL"),
                             }
                         })
                         .collect();
@@ -356,7 +362,9 @@ mod tests {
         for n in [2usize, 3, 5, 6, 8] {
             for count in [1usize, 13, 100] {
                 for dtype in DataType::ALL {
-                    for op in ReduceOp::ALL {
+                    // (premul_sum scales inputs before the schedule: the communicator's part.)
+                    let ops = check::ops(dtype);
+                    for op in ops.into_iter().filter(|o| o.kernel() == *o) {
                         let es = dtype.size();
                         let outs = outputs(n, count, dtype, op, |r| {
                             let mut v = vec![0u8; count * es];
@@ -364,8 +372,9 @@ mod tests {
                             v
                         });
                         for (r, o) in outs.iter().enumerate() {
-                            let wrong =
-                                check::count_wrong(dtype, op, o, |g| check::reduced(op, n, g));
+                            let wrong = check::count_wrong(dtype, op, o, |g| {
+                                check::reduced(dtype, op, n, g)
+                            });
                             assert_eq!(wrong, 0, "{dtype} {op} n={n} count={count} rank={r}");
                             assert!(o == &outs[0], "{dtype} {op} n={n}: rank {r} differs");
                         }

@@ -85,6 +85,22 @@ impl CollKind {
             CollKind::Barrier => "barrier",
         }
     }
+
+    /// True for point-to-point calls (send, recv, sendrecv).
+    pub fn is_p2p(self) -> bool {
+        matches!(
+            self,
+            CollKind::Send { .. } | CollKind::Recv { .. } | CollKind::SendRecv { .. }
+        )
+    }
+
+    /// True for the collectives that reduce (all_reduce, reduce, reduce_scatter).
+    pub fn reduces(self) -> bool {
+        matches!(
+            self,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        )
+    }
 }
 
 /// One call as every algorithm sees it. Counts follow NCCL: `count` is the whole buffer for

@@ -155,6 +155,10 @@ pub(crate) fn reduce_of(val: fn(usize, usize) -> i64, n: usize, i: usize, op: Re
         ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
         ReduceOp::Min => vals.min().unwrap(),
         ReduceOp::Max => vals.max().unwrap(),
+        ReduceOp::BAnd => vals.fold(-1, |a, b| a & b),
+        ReduceOp::BOr => vals.fold(0, |a, b| a | b),
+        ReduceOp::BXor => vals.fold(0, |a, b| a ^ b),
+        ReduceOp::PreMulSum(_) => unreachable!("inputs are scaled before a schedule runs"),
     }
 }
 

@@ -7,11 +7,12 @@
 //! widened to f32 in small blocks, combined, and rounded back.
 //!
 //! [`ReduceOp::Avg`] reduces as a sum; the executor divides once at the end with
-//! [`divide_by`].
+//! [`divide_by`]. [`ReduceOp::PreMulSum`] reduces as a sum of inputs scaled before with
+//! [`scale_by`].
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
-use crate::dtype::DataType;
+use crate::dtype::{Bool, DataType};
 use crate::op::ReduceOp;
 
 mod copy;
@@ -24,6 +25,12 @@ trait Arith: bytemuck::Pod {
     fn min(a: Self, b: Self) -> Self;
     fn max(a: Self, b: Self) -> Self;
     fn div(a: Self, n: usize) -> Self;
+    /// `a` times a premul_sum scalar (an integer value for integer types, checked before).
+    fn scale(a: Self, s: f64) -> Self;
+    /// Bitwise ops (on floats, of their bits: never asked for, the ops are refused before).
+    fn band(a: Self, b: Self) -> Self;
+    fn bor(a: Self, b: Self) -> Self;
+    fn bxor(a: Self, b: Self) -> Self;
 }
 
 macro_rules! int_arith {
@@ -34,10 +41,14 @@ macro_rules! int_arith {
             #[inline(always)] fn min(a: Self, b: Self) -> Self { Ord::min(a, b) }
             #[inline(always)] fn max(a: Self, b: Self) -> Self { Ord::max(a, b) }
             #[inline(always)] fn div(a: Self, n: usize) -> Self { a / (n as $t) }
+            #[inline(always)] fn scale(a: Self, s: f64) -> Self { a.wrapping_mul(s as i64 as $t) }
+            #[inline(always)] fn band(a: Self, b: Self) -> Self { a & b }
+            #[inline(always)] fn bor(a: Self, b: Self) -> Self { a | b }
+            #[inline(always)] fn bxor(a: Self, b: Self) -> Self { a ^ b }
         }
     )*};
 }
-int_arith!(i8, u8, i32, u32, i64, u64);
+int_arith!(i8, u8, u16, i32, u32, i64, u64);
 
 macro_rules! float_arith {
     ($($t:ty),*) => {$(
@@ -47,10 +58,55 @@ macro_rules! float_arith {
             #[inline(always)] fn min(a: Self, b: Self) -> Self { a.min(b) }
             #[inline(always)] fn max(a: Self, b: Self) -> Self { a.max(b) }
             #[inline(always)] fn div(a: Self, n: usize) -> Self { a / (n as $t) }
+            #[inline(always)] fn scale(a: Self, s: f64) -> Self { a * (s as $t) }
+            #[inline(always)] fn band(a: Self, b: Self) -> Self { <$t>::from_bits(a.to_bits() & b.to_bits()) }
+            #[inline(always)] fn bor(a: Self, b: Self) -> Self { <$t>::from_bits(a.to_bits() | b.to_bits()) }
+            #[inline(always)] fn bxor(a: Self, b: Self) -> Self { <$t>::from_bits(a.to_bits() ^ b.to_bits()) }
         }
     )*};
 }
 float_arith!(f32, f64);
+
+/// Logical arithmetic, as gloo and NCCL reduce bools: sum and max are *or*, prod and min are
+/// *and*. Any nonzero byte counts as true; results are 0 or 1.
+impl Arith for Bool {
+    #[inline(always)]
+    fn sum(a: Self, b: Self) -> Self {
+        Bool::bor(a, b)
+    }
+    #[inline(always)]
+    fn prod(a: Self, b: Self) -> Self {
+        Bool::band(a, b)
+    }
+    #[inline(always)]
+    fn min(a: Self, b: Self) -> Self {
+        Bool::band(a, b)
+    }
+    #[inline(always)]
+    fn max(a: Self, b: Self) -> Self {
+        Bool::bor(a, b)
+    }
+    #[inline(always)]
+    fn div(a: Self, _n: usize) -> Self {
+        a // avg is refused on bool before
+    }
+    #[inline(always)]
+    fn scale(a: Self, s: f64) -> Self {
+        Bool((a.0 != 0 && s != 0.0) as u8)
+    }
+    #[inline(always)]
+    fn band(a: Self, b: Self) -> Self {
+        Bool((a.0 != 0) as u8 & (b.0 != 0) as u8)
+    }
+    #[inline(always)]
+    fn bor(a: Self, b: Self) -> Self {
+        Bool((a.0 | b.0 != 0) as u8)
+    }
+    #[inline(always)]
+    fn bxor(a: Self, b: Self) -> Self {
+        Bool((a.0 != 0) as u8 ^ (b.0 != 0) as u8)
+    }
+}
 
 /// `dst[i] = f(dst[i], src[i])` with `src` possibly unaligned.
 #[inline(always)]
@@ -100,6 +156,9 @@ struct Sum;
 struct Prod;
 struct Min;
 struct Max;
+struct BAnd;
+struct BOr;
+struct BXor;
 
 impl<T: Arith> Bin<T> for Sum {
     #[inline(always)]
@@ -123,6 +182,24 @@ impl<T: Arith> Bin<T> for Max {
     #[inline(always)]
     fn f(a: T, b: T) -> T {
         T::max(a, b)
+    }
+}
+impl<T: Arith> Bin<T> for BAnd {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::band(a, b)
+    }
+}
+impl<T: Arith> Bin<T> for BOr {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::bor(a, b)
+    }
+}
+impl<T: Arith> Bin<T> for BXor {
+    #[inline(always)]
+    fn f(a: T, b: T) -> T {
+        T::bxor(a, b)
     }
 }
 
@@ -167,10 +244,13 @@ fn run<T: Arith, O: Bin<T>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
 
 fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => run::<T, Sum>(dst, a, src),
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => run::<T, Sum>(dst, a, src),
         ReduceOp::Prod => run::<T, Prod>(dst, a, src),
         ReduceOp::Min => run::<T, Min>(dst, a, src),
         ReduceOp::Max => run::<T, Max>(dst, a, src),
+        ReduceOp::BAnd => run::<T, BAnd>(dst, a, src),
+        ReduceOp::BOr => run::<T, BOr>(dst, a, src),
+        ReduceOp::BXor => run::<T, BXor>(dst, a, src),
     }
 }
 
@@ -329,10 +409,12 @@ fn bf16_run<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
 
 fn bf16s(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => bf16_run::<Sum>(dst, a, src),
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => bf16_run::<Sum>(dst, a, src),
         ReduceOp::Prod => bf16_run::<Prod>(dst, a, src),
         ReduceOp::Min => bf16_run::<Min>(dst, a, src),
         ReduceOp::Max => bf16_run::<Max>(dst, a, src),
+        // Bitwise ops are refused on floats before; of the bits, to stay defined.
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => typed::<u16>(op, dst, a, src),
     }
 }
 
@@ -386,52 +468,78 @@ fn dispatch(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src
         DataType::U64 => typed::<u64>(op, dst, a, src),
         DataType::F32 => typed::<f32>(op, dst, a, src),
         DataType::F64 => typed::<f64>(op, dst, a, src),
+        DataType::F16 if ReduceOp::BITWISE.contains(&op) => typed::<u16>(op, dst, a, src),
         DataType::F16 => halves::<f16>(op, dst, a, src),
         DataType::Bf16 => bf16s(op, dst, a, src),
+        DataType::Bool => typed::<Bool>(op, dst, a, src),
+        DataType::U16 => typed::<u16>(op, dst, a, src),
     }
 }
 
-fn div_typed<T: Arith>(buf: &mut [u8], n: usize) {
+/// `x = f(x)` for every element of `buf` (aligned or not).
+fn map_typed<T: Arith>(buf: &mut [u8], f: impl Fn(T) -> T) {
     match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
-        Ok(v) => v.iter_mut().for_each(|x| *x = T::div(*x, n)),
+        Ok(v) => v.iter_mut().for_each(|x| *x = f(*x)),
         Err(_) => {
             for e in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
                 let x: T = bytemuck::pod_read_unaligned(e);
-                e.copy_from_slice(bytemuck::bytes_of(&T::div(x, n)));
+                e.copy_from_slice(bytemuck::bytes_of(&f(x)));
             }
         }
     }
 }
 
-fn div_half<H: Half>(buf: &mut [u8], n: usize) {
-    let mut f = [0f32; HALF_BLOCK];
+/// `x = f(x)` for every element of a half-precision `buf`, computed in f32.
+fn map_half<H: Half>(buf: &mut [u8], f: impl Fn(f32) -> f32) {
+    let mut fl = [0f32; HALF_BLOCK];
     let mut h = [H::zeroed(); HALF_BLOCK];
     for block in buf.chunks_mut(HALF_BLOCK * 2) {
         let k = block.len() / 2;
         bytemuck::cast_slice_mut::<H, u8>(&mut h[..k]).copy_from_slice(block);
-        H::widen(&h[..k], &mut f[..k]);
-        for x in &mut f[..k] {
-            *x /= n as f32;
+        H::widen(&h[..k], &mut fl[..k]);
+        for x in &mut fl[..k] {
+            *x = f(*x);
         }
-        H::narrow(&f[..k], &mut h[..k]);
+        H::narrow(&fl[..k], &mut h[..k]);
         block.copy_from_slice(bytemuck::cast_slice(&h[..k]));
     }
 }
 
+/// Applies an element-wise operation (given for a generic type and for f32) to `buf`.
+macro_rules! map_elements {
+    ($dtype:expr, $buf:expr, |$x:ident: T| $typed:expr, |$y:ident: f32| $half:expr) => {{
+        fn m<T: Arith>(buf: &mut [u8], k: impl Copy + Fn(T) -> T) {
+            map_typed::<T>(buf, k)
+        }
+        let buf: &mut [u8] = $buf;
+        match $dtype {
+            DataType::I8 => m::<i8>(buf, |$x| $typed),
+            DataType::U8 => m::<u8>(buf, |$x| $typed),
+            DataType::U16 => m::<u16>(buf, |$x| $typed),
+            DataType::I32 => m::<i32>(buf, |$x| $typed),
+            DataType::U32 => m::<u32>(buf, |$x| $typed),
+            DataType::I64 => m::<i64>(buf, |$x| $typed),
+            DataType::U64 => m::<u64>(buf, |$x| $typed),
+            DataType::F32 => m::<f32>(buf, |$x| $typed),
+            DataType::F64 => m::<f64>(buf, |$x| $typed),
+            DataType::Bool => m::<Bool>(buf, |$x| $typed),
+            DataType::F16 => map_half::<f16>(buf, |$y| $half),
+            DataType::Bf16 => map_half::<bf16>(buf, |$y| $half),
+        }
+    }};
+}
+
 /// Divides every element by `n` (the final step of [`ReduceOp::Avg`]); integers truncate.
 pub fn divide_by(dtype: DataType, buf: &mut [u8], n: usize) {
-    match dtype {
-        DataType::I8 => div_typed::<i8>(buf, n),
-        DataType::U8 => div_typed::<u8>(buf, n),
-        DataType::I32 => div_typed::<i32>(buf, n),
-        DataType::U32 => div_typed::<u32>(buf, n),
-        DataType::I64 => div_typed::<i64>(buf, n),
-        DataType::U64 => div_typed::<u64>(buf, n),
-        DataType::F32 => div_typed::<f32>(buf, n),
-        DataType::F64 => div_typed::<f64>(buf, n),
-        DataType::F16 => div_half::<f16>(buf, n),
-        DataType::Bf16 => div_half::<bf16>(buf, n),
-    }
+    map_elements!(dtype, buf, |x: T| Arith::div(x, n), |y: f32| y / n as f32)
+}
+
+/// Multiplies every element by `scalar` (the first step of [`ReduceOp::PreMulSum`]): floats in
+/// their type (f16 and bf16 through f32), integers by `scalar as i64` wrapping, a bool stays
+/// true unless `scalar` is 0.
+pub fn scale_by(dtype: DataType, buf: &mut [u8], scalar: f64) {
+    map_elements!(dtype, buf, |x: T| Arith::scale(x, scalar), |y: f32| y
+        * scalar as f32)
 }
 
 #[cfg(test)]
@@ -466,6 +574,60 @@ mod tests {
             &as_bytes(&[4i64, -11]),
         );
         assert_eq!(from_bytes::<i64>(&d), &[5, -10]);
+    }
+
+    #[test]
+    fn bool_is_logical_and_bitwise_ops() {
+        let (a, b) = ([0u8, 0, 1, 1, 2], [0u8, 1, 0, 1, 1]);
+        let want = |op: ReduceOp| -> Vec<u8> {
+            a.iter()
+                .zip(&b)
+                .map(|(&x, &y)| {
+                    let (x, y) = (x != 0, y != 0);
+                    (match op {
+                        ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => x || y,
+                        ReduceOp::Prod | ReduceOp::Min | ReduceOp::BAnd => x && y,
+                        _ => x != y,
+                    }) as u8
+                })
+                .collect()
+        };
+        for op in ReduceOp::ALL.into_iter().chain(ReduceOp::BITWISE) {
+            if op == ReduceOp::Avg {
+                continue;
+            }
+            let mut d = a.to_vec();
+            reduce_inplace(DataType::Bool, op, &mut d, &b);
+            assert_eq!(d, want(op), "{op}");
+        }
+        let (x, y) = (as_bytes(&[0xF0F0u16, 7]), as_bytes(&[0x0FF0u16, 5]));
+        for (op, w) in [
+            (ReduceOp::BAnd, [0x00F0u16, 5]),
+            (ReduceOp::BOr, [0xFFF0, 7]),
+            (ReduceOp::BXor, [0xFF00, 2]),
+        ] {
+            let mut d = vec![0u8; 4];
+            reduce_into(DataType::U16, op, &mut d, &x, &y);
+            assert_eq!(from_bytes::<u16>(&d), &w, "{op}");
+        }
+    }
+
+    #[test]
+    fn scale_by_each_type() {
+        let mut d = as_bytes(&[3i32, -4, i32::MAX]);
+        scale_by(DataType::I32, &mut d, -2.0);
+        assert_eq!(from_bytes::<i32>(&d), &[-6, 8, i32::MAX.wrapping_mul(-2)]);
+        let mut d = as_bytes(&[f16::from_f32(3.0), f16::from_f32(-0.5)]);
+        scale_by(DataType::F16, &mut d, 0.25);
+        assert_eq!(
+            from_bytes::<f16>(&d),
+            &[f16::from_f32(0.75), f16::from_f32(-0.125)]
+        );
+        let mut d = vec![0u8, 1, 2];
+        scale_by(DataType::Bool, &mut d, 5.0);
+        assert_eq!(d, [0, 1, 1]);
+        scale_by(DataType::Bool, &mut d, 0.0);
+        assert_eq!(d, [0, 0, 0]);
     }
 
     #[test]
