@@ -17,17 +17,19 @@ Rendezvous goes through the store torch hands in: group rank 0 makes an oxccl un
 Execution. Collectives of up to ``INLINE_MAX_BYTES`` run at once on the calling thread (GIL
 released) and return a completed Work: no queue, no thread hop. Larger ones are queued on the
 communicator's stream (oxccl's own thread); ``Work.wait`` waits for them directly. Futures
-(``Work.get_future()``) are completed by a separate completion thread, never by oxccl's
+(``Work.get_future()``) are completed by separate completion threads, never by oxccl's
 stream thread, so a ``.then()`` callback may itself run a blocking collective. Every wait
 is bounded: by the call's own timeout (the group's ``timeout``, or ``OXCCL_TIMEOUT``), and
-by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``).
+by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``). torch wraps a Python
+backend's Work in its own object, whose ``is_completed()`` stays False: poll
+``work.get_future().done()``.
 
-Point-to-point: ``isend``/``irecv`` are held until one of their Works is waited on (or
-polled, or its future asked for), until the next collective, or until the end of a
-coalescing block (``batch_isend_irecv``); then every held operation runs as one group, in an
-order that cannot deadlock (pairs of ranks in a fixed global order, the lower rank of a
-pair sending first), so send-first exchanges of any size complete. Within a group, messages
-between two ranks are matched by tag, then by order.
+Point-to-point: ``isend``/``irecv`` (and ``batch_isend_irecv``, which issues them) are held
+until one of their Works is waited on (or its future asked for) or the next collective
+starts; then every held operation runs as one group, in an order that cannot deadlock
+(pairs of ranks in a fixed global order, the lower rank of a pair sending first), so
+send-first exchanges of any size complete. Within a group, messages between two ranks are
+matched by tag, then by order.
 
 Data types: every dtype for the calls that only move data (broadcast, all_gather,
 all_to_all, gather, scatter, send/recv: sent as bytes); reductions on float32, float64,
@@ -39,8 +41,11 @@ then summed), and BAND, BOR, BXOR where the library has them (else a clear
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
 import queue
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -188,34 +193,53 @@ def _coll(kind: str, send: Any, recv: Any, *, op: str = "sum", root: int = 0, ra
 # -------------------------------------------------------------------------------------------
 # Completion of futures, away from oxccl's stream thread.
 # -------------------------------------------------------------------------------------------
-_COMPLETER_Q: "queue.SimpleQueue[_Work]" = queue.SimpleQueue()
-_COMPLETER_LOCK = threading.Lock()
-_COMPLETER: List[threading.Thread] = []
+class _Completers:
+    """Threads that wait for queued calls and complete their futures (so `.then()`
+    callbacks never run on oxccl's stream thread). A backend call made from one of these
+    threads (a callback running a collective) first starts another, which serves the queue
+    meanwhile; threads beyond one end when the queue stays empty."""
+
+    def __init__(self) -> None:
+        self.q: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.mine = threading.local()
+
+    def put(self, job: "_Job") -> None:
+        with self.lock:
+            start = self.threads == 0 or getattr(self.mine, "completer", False)
+            if start:
+                self.threads += 1
+        if start:
+            threading.Thread(target=self._loop, name="oxccl-torch-futures", daemon=True).start()
+        self.q.put(job)
+
+    def _loop(self) -> None:
+        self.mine.completer = True
+        while True:
+            try:
+                job = self.q.get(timeout=1.0)
+            except queue.Empty:
+                with self.lock:
+                    if self.threads > 1:
+                        self.threads -= 1
+                        return
+                continue
+            try:
+                job.finish()
+                job.settle()
+            except BaseException:  # noqa: BLE001 - never let a completion thread die
+                pass
 
 
-def _completer_loop() -> None:
-    while True:
-        w = _COMPLETER_Q.get()
-        try:
-            w._finish()
-            w._settle_future()
-        except BaseException:  # noqa: BLE001 - never let the completion thread die
-            pass
+_COMPLETERS = _Completers()
 
 
-def _complete_later(w: "_Work") -> None:
-    if not _COMPLETER:
-        with _COMPLETER_LOCK:
-            if not _COMPLETER:
-                t = threading.Thread(target=_completer_loop, name="oxccl-torch-futures", daemon=True)
-                t.start()
-                _COMPLETER.append(t)
-    _COMPLETER_Q.put(w)
+class _Job:
+    """One backend call in flight: the oxccl handles it waits for, what it returns, `post`
+    (copies out of temporaries) to run once they have finished, and its future."""
 
-
-class _Work(dist.Work):
-    """The Work of one backend call: the oxccl handles it waits for, what it returns, and
-    `post` (copies out of temporaries) to run once they have finished."""
+    __slots__ = ("backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set")
 
     def __init__(
         self,
@@ -224,119 +248,140 @@ class _Work(dist.Work):
         handles: Sequence[Any] = (),
         result: Any = None,
         post: Optional[Callable[[], None]] = None,
-        error: Optional[BaseException] = None,
-        done: bool = False,
     ):
-        super().__init__()
-        self._backend = backend
-        self._what = what
-        self._handles = list(handles)
-        self._result = result
-        self._post = post
-        self._error = error
-        self._done = done
-        self._held = False  # point-to-point, not yet flushed
-        self._lock = threading.Lock()
-        self._fut: Optional[Future] = None
-        self._fut_set = False
+        self.backend, self.what = backend, what
+        self.handles = list(handles)
+        self.result, self.post = result, post
+        self.error: Optional[BaseException] = None
+        self.done = False
+        self.held = False  # point-to-point, not yet flushed
+        self.lock = threading.Lock()
+        self.fut: Optional[Future] = None
+        self.fut_set = False
 
-    # -- completion ---------------------------------------------------------------------------
-    def _flush(self) -> None:
-        if self._held:
-            self._backend._flush_p2p()
+    def flush(self) -> None:
+        if self.held:
+            self.backend._flush_p2p()
 
-    def _finish(self) -> None:
-        """Waits for the handles (each bounded by the call's timeout), runs `post`, once."""
-        self._flush()
-        with self._lock:
-            if self._done:
+    def finish(self) -> None:
+        """Waits for the handles (each bounded by its call's timeout), runs `post`, once."""
+        self.flush()
+        with self.lock:
+            if self.done:
                 return
             try:
-                for h in self._handles:
+                for h in self.handles:
                     h.wait()
-                if self._post is not None:
-                    self._post()
+                if self.post is not None:
+                    self.post()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                self._error = e
-            self._handles = []
-            self._post = None
-            self._done = True
+                self.error = e
+            self.handles = []
+            self.post = None
+            self.done = True
 
-    def _settle_future(self) -> None:
-        with self._lock:
-            fut = self._fut
-            if fut is None or self._fut_set or not self._done:
+    def settle(self) -> None:
+        with self.lock:
+            fut = self.fut
+            if fut is None or self.fut_set or not self.done:
                 return
-            self._fut_set = True
-        if self._error is not None:
-            fut.set_exception(self._error)
+            self.fut_set = True
+        if self.error is not None:
+            fut.set_exception(self.error)
         else:
-            fut.set_result(self._result)
+            fut.set_result(self.result)
 
-    # -- torch's Work -------------------------------------------------------------------------
-    def wait(self, timeout: Any = None) -> bool:
-        t = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 0)
-        if t and t > 0 and not self._done:
-            self._flush()
-            deadline = time.monotonic() + t
+    def future(self) -> Future:
+        """The call's future, completed by a completion thread (or now, if done)."""
+        with self.lock:
+            fresh = self.fut is None
+            if fresh:
+                self.fut = Future()
+            fut = self.fut
+        if fresh:
+            if self.done:
+                self.settle()
+            else:
+                self.flush()
+                _COMPLETERS.put(self)
+        return fut
+
+    def polled(self) -> bool:
+        """True once finished (never blocks on the calls)."""
+        if not self.done:
+            self.flush()
+            if not all(h.is_completed() for h in list(self.handles)):
+                return False
+            self.finish()
+        self.settle()
+        return True
+
+    def wait(self, timeout_s: float = 0.0) -> None:
+        """Waits for the calls (up to `timeout_s` when positive: an ``oxccl.TimeoutError``
+        after it) and raises their error, if any."""
+        if timeout_s > 0:
+            deadline = time.monotonic() + timeout_s
             pause = 2e-5
-            while not all(h.is_completed() for h in list(self._handles)) and not self._done:
+            while not self.polled():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    b = self._backend
+                    b = self.backend
                     raise TimeoutError(
-                        f"oxccl: rank {b.rank()} of group {b._group_id!r}: {self._what} did not "
-                        f"complete within the {t:g} s given to work.wait(timeout=)"
+                        f"oxccl: rank {b.rank()} of group {b._group_id!r}: {self.what} did not "
+                        f"complete within the {timeout_s:g} s given to work.wait(timeout=)"
                     )
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 1e-3)
-        self._finish()
-        self._settle_future()
-        if self._error is not None:
-            raise self._error
+        self.finish()
+        self.settle()
+        if self.error is not None:
+            raise self.error
+
+
+def _done_work(backend: "BackendOxccl", what: str, result: Any) -> "_JobWork":
+    job = _Job(backend, what, result=result)
+    job.done = True
+    return _JobWork(job)
+
+
+class _JobWork(dist.Work):
+    """torch's Work for a :class:`_Job`: ``wait`` (and ``get_future``) first run held
+    point-to-point operations; ``wait(timeout=)`` raises an ``oxccl.TimeoutError`` on time.
+
+    torch wraps the Work of a Python backend in its own object, which forwards ``wait`` and
+    ``get_future`` here but answers ``is_completed`` from its own flag (never set): poll
+    ``work.get_future().done()`` instead."""
+
+    def __init__(self, job: _Job):
+        super().__init__()
+        self._job = job
+
+    def wait(self, timeout: Any = None) -> bool:
+        t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        self._job.wait(t)
         return True
 
     def is_completed(self) -> bool:
-        if self._done:
-            return True
-        self._flush()
-        if all(h.is_completed() for h in list(self._handles)):
-            self._finish()
-            self._settle_future()
-            return True
-        return False
+        return self._job.polled()
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
+        return self._job.polled() and self._job.error is None
 
     def exception(self) -> Any:
-        return self._error if self.is_completed() else None
+        return self._job.error if self._job.polled() else None
 
     def get_future(self) -> Future:
-        with self._lock:
-            if self._fut is None:
-                self._fut = Future()
-                fresh = True
-            else:
-                fresh = False
-            fut = self._fut
-        if fresh:
-            if self._done:
-                self._settle_future()
-            else:
-                self._flush()
-                _complete_later(self)
-        return fut
+        return self._job.future()
 
     def result(self) -> Any:
-        self.wait()
-        return self._result
+        self._job.wait()
+        return self._job.result
 
     def synchronize(self) -> None:
         pass
 
     def __repr__(self) -> str:
-        return f"<oxccl Work {self._what} completed={self._done}>"
+        return f"<oxccl Work {self._job.what} completed={self._job.done}>"
 
 
 class BackendOxccl(_C10dBackend):
@@ -357,9 +402,8 @@ class BackendOxccl(_C10dBackend):
         self._store = store
         self._timeout = timeout
         self._group_id = group_id
-        self._coalescing = False
         self._held: List[tuple] = []  # (kind, peer, tag, tensor)
-        self._held_works: List[_Work] = []
+        self._held_jobs: List[_Job] = []
         self._barriers = 0
         self._splits = 0
 
@@ -375,7 +419,10 @@ class BackendOxccl(_C10dBackend):
 
     @property
     def supports_coalescing(self) -> bool:
-        return True
+        # torch's ProcessGroup cannot forward start/end of coalescing to a Python backend;
+        # batch_isend_irecv then issues plain isend/irecv, which this backend holds and runs
+        # as one group at the first wait: the same effect.
+        return False
 
     @property
     def supports_splitting(self) -> bool:
@@ -398,22 +445,28 @@ class BackendOxccl(_C10dBackend):
         result: Any,
         post: Optional[Callable[[], None]] = None,
         inline: Optional[bool] = None,
-    ) -> _Work:
+    ) -> Any:
         """Runs `calls` in order: inline when small (or `inline`), else queued. The Work
         returns `result` once the last has finished and `post` has run."""
-        if self._held and not self._coalescing:
+        if self._held:
             self._flush_p2p()
         if inline is None:
             inline = sum(c.nbytes() for c in calls) <= INLINE_MAX_BYTES
-        if inline:
-            raw = self._raw
-            for c in calls:
-                raw.call(*c.args())  # GIL released; raises the call's oxccl error
-            if post is not None:
-                post()
-            return _Work(self, what, result=result, done=True)
-        handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
-        return _Work(self, what, handles, result, post)
+        try:
+            if inline:
+                raw = self._raw
+                for c in calls:
+                    raw.call(*c.args())  # GIL released; raises the call's oxccl error
+                if post is not None:
+                    post()
+                return _done_work(self, what, result)
+            handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
+        except InvalidArgumentError as e:
+            if "unknown" not in str(e):
+                raise
+            # an op or dtype this build of the library lacks: say which torch call asked
+            raise InvalidArgumentError(f"the oxccl backend's {what}: {e}") from None
+        return _JobWork(_Job(self, what, handles, result, post))
 
     # -- collectives --------------------------------------------------------------------------
     def _reduce_calls(self, kind: str, tensors: List[torch.Tensor], opts: Any, root: int = 0) -> List[_Call]:
@@ -423,24 +476,24 @@ class BackendOxccl(_C10dBackend):
                 t.mul_(factor)
         return [_coll(kind, None, t, op=op, root=root) for t in tensors]
 
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         return self._run("all_reduce", self._reduce_calls("all_reduce", tensors, opts), list(tensors))
 
-    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> _Work:
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         calls = [_coll("broadcast", None, t, root=root, raw_bytes=True) for t in tensors]
         return self._run("broadcast", calls, list(tensors))
 
-    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> _Work:
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         return self._run("reduce", self._reduce_calls("reduce", tensors, opts, root), list(tensors))
 
     def allgather(
         self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None
-    ) -> _Work:
+    ) -> Any:
         n = self.size()
         calls, posts = [], []
         for outs, inp in zip(output_tensors, input_tensors):
@@ -457,17 +510,17 @@ class BackendOxccl(_C10dBackend):
                 for i, o in enumerate(outs):
                     o.copy_(flat[i].view(o.shape))
 
-        return self._run("all_gather", calls, output_tensors, post)
+        return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post)
 
-    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> _Work:
+    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
         return self.allgather(output_lists, input_list, opts)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self._run("all_gather_into_tensor", [_coll("all_gather", input, output, raw_bytes=True)], [output])
 
     all_gather_single = _allgather_base
 
-    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> _Work:
+    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         calls = [_coll("all_gather", i, o, raw_bytes=True) for o, i in zip(outputs, inputs)]
         return self._run("all_gather_into_tensor", calls, list(outputs))
 
@@ -481,7 +534,7 @@ class BackendOxccl(_C10dBackend):
 
     def reduce_scatter(
         self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None
-    ) -> _Work:
+    ) -> Any:
         n = self.size()
         op, _ = _op(opts)
         calls = []
@@ -495,13 +548,13 @@ class BackendOxccl(_C10dBackend):
             calls.append(_coll("reduce_scatter", flat, out, op=op))
         return self._run("reduce_scatter", calls, list(output_tensors))
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op, (input,) = self._scaled([input], opts)
         return self._run("reduce_scatter_tensor", [_coll("reduce_scatter", input, output, op=op)], [output])
 
     reduce_scatter_single = _reduce_scatter_base
 
-    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> _Work:
+    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         op, inputs = self._scaled(list(inputs), opts)
         calls = [_coll("reduce_scatter", i, o, op=op) for o, i in zip(outputs, inputs)]
         return self._run("reduce_scatter_tensor", calls, list(outputs))
@@ -510,7 +563,7 @@ class BackendOxccl(_C10dBackend):
 
     def alltoall(
         self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any = None
-    ) -> _Work:
+    ) -> Any:
         n = self.size()
         if len(output_tensors) != n or len(input_tensors) != n:
             raise InvalidArgumentError(f"alltoall: expected {n} input and {n} output tensors")
@@ -536,7 +589,7 @@ class BackendOxccl(_C10dBackend):
         output_split_sizes: List[int],
         input_split_sizes: List[int],
         opts: Any = None,
-    ) -> _Work:
+    ) -> Any:
         n = self.size()
         row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
         row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
@@ -594,7 +647,7 @@ class BackendOxccl(_C10dBackend):
             calls.extend(sends + recvs if me < p else recvs + sends)
         return calls
 
-    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> _Work:
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root, me, n = opts.rootRank, self.rank(), self.size()
         if len(input_tensors) != 1:
             raise InvalidArgumentError("gather: exactly one input tensor")
@@ -609,9 +662,9 @@ class BackendOxccl(_C10dBackend):
             if o.numel() != inp.numel() or o.dtype != inp.dtype:
                 raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
             ops.append(("copy", me, 0, inp, o) if p == me else ("recv", p, 0, o))
-        return self._run("gather", self._p2p_calls(ops), output_tensors, inline=False)
+        return self._run("gather", self._p2p_calls(ops), list(outs), inline=False)
 
-    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> _Work:
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
         root, me, n = opts.rootRank, self.rank(), self.size()
         if len(output_tensors) != 1:
             raise InvalidArgumentError("scatter: exactly one output tensor")
@@ -628,15 +681,16 @@ class BackendOxccl(_C10dBackend):
             ops.append(("copy", me, 0, i, out) if p == me else ("send", p, 0, i))
         return self._run("scatter", self._p2p_calls(ops), [out], inline=False)
 
-    def barrier(self, opts: Any = None) -> _Work:
+    def barrier(self, opts: Any = None) -> Any:
         return self._run("barrier", [_Call("barrier", None, None)], [], inline=True)
 
-    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier, through the store: rank 0 waits (up to `timeout`) for
         every rank to arrive and names the ones that did not; the others wait for rank 0."""
         if self._store is None:
             raise InvalidArgumentError("monitored_barrier: this group has no store")
-        t = timeout if isinstance(timeout, timedelta) else (self._timeout or timedelta(minutes=30))
+        timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)  # BarrierOptions
+        t = timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else (self._timeout or timedelta(minutes=30))
         self._barriers += 1
         key = f"oxccl/monitored_barrier/{self._barriers}"
         me, n = self.rank(), self.size()
@@ -669,51 +723,36 @@ class BackendOxccl(_C10dBackend):
         store.set(f"{key}/done", "1")
 
     # -- point to point -----------------------------------------------------------------------
-    def _start_coalescing(self, device: Any = None) -> None:
-        self._flush_p2p()
-        self._coalescing = True
-
-    def _end_coalescing(self, device: Any = None) -> _Work:
-        self._coalescing = False
-        works = self._held_works
-        self._flush_p2p()
-        w = _Work(self, "coalesced point-to-point", result=[t for x in works for t in x._result])
-        if works:  # every held Work shares the group's handles (or its error)
-            w._handles, w._error, w._done = list(works[0]._handles), works[0]._error, works[0]._done
-        else:
-            w._done = True
-        return w
-
-    def _hold(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> _Work:
+    def _hold(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> Any:
         for t in tensors:
             _buf(t, f"{kind} buffer", kind == "recv", True)  # check now, while the caller sees it
             self._held.append((kind, peer, tag, t))
-        w = _Work(self, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})", result=list(tensors))
-        w._held = True
-        self._held_works.append(w)
-        return w
+        job = _Job(self, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})", result=list(tensors))
+        job.held = True
+        self._held_jobs.append(job)
+        return _JobWork(job)
 
     def _flush_p2p(self) -> None:
         """Runs every held send and recv as one deadlock-free group."""
         if not self._held:
             return
-        held, works = self._held, self._held_works
-        self._held, self._held_works = [], []
+        held, jobs = self._held, self._held_jobs
+        self._held, self._held_jobs = [], []
         try:
             calls = self._p2p_calls(held)
             handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
-        except BaseException as e:  # noqa: BLE001 - every held Work reports it
-            for w in works:
-                w._error, w._done, w._held = e, True, False
+        except BaseException as e:  # noqa: BLE001 - every held job reports it
+            for j in jobs:
+                j.error, j.done, j.held = e, True, False
             return
-        for w in works:
-            w._handles = handles
-            w._held = False
+        for j in jobs:
+            j.handles = handles
+            j.held = False
 
-    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> _Work:
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self._hold("send", tensors, dst, tag)
 
-    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> _Work:
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
         return self._hold("recv", tensors, src, tag)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
@@ -757,6 +796,46 @@ def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> Back
         uid = store.get(key).decode()
     raw = _oxccl.init_with_id(uid, rank, size, _timeout_s(timeout))
     return BackendOxccl(Comm(raw), rank, size, store, timeout if isinstance(timeout, timedelta) else None, group_id)
+
+
+_TRACE_RULES = "torch._dynamo.trace_rules"
+
+
+class _DynamoSkipsOxccl(importlib.abc.MetaPathFinder):
+    """Marks the oxccl package as code for torch.compile to run, not trace, once dynamo is
+    imported (importing it here would cost seconds): torch calls this backend from C++ (e.g.
+    DDP's reducer, inside a compiled forward), and dynamo would otherwise trace it and break
+    its graph on the native calls."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _TRACE_RULES:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None) if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _skip_in_dynamo(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _skip_in_dynamo(trace_rules: Any) -> None:
+    try:
+        trace_rules.add(__name__.split(".")[0])
+    except Exception:  # noqa: BLE001 - a private API: without it, compile still works (slower)
+        pass
+
+
+if _TRACE_RULES in sys.modules:
+    _skip_in_dynamo(sys.modules[_TRACE_RULES])
+else:
+    sys.meta_path.insert(0, _DynamoSkipsOxccl())
 
 
 def _create(dist_opts: Any, backend_options: Any = None) -> BackendOxccl:
