@@ -67,6 +67,8 @@ INLINE_MAX_BYTES = 1 << 20
 
 _R = dist.ReduceOp
 _RT = _R.RedOpType
+_SUM = _R.SUM
+_STRIDED = torch.strided
 _OPS = {
     _RT.SUM: "sum",
     _RT.PRODUCT: "prod",
@@ -100,6 +102,8 @@ def _op(opts: Any) -> Tuple[str, Any]:
     if opts is None:
         return "sum", None
     op = opts.reduceOp
+    if op == _SUM:  # the common case, without the enum lookups below
+        return "sum", None
     kind = op.op if hasattr(op, "op") else op
     if kind == _RT.PREMUL_SUM:
         return "sum", op.__getstate__()[1]
@@ -114,7 +118,7 @@ def _buf(t: Any, what: str, writable: bool, raw_bytes: bool = False) -> _Buf:
     so any dtype works)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise InvalidArgumentError(f"{what}: the tensor is on {t.device}; oxccl works on CPU tensors")
     if t.layout != torch.strided:
         raise InvalidArgumentError(f"{what}: {t.layout} tensors are not supported")
@@ -122,13 +126,13 @@ def _buf(t: Any, what: str, writable: bool, raw_bytes: bool = False) -> _Buf:
         raise InvalidArgumentError(
             f"{what}: the tensor is not contiguous (strides {tuple(t.stride())}); pass x.contiguous()"
         )
-    if t.is_conj() or t.is_neg():
+    if t.is_complex() and (t.is_conj() or t.is_neg()):
         raise InvalidArgumentError(f"{what}: lazily conjugated/negated tensors are not supported")
     b = _Buf.__new__(_Buf)
     b.obj = t
     b.addr = t.data_ptr()
     b.numel = t.numel()
-    b.nbytes = b.numel * t.element_size()
+    b.nbytes = t.nbytes
     if raw_bytes:
         b.dtype = "uint8"
     else:
@@ -338,10 +342,39 @@ class _Job:
             raise self.error
 
 
-def _done_work(backend: "BackendOxccl", what: str, result: Any) -> "_JobWork":
-    job = _Job(backend, what, result=result)
-    job.done = True
-    return _JobWork(job)
+class _DoneWork(dist.Work):
+    """The Work of a call that has already finished (inline): nothing to wait for."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_result(self._result)
+        return fut
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _done_work(backend: "BackendOxccl", what: str, result: Any) -> _DoneWork:
+    return _DoneWork(result)
 
 
 class _JobWork(dist.Work):
@@ -477,6 +510,14 @@ class BackendOxccl(_C10dBackend):
         return [_coll(kind, None, t, op=op, root=root) for t in tensors]
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        if len(tensors) == 1 and not self._held and (opts is None or opts.reduceOp == _SUM):
+            # fast path (a tensor-parallel step's small sums): the checks of _buf, inline
+            t = tensors[0]
+            dt = _DTYPES.get(t.dtype)
+            n = t.nbytes
+            if dt is not None and n <= INLINE_MAX_BYTES and t.is_cpu and t.layout == _STRIDED and t.is_contiguous():
+                self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
+                return _DoneWork(tensors)
         return self._run("all_reduce", self._reduce_calls("all_reduce", tensors, opts), list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
@@ -843,3 +884,9 @@ def _create(dist_opts: Any, backend_options: Any = None) -> BackendOxccl:
 
 
 dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+# oxccl keeps its own flight records (OXCCL_FLIGHT_RECORDER): torch need not hook every call
+# to record it (that hook costs more than the call itself for small messages).
+_FR_SELF = getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+if isinstance(_FR_SELF, set):
+    _FR_SELF.add(BACKEND_NAME)
