@@ -2,6 +2,7 @@
 gloo vs oxccl's own Python API (``oxccl.Comm``) vs the bare binding, in one run.
 
     python python/bench/overhead_bench.py [--iters 2000] [--rounds 5]
+    python python/bench/overhead_bench.py --layers     # one rank: the cost of each layer
 
 Starts 2 ranks on this host (subprocesses), one TCPStore, a gloo default group, an "oxccl"
 group and, on the same communicator as that group, the plain API. For each size (4 B, 16 KB,
@@ -102,12 +103,57 @@ def rank_main(iters, rounds):
     dist.destroy_process_group()
 
 
+def layers(iters):
+    """One rank (no peer to wait for): where the time of a 4-byte all_reduce through torch
+    goes, layer by layer."""
+    import torch
+    import torch.distributed as dist
+
+    import oxccl.torch  # noqa: F401 - registers "oxccl"
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("oxccl", store=store, rank=0, world_size=1)
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    comm = backend.comm
+    x = torch.ones(1)
+    opts = dist.AllreduceOptions()
+    steps = [
+        ("dist.all_reduce(x)  (torch's Python API)", lambda: dist.all_reduce(x)),
+        ("pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup)", lambda: pg.allreduce([x], opts).wait()),
+        ("backend.allreduce([x], opts).wait()  (this backend)", lambda: backend.allreduce([x], opts).wait()),
+        ("comm.all_reduce(x)  (oxccl.Comm)", lambda: comm.all_reduce(x)),
+        ("comm._raw.call(...)  (the binding)", lambda: comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), 4), True)),
+    ]
+    res = {name: [] for name, _ in steps}
+    for _ in range(5):
+        for name, f in steps:
+            for _ in range(100):
+                f()
+            t0 = time.perf_counter_ns()
+            for _ in range(iters):
+                f()
+            res[name].append((time.perf_counter_ns() - t0) / iters / 1000)
+    print("one rank, 4-byte all_reduce, µs per call (median of 5 rounds)")
+    print("| layer | µs |\n|---|---|")
+    for name, _ in steps:
+        print(f"| {name} | {statistics.median(res[name]):.1f} |")
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", action="store_true", help="one rank: the cost of each layer")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.layers:
+        layers(a.iters)
+        return
     if a.rank:
         rank_main(a.iters, a.rounds)
         return
