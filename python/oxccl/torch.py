@@ -5,228 +5,545 @@
     dist.init_process_group("oxccl")               # or backend="cpu:oxccl"
     group = dist.new_group(ranks, backend="oxccl")
 
-Rendezvous goes through the store torch hands in: group rank 0 makes an oxccl unique id
-and ``store.set``s it; the others ``store.get`` it. Every call is queued on the
-communicator's stream (oxccl's own thread) and returns a Work whose future that thread
-completes; ``async_op=False`` simply waits for it. CPU tensors only; dtypes float32, float64,
-float16, bfloat16, int8, uint8, int32, int64 (and uint32, uint64); ops SUM, PRODUCT, MIN,
-MAX, AVG (others raise ``oxccl.InvalidArgumentError``). The collective timeout is the one
-given to ``init_process_group``/``new_group`` unless ``OXCCL_TIMEOUT`` is set.
+``BackendOxccl`` is a ``torch._C._distributed_c10d.Backend`` (the class behind
+``ProcessGroupGloo``), registered with ``extended_api=True`` for the CPU device: torch builds
+its own ``ProcessGroup`` around it, so the group keeps its name, device types and
+bookkeeping, and DeviceMesh, FSDP2, DTensor, functional collectives, ``torch.compile``,
+``monitored_barrier`` and ``split_group`` work as with gloo.
 
-Point-to-point: ``batch_isend_irecv`` runs its operations as one group, in an order that
-cannot deadlock (pairs of ranks in a fixed global order). Separate ``isend``/``irecv`` run in
-the order they were issued, like NCCL outside a group: a rank whose ``isend`` is larger than
-the transport's buffer waits for the matching ``irecv`` to start.
+Rendezvous goes through the store torch hands in: group rank 0 makes an oxccl unique id and
+``store.set``s it; the others ``store.get`` it.
+
+Execution. Collectives of up to ``INLINE_MAX_BYTES`` run at once on the calling thread (GIL
+released) and return a completed Work: no queue, no thread hop. Larger ones are queued on the
+communicator's stream (oxccl's own thread); ``Work.wait`` waits for them directly. Futures
+(``Work.get_future()``) are completed by separate completion threads, never by oxccl's
+stream thread, so a ``.then()`` callback may itself run a blocking collective. Every wait
+is bounded: by the call's own timeout (the group's ``timeout``, or ``OXCCL_TIMEOUT``), and
+by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``). torch wraps a Python
+backend's Work in its own object, whose ``is_completed()`` stays False: poll
+``work.get_future().done()``.
+
+Point-to-point: ``isend``/``irecv`` (and ``batch_isend_irecv``, which issues them) are held
+until one of their Works is waited on (or its future asked for) or the next collective
+starts; then every held operation runs as one group, in an order that cannot deadlock
+(pairs of ranks in a fixed global order, the lower rank of a pair sending first), so
+send-first exchanges of any size complete. Within a group, messages between two ranks are
+matched by tag, then by order.
+
+Data types: every dtype for the calls that only move data (broadcast, all_gather,
+all_to_all, gather, scatter, send/recv: sent as bytes); reductions on float32, float64,
+float16, bfloat16, int8, uint8, int32, int64, uint32, uint64, and on bool and uint16 where
+the oxccl library has them. Ops: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM (scaled in torch,
+then summed), and BAND, BOR, BXOR where the library has them (else a clear
+``oxccl.InvalidArgumentError``).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import queue
+import sys
+import threading
+import time
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.futures import Future
 
-from . import Comm, InvalidArgumentError, _Buf, _oxccl
+from . import Comm, InvalidArgumentError, TimeoutError, _Buf, _oxccl
 
-__all__ = ["ProcessGroupOxccl", "BACKEND_NAME"]
+__all__ = ["BackendOxccl", "ProcessGroupOxccl", "BACKEND_NAME", "INLINE_MAX_BYTES"]
 
 BACKEND_NAME = "oxccl"
 
+#: Collectives moving at most this many bytes (per rank) run inline on the caller's thread.
+INLINE_MAX_BYTES = 1 << 20
+
 _R = dist.ReduceOp
-_OPS = [
-    (_R.SUM, "sum"),
-    (_R.PRODUCT, "prod"),
-    (_R.MIN, "min"),
-    (_R.MAX, "max"),
-    (_R.AVG, "avg"),
-]
+_RT = _R.RedOpType
+_SUM = _R.SUM
+_STRIDED = torch.strided
+_OPS = {
+    _RT.SUM: "sum",
+    _RT.PRODUCT: "prod",
+    _RT.MIN: "min",
+    _RT.MAX: "max",
+    _RT.AVG: "avg",
+    _RT.BAND: "band",
+    _RT.BOR: "bor",
+    _RT.BXOR: "bxor",
+}
+
+# oxccl's names of torch dtypes (bool and uint16 reach the library only where it has them).
+_DTYPES: Dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _name
 
 
-def _op(op: Any) -> str:
-    for t, name in _OPS:
-        if op == t:
-            return name
-    name = getattr(op, "op", None) or getattr(op, "name", None) or op
-    raise InvalidArgumentError(
-        f"the oxccl backend supports ReduceOp SUM, PRODUCT, MIN, MAX and AVG, not {name}"
-    )
+def _op(opts: Any) -> Tuple[str, Any]:
+    """oxccl's name of `opts.reduceOp`, and the PREMUL_SUM factor (else None)."""
+    if opts is None:
+        return "sum", None
+    op = opts.reduceOp
+    if op == _SUM:  # the common case, without the enum lookups below
+        return "sum", None
+    kind = op.op if hasattr(op, "op") else op
+    if kind == _RT.PREMUL_SUM:
+        return "sum", op.__getstate__()[1]
+    name = _OPS.get(kind)
+    if name is None:
+        raise InvalidArgumentError(f"the oxccl backend does not support ReduceOp {kind}")
+    return name, None
+
+
+def _buf(t: Any, what: str, writable: bool, raw_bytes: bool = False) -> _Buf:
+    """A checked view of a CPU tensor. `raw_bytes`: as uint8 (for calls that only move data,
+    so any dtype works)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if not t.is_cpu:
+        raise InvalidArgumentError(f"{what}: the tensor is on {t.device}; oxccl works on CPU tensors")
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(f"{what}: {t.layout} tensors are not supported")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(
+            f"{what}: the tensor is not contiguous (strides {tuple(t.stride())}); pass x.contiguous()"
+        )
+    if t.is_complex() and (t.is_conj() or t.is_neg()):
+        raise InvalidArgumentError(f"{what}: lazily conjugated/negated tensors are not supported")
+    b = _Buf.__new__(_Buf)
+    b.obj = t
+    b.addr = t.data_ptr()
+    b.numel = t.numel()
+    b.nbytes = t.nbytes
+    if raw_bytes:
+        b.dtype = "uint8"
+    else:
+        name = _DTYPES.get(t.dtype)
+        if name is None:
+            raise InvalidArgumentError(
+                f"{what}: unsupported dtype {t.dtype} for a reduction "
+                f"(supported: {', '.join(sorted(set(_DTYPES.values())))})"
+            )
+        b.dtype = name
+    return b
 
 
 class _Call:
-    """One oxccl call of a batch: kind, checked buffers, arguments."""
+    """One oxccl call: kind, checked buffers, arguments."""
 
-    __slots__ = ("kind", "send", "recv", "kw")
+    __slots__ = ("kind", "send", "recv", "op", "root", "peer", "in_place")
 
-    def __init__(self, kind: str, send: Any, recv: Any, **kw: Any):
-        self.kind = kind
-        self.send = None if send is None else _Buf(send, f"{kind} input", writable=False)
-        self.recv = None if recv is None else _Buf(recv, f"{kind} output", writable=True)
-        self.kw = kw
+    def __init__(
+        self,
+        kind: str,
+        send: Optional[_Buf],
+        recv: Optional[_Buf],
+        op: str = "sum",
+        root: int = 0,
+        peer: int = 0,
+        in_place: bool = False,
+    ):
+        self.kind, self.send, self.recv = kind, send, recv
+        self.op, self.root, self.peer, self.in_place = op, root, peer, in_place
+
+    def args(self) -> tuple:
+        ref = self.recv if self.recv is not None else self.send
+        dtype = ref.dtype if ref is not None else "uint8"
+        s = (0, 0) if self.send is None or self.in_place else (self.send.addr, self.send.nbytes)
+        r = (0, 0) if self.recv is None else (self.recv.addr, self.recv.nbytes)
+        return (self.kind, dtype, self.op, self.root, self.peer, s, r, self.in_place)
+
+    def keep(self) -> tuple:
+        return (None if self.send is None else self.send.obj, None if self.recv is None else self.recv.obj)
+
+    def nbytes(self) -> int:
+        return max(self.send.nbytes if self.send is not None else 0, self.recv.nbytes if self.recv is not None else 0)
 
 
-def _flat(ts: Sequence[torch.Tensor], what: str) -> None:
-    for t in ts:
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgumentError(f"{what}: expected tensors, got {type(t).__name__}")
+def _coll(kind: str, send: Any, recv: Any, *, op: str = "sum", root: int = 0, raw_bytes: bool = False) -> _Call:
+    """A collective on tensors: `send` None means in place on `recv`. Input and output views
+    of one storage that overlap without being the same go through a copy of the input."""
+    r = _buf(recv, f"{kind} output", True, raw_bytes)
+    if send is None:
+        return _Call(kind, None, r, op=op, root=root, in_place=True)
+    s = _buf(send, f"{kind} input", False, raw_bytes)
+    if s.dtype != r.dtype:
+        raise InvalidArgumentError(f"{kind}: input is {send.dtype} but output is {recv.dtype}")
+    if s.overlaps(r):
+        if s.same(r) and kind in ("all_reduce", "broadcast", "reduce", "all_to_all"):
+            return _Call(kind, None, r, op=op, root=root, in_place=True)
+        s = _buf(send.clone(), f"{kind} input", False, raw_bytes)
+    return _Call(kind, s, r, op=op, root=root)
 
 
-class _Work(dist.Work):
-    """The Work of a queued call: its future is completed by oxccl's stream thread; `wait`
-    raises the call's error (an ``oxccl.Error``)."""
+# -------------------------------------------------------------------------------------------
+# Completion of futures, away from oxccl's stream thread.
+# -------------------------------------------------------------------------------------------
+class _Completers:
+    """Threads that wait for queued calls and complete their futures (so `.then()`
+    callbacks never run on oxccl's stream thread). A backend call made from one of these
+    threads (a callback running a collective) first starts another, which serves the queue
+    meanwhile; threads beyond one end when the queue stays empty."""
 
-    def __init__(self, fut: Future):
+    def __init__(self) -> None:
+        self.q: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.mine = threading.local()
+
+    def put(self, job: "_Job") -> None:
+        with self.lock:
+            start = self.threads == 0 or getattr(self.mine, "completer", False)
+            if start:
+                self.threads += 1
+        if start:
+            threading.Thread(target=self._loop, name="oxccl-torch-futures", daemon=True).start()
+        self.q.put(job)
+
+    def _loop(self) -> None:
+        self.mine.completer = True
+        while True:
+            try:
+                job = self.q.get(timeout=1.0)
+            except queue.Empty:
+                with self.lock:
+                    if self.threads > 1:
+                        self.threads -= 1
+                        return
+                continue
+            try:
+                job.finish()
+                job.settle()
+            except BaseException:  # noqa: BLE001 - never let a completion thread die
+                pass
+
+
+_COMPLETERS = _Completers()
+
+
+class _Job:
+    """One backend call in flight: the oxccl handles it waits for, what it returns, `post`
+    (copies out of temporaries) to run once they have finished, and its future."""
+
+    __slots__ = ("backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set")
+
+    def __init__(
+        self,
+        backend: "BackendOxccl",
+        what: str,
+        handles: Sequence[Any] = (),
+        result: Any = None,
+        post: Optional[Callable[[], None]] = None,
+    ):
+        self.backend, self.what = backend, what
+        self.handles = list(handles)
+        self.result, self.post = result, post
+        self.error: Optional[BaseException] = None
+        self.done = False
+        self.held = False  # point-to-point, not yet flushed
+        self.lock = threading.Lock()
+        self.fut: Optional[Future] = None
+        self.fut_set = False
+
+    def flush(self) -> None:
+        if self.held:
+            self.backend._flush_p2p()
+
+    def finish(self) -> None:
+        """Waits for the handles (each bounded by its call's timeout), runs `post`, once."""
+        self.flush()
+        with self.lock:
+            if self.done:
+                return
+            try:
+                for h in self.handles:
+                    h.wait()
+                if self.post is not None:
+                    self.post()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                self.error = e
+            self.handles = []
+            self.post = None
+            self.done = True
+
+    def settle(self) -> None:
+        with self.lock:
+            fut = self.fut
+            if fut is None or self.fut_set or not self.done:
+                return
+            self.fut_set = True
+        if self.error is not None:
+            fut.set_exception(self.error)
+        else:
+            fut.set_result(self.result)
+
+    def future(self) -> Future:
+        """The call's future, completed by a completion thread (or now, if done)."""
+        with self.lock:
+            fresh = self.fut is None
+            if fresh:
+                self.fut = Future()
+            fut = self.fut
+        if fresh:
+            if self.done:
+                self.settle()
+            else:
+                self.flush()
+                _COMPLETERS.put(self)
+        return fut
+
+    def polled(self) -> bool:
+        """True once finished (never blocks on the calls)."""
+        if not self.done:
+            self.flush()
+            if not all(h.is_completed() for h in list(self.handles)):
+                return False
+            self.finish()
+        self.settle()
+        return True
+
+    def wait(self, timeout_s: float = 0.0) -> None:
+        """Waits for the calls (up to `timeout_s` when positive: an ``oxccl.TimeoutError``
+        after it) and raises their error, if any."""
+        if timeout_s > 0:
+            deadline = time.monotonic() + timeout_s
+            pause = 2e-5
+            while not self.polled():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    b = self.backend
+                    raise TimeoutError(
+                        f"oxccl: rank {b.rank()} of group {b._group_id!r}: {self.what} did not "
+                        f"complete within the {timeout_s:g} s given to work.wait(timeout=)"
+                    )
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 1e-3)
+        self.finish()
+        self.settle()
+        if self.error is not None:
+            raise self.error
+
+
+class _DoneWork(dist.Work):
+    """The Work of a call that has already finished (inline): nothing to wait for."""
+
+    def __init__(self, result: Any):
         super().__init__()
-        self._fut = fut
+        self._result = result
 
     def wait(self, timeout: Any = None) -> bool:
-        self._fut.wait()  # releases the GIL; raises the future's exception
         return True
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return True
 
     def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # noqa: BLE001
-            return False
         return True
 
     def exception(self) -> Any:
-        if not self._fut.done():
-            return None
-        try:
-            self._fut.value()
-        except Exception as e:  # noqa: BLE001
-            return e
         return None
 
     def get_future(self) -> Future:
-        return self._fut
+        fut: Future = Future()
+        fut.set_result(self._result)
+        return fut
 
     def result(self) -> Any:
-        return self._fut.value()
+        return self._result
 
     def synchronize(self) -> None:
         pass
 
 
-class ProcessGroupOxccl(dist.ProcessGroup):
-    """A torch ProcessGroup whose collectives run on an oxccl communicator."""
+def _done_work(backend: "BackendOxccl", what: str, result: Any) -> _DoneWork:
+    return _DoneWork(result)
 
-    def __init__(self, comm: Comm, rank: int, size: int):
+
+class _JobWork(dist.Work):
+    """torch's Work for a :class:`_Job`: ``wait`` (and ``get_future``) first run held
+    point-to-point operations; ``wait(timeout=)`` raises an ``oxccl.TimeoutError`` on time.
+
+    torch wraps the Work of a Python backend in its own object, which forwards ``wait`` and
+    ``get_future`` here but answers ``is_completed`` from its own flag (never set): poll
+    ``work.get_future().done()`` instead."""
+
+    def __init__(self, job: _Job):
+        super().__init__()
+        self._job = job
+
+    def wait(self, timeout: Any = None) -> bool:
+        t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        self._job.wait(t)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._job.polled()
+
+    def is_success(self) -> bool:
+        return self._job.polled() and self._job.error is None
+
+    def exception(self) -> Any:
+        return self._job.error if self._job.polled() else None
+
+    def get_future(self) -> Future:
+        return self._job.future()
+
+    def result(self) -> Any:
+        self._job.wait()
+        return self._job.result
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<oxccl Work {self._job.what} completed={self._job.done}>"
+
+
+class BackendOxccl(_C10dBackend):
+    """torch's CPU Backend for a group, running its calls on an oxccl communicator."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        rank: int,
+        size: int,
+        store: Any = None,
+        timeout: Optional[timedelta] = None,
+        group_id: Any = None,
+    ):
         super().__init__(rank, size)
         self.comm = comm
-        self._batch: Optional[List[_Call]] = None
-        self._batch_result: List[torch.Tensor] = []
+        self._raw = comm._raw
+        self._store = store
+        self._timeout = timeout
+        self._group_id = group_id
+        self._held: List[tuple] = []  # (kind, peer, tag, tensor)
+        self._held_jobs: List[_Job] = []
+        self._barriers = 0
+        self._splits = 0
 
-    # -- identity ---------------------------------------------------------------------------
+    # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
 
     def _get_backend_name(self) -> str:
         return BACKEND_NAME
 
+    def name(self) -> str:
+        return BACKEND_NAME
+
     @property
     def supports_coalescing(self) -> bool:
+        # torch's ProcessGroup cannot forward start/end of coalescing to a Python backend;
+        # batch_isend_irecv then issues plain isend/irecv, which this backend holds and runs
+        # as one group at the first wait: the same effect.
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
         return True
 
-    def _get_backend(self, device: Any = None) -> "ProcessGroupOxccl":
-        # A Python ProcessGroup has no C++ backend per device: this object is its own (torch
-        # asks it, e.g., whether it groups point-to-point calls in batch_isend_irecv).
-        return self
+    @property
+    def options(self) -> Any:
+        """The group's options (torch asks for them, e.g. to split the group). Defined here:
+        without it torch's binding calls itself back for them without end."""
+        return _C10dBackend.Options(BACKEND_NAME, self._timeout or timedelta(minutes=30))
 
     def __repr__(self) -> str:
-        return f"ProcessGroupOxccl(rank={self.rank()}, size={self.size()}, transport={self.comm.transport})"
+        return f"BackendOxccl(rank={self.rank()}, size={self.size()}, transport={self.comm.transport})"
 
-    # -- the engine -------------------------------------------------------------------------
-    def _submit(
+    # -- the engine ---------------------------------------------------------------------------
+    def _run(
         self,
+        what: str,
         calls: List[_Call],
         result: Any,
         post: Optional[Callable[[], None]] = None,
+        inline: Optional[bool] = None,
     ) -> Any:
-        """Queues `calls` in order; the returned Work's future gets `result` once the last
-        has finished and `post` (copies out of temporaries) has run, on oxccl's thread."""
-        fut: Future = Future()
-        errors: List[BaseException] = []
-
-        def record(err: Optional[BaseException]) -> None:
-            if err is not None:
-                errors.append(err)
-
-        def finish(err: Optional[BaseException]) -> None:
-            record(err)
-            if errors:
-                fut.set_exception(errors[0])
-                return
-            try:
+        """Runs `calls` in order: inline when small (or `inline`), else queued. The Work
+        returns `result` once the last has finished and `post` has run."""
+        if self._held:
+            self._flush_p2p()
+        if inline is None:
+            inline = sum(c.nbytes() for c in calls) <= INLINE_MAX_BYTES
+        try:
+            if inline:
+                raw = self._raw
+                for c in calls:
+                    raw.call(*c.args())  # GIL released; raises the call's oxccl error
                 if post is not None:
                     post()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(e)
-                return
-            fut.set_result(result)
+                return _done_work(self, what, result)
+            handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
+        except InvalidArgumentError as e:
+            if "unknown" not in str(e):
+                raise
+            # an op or dtype this build of the library lacks: say which torch call asked
+            raise InvalidArgumentError(f"the oxccl backend's {what}: {e}") from None
+        return _JobWork(_Job(self, what, handles, result, post))
 
-        if not calls:
-            finish(None)
-            return _Work(fut)
-        last = len(calls) - 1
-        for i, c in enumerate(calls):
-            self.comm._run(
-                c.kind,
-                c.send,
-                c.recv,
-                async_op=True,
-                callback=finish if i == last else record,
-                **c.kw,
-            )
-        return _Work(fut)
+    # -- collectives --------------------------------------------------------------------------
+    def _reduce_calls(self, kind: str, tensors: List[torch.Tensor], opts: Any, root: int = 0) -> List[_Call]:
+        op, factor = _op(opts)
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor)
+        return [_coll(kind, None, t, op=op, root=root) for t in tensors]
 
-    # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        op = _op(opts.reduceOp) if opts is not None else "sum"
-        _flat(tensors, "allreduce")
-        calls = [_Call("all_reduce", None, t, op=op, in_place=True) for t in tensors]
-        return self._submit(calls, list(tensors))
+        if len(tensors) == 1 and not self._held and (opts is None or opts.reduceOp == _SUM):
+            # fast path (a tensor-parallel step's small sums): the checks of _buf, inline
+            t = tensors[0]
+            dt = _DTYPES.get(t.dtype)
+            n = t.nbytes
+            if dt is not None and n <= INLINE_MAX_BYTES and t.is_cpu and t.layout == _STRIDED and t.is_contiguous():
+                self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
+                return _DoneWork(tensors)
+        return self._run("all_reduce", self._reduce_calls("all_reduce", tensors, opts), list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
-        _flat(tensors, "broadcast")
-        calls = [_Call("broadcast", None, t, root=root, in_place=True) for t in tensors]
-        return self._submit(calls, list(tensors))
+        calls = [_coll("broadcast", None, t, root=root, raw_bytes=True) for t in tensors]
+        return self._run("broadcast", calls, list(tensors))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        op = _op(opts.reduceOp) if opts is not None else "sum"
         root = opts.rootRank if opts is not None else 0
-        _flat(tensors, "reduce")
-        calls = [_Call("reduce", None, t, op=op, root=root, in_place=True) for t in tensors]
-        return self._submit(calls, list(tensors))
+        return self._run("reduce", self._reduce_calls("reduce", tensors, opts, root), list(tensors))
 
     def allgather(
         self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None
     ) -> Any:
+        n = self.size()
         calls, posts = [], []
         for outs, inp in zip(output_tensors, input_tensors):
-            _flat(outs, "allgather output")
-            if len(outs) != self.size():
-                raise InvalidArgumentError(
-                    f"allgather: {len(outs)} output tensors for a group of {self.size()}"
-                )
+            if len(outs) != n:
+                raise InvalidArgumentError(f"allgather: {len(outs)} output tensors for a group of {n}")
             if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
-                raise InvalidArgumentError(
-                    "allgather: every output tensor must have the input's size and dtype"
-                )
-            flat = torch.empty((self.size(), inp.numel()), dtype=inp.dtype)
-            calls.append(_Call("all_gather", inp, flat))
+                raise InvalidArgumentError("allgather: every output tensor must have the input's size and dtype")
+            flat = torch.empty((n, inp.numel()), dtype=inp.dtype)
+            calls.append(_coll("all_gather", inp.contiguous(), flat, raw_bytes=True))
             posts.append((flat, outs))
 
         def post() -> None:
@@ -234,51 +551,54 @@ class ProcessGroupOxccl(dist.ProcessGroup):
                 for i, o in enumerate(outs):
                     o.copy_(flat[i].view(o.shape))
 
-        return self._submit(calls, output_tensors, post)
+        return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post)
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
         return self.allgather(output_lists, input_list, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._submit([_Call("all_gather", input, output)], [output])
+        return self._run("all_gather_into_tensor", [_coll("all_gather", input, output, raw_bytes=True)], [output])
 
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        calls = [_Call("all_gather", i, o) for o, i in zip(outputs, inputs)]
-        return self._submit(calls, list(outputs))
+        calls = [_coll("all_gather", i, o, raw_bytes=True) for o, i in zip(outputs, inputs)]
+        return self._run("all_gather_into_tensor", calls, list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _scaled(self, inputs: List[torch.Tensor], opts: Any) -> Tuple[str, List[torch.Tensor]]:
+        op, factor = _op(opts)
+        if factor is not None:
+            inputs = [i * factor for i in inputs]
+        return op, inputs
 
     def reduce_scatter(
         self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
-        op = _op(opts.reduceOp) if opts is not None else "sum"
+        n = self.size()
+        op, _ = _op(opts)
         calls = []
         for out, ins in zip(output_tensors, input_tensors):
-            _flat(ins, "reduce_scatter input")
-            if len(ins) != self.size():
-                raise InvalidArgumentError(
-                    f"reduce_scatter: {len(ins)} input tensors for a group of {self.size()}"
-                )
+            if len(ins) != n:
+                raise InvalidArgumentError(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
             if any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
-                raise InvalidArgumentError(
-                    "reduce_scatter: every input tensor must have the output's size and dtype"
-                )
+                raise InvalidArgumentError("reduce_scatter: every input tensor must have the output's size and dtype")
+            _, ins = self._scaled(list(ins), opts)
             flat = torch.stack([i.reshape(-1) for i in ins])
-            calls.append(_Call("reduce_scatter", flat, out, op=op))
-        return self._submit(calls, list(output_tensors))
+            calls.append(_coll("reduce_scatter", flat, out, op=op))
+        return self._run("reduce_scatter", calls, list(output_tensors))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        op = _op(opts.reduceOp) if opts is not None else "sum"
-        return self._submit([_Call("reduce_scatter", input, output, op=op)], [output])
+        op, (input,) = self._scaled([input], opts)
+        return self._run("reduce_scatter_tensor", [_coll("reduce_scatter", input, output, op=op)], [output])
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        op = _op(opts.reduceOp) if opts is not None else "sum"
-        calls = [_Call("reduce_scatter", i, o, op=op) for o, i in zip(outputs, inputs)]
-        return self._submit(calls, list(outputs))
+        op, inputs = self._scaled(list(inputs), opts)
+        calls = [_coll("reduce_scatter", i, o, op=op) for o, i in zip(outputs, inputs)]
+        return self._run("reduce_scatter_tensor", calls, list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -286,18 +606,14 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any = None
     ) -> Any:
         n = self.size()
-        _flat(output_tensors, "alltoall output")
-        _flat(input_tensors, "alltoall input")
         if len(output_tensors) != n or len(input_tensors) != n:
             raise InvalidArgumentError(f"alltoall: expected {n} input and {n} output tensors")
         dtype = input_tensors[0].dtype
         if any(t.dtype != dtype for t in list(output_tensors) + list(input_tensors)):
             raise InvalidArgumentError("alltoall: every tensor must have one dtype")
-        send = torch.cat([t.reshape(-1) for t in input_tensors]) if n else torch.empty(0, dtype=dtype)
+        send = torch.cat([t.reshape(-1) for t in input_tensors])
         recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
-        calls = self._alltoallv(
-            send, recv, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors]
-        )
+        calls = self._alltoallv(send, recv, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors])
 
         def post() -> None:
             off = 0
@@ -305,7 +621,7 @@ class ProcessGroupOxccl(dist.ProcessGroup):
                 t.copy_(recv[off : off + t.numel()].view(t.shape))
                 off += t.numel()
 
-        return self._submit(calls, list(output_tensors), post)
+        return self._run("all_to_all", calls, list(output_tensors), post)
 
     def alltoall_base(
         self,
@@ -318,22 +634,13 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         n = self.size()
         row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
         row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
-        if output_split_sizes:
-            out_counts = [s * row_out for s in output_split_sizes]
-        else:
-            out_counts = [output.numel() // n] * n
-        if input_split_sizes:
-            in_counts = [s * row_in for s in input_split_sizes]
-        else:
-            in_counts = [input.numel() // n] * n
+        out_counts = [s * row_out for s in output_split_sizes] if output_split_sizes else [output.numel() // n] * n
+        in_counts = [s * row_in for s in input_split_sizes] if input_split_sizes else [input.numel() // n] * n
         if len(out_counts) != n or len(in_counts) != n:
             raise InvalidArgumentError(f"all_to_all_single: split sizes must have {n} entries")
         if sum(out_counts) != output.numel() or sum(in_counts) != input.numel():
-            raise InvalidArgumentError(
-                "all_to_all_single: split sizes do not add up to the tensors' first dimension"
-            )
-        calls = self._alltoallv(input, output, out_counts, in_counts)
-        return self._submit(calls, [output])
+            raise InvalidArgumentError("all_to_all_single: split sizes do not add up to the tensors' first dimension")
+        return self._run("all_to_all_single", self._alltoallv(input, output, out_counts, in_counts), [output])
 
     all_to_all_single = alltoall_base
 
@@ -346,7 +653,7 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         if send.dtype != recv.dtype:
             raise InvalidArgumentError("all_to_all: input and output dtypes differ")
         if len(set(out_counts)) <= 1 and out_counts == in_counts:
-            return [_Call("all_to_all", send, recv)]
+            return [_coll("all_to_all", send, recv, raw_bytes=True)]
         s, r = send.reshape(-1), recv.reshape(-1)
         s_off = [sum(in_counts[:p]) for p in range(n)]
         r_off = [sum(out_counts[:p]) for p in range(n)]
@@ -355,75 +662,162 @@ class ProcessGroupOxccl(dist.ProcessGroup):
             sblk = s[s_off[p] : s_off[p] + in_counts[p]]
             rblk = r[r_off[p] : r_off[p] + out_counts[p]]
             if p == me:
-                ops.append(("copy", sblk, rblk))
+                ops.append(("copy", me, 0, sblk, rblk))
             else:
-                ops.append(("send", p, sblk))
-                ops.append(("recv", p, rblk))
+                ops.append(("send", p, 0, sblk))
+                ops.append(("recv", p, 0, rblk))
         return self._p2p_calls(ops)
 
     def _p2p_calls(self, ops: List[tuple]) -> List[_Call]:
-        """Orders point-to-point operations so that no set of ranks can wait on each other in
-        a cycle: peers in ascending order (so every rank visits the pairs (a, b), a < b, in
-        one global order); with each peer, the lower rank sends first. Sends to and receives
-        from one peer keep their relative order."""
+        """Orders point-to-point operations ``(kind, peer, tag, tensor[, dst])`` so that no
+        set of ranks can wait on each other in a cycle: peers in ascending order (so every
+        rank visits the pairs (a, b), a < b, in one global order); with each peer, the lower
+        rank sends first. Sends to and receives from one peer are ordered by tag, then as
+        issued (so both sides of a pair agree on which message is which)."""
         me = self.rank()
         calls: List[_Call] = []
-        copies = [op for op in ops if op[0] == "copy"]
-        for _, src, dst in copies:
-            if src.numel():
-                calls.append(_Call("sendrecv", src, dst, peer=me, root=me))
+        for op in ops:
+            if op[0] == "copy" and op[3].numel():
+                calls.append(_Call("sendrecv", _buf(op[3], "copy", False, True), _buf(op[4], "copy", True, True), peer=me, root=me))
         peers = sorted({op[1] for op in ops if op[0] != "copy"})
         for p in peers:
-            sends = [_Call("send", op[2], None, peer=p) for op in ops if op[0] == "send" and op[1] == p]
-            recvs = [_Call("recv", None, op[2], peer=p) for op in ops if op[0] == "recv" and op[1] == p]
+            mine = [(op[2], i, op) for i, op in enumerate(ops) if op[1] == p and op[0] != "copy"]
+            mine.sort(key=lambda x: (x[0], x[1]))
+            sends = [_Call("send", _buf(op[3], "send buffer", False, True), None, peer=p) for _, _, op in mine if op[0] == "send"]
+            recvs = [_Call("recv", None, _buf(op[3], "recv buffer", True, True), peer=p) for _, _, op in mine if op[0] == "recv"]
             calls.extend(sends + recvs if me < p else recvs + sends)
         return calls
 
-    # -- point to point ---------------------------------------------------------------------
-    def _start_coalescing(self, device: Any = None) -> None:
-        self._batch = []
-        self._batch_result = []
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        root, me, n = opts.rootRank, self.rank(), self.size()
+        if len(input_tensors) != 1:
+            raise InvalidArgumentError("gather: exactly one input tensor")
+        inp = input_tensors[0]
+        if me != root:
+            return self._run("gather", [_Call("send", _buf(inp, "gather input", False, True), None, peer=root)], [], inline=False)
+        outs = output_tensors[0] if output_tensors else []
+        if len(outs) != n:
+            raise InvalidArgumentError(f"gather: {len(outs)} output tensors on the root for a group of {n}")
+        ops: List[tuple] = []
+        for p, o in enumerate(outs):
+            if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
+            ops.append(("copy", me, 0, inp, o) if p == me else ("recv", p, 0, o))
+        return self._run("gather", self._p2p_calls(ops), list(outs), inline=False)
 
-    def _end_coalescing(self, device: Any = None) -> Any:
-        batch, self._batch = self._batch or [], None
-        result, self._batch_result = self._batch_result, []
-        return self._submit(self._p2p_calls(batch), result)
-
-    def _p2p(self, kind: str, tensors: List[torch.Tensor], peer: int) -> Any:
-        _flat(tensors, kind)
-        if self._batch is not None:
-            for t in tensors:
-                # Check now, while the caller can see the error.
-                _Buf(t, f"{kind} buffer", writable=kind == "recv")
-                self._batch.append((kind, peer, t))
-                self._batch_result.append(t)
-            fut: Future = Future()
-            fut.set_result(list(tensors))
-            return _Work(fut)
-        if kind == "send":
-            calls = [_Call("send", t, None, peer=peer) for t in tensors]
-        else:
-            calls = [_Call("recv", None, t, peer=peer) for t in tensors]
-        return self._submit(calls, list(tensors))
-
-    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        return self._p2p("send", tensors, dst)
-
-    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
-        return self._p2p("recv", tensors, src)
-
-    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
-        raise InvalidArgumentError("the oxccl backend needs the source rank of every recv")
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        root, me, n = opts.rootRank, self.rank(), self.size()
+        if len(output_tensors) != 1:
+            raise InvalidArgumentError("scatter: exactly one output tensor")
+        out = output_tensors[0]
+        if me != root:
+            return self._run("scatter", [_Call("recv", None, _buf(out, "scatter output", True, True), peer=root)], [out], inline=False)
+        ins = input_tensors[0] if input_tensors else []
+        if len(ins) != n:
+            raise InvalidArgumentError(f"scatter: {len(ins)} input tensors on the root for a group of {n}")
+        ops: List[tuple] = []
+        for p, i in enumerate(ins):
+            if i.numel() != out.numel() or i.dtype != out.dtype:
+                raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
+            ops.append(("copy", me, 0, i, out) if p == me else ("send", p, 0, i))
+        return self._run("scatter", self._p2p_calls(ops), [out], inline=False)
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._submit([_Call("barrier", None, None)], [])
+        return self._run("barrier", [_Call("barrier", None, None)], [], inline=True)
 
-    # -- not provided -----------------------------------------------------------------------
-    def gather(self, *args: Any, **kwargs: Any) -> Any:
-        raise InvalidArgumentError("the oxccl backend has no gather; use all_gather")
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, through the store: rank 0 waits (up to `timeout`) for
+        every rank to arrive and names the ones that did not; the others wait for rank 0."""
+        if self._store is None:
+            raise InvalidArgumentError("monitored_barrier: this group has no store")
+        timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)  # BarrierOptions
+        t = timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else (self._timeout or timedelta(minutes=30))
+        self._barriers += 1
+        key = f"oxccl/monitored_barrier/{self._barriers}"
+        me, n = self.rank(), self.size()
+        store = self._store
+        if me != 0:
+            store.set(f"{key}/{me}", "1")
+            try:
+                store.wait([f"{key}/done"], t)
+            except Exception as e:
+                raise TimeoutError(
+                    f"oxccl: rank {me}: monitored_barrier: rank 0 did not release the barrier "
+                    f"within {t.total_seconds():g} s ({e})"
+                ) from None
+            return
+        deadline = time.monotonic() + t.total_seconds()
+        missing = []
+        for p in range(1, n):
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                store.wait([f"{key}/{p}"], timedelta(seconds=left))
+            except Exception:
+                missing.append(p)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            raise TimeoutError(
+                f"oxccl: rank 0: monitored_barrier: rank(s) {missing} did not reach the barrier "
+                f"within {t.total_seconds():g} s"
+            )
+        store.set(f"{key}/done", "1")
 
-    def scatter(self, *args: Any, **kwargs: Any) -> Any:
-        raise InvalidArgumentError("the oxccl backend has no scatter; use broadcast or all_to_all")
+    # -- point to point -----------------------------------------------------------------------
+    def _hold(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> Any:
+        for t in tensors:
+            _buf(t, f"{kind} buffer", kind == "recv", True)  # check now, while the caller sees it
+            self._held.append((kind, peer, tag, t))
+        job = _Job(self, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})", result=list(tensors))
+        job.held = True
+        self._held_jobs.append(job)
+        return _JobWork(job)
+
+    def _flush_p2p(self) -> None:
+        """Runs every held send and recv as one deadlock-free group."""
+        if not self._held:
+            return
+        held, jobs = self._held, self._held_jobs
+        self._held, self._held_jobs = [], []
+        try:
+            calls = self._p2p_calls(held)
+            handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
+        except BaseException as e:  # noqa: BLE001 - every held job reports it
+            for j in jobs:
+                j.error, j.done, j.held = e, True, False
+            return
+        for j in jobs:
+            j.handles = handles
+            j.held = False
+
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        return self._hold("send", tensors, dst, tag)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
+        return self._hold("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
+        raise InvalidArgumentError("the oxccl backend needs the source rank of every recv (no recv from any source)")
+
+    # -- groups -------------------------------------------------------------------------------
+    def split(self, store: Any, ranks: List[int], opts: Any = None) -> Optional["BackendOxccl"]:
+        """A backend for `ranks` (ranks of this group), rendezvousing through `store`."""
+        me = self.rank()
+        if me not in ranks:
+            return None
+        timeout = getattr(opts, "_timeout", None) or self._timeout
+        return _make(store, ranks.index(me), len(ranks), timeout, getattr(opts, "group_name", None))
+
+    def shutdown(self) -> None:
+        self._flush_p2p()
+        self.comm.synchronize()
+
+    def abort(self) -> None:
+        pass
+
+
+#: The name this class had when it was a ProcessGroup.
+ProcessGroupOxccl = BackendOxccl
 
 
 def _timeout_s(timeout: Any) -> Optional[float]:
@@ -434,7 +828,7 @@ def _timeout_s(timeout: Any) -> Optional[float]:
     return None
 
 
-def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroupOxccl:
+def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> BackendOxccl:
     key = "oxccl/unique_id"
     if rank == 0:
         uid = _oxccl.new_unique_id(os.environ.get("OXCCL_ROOT_IP"))
@@ -442,7 +836,57 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroupOxccl
     else:
         uid = store.get(key).decode()
     raw = _oxccl.init_with_id(uid, rank, size, _timeout_s(timeout))
-    return ProcessGroupOxccl(Comm(raw), rank, size)
+    return BackendOxccl(Comm(raw), rank, size, store, timeout if isinstance(timeout, timedelta) else None, group_id)
 
 
-dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+_TRACE_RULES = "torch._dynamo.trace_rules"
+
+
+class _DynamoSkipsOxccl(importlib.abc.MetaPathFinder):
+    """Marks the oxccl package as code for torch.compile to run, not trace, once dynamo is
+    imported (importing it here would cost seconds): torch calls this backend from C++ (e.g.
+    DDP's reducer, inside a compiled forward), and dynamo would otherwise trace it and break
+    its graph on the native calls."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _TRACE_RULES:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None) if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _skip_in_dynamo(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _skip_in_dynamo(trace_rules: Any) -> None:
+    try:
+        trace_rules.add(__name__.split(".")[0])
+    except Exception:  # noqa: BLE001 - a private API: without it, compile still works (slower)
+        pass
+
+
+if _TRACE_RULES in sys.modules:
+    _skip_in_dynamo(sys.modules[_TRACE_RULES])
+else:
+    sys.meta_path.insert(0, _DynamoSkipsOxccl())
+
+
+def _create(dist_opts: Any, backend_options: Any = None) -> BackendOxccl:
+    return _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, dist_opts.group_id)
+
+
+dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+# oxccl keeps its own flight records (OXCCL_FLIGHT_RECORDER): torch need not hook every call
+# to record it (that hook costs more than the call itself for small messages).
+_FR_SELF = getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+if isinstance(_FR_SELF, set):
+    _FR_SELF.add(BACKEND_NAME)

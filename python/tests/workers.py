@@ -275,7 +275,9 @@ def vs_gloo(default):
                 a, b = x.clone(), x.clone()
                 w = dist.all_reduce(a, op=op, group=ox, async_op=True)
                 w.wait()
-                assert w.is_completed()
+                # torch answers is_completed() of a Python backend's Work from its own
+                # wrapper's flag: the future is the way to poll
+                assert w.get_future().done()
                 if op == dist.ReduceOp.AVG:
                     dist.all_reduce(b, op=dist.ReduceOp.SUM, group=gl)
                     b = (b.double() / n).to(dtype) if dtype.is_floating_point else torch.div(b, n, rounding_mode="trunc")
@@ -366,16 +368,19 @@ def vs_gloo(default):
                 _close(ya, yb, f"p2p {dtype}")
     dist.barrier(group=ox)
     dist.barrier(group=gl)
-    # Ops oxccl does not have are a clear error.
+    # Bitwise ops: as gloo where the oxccl library has them, else a clear error.
     import oxccl
 
     for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        a = torch.arange(6, dtype=torch.int32) * 7 + r
+        b = a.clone()
         try:
-            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=op, group=ox)
+            dist.all_reduce(a, op=op, group=ox)
         except oxccl.InvalidArgumentError as e:
-            assert "SUM, PRODUCT, MIN, MAX and AVG" in str(e)
+            assert "unknown reduction op" in str(e) and "all_reduce" in str(e), e
         else:
-            raise AssertionError(f"{op} accepted")
+            dist.all_reduce(b, op=op, group=gl)
+            _close(a, b, f"all_reduce {op}")
     try:
         dist.all_reduce(torch.ones(4, 4).t(), group=ox)
     except oxccl.InvalidArgumentError as e:
@@ -387,7 +392,7 @@ def vs_gloo(default):
     w = dist.all_reduce(t, group=ox, async_op=True)
     fut = w.get_future()
     v = fut.wait()
-    assert torch.all(v[0] == n) and w.is_completed() and w.is_success()
+    assert torch.all(v[0] == n) and fut.done()
     print(f"rank {r}: {checked} comparisons with gloo ok", flush=True)
     dist.destroy_process_group()
 

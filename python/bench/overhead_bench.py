@@ -1,0 +1,173 @@
+"""Per-call cost of a blocking all_reduce through torch.distributed: the "oxccl" backend vs
+gloo vs oxccl's own Python API (``oxccl.Comm``) vs the bare binding, in one run.
+
+    python python/bench/overhead_bench.py [--iters 2000] [--rounds 5]
+    python python/bench/overhead_bench.py --layers     # one rank: the cost of each layer
+
+Starts 2 ranks on this host (subprocesses), one TCPStore, a gloo default group, an "oxccl"
+group and, on the same communicator as that group, the plain API. For each size (4 B, 16 KB,
+4 MB of float32) the paths take turns in rounds; every call is timed on its own and rank 0
+prints the median (and 10th/90th percentiles) in microseconds per call.
+
+Paths:
+  gloo            dist.all_reduce(x, group=gloo)
+  oxccl torch     dist.all_reduce(x, group=oxccl)   (calls up to INLINE_MAX_BYTES run inline)
+  oxccl queued    the same with the inline path off (queue + Work wait)
+  oxccl.Comm      comm.all_reduce(x)                (the library's Python API)
+  binding         comm._raw.call(...)               (the PyO3 call alone)
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+SIZES = [("4 B", 1), ("16 KB", 4096), ("4 MB", 1 << 20)]
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def rank_main(iters, rounds):
+    import torch
+    import torch.distributed as dist
+
+    import oxccl.torch as oxt
+
+    r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, r == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=r, world_size=n)
+    gloo = dist.group.WORLD
+    ox = dist.new_group(backend="oxccl")
+    backend = ox._get_backend(torch.device("cpu"))
+    comm = backend.comm
+    inline_max = oxt.INLINE_MAX_BYTES
+
+    def torch_path(group, inline=True):
+        def f(x):
+            oxt.INLINE_MAX_BYTES = inline_max if inline else -1
+            dist.all_reduce(x, group=group)
+
+        return f
+
+    def comm_path(x):
+        comm.all_reduce(x)
+
+    def binding_path(x):
+        comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), x.numel() * 4), True)
+
+    paths = [
+        ("gloo", torch_path(gloo)),
+        ("oxccl torch", torch_path(ox)),
+        ("oxccl queued", torch_path(ox, inline=False)),
+        ("oxccl.Comm", comm_path),
+        ("binding", binding_path),
+    ]
+    rows = []
+    for label, numel in SIZES:
+        x = torch.ones(numel, dtype=torch.float32)
+        k = iters if numel < (1 << 18) else max(20, iters // 20)
+        samples = {name: [] for name, _ in paths}
+        for name, f in paths:  # warm up
+            for _ in range(20):
+                f(x)
+        for _ in range(rounds):
+            for name, f in paths:
+                dist.barrier(group=gloo)
+                s = samples[name]
+                for _ in range(k):
+                    t0 = time.perf_counter_ns()
+                    f(x)
+                    s.append(time.perf_counter_ns() - t0)
+        oxt.INLINE_MAX_BYTES = inline_max
+        rows.append((label, {name: [v / 1000 for v in s] for name, s in samples.items()}))
+    if r == 0:
+        names = [p[0] for p in paths]
+        print(f"median µs per blocking all_reduce (p10-p90), 2 ranks, {rounds} rounds x {iters} calls (4 MB: fewer)")
+        print("| size | " + " | ".join(names) + " |")
+        print("|---" * (len(names) + 1) + "|")
+        for label, d in rows:
+            cells = [f"{statistics.median(d[nm]):.1f} ({_pct(d[nm], 0.1):.1f}-{_pct(d[nm], 0.9):.1f})" for nm in names]
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        print("ratios (median): " + "; ".join(
+            f"{label}: gloo/oxccl-torch {statistics.median(d['gloo']) / statistics.median(d['oxccl torch']):.1f}x, "
+            f"oxccl-torch minus oxccl.Comm {statistics.median(d['oxccl torch']) - statistics.median(d['oxccl.Comm']):.1f} µs"
+            for label, d in rows
+        ))
+    dist.destroy_process_group()
+
+
+def layers(iters):
+    """One rank (no peer to wait for): where the time of a 4-byte all_reduce through torch
+    goes, layer by layer."""
+    import torch
+    import torch.distributed as dist
+
+    import oxccl.torch  # noqa: F401 - registers "oxccl"
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("oxccl", store=store, rank=0, world_size=1)
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    comm = backend.comm
+    x = torch.ones(1)
+    opts = dist.AllreduceOptions()
+    steps = [
+        ("dist.all_reduce(x)  (torch's Python API)", lambda: dist.all_reduce(x)),
+        ("pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup)", lambda: pg.allreduce([x], opts).wait()),
+        ("backend.allreduce([x], opts).wait()  (this backend)", lambda: backend.allreduce([x], opts).wait()),
+        ("comm.all_reduce(x)  (oxccl.Comm)", lambda: comm.all_reduce(x)),
+        ("comm._raw.call(...)  (the binding)", lambda: comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), 4), True)),
+    ]
+    res = {name: [] for name, _ in steps}
+    for _ in range(5):
+        for name, f in steps:
+            for _ in range(100):
+                f()
+            t0 = time.perf_counter_ns()
+            for _ in range(iters):
+                f()
+            res[name].append((time.perf_counter_ns() - t0) / iters / 1000)
+    print("one rank, 4-byte all_reduce, µs per call (median of 5 rounds)")
+    print("| layer | µs |\n|---|---|")
+    for name, _ in steps:
+        print(f"| {name} | {statistics.median(res[name]):.1f} |")
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", action="store_true", help="one rank: the cost of each layer")
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.layers:
+        layers(a.iters)
+        return
+    if a.rank:
+        rank_main(a.iters, a.rounds)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank", "--iters", str(a.iters), "--rounds", str(a.rounds)], env=env))
+    rc = [p.wait(timeout=1800) for p in procs]
+    sys.exit(max(rc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The modern torch.distributed stack on the "oxccl" backend, each feature compared with gloo
+in the same processes (see torch_features_worker.py): DeviceMesh 1-D and 2-D, FSDP2,
+distributed checkpointing, DTensor, functional collectives (eager and compiled),
+torch.compile(DDP), the PowerSGD hook, a blocking collective in a .then() callback,
+gather/scatter and their object forms, monitored_barrier, split_group, send-first 16 MiB
+isend/irecv, tags, work.wait(timeout=), dtypes and ops. One launch per world size runs
+every check."""
+
+import os
+
+import pytest
+
+from conftest import HERE, launch
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_features_match_gloo(n, tmp_path):
+    res = launch(n, script=os.path.join(HERE, "torch_features_worker.py"), args=[str(tmp_path)], timeout=400)
+    for _, out in res:
+        assert "torch features ok" in out, out
+
+
+def test_monitored_barrier_names_the_missing_rank():
+    res = launch(2, script=os.path.join(HERE, "torch_features_worker.py"), args=["-", "missing_rank"], timeout=120)
+    assert "monitored_barrier: rank(s) [1] did not reach the barrier" in res[0][1], res[0][1]
