@@ -93,6 +93,8 @@ fn torch_dtype(code: u8) -> &'static str {
         Some(DataType::Bf16) => "BFloat16",
         Some(DataType::F32) => "Float",
         Some(DataType::F64) => "Double",
+        Some(DataType::Bool) => "Bool",
+        Some(DataType::U16) => "UInt16",
         None => "Byte",
     }
 }
