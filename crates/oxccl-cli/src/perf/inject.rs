@@ -80,7 +80,7 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
         return Err("the root cannot be the victim".into());
     }
     let dtype = dtypes(&a.datatype)?[0];
-    let op = ops(&a.op, kind)?[0];
+    let op = ops(&a.op, kind, dtype)?[0];
     let case_for = |rank: usize, nranks: usize, root: usize| {
         let (count, _, _) = shape(kind, a.minbytes, dtype.size(), nranks);
         Case {
