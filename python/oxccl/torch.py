@@ -511,8 +511,11 @@ class BackendOxccl(_C10dBackend):
             dt = _DTYPES.get(t.dtype)
             n = t.nbytes
             if dt is not None and n <= INLINE_MAX_BYTES and t.is_cpu and t.layout == _STRIDED and t.is_contiguous():
-                self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
-                return _DoneWork(tensors)
+                try:
+                    self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
+                    return _DoneWork(tensors)
+                except InvalidArgumentError:
+                    pass  # the general path below says which call failed
         return self._run("all_reduce", self._reduce_calls("all_reduce", tensors, opts), list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
