@@ -373,10 +373,6 @@ class _DoneWork(dist.Work):
         pass
 
 
-def _done_work(backend: "BackendOxccl", what: str, result: Any) -> _DoneWork:
-    return _DoneWork(result)
-
-
 class _JobWork(dist.Work):
     """torch's Work for a :class:`_Job`: ``wait`` (and ``get_future``) first run held
     point-to-point operations; ``wait(timeout=)`` raises an ``oxccl.TimeoutError`` on time.
@@ -438,7 +434,6 @@ class BackendOxccl(_C10dBackend):
         self._held: List[tuple] = []  # (kind, peer, tag, tensor)
         self._held_jobs: List[_Job] = []
         self._barriers = 0
-        self._splits = 0
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -492,7 +487,7 @@ class BackendOxccl(_C10dBackend):
                     raw.call(*c.args())  # GIL released; raises the call's oxccl error
                 if post is not None:
                     post()
-                return _done_work(self, what, result)
+                return _DoneWork(result)
             handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
         except InvalidArgumentError as e:
             if "unknown" not in str(e):
@@ -516,8 +511,11 @@ class BackendOxccl(_C10dBackend):
             dt = _DTYPES.get(t.dtype)
             n = t.nbytes
             if dt is not None and n <= INLINE_MAX_BYTES and t.is_cpu and t.layout == _STRIDED and t.is_contiguous():
-                self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
-                return _DoneWork(tensors)
+                try:
+                    self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
+                    return _DoneWork(tensors)
+                except InvalidArgumentError:
+                    pass  # the general path below says which call failed
         return self._run("all_reduce", self._reduce_calls("all_reduce", tensors, opts), list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:

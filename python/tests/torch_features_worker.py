@@ -171,7 +171,7 @@ def then_blocking(be):
     out = {}
     for numel in (4, 1 << 19):
         x = torch.ones(numel) * (R + 1)
-        y = torch.ones(3) * (R + 2)
+        y = torch.ones(numel) * (R + 2)  # the large one is queued: its wait needs another completion thread
 
         def cb(f, y=y):
             dist.all_reduce(y)  # blocking, in the callback
