@@ -509,7 +509,8 @@ impl Bootstrap {
                     rank: self.rank,
                     peer: 0,
                     addr,
-                    timeout: now - start,
+                    // Whole milliseconds: "3.203s", not "3.203556031s".
+                    timeout: Duration::from_millis((now - start).as_millis() as u64),
                     reason,
                 });
             }
