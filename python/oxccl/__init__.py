@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import sys
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -449,6 +450,29 @@ def _derived_secret(addr: str, world_size: int) -> str:
     return h.hexdigest()[:32]
 
 
+def _secret_for(addr: str, world_size: int, secret: Optional[str]) -> str:
+    """The secret of an ``addr=`` rendezvous: ``secret``, else ``OXCCL_SECRET``, else derived
+    from the address (with a warning: anyone who can reach the address can compute it). An
+    empty secret is an error, as in the library, not a silent fallback."""
+    if secret is None:
+        secret = os.environ.get("OXCCL_SECRET")
+        if secret is None:
+            warnings.warn(
+                f"oxccl: OXCCL_SECRET is not set: the communicator secret is derived from the "
+                f"rendezvous address {addr}, so anyone who can reach it can join the job; set "
+                f"OXCCL_SECRET (32 hex digits) to the same value on every rank",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return _derived_secret(addr, world_size)
+        what = "OXCCL_SECRET"
+    else:
+        what = "secret"
+    if not secret:
+        raise InvalidArgumentError(f"init: {what} is set but empty; give 32 hex digits or leave it unset")
+    return secret
+
+
 def init(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
@@ -474,6 +498,6 @@ def init(
     if (addr is None) == (unique_id is None):
         raise InvalidArgumentError("init: pass exactly one of addr='host:port' and unique_id=")
     if unique_id is None:
-        secret = secret or os.environ.get("OXCCL_SECRET") or _derived_secret(addr, world_size)
+        secret = _secret_for(addr, int(world_size), secret)
         unique_id = _oxccl.unique_id_for(addr, secret)
     return Comm(_oxccl.init_with_id(unique_id, int(rank), int(world_size)))

@@ -51,3 +51,17 @@ def test_shared_arrays(n):
         # (where ptrace rules allow it, as for cross-memory attach)
         if "cma=false" not in out:
             assert "mapped a peer's shared buffer" in out, out
+
+
+def test_secret_empty_is_error_unset_warns(monkeypatch):
+    import oxccl
+
+    monkeypatch.setenv("OXCCL_SECRET", "")
+    with pytest.raises(oxccl.InvalidArgumentError, match="OXCCL_SECRET is set but empty"):
+        oxccl.init(rank=0, world_size=1, addr="127.0.0.1:1")
+    with pytest.raises(oxccl.InvalidArgumentError, match="secret is set but empty"):
+        oxccl.init(rank=0, world_size=1, addr="127.0.0.1:1", secret="")
+    monkeypatch.delenv("OXCCL_SECRET")
+    with pytest.warns(RuntimeWarning, match="OXCCL_SECRET is not set"):
+        secret = oxccl._secret_for("127.0.0.1:1", 1, None)
+    assert len(secret) == 32
