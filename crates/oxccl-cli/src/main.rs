@@ -30,7 +30,7 @@ struct Cli {
 enum Cmd {
     /// Benchmark a collective, as nccl-tests' *_perf (starts --ranks local ranks itself, or
     /// runs as one rank under torchrun, srun, mpirun or `oxccl run`).
-    Perf(perf::Args),
+    Perf(Box<perf::Args>),
     /// Start N local ranks of a program with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     /// MASTER_PORT and OXCCL_SECRET set; output lines are prefixed with the rank.
     Run(launch::RunArgs),
@@ -50,7 +50,7 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Perf(a) => perf::main(a),
+        Cmd::Perf(a) => perf::main(*a),
         Cmd::Run(a) => launch::run_main(a),
         Cmd::Tune(a) => tune::main(a),
         Cmd::Info => info::main(),
