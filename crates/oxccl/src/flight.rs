@@ -390,6 +390,11 @@ fn register(r: &Arc<Recorder>) {
         live.push(Arc::downgrade(r));
     }
     SIGNAL.call_once(|| {
+        // SAFETY: `dump_torch_at_exit` takes no arguments, does not unwind (it catches
+        // panics) and touches only statics and what they keep alive.
+        if unsafe { libc::atexit(dump_torch_at_exit) } != 0 {
+            tracing::warn!("cannot register the flight records' write at exit");
+        }
         match signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1]) {
             Ok(mut sigs) => {
                 let spawned = std::thread::Builder::new()
@@ -404,6 +409,18 @@ fn register(r: &Arc<Recorder>) {
                 }
             }
             Err(e) => tracing::warn!("cannot handle SIGUSR1: {e}"),
+        }
+    });
+}
+
+/// At process exit (`exit()`, e.g. an interpreter ending without dropping its
+/// communicators): the torch-format record of every live recorder that has one.
+extern "C" fn dump_torch_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        let Ok(live) = LIVE.try_lock() else { return };
+        let live: Vec<Arc<Recorder>> = live.iter().filter_map(|w| w.upgrade()).collect();
+        for r in live.iter().filter(|r| !r.is_empty()) {
+            r.dump_torch();
         }
     });
 }

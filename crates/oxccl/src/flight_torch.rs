@@ -3,8 +3,8 @@
 //! `/tmp/nccl_trace_rank_3`) as the pickled dict that torch's `_dump_nccl_trace` produces, so
 //! that torch's analyser reads it unchanged:
 //! `python -m torch.distributed.flight_recorder.fr_trace DIR`. Written where the oxccl-format
-//! record is (a failed call, a failure reported by the watchdog, `SIGUSR1`) and when the
-//! communicator is dropped.
+//! record is (a failed call, a failure reported by the watchdog, `SIGUSR1`), when the
+//! communicator is dropped, and at process exit (`exit()`) for those still alive.
 //!
 //! Each collective is one entry (`profiling_name` `oxccl:<call>`, sizes and dtypes as torch
 //! records them, `collective_seq_id` the collective number every rank agrees on). A call that

@@ -283,11 +283,19 @@ fn status_listener(cfg: &Config, rank: usize, my_ip: IpAddr) -> Option<TcpListen
     } else {
         SocketAddr::new(my_ip, 0)
     };
-    TcpListener::bind(addr)
-        .map_err(
-            |e| tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent"),
-        )
-        .ok()
+    match TcpListener::bind(addr) {
+        Ok(l) => Some(l),
+        // Typically another communicator of this process (a split, a shrink) holds it: the
+        // first communicator made answers there.
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            tracing::info!(rank, %addr, "OXCCL_STATUS: address in use; no status agent for this communicator");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent");
+            None
+        }
+    }
 }
 
 /// The torch-format flight record of a communicator when `OXCCL_FR_DUMP` is set.

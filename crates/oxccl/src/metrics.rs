@@ -1,6 +1,7 @@
 //! Per-communicator call metrics, in NCCL Inspector's formats: with `OXCCL_METRICS=DIR` each
 //! rank counts, per collective, its calls, bytes, time and errors, and writes them every
-//! `OXCCL_METRICS_INTERVAL` seconds and when the communicator is dropped:
+//! `OXCCL_METRICS_INTERVAL` seconds, when the communicator is dropped, and at process exit
+//! (`exit()`) for those still alive:
 //!
 //! - `DIR/oxccl-<host>-<pid>-<comm>-r<rank>.jsonl`: JSON lines shaped as NCCL Inspector's
 //!   (`header`, `metadata`, `coll_perf` with `coll`, `coll_sn`, `coll_msg_size_bytes`,
@@ -338,6 +339,12 @@ impl Metrics {
     /// Appends the new JSON lines and rewrites the Prometheus file (nothing before the first
     /// call); errors are logged.
     pub fn write(&self, all: bool) {
+        let _g = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.write_locked(all);
+    }
+
+    /// [`write`](Self::write), with the write lock held.
+    fn write_locked(&self, all: bool) {
         let idle = self
             .kinds
             .iter()
@@ -345,7 +352,6 @@ impl Metrics {
         if idle {
             return;
         }
-        let _g = self.write_lock.lock().unwrap_or_else(|e| e.into_inner());
         let (jsonl, prom) = self.files();
         let lines = self.json_lines(all);
         let res = (|| -> std::io::Result<()> {
@@ -384,6 +390,11 @@ fn register(m: &Arc<Metrics>, interval: Duration) {
     }
     let interval = interval.max(Duration::from_millis(10));
     WRITER.call_once(|| {
+        // SAFETY: `write_at_exit` takes no arguments, does not unwind (it catches panics) and
+        // touches only statics and what they keep alive; `atexit` may be called any time.
+        if unsafe { libc::atexit(write_at_exit) } != 0 {
+            tracing::warn!("cannot register the metrics' last write at exit");
+        }
         let spawned = std::thread::Builder::new()
             .name("oxccl-metrics".into())
             .spawn(move || loop {
@@ -400,6 +411,21 @@ fn register(m: &Arc<Metrics>, interval: Duration) {
             });
         if let Err(e) = spawned {
             tracing::warn!("cannot start the metrics thread: {e}");
+        }
+    });
+}
+
+/// At process exit (`exit()`, e.g. an interpreter ending without dropping its
+/// communicators): the last write of every live communicator's metrics. Skips what another
+/// thread holds rather than wait.
+extern "C" fn write_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        let Ok(live) = LIVE.try_lock() else { return };
+        let live: Vec<Arc<Metrics>> = live.iter().filter_map(|w| w.upgrade()).collect();
+        for m in live {
+            if let Ok(_g) = m.write_lock.try_lock() {
+                m.write_locked(false);
+            }
         }
     });
 }

@@ -118,3 +118,57 @@ fn torch_reads_the_records_and_names_the_skipped_collective() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A process that ends with `exit()` without dropping its communicator (as an interpreter
+/// may): its torch-format record and its metrics are still written.
+#[test]
+#[ignore = "the child of written_at_exit_without_drop (started by it)"]
+fn exit_child() {
+    let Ok(dir) = std::env::var("OXCCL_EXIT_CHILD_DIR") else {
+        return;
+    };
+    let cfg = Config {
+        fr_dump: Some(format!("{dir}/nccl_trace_rank_")),
+        metrics: Some(dir),
+        metrics_interval: Duration::from_secs(3600),
+        ..Config::default()
+    };
+    let comm = Communicator::from_links(0, 1, Vec::new(), cfg).unwrap();
+    let mut x = vec![1.0f32; 8];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    std::mem::forget(comm);
+    std::process::exit(0);
+}
+
+#[test]
+fn written_at_exit_without_drop() {
+    let dir = std::env::temp_dir().join(format!("oxccl-fr-exit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let st = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "exit_child", "--ignored", "--test-threads=1"])
+        .env("OXCCL_EXIT_CHILD_DIR", &dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let bytes = std::fs::read(dir.join("nccl_trace_rank_0")).expect("no torch record at exit");
+    let d = serde_pickle::value_from_slice(&bytes, Default::default()).unwrap();
+    let V::List(es) = get(&d, "entries") else {
+        panic!()
+    };
+    assert_eq!(es.len(), 1);
+    assert_eq!(get(&es[0], "state"), V::String("completed".into()));
+    let prom: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "prom"))
+        .collect();
+    assert_eq!(prom.len(), 1, "no metrics at exit");
+    let text = std::fs::read_to_string(prom[0].path()).unwrap();
+    assert!(
+        text.contains("oxccl_collective_calls_total{") && text.contains("collective=\"AllReduce\""),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
