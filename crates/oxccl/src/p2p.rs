@@ -180,7 +180,7 @@ impl Ctx<'_> {
         let mut done = vec![false; ops.len()];
         self.validate(ops)?;
         self.local(ops, &mut done)?;
-        self.from_stash(ops, &mut done)?;
+        self.take_stashed(ops, &mut done)?;
         // Sends, in order per peer.
         let mut outq: Vec<VecDeque<usize>> = (0..n).map(|_| VecDeque::new()).collect();
         for (i, op) in ops.iter().enumerate() {
@@ -335,10 +335,9 @@ impl Ctx<'_> {
             done[i] = true;
             done[j] = true;
         }
-        if let Some(j) = (0..ops.len())
-            .find(|&j| !done[j] && matches!(ops[j], P2pOp::Recv { peer: Some(p), .. } if p == me))
+        if (0..ops.len())
+            .any(|j| !done[j] && matches!(ops[j], P2pOp::Recv { peer: Some(p), .. } if p == me))
         {
-            let _ = j;
             return Err(self.bad(
                 "a receive from this rank itself needs a send to itself in the same group".into(),
             ));
@@ -347,7 +346,7 @@ impl Ctx<'_> {
     }
 
     /// Receives that messages already stashed satisfy, in posting order.
-    fn from_stash(&mut self, ops: &mut [P2pOp<'_>], done: &mut [bool]) -> Result<()> {
+    fn take_stashed(&mut self, ops: &mut [P2pOp<'_>], done: &mut [bool]) -> Result<()> {
         for i in 0..ops.len() {
             if done[i] || self.stash.msgs.is_empty() {
                 continue;
