@@ -18,22 +18,26 @@
 //! received in the order they were sent, whatever the order of the tags.
 
 use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags};
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::fingerprint::{Fingerprint, Header, Sequencer, HEADER_BYTES};
+use crate::fingerprint::{CallPrint, Fingerprint, Header, Sequencer, HEADER_BYTES};
 use crate::health::Health;
-use crate::transport::Link;
-use crate::wait::{Backoff, Spin};
+use crate::transport::{Link, WaitSource};
+use crate::wait::{Backoff, Doorbell, Spin};
 
 /// Bytes of the tag that follows the header of a tagged message.
 const TAG_BYTES: usize = 8;
 /// Data sent in the same write as the header.
 const WITH_HEADER: usize = 4096 - HEADER_BYTES - TAG_BYTES;
-/// How long one idle wait lasts before the loop looks again.
-const NAP: Duration = Duration::from_micros(50);
-/// How often a waiting group checks that its peers are alive.
+/// How long one sleep lasts when a doorbell and sockets are both awaited (or none).
+const NAP: Duration = Duration::from_micros(200);
+/// How long one sleep lasts at most; also how often a waiting group checks the deadline and
+/// that its peers are alive.
 const CHECK_EVERY: Duration = Duration::from_millis(50);
 
 /// One operation of a point-to-point group. Buffers are bytes of `dtype` elements (their
@@ -107,8 +111,26 @@ pub(crate) struct Ctx<'a> {
     pub spin: Spin,
     pub timeout: Duration,
     pub health: Option<&'a Health>,
+    /// The host's direct area, if any: a peer awaited here that publishes a call there is
+    /// in a collective (a mismatch, found as the executor finds it).
+    pub direct: Option<(&'a dyn crate::transport::direct::Direct, &'a CallPrint)>,
     pub call: &'static str,
     pub seq: u64,
+}
+
+/// A group's progress: operations done, sends queued and in flight per peer, the message
+/// being read from each peer.
+struct Progress {
+    done: Vec<bool>,
+    outq: Vec<VecDeque<usize>>,
+    out: Vec<Option<Out>>,
+    inc: Vec<Option<In>>,
+}
+
+impl Progress {
+    fn finished(&self) -> bool {
+        self.done.iter().all(|d| *d) && self.inc.iter().all(|i| i.is_none())
+    }
 }
 
 /// An outgoing message in progress.
@@ -177,7 +199,7 @@ impl Ctx<'_> {
         let mut done = vec![false; ops.len()];
         self.validate(ops)?;
         self.local(ops, &mut done)?;
-        self.from_stash(ops, &mut done)?;
+        self.take_stashed(ops, &mut done)?;
         // Sends, in order per peer.
         let mut outq: Vec<VecDeque<usize>> = (0..n).map(|_| VecDeque::new()).collect();
         for (i, op) in ops.iter().enumerate() {
@@ -187,40 +209,18 @@ impl Ctx<'_> {
                 }
             }
         }
-        let mut out: Vec<Option<Out>> = (0..n).map(|_| None).collect();
-        let mut inc: Vec<Option<In>> = (0..n).map(|_| None).collect();
+        let mut st = Progress {
+            done,
+            outq,
+            out: (0..n).map(|_| None).collect(),
+            inc: (0..n).map(|_| None).collect(),
+        };
         let start = Instant::now();
         let mut last_check = Instant::now();
         let mut backoff = Backoff::new(self.spin);
         loop {
-            let mut progressed = false;
-            for peer in 0..n {
-                progressed |=
-                    self.send_some(ops, &mut done, &mut outq[peer], &mut out[peer], peer)?;
-            }
-            let any = ops
-                .iter()
-                .zip(&done)
-                .any(|(o, d)| !d && matches!(o, P2pOp::Recv { peer: None, .. }));
-            let me = self.rank;
-            for peer in (0..n).filter(|&p| p != me) {
-                let named = named(ops, &done, peer);
-                if self.stash.is_held(peer) {
-                    if named {
-                        return Err(self.protocol(
-                            peer,
-                            "expected a point-to-point message, the peer is in a collective".into(),
-                        ));
-                    }
-                    continue; // in a collective: any-source receives look elsewhere
-                }
-                let wanted = any || named;
-                // Once started, a message is read to its end (the link stays framed).
-                if wanted || inc[peer].is_some() {
-                    progressed |= self.recv_some(ops, &mut done, &mut inc[peer], peer)?;
-                }
-            }
-            if done.iter().all(|d| *d) && inc.iter().all(|i| i.is_none()) {
+            let progressed = self.pass(ops, &mut st)?;
+            if st.finished() {
                 return Ok(());
             }
             if progressed {
@@ -233,13 +233,27 @@ impl Ctx<'_> {
             if let Some(h) = self.health.filter(|h| h.is_failed()) {
                 return Err(h.error(self.rank, self.call, self.seq));
             }
+            if self.sleep(ops, &mut st)? {
+                backoff.reset();
+                continue;
+            }
             if last_check.elapsed() >= CHECK_EVERY {
                 last_check = Instant::now();
-                let waiting = waiting_on(ops, &done, &inc, self.rank);
+                let waiting = waiting_on(ops, &st.done, &st.inc, self.rank, true);
                 for &p in &waiting {
                     if let Some(l) = self.links.get_mut(p).and_then(|l| l.as_mut()) {
                         l.check_alive()
                             .map_err(|e| e.into_error(self.rank, p, self.call, self.seq))?;
+                    }
+                }
+                if let Some((d, print)) = self.direct {
+                    // Not the peers only a receive from any source waits for: those may
+                    // rightly be in a collective meanwhile.
+                    let named = waiting_on(ops, &st.done, &st.inc, self.rank, false);
+                    if let Some(e) =
+                        crate::exec_direct::direct_mismatch(d, &named, print, self.rank, self.seq)
+                    {
+                        return Err(e);
                     }
                 }
                 let elapsed = start.elapsed();
@@ -253,7 +267,133 @@ impl Ctx<'_> {
                     });
                 }
             }
-            std::thread::sleep(NAP);
+        }
+    }
+
+    /// One pass over every send and every peer to read from. Returns whether bytes moved.
+    fn pass(&mut self, ops: &mut [P2pOp<'_>], st: &mut Progress) -> Result<bool> {
+        let n = self.links.len();
+        let mut progressed = false;
+        for peer in 0..n {
+            progressed |= self.send_some(
+                ops,
+                &mut st.done,
+                &mut st.outq[peer],
+                &mut st.out[peer],
+                peer,
+            )?;
+        }
+        let me = self.rank;
+        for peer in (0..n).filter(|&p| p != me) {
+            if self.reads_from(ops, st, peer)? {
+                progressed |= self.recv_some(ops, &mut st.done, &mut st.inc[peer], peer)?;
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// Whether this pass reads from `peer`: a receive waits for it (or for any rank), or one
+    /// of its messages is half read (once started, a message is read to its end).
+    fn reads_from(&self, ops: &[P2pOp<'_>], st: &Progress, peer: usize) -> Result<bool> {
+        let named = named(ops, &st.done, peer);
+        if self.stash.is_held(peer) {
+            if named {
+                return Err(self.protocol(
+                    peer,
+                    "expected a point-to-point message, the peer is in a collective".into(),
+                ));
+            }
+            return Ok(false); // in a collective: any-source receives look elsewhere
+        }
+        let any = ops
+            .iter()
+            .zip(&st.done)
+            .any(|(o, d)| !d && matches!(o, P2pOp::Recv { peer: None, .. }));
+        Ok(any || named || st.inc[peer].is_some())
+    }
+
+    /// Sleeps until a link the group waits on may move (its doorbell, or its socket) or a
+    /// slice passes, as the executor does. Returns true if the last look before sleeping
+    /// made progress (no sleep happened).
+    fn sleep(&mut self, ops: &mut [P2pOp<'_>], st: &mut Progress) -> Result<bool> {
+        let mut bell: Option<*const Doorbell> = None;
+        let mut fds: Vec<(RawFd, PollFlags)> = Vec::new();
+        let n = self.links.len();
+        for peer in (0..n).filter(|&p| p != self.rank) {
+            let sending = st.out[peer].is_some() || !st.outq[peer].is_empty();
+            let reading = self.reads_from(ops, st, peer)?;
+            let Some(link) = self.links[peer].as_ref() else {
+                continue;
+            };
+            let mut add = |src: WaitSource<'_>, flags| match src {
+                WaitSource::Doorbell(b) => bell = Some(b as *const Doorbell),
+                WaitSource::Fd(fd) => fds.push((fd.as_raw_fd(), flags)),
+            };
+            if sending {
+                add(link.send_wait(), PollFlags::OUT);
+            }
+            if reading {
+                add(link.recv_wait(), PollFlags::IN);
+            }
+        }
+        if fds.is_empty() {
+            let Some(bell) = bell else {
+                std::thread::sleep(NAP);
+                return Ok(false);
+            };
+            // SAFETY: the doorbell lives in a link (or its shared segment) owned by
+            // `self.links`, which outlives this call; links are not dropped during a call.
+            let bell = unsafe { &*bell };
+            let _registered = self.health.map(|h| h.sleeping_on(bell));
+            let token = bell.prepare();
+            if self.health.is_some_and(|h| h.is_failed()) {
+                bell.cancel(token);
+                return Ok(false);
+            }
+            match self.pass(ops, st) {
+                Ok(true) => {
+                    bell.cancel(token);
+                    return Ok(true);
+                }
+                Ok(false) if st.finished() => {
+                    bell.cancel(token);
+                    return Ok(true);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    bell.cancel(token);
+                    return Err(e);
+                }
+            }
+            bell.wait(token, CHECK_EVERY);
+            return Ok(false);
+        }
+        let timeout = if bell.is_some() { NAP } else { CHECK_EVERY };
+        if let Some(fd) = self.health.and_then(|h| h.poll_fd()) {
+            fds.push((fd.as_raw_fd(), PollFlags::IN));
+        }
+        // SAFETY: each fd belongs to a link in `self.links` (or to the health state), alive
+        // for this call.
+        let borrowed: Vec<BorrowedFd<'_>> = fds
+            .iter()
+            .map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) })
+            .collect();
+        let mut pfds: Vec<PollFd<'_>> = borrowed
+            .iter()
+            .zip(&fds)
+            .map(|(fd, (_, fl))| PollFd::from_borrowed_fd(*fd, *fl))
+            .collect();
+        let ts = rustix::time::Timespec {
+            tv_sec: timeout.as_secs() as _,
+            tv_nsec: timeout.subsec_nanos() as _,
+        };
+        match rustix::event::poll(&mut pfds, Some(&ts)) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => Ok(false),
+            Err(e) => Err(Error::Io {
+                rank: self.rank,
+                context: "poll".into(),
+                source: e.into(),
+            }),
         }
     }
 
@@ -325,10 +465,9 @@ impl Ctx<'_> {
             done[i] = true;
             done[j] = true;
         }
-        if let Some(j) = (0..ops.len())
-            .find(|&j| !done[j] && matches!(ops[j], P2pOp::Recv { peer: Some(p), .. } if p == me))
+        if (0..ops.len())
+            .any(|j| !done[j] && matches!(ops[j], P2pOp::Recv { peer: Some(p), .. } if p == me))
         {
-            let _ = j;
             return Err(self.bad(
                 "a receive from this rank itself needs a send to itself in the same group".into(),
             ));
@@ -337,7 +476,7 @@ impl Ctx<'_> {
     }
 
     /// Receives that messages already stashed satisfy, in posting order.
-    fn from_stash(&mut self, ops: &mut [P2pOp<'_>], done: &mut [bool]) -> Result<()> {
+    fn take_stashed(&mut self, ops: &mut [P2pOp<'_>], done: &mut [bool]) -> Result<()> {
         for i in 0..ops.len() {
             if done[i] || self.stash.msgs.is_empty() {
                 continue;
@@ -672,8 +811,15 @@ fn pair<'o, 'a>(
     }
 }
 
-/// The ranks a waiting group still needs.
-fn waiting_on(ops: &[P2pOp<'_>], done: &[bool], inc: &[Option<In>], me: usize) -> Vec<usize> {
+/// The ranks a waiting group still needs (`any`: every other rank for a receive from any
+/// source).
+fn waiting_on(
+    ops: &[P2pOp<'_>],
+    done: &[bool],
+    inc: &[Option<In>],
+    me: usize,
+    any: bool,
+) -> Vec<usize> {
     let mut v: Vec<usize> = Vec::new();
     for (op, d) in ops.iter().zip(done) {
         if *d {
@@ -682,7 +828,8 @@ fn waiting_on(ops: &[P2pOp<'_>], done: &[bool], inc: &[Option<In>], me: usize) -
         match op {
             P2pOp::Send { peer, .. } => v.push(*peer),
             P2pOp::Recv { peer: Some(p), .. } => v.push(*p),
-            P2pOp::Recv { peer: None, .. } => v.extend((0..inc.len()).filter(|&p| p != me)),
+            P2pOp::Recv { peer: None, .. } if any => v.extend((0..inc.len()).filter(|&p| p != me)),
+            P2pOp::Recv { peer: None, .. } => {}
         }
     }
     v.extend((0..inc.len()).filter(|&p| inc[p].is_some()));
