@@ -219,6 +219,16 @@ class Handle:
         return f"<oxccl.Handle completed={self.is_completed()}>"
 
 
+class _P2pHandle(Handle):
+    """A queued point-to-point group: ``wait()`` returns each operation's source rank."""
+
+    __slots__ = ()
+
+    def wait(self) -> Any:
+        self._raw.wait()
+        return self._result.get()
+
+
 _LIVE: "weakref.WeakSet[Comm]" = weakref.WeakSet()
 
 
@@ -398,15 +408,50 @@ class Comm:
         o = _Buf(out, "all_to_all output", writable=True)
         return self._run("all_to_all", b, o, async_op=async_op, result=out)
 
-    def send(self, x: Any, peer: int, async_op: bool = False) -> Any:
-        """Sends ``x`` to ``peer``, which must ``recv`` the same number of bytes."""
+    def send(self, x: Any, peer: int, tag: int = 0, async_op: bool = False) -> Any:
+        """Sends ``x`` to ``peer``, which must ``recv`` the same number of bytes with the same
+        ``tag`` (messages of different tags may be received in any order)."""
+        if tag:
+            h = self.p2p([("send", x, peer, tag)], async_op=async_op)
+            return Handle(h._raw, None) if async_op else None
         b = _Buf(x, "send buffer", writable=False)
         return self._run("send", b, None, peer=peer, async_op=async_op, result=None)
 
-    def recv(self, x: Any, peer: int, async_op: bool = False) -> Any:
-        """Receives ``peer``'s ``send`` into ``x``. Returns ``x``."""
+    def recv(self, x: Any, peer: int, tag: int = 0, async_op: bool = False) -> Any:
+        """Receives into ``x`` the first message ``peer`` sent with ``tag``. Returns ``x``."""
+        if tag:
+            h = self.p2p([("recv", x, peer, tag)], async_op=async_op)
+            return Handle(h._raw, x) if async_op else x
         b = _Buf(x, "recv buffer", writable=True)
         return self._run("recv", None, b, peer=peer, async_op=async_op, result=x)
+
+    def recv_any(self, x: Any, tag: int = 0, async_op: bool = False) -> Any:
+        """Receives into ``x`` a message sent with ``tag`` by any other rank (gloo's
+        ``recvFromAny``); returns that rank (``wait()`` returns it for ``async_op``)."""
+        r = self.p2p([("recv", x, None, tag)], async_op=async_op)
+        return r if async_op else r[0]
+
+    def p2p(self, ops: Any, async_op: bool = False) -> Any:
+        """Sends and receives that progress together (NCCL's group of ``ncclSend`` and
+        ``ncclRecv``): any mix completes at any size, two ranks that both send first included.
+        ``ops`` is a list of ``("send", x, peer, tag)`` and ``("recv", x, peer, tag)``, where a
+        recv's peer may be None (any rank). Returns the source rank of each operation (None
+        for sends); with ``async_op`` a handle whose ``wait()`` returns that list."""
+        raw_ops = []
+        keep = []
+        for op in ops:
+            if not (isinstance(op, tuple) and len(op) == 4 and op[0] in ("send", "recv")):
+                raise InvalidArgumentError(f"p2p: expected ('send' | 'recv', array, peer, tag), got {op!r}")
+            kind, x, peer, tag = op
+            if (peer is None and kind == "send") or (peer is not None and peer < 0) or tag < 0:
+                raise InvalidArgumentError(f"p2p: bad peer {peer!r} or tag {tag!r} in {kind}")
+            b = _Buf(x, f"p2p {kind} buffer", writable=(kind == "recv"))
+            keep.append(x)
+            raw_ops.append((kind, peer, int(tag), b.dtype, b.addr, b.nbytes))
+        if not async_op:
+            return self._raw.p2p(raw_ops)
+        raw, sources = self._raw.p2p_async(raw_ops, keep, None)
+        return _P2pHandle(raw, sources)
 
     def sendrecv(self, send: Any, to: int, recv: Any, from_: int, async_op: bool = False) -> Any:
         """Sends ``send`` to ``to`` while receiving ``recv`` from ``from_`` (same size), as

@@ -11,8 +11,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use oxccl::{
-    CollKind, Communicator, Config, DataType, Error, RawBufs, ReduceOp, SharedBuffer, UniqueId,
-    Work,
+    CollKind, Communicator, Config, DataType, Error, P2pOp, RawBufs, ReduceOp, SharedBuffer,
+    UniqueId, Work,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyType;
@@ -147,6 +147,100 @@ impl CallSpec {
     }
 }
 
+/// One point-to-point operation as the Python half passes it: `("send" | "recv", peer or
+/// None (recv from any), tag, dtype, address, bytes)`.
+type P2pTuple = (String, Option<usize>, u32, String, usize, usize);
+
+/// A point-to-point group on raw addresses (plain integers: `Send`).
+struct P2pSpec {
+    ops: Vec<(bool, Option<usize>, u32, DataType, usize, usize)>,
+}
+
+fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>) -> PyResult<P2pSpec> {
+    let mut v = Vec::with_capacity(ops.len());
+    for (kind, peer, tag, dtype, addr, len) in ops {
+        let send = match kind.as_str() {
+            "send" => true,
+            "recv" => false,
+            other => return Err(bad_arg(py, format!("unknown p2p operation '{other}'"))),
+        };
+        if send && peer.is_none() {
+            return Err(bad_arg(py, "a send needs a peer".into()));
+        }
+        let dtype = DataType::from_str(&dtype).map_err(|m| bad_arg(py, m))?;
+        v.push((send, peer, tag, dtype, addr, len));
+    }
+    Ok(P2pSpec { ops: v })
+}
+
+impl P2pSpec {
+    /// Runs the group; returns each receive's source (`None` for sends).
+    ///
+    /// # Safety
+    ///
+    /// Every address must point to `len` bytes that stay valid (and, for receives, unaliased
+    /// and writable) for the call.
+    unsafe fn run(&self, comm: &Communicator) -> oxccl::Result<Vec<Option<usize>>> {
+        let mut ops: Vec<P2pOp<'_>> = self
+            .ops
+            .iter()
+            .map(|&(send, peer, tag, dtype, addr, len)| {
+                if send {
+                    P2pOp::Send {
+                        peer: peer.unwrap_or(usize::MAX),
+                        tag,
+                        dtype,
+                        // SAFETY: forwarded from the caller (empty buffers need no memory).
+                        buf: if len == 0 {
+                            &[]
+                        } else {
+                            unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+                        },
+                    }
+                } else {
+                    P2pOp::Recv {
+                        peer,
+                        tag,
+                        dtype,
+                        // SAFETY: forwarded from the caller.
+                        buf: if len == 0 {
+                            &mut []
+                        } else {
+                            unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+                        },
+                        from: None,
+                    }
+                }
+            })
+            .collect();
+        comm.group_p2p(&mut ops)?;
+        Ok(ops
+            .iter()
+            .map(|op| match op {
+                P2pOp::Recv { from, .. } => *from,
+                P2pOp::Send { .. } => None,
+            })
+            .collect())
+    }
+}
+
+/// The sources of a queued point-to-point group's receives, once it has finished.
+#[pyclass(frozen, module = "oxccl._oxccl", name = "P2pSources")]
+struct P2pSources {
+    sources: Arc<Mutex<Option<Vec<Option<usize>>>>>,
+}
+
+#[pymethods]
+impl P2pSources {
+    /// Each operation's source rank (None for sends), or None before the group finished.
+    fn get(&self) -> Option<Vec<Option<usize>>> {
+        self.sources
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
 /// A buffer in shared memory (`Communicator::alloc_shared`); `Comm.empty` views it as a numpy
 /// array through its address and keeps this object alive as long as the array.
 #[pyclass(frozen, module = "oxccl._oxccl", name = "SharedMemory")]
@@ -252,30 +346,47 @@ impl RawComm {
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Handle> {
         let s = spec(py, kind, dtype, op, root, peer, send, recv, in_place)?;
-        let inflight = Inflight::new();
-        let work = self.inner.submit(move |comm| {
-            // Counted until the end of this closure, after the callback released the GIL.
-            let _inflight = inflight;
-            // SAFETY: `keepalive` owns the memory behind every address and lives until after
-            // the call (it is dropped below, after `run` returns); the Python caller checked
-            // the lengths and does not touch the output until completion.
-            let res = unsafe { s.run(comm) };
-            let info = res.as_ref().err().map(PyErrInfo::from);
-            Python::attach(|py| {
-                if let Some(cb) = callback {
-                    let arg = match &info {
-                        None => py.None(),
-                        Some(i) => i.to_py(py).into_value(py).into_any(),
-                    };
-                    if let Err(e) = cb.call1(py, (arg,)) {
-                        e.write_unraisable(py, None);
-                    }
-                }
-                drop(keepalive);
-            });
-            Ok(info.map_or(Ok(()), Err))
+        // SAFETY: `keepalive` owns the memory behind every address and lives until after the
+        // call; the Python caller checked the lengths and does not touch the output until
+        // completion.
+        Ok(self.queue(keepalive, callback, move |comm| unsafe { s.run(comm) }))
+    }
+
+    /// A point-to-point group (`Communicator::group_p2p`), blocking, GIL released: `ops` are
+    /// `("send" | "recv", peer (None: a recv from any rank), tag, dtype, address, bytes)`;
+    /// returns each operation's source rank (None for sends). The caller keeps the memory
+    /// alive.
+    fn p2p(&self, py: Python<'_>, ops: Vec<P2pTuple>) -> PyResult<Vec<Option<usize>>> {
+        let s = p2p_spec(py, ops)?;
+        let comm = &self.inner;
+        // SAFETY: the Python caller (oxccl.Comm) holds the arrays behind these addresses for
+        // the duration of this call and checked the lengths.
+        let r = py.detach(|| unsafe { s.run(comm) });
+        r.map_err(|e| err(py, &e))
+    }
+
+    /// Queues a point-to-point group (as `p2p`) on oxccl's stream; `keepalive` is held until
+    /// it has finished, then `callback(None | exception)` runs. Returns the handle and the
+    /// object that gives the receives' sources once it has finished.
+    #[pyo3(signature = (ops, keepalive, callback=None))]
+    fn p2p_async(
+        &self,
+        py: Python<'_>,
+        ops: Vec<P2pTuple>,
+        keepalive: Py<PyAny>,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<(Handle, P2pSources)> {
+        let s = p2p_spec(py, ops)?;
+        let sources = Arc::new(Mutex::new(None));
+        let out = P2pSources {
+            sources: Arc::clone(&sources),
+        };
+        let handle = self.queue(keepalive, callback, move |comm| {
+            // SAFETY: `keepalive` owns the memory behind every address until after the call.
+            let r = unsafe { s.run(comm) };
+            r.map(|v| *sources.lock().unwrap_or_else(|e| e.into_inner()) = Some(v))
         });
-        Ok(Handle::new(work))
+        Ok((handle, out))
     }
 
     /// Waits until every queued call has finished (GIL released).
@@ -301,6 +412,39 @@ impl RawComm {
             Ok(c) => Ok(c.map(|c| RawComm { inner: Arc::new(c) })),
             Err(e) => Err(err(py, &e)),
         }
+    }
+}
+
+impl RawComm {
+    /// Queues `run` on oxccl's stream; `keepalive` is dropped (under the GIL) after it, and
+    /// `callback(None | exception)` runs then.
+    fn queue(
+        &self,
+        keepalive: Py<PyAny>,
+        callback: Option<Py<PyAny>>,
+        run: impl FnOnce(&Communicator) -> oxccl::Result<()> + Send + 'static,
+    ) -> Handle {
+        let inflight = Inflight::new();
+        let work = self.inner.submit(move |comm| {
+            // Counted until the end of this closure, after the callback released the GIL.
+            let _inflight = inflight;
+            let res = run(comm);
+            let info = res.as_ref().err().map(PyErrInfo::from);
+            Python::attach(|py| {
+                if let Some(cb) = callback {
+                    let arg = match &info {
+                        None => py.None(),
+                        Some(i) => i.to_py(py).into_value(py).into_any(),
+                    };
+                    if let Err(e) = cb.call1(py, (arg,)) {
+                        e.write_unraisable(py, None);
+                    }
+                }
+                drop(keepalive);
+            });
+            Ok(info.map_or(Ok(()), Err))
+        });
+        Handle::new(work)
     }
 }
 
@@ -483,6 +627,7 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawComm>()?;
     m.add_class::<Handle>()?;
     m.add_class::<SharedMemory>()?;
+    m.add_class::<P2pSources>()?;
     m.add_function(wrap_pyfunction!(init_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(wait_inflight, m)?)?;
     m.add_function(wrap_pyfunction!(init_with_id, m)?)?;

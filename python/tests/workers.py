@@ -13,6 +13,21 @@ def _ok(name):
 # ---------------------------------------------------------------------------------------------
 # The plain API: numpy arrays and torch tensors.
 # ---------------------------------------------------------------------------------------------
+class pytest_raises:
+    """``pytest.raises`` without pytest in the rank processes: the error and its text."""
+
+    def __init__(self, cls, text):
+        self.cls, self.text = cls, text
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        assert et is not None, f"expected {self.cls.__name__}"
+        assert issubclass(et, self.cls) and self.text in str(e), (et, e)
+        return True
+
+
 def api():
     import torch
 
@@ -82,6 +97,59 @@ def api():
             assert np.all(npy(buf) == prv)
             got = comm.sendrecv(arr(np.full(5, r), np.int32), nxt, arr(np.zeros(5), np.int32), prv)
             assert np.all(npy(got) == prv)
+        # bool (logical ops), uint16/uint32, bitwise ops, premul_sum
+        bits = np.array([(r >> k) & 1 for k in range(3)] * 3, dtype=bool) if n > 1 else np.array([1, 0, 1] * 3, bool)
+        every = [np.array([(q >> k) & 1 for k in range(3)] * 3, dtype=bool) if n > 1 else bits for q in range(n)]
+        for op, ref in (("sum", np.logical_or), ("max", np.logical_or), ("prod", np.logical_and),
+                        ("min", np.logical_and), ("band", np.logical_and), ("bor", np.logical_or),
+                        ("bxor", np.logical_xor)):
+            x = comm.all_reduce(arr(bits.copy(), bool), op=op)
+            want = every[0]
+            for q in range(1, n):
+                want = ref(want, every[q])
+            assert np.array_equal(npy(x), want), (lib, op, npy(x), want)
+        with pytest_raises(oxccl.InvalidArgumentError, "avg is not defined on bool"):
+            comm.all_reduce(arr(bits, bool), op="avg")
+        with pytest_raises(oxccl.InvalidArgumentError, "bitwise"):
+            comm.all_reduce(arr(np.ones(3), np.float32), op="bxor")
+        for dtype in (np.uint16, np.uint32, np.uint64):
+            v = (np.arange(10) * 37 + r * 11) % 4096
+            x = comm.all_reduce(arr(v, dtype), op="bxor")
+            want = np.zeros(10, np.int64)
+            for q in range(n):
+                want ^= (np.arange(10) * 37 + q * 11) % 4096
+            assert np.array_equal(npy(x), want.astype(dtype)), (lib, dtype)
+        x = comm.all_reduce(arr(np.arange(6) + r, np.float32), op=("premul_sum", 0.5 * (r + 1)))
+        want = sum((np.arange(6) + q) * 0.5 * (q + 1) for q in range(n))
+        assert np.array_equal(npy(x), want.astype(np.float32)), (npy(x), want)
+        x = comm.all_reduce(arr(np.arange(6) + r, np.int32), op=("premul_sum", 3))
+        assert np.array_equal(npy(x), sum((np.arange(6) + q) * 3 for q in range(n)).astype(np.int32))
+        # point-to-point: send-first groups larger than the links' buffers, tags, any source
+        if n > 1:
+            big = 3 << 20  # float32 elements: 12 MiB
+            ops = [("send", arr(np.full(big, r * 10 + p, np.float32), np.float32), p, 0) for p in range(n) if p != r]
+            outs = {p: arr(np.zeros(big), np.float32) for p in range(n) if p != r}
+            ops += [("recv", outs[p], p, 0) for p in outs]
+            srcs = comm.p2p(ops)
+            assert srcs[-len(outs):] == list(outs), srcs
+            for p, o in outs.items():
+                assert np.all(npy(o) == p * 10 + r)
+            hs = [comm.send(arr(np.full(9, t, np.uint16), np.uint16), nxt, tag=t, async_op=True) for t in (1, 2, 3)]
+            for t in (3, 1, 2):
+                got = comm.recv(arr(np.zeros(9), np.uint16), prv, tag=t)
+                assert np.all(npy(got) == t), (t, npy(got))
+            for h in hs:
+                h.wait()
+            if r == 0:
+                seen = set()
+                for _ in range(n - 1):
+                    buf = arr(np.zeros(4), np.int64)
+                    src = comm.recv_any(buf, tag=7)
+                    assert np.all(npy(buf) == src) and src not in seen, (src, npy(buf))
+                    seen.add(src)
+                assert seen == set(range(1, n))
+            else:
+                comm.send(arr(np.full(4, r), np.int64), 0, tag=7)
         comm.barrier()
     _ok("collectives")
 
@@ -119,7 +187,7 @@ def api():
     raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones((4, 4), np.float32)[:, ::2])
     raises(oxccl.InvalidArgumentError, comm.all_reduce, torch.ones(4, 4).t())
     raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, np.complex64))
-    raises(oxccl.InvalidArgumentError, comm.all_reduce, torch.ones(3, dtype=torch.bool))
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, torch.ones(3, dtype=torch.complex64))
     raises(oxccl.InvalidArgumentError, comm.all_reduce, [1.0, 2.0])
     raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, np.float32), op="xor")
     ro = np.ones(3, np.float32)

@@ -527,9 +527,14 @@ impl Communicator {
         st.last_algo = "p2p";
         let timing = self.guard.begin(seq, name, &print, "p2p");
         let State {
-            links, seqr, stash, ..
+            links,
+            seqr,
+            stash,
+            direct,
+            ..
         } = &mut *st;
         let res = p2p::Ctx {
+            direct: direct.as_deref().map(|d| (d as &dyn Direct, &print)),
             rank: self.rank,
             links,
             seqr,

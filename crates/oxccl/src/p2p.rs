@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::fingerprint::{Fingerprint, Header, Sequencer, HEADER_BYTES};
+use crate::fingerprint::{CallPrint, Fingerprint, Header, Sequencer, HEADER_BYTES};
 use crate::health::Health;
 use crate::transport::Link;
 use crate::wait::{Backoff, Spin};
@@ -107,6 +107,9 @@ pub(crate) struct Ctx<'a> {
     pub spin: Spin,
     pub timeout: Duration,
     pub health: Option<&'a Health>,
+    /// The host's direct area, if any: a peer awaited here that publishes a call there is
+    /// in a collective (a mismatch, found as the executor finds it).
+    pub direct: Option<(&'a dyn crate::transport::direct::Direct, &'a CallPrint)>,
     pub call: &'static str,
     pub seq: u64,
 }
@@ -240,6 +243,13 @@ impl Ctx<'_> {
                     if let Some(l) = self.links.get_mut(p).and_then(|l| l.as_mut()) {
                         l.check_alive()
                             .map_err(|e| e.into_error(self.rank, p, self.call, self.seq))?;
+                    }
+                }
+                if let Some((d, print)) = self.direct {
+                    if let Some(e) =
+                        crate::exec_direct::direct_mismatch(d, &waiting, print, self.rank, self.seq)
+                    {
+                        return Err(e);
                     }
                 }
                 let elapsed = start.elapsed();
