@@ -657,7 +657,6 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("alltoall: every tensor must have one dtype")
         send = torch.cat([t.reshape(-1) for t in input_tensors])
         recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
-        calls = self._alltoallv(send, recv, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors])
 
         def post() -> None:
             off = 0
@@ -665,7 +664,8 @@ class BackendOxccl(_C10dBackend):
                 t.copy_(recv[off : off + t.numel()].view(t.shape))
                 off += t.numel()
 
-        return self._run("all_to_all", calls, list(output_tensors), post)
+        counts = ([t.numel() for t in output_tensors], [t.numel() for t in input_tensors])
+        return self._alltoallv("all_to_all", send, recv, *counts, list(output_tensors), post)
 
     def alltoall_base(
         self,
@@ -684,20 +684,27 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError(f"all_to_all_single: split sizes must have {n} entries")
         if sum(out_counts) != output.numel() or sum(in_counts) != input.numel():
             raise InvalidArgumentError("all_to_all_single: split sizes do not add up to the tensors' first dimension")
-        return self._run("all_to_all_single", self._alltoallv(input, output, out_counts, in_counts), [output])
+        return self._alltoallv("all_to_all_single", input, output, out_counts, in_counts, [output])
 
     all_to_all_single = alltoall_base
 
     def _alltoallv(
-        self, send: torch.Tensor, recv: torch.Tensor, out_counts: List[int], in_counts: List[int]
-    ) -> List[_Call]:
+        self,
+        what: str,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        out_counts: List[int],
+        in_counts: List[int],
+        result: Any,
+        post: Optional[Callable[[], None]] = None,
+    ) -> Any:
         """All-to-all with per-peer element counts: one oxccl all_to_all when the blocks are
-        equal, else pairwise send/recv in a deadlock-free order."""
+        equal, else one point-to-point group (a send and a recv per peer)."""
         n, me = self.size(), self.rank()
         if send.dtype != recv.dtype:
-            raise InvalidArgumentError("all_to_all: input and output dtypes differ")
+            raise InvalidArgumentError(f"{what}: input and output dtypes differ")
         if len(set(out_counts)) <= 1 and out_counts == in_counts:
-            return [_coll("all_to_all", send, recv, raw_bytes=True)]
+            return self._run(what, [_coll("all_to_all", send, recv, raw_bytes=True)], result, post)
         s, r = send.reshape(-1), recv.reshape(-1)
         s_off = [sum(in_counts[:p]) for p in range(n)]
         r_off = [sum(out_counts[:p]) for p in range(n)]
@@ -705,32 +712,29 @@ class BackendOxccl(_C10dBackend):
         for p in range(n):
             sblk = s[s_off[p] : s_off[p] + in_counts[p]]
             rblk = r[r_off[p] : r_off[p] + out_counts[p]]
-            if p == me:
-                ops.append(("copy", me, 0, sblk, rblk))
-            else:
-                ops.append(("send", p, 0, sblk))
-                ops.append(("recv", p, 0, rblk))
-        return self._p2p_calls(ops)
+            ops += [("copy", sblk, rblk)] if p == me else [("send", p, sblk), ("recv", p, rblk)]
+        return self._p2p_group(what, ops, result, post)
 
-    def _p2p_calls(self, ops: List[tuple]) -> List[_Call]:
-        """Orders point-to-point operations ``(kind, peer, tag, tensor[, dst])`` so that no
-        set of ranks can wait on each other in a cycle: peers in ascending order (so every
-        rank visits the pairs (a, b), a < b, in one global order); with each peer, the lower
-        rank sends first. Sends to and receives from one peer are ordered by tag, then as
-        issued (so both sides of a pair agree on which message is which)."""
-        me = self.rank()
-        calls: List[_Call] = []
-        for op in ops:
-            if op[0] == "copy" and op[3].numel():
-                calls.append(_Call("sendrecv", _buf(op[3], "copy", False, True), _buf(op[4], "copy", True, True), peer=me, root=me))
-        peers = sorted({op[1] for op in ops if op[0] != "copy"})
-        for p in peers:
-            mine = [(op[2], i, op) for i, op in enumerate(ops) if op[1] == p and op[0] != "copy"]
-            mine.sort(key=lambda x: (x[0], x[1]))
-            sends = [_Call("send", _buf(op[3], "send buffer", False, True), None, peer=p) for _, _, op in mine if op[0] == "send"]
-            recvs = [_Call("recv", None, _buf(op[3], "recv buffer", True, True), peer=p) for _, _, op in mine if op[0] == "recv"]
-            calls.extend(sends + recvs if me < p else recvs + sends)
-        return calls
+    def _p2p_group(
+        self, what: str, ops: List[tuple], result: Any, post: Optional[Callable[[], None]] = None
+    ) -> Any:
+        """Runs ``(kind, peer, tensor)`` sends and recvs (tag 0) as one group of the library's
+        point-to-point engine, queued (after any held operations); ``("copy", src, dst)``
+        (this rank's own block) once the group has finished, so after the calls before it,
+        then `post`."""
+        self._flush_p2p()
+        copies = [(op[1], op[2]) for op in ops if op[0] == "copy"]
+        bufs = [(k, p, _buf(t, f"{what} {k} buffer", k == "recv", True)) for k, p, t in ops if k != "copy"]
+        raw = [(kind, peer, 0, "uint8", b.addr, b.nbytes) for kind, peer, b in bufs]
+        handle, _ = self._raw.p2p_async(raw, [b.obj for _, _, b in bufs], None)
+
+        def finish() -> None:
+            for src, dst in copies:
+                dst.copy_(src.reshape(dst.shape))
+            if post is not None:
+                post()
+
+        return _JobWork(_Job(self, what, [handle], result, finish))
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root, me, n = opts.rootRank, self.rank(), self.size()
@@ -738,16 +742,14 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("gather: exactly one input tensor")
         inp = input_tensors[0]
         if me != root:
-            return self._run("gather", [_Call("send", _buf(inp, "gather input", False, True), None, peer=root)], [], inline=False)
+            return self._p2p_group("gather", [("send", root, inp)], [])
         outs = output_tensors[0] if output_tensors else []
         if len(outs) != n:
             raise InvalidArgumentError(f"gather: {len(outs)} output tensors on the root for a group of {n}")
-        ops: List[tuple] = []
-        for p, o in enumerate(outs):
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
-            ops.append(("copy", me, 0, inp, o) if p == me else ("recv", p, 0, o))
-        return self._run("gather", self._p2p_calls(ops), list(outs), inline=False)
+        if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
+            raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
+        ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(outs)]
+        return self._p2p_group("gather", ops, list(outs))
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
         root, me, n = opts.rootRank, self.rank(), self.size()
@@ -755,16 +757,14 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("scatter: exactly one output tensor")
         out = output_tensors[0]
         if me != root:
-            return self._run("scatter", [_Call("recv", None, _buf(out, "scatter output", True, True), peer=root)], [out], inline=False)
+            return self._p2p_group("scatter", [("recv", root, out)], [out])
         ins = input_tensors[0] if input_tensors else []
         if len(ins) != n:
             raise InvalidArgumentError(f"scatter: {len(ins)} input tensors on the root for a group of {n}")
-        ops: List[tuple] = []
-        for p, i in enumerate(ins):
-            if i.numel() != out.numel() or i.dtype != out.dtype:
-                raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
-            ops.append(("copy", me, 0, i, out) if p == me else ("send", p, 0, i))
-        return self._run("scatter", self._p2p_calls(ops), [out], inline=False)
+        if any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
+            raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
+        ops = [("copy", i, out) if p == me else ("send", p, i) for p, i in enumerate(ins)]
+        return self._p2p_group("scatter", ops, [out])
 
     def barrier(self, opts: Any = None) -> Any:
         return self._run("barrier", [_Call("barrier", None, None)], [], inline=True)
