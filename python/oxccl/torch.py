@@ -24,23 +24,31 @@ by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``). torch wraps a
 backend's Work in its own object, whose ``is_completed()`` stays False: poll
 ``work.get_future().done()``.
 
-Point-to-point: ``isend``/``irecv`` (and ``batch_isend_irecv``, which issues them) are held
-until one of their Works is waited on (or its future asked for) or the next collective
-starts; then every held operation runs as one group, in an order that cannot deadlock
-(pairs of ranks in a fixed global order, the lower rank of a pair sending first), so
-send-first exchanges of any size complete. Within a group, messages between two ranks are
-matched by tag, then by order.
+Point-to-point runs on the library's engine (``Comm.p2p``). ``isend``/``irecv`` (and
+``batch_isend_irecv``, which issues them) are held until one of their Works is waited on (or
+its future or ``is_completed`` asked for), the next collective starts, or the group shuts
+down (``destroy_process_group``, process exit); then every held operation runs as one group,
+whose sends and receives progress together: send-first exchanges of any size complete and no
+set of ranks can wait on each other in a cycle. Holding is what makes that so: a send queued
+alone on the communicator's one stream would block it, above the links' buffer size, until
+the peer reads, and a receive issued after it could not run meanwhile. Messages are matched
+by source and tag (a message of another tag waits in the receiver's stash), in send order per
+tag, across groups; ``irecv``/``recv`` without a source take the first message of that tag
+from any rank, and ``dist.recv`` returns its sender. A rank that issues an ``isend`` and never
+waits sends it at its next collective or at shutdown; until then the peer's receive waits,
+bounded by the group's timeout.
 
 Data types: every dtype for the calls that only move data (broadcast, all_gather,
 all_to_all, gather, scatter, send/recv: sent as bytes); reductions on float32, float64,
-float16, bfloat16, int8, uint8, int32, int64, uint32, uint64, and on bool and uint16 where
-the oxccl library has them. Ops: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM (scaled in torch,
-then summed), and BAND, BOR, BXOR where the library has them (else a clear
-``oxccl.InvalidArgumentError``).
+float16, bfloat16, int8, uint8, uint16, int32, int64, uint32, uint64 and bool (SUM and MAX
+an or, PRODUCT and MIN an and). Ops: SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR (integers
+and bool) and PREMUL_SUM (the library's op: each rank's input times its own factor, summed;
+an integer factor for integer tensors). Anything else is a clear ``oxccl.InvalidArgumentError``.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.util
 import os
@@ -48,6 +56,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -97,20 +106,24 @@ for _name in ("uint16", "uint32", "uint64"):
         _DTYPES[getattr(torch, _name)] = _name
 
 
-def _op(opts: Any) -> Tuple[str, Any]:
-    """oxccl's name of `opts.reduceOp`, and the PREMUL_SUM factor (else None)."""
+def _op(opts: Any) -> str:
+    """oxccl's name of `opts.reduceOp` (a PREMUL_SUM as ``premul_sum:FACTOR``, the library's
+    op: each rank's input times its own factor, then summed)."""
     if opts is None:
-        return "sum", None
+        return "sum"
     op = opts.reduceOp
     if op == _SUM:  # the common case, without the enum lookups below
-        return "sum", None
+        return "sum"
     kind = op.op if hasattr(op, "op") else op
     if kind == _RT.PREMUL_SUM:
-        return "sum", op.__getstate__()[1]
+        factor = op.__getstate__()[1]
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return f"premul_sum:{float(factor)!r}"
     name = _OPS.get(kind)
     if name is None:
         raise InvalidArgumentError(f"the oxccl backend does not support ReduceOp {kind}")
-    return name, None
+    return name
 
 
 def _buf(t: Any, what: str, writable: bool, raw_bytes: bool = False) -> _Buf:
@@ -243,7 +256,9 @@ class _Job:
     """One backend call in flight: the oxccl handles it waits for, what it returns, `post`
     (copies out of temporaries) to run once they have finished, and its future."""
 
-    __slots__ = ("backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set")
+    __slots__ = (
+        "backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set", "sources"
+    )
 
     def __init__(
         self,
@@ -259,6 +274,7 @@ class _Job:
         self.error: Optional[BaseException] = None
         self.done = False
         self.held = False  # point-to-point, not yet flushed
+        self.sources: Any = None  # point-to-point: (the group's P2pSources, this job's index)
         self.lock = threading.Lock()
         self.fut: Optional[Future] = None
         self.fut_set = False
@@ -310,6 +326,14 @@ class _Job:
                 _COMPLETERS.put(self)
         return fut
 
+    def source_rank(self) -> int:
+        """The rank a finished recv's message came from."""
+        src = self.sources
+        got = src[0].get() if isinstance(src, tuple) else None
+        if got is None or got[src[1]] is None:
+            raise InvalidArgumentError(f"{self.what}: not a finished recv, so no source rank")
+        return got[src[1]]
+
     def polled(self) -> bool:
         """True once finished (never blocks on the calls)."""
         if not self.done:
@@ -340,6 +364,29 @@ class _Job:
         self.settle()
         if self.error is not None:
             raise self.error
+
+
+#: Per thread: the job whose Work was waited on last (see `_source_rank`).
+_WAITED = threading.local()
+_C10D_SOURCE_RANK = dist.Work._source_rank
+
+
+def _source_rank(work: Any) -> int:
+    """``Work._source_rank`` (what ``dist.recv`` without a source returns) for this backend's
+    Works too: torch wraps a Python backend's Work in a C++ one that forwards ``wait`` but not
+    ``sourceRank``. Waiting again (a no-op once finished) tells which job the wrapper holds."""
+    try:
+        return _C10D_SOURCE_RANK(work)
+    except RuntimeError:
+        _WAITED.job = None
+        work.wait()
+        job = getattr(_WAITED, "job", None)
+        if job is None:
+            raise
+        return job.source_rank()
+
+
+dist.Work._source_rank = _source_rank
 
 
 class _DoneWork(dist.Work):
@@ -388,6 +435,7 @@ class _JobWork(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         self._job.wait(t)
+        _WAITED.job = self._job
         return True
 
     def is_completed(self) -> bool:
@@ -405,6 +453,13 @@ class _JobWork(dist.Work):
     def result(self) -> Any:
         self._job.wait()
         return self._job.result
+
+    def _source_rank(self) -> int:
+        """The rank a recv's message came from (once waited for)."""
+        self._job.wait()
+        return self._job.source_rank()
+
+    source_rank = _source_rank
 
     def synchronize(self) -> None:
         pass
@@ -431,9 +486,10 @@ class BackendOxccl(_C10dBackend):
         self._store = store
         self._timeout = timeout
         self._group_id = group_id
-        self._held: List[tuple] = []  # (kind, peer, tag, tensor)
+        self._held: List[tuple] = []  # (kind, peer or None, tag, _Buf)
         self._held_jobs: List[_Job] = []
         self._barriers = 0
+        _BACKENDS.add(self)
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -498,10 +554,7 @@ class BackendOxccl(_C10dBackend):
 
     # -- collectives --------------------------------------------------------------------------
     def _reduce_calls(self, kind: str, tensors: List[torch.Tensor], opts: Any, root: int = 0) -> List[_Call]:
-        op, factor = _op(opts)
-        if factor is not None:
-            for t in tensors:
-                t.mul_(factor)
+        op = _op(opts)
         return [_coll(kind, None, t, op=op, root=root) for t in tensors]
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
@@ -565,36 +618,29 @@ class BackendOxccl(_C10dBackend):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def _scaled(self, inputs: List[torch.Tensor], opts: Any) -> Tuple[str, List[torch.Tensor]]:
-        op, factor = _op(opts)
-        if factor is not None:
-            inputs = [i * factor for i in inputs]
-        return op, inputs
-
     def reduce_scatter(
         self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
         n = self.size()
-        op, _ = _op(opts)
+        op = _op(opts)
         calls = []
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != n:
                 raise InvalidArgumentError(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
             if any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
                 raise InvalidArgumentError("reduce_scatter: every input tensor must have the output's size and dtype")
-            _, ins = self._scaled(list(ins), opts)
             flat = torch.stack([i.reshape(-1) for i in ins])
             calls.append(_coll("reduce_scatter", flat, out, op=op))
         return self._run("reduce_scatter", calls, list(output_tensors))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        op, (input,) = self._scaled([input], opts)
+        op = _op(opts)
         return self._run("reduce_scatter_tensor", [_coll("reduce_scatter", input, output, op=op)], [output])
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        op, inputs = self._scaled(list(inputs), opts)
+        op = _op(opts)
         calls = [_coll("reduce_scatter", i, o, op=op) for o, i in zip(outputs, inputs)]
         return self._run("reduce_scatter_tensor", calls, list(outputs))
 
@@ -611,7 +657,6 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("alltoall: every tensor must have one dtype")
         send = torch.cat([t.reshape(-1) for t in input_tensors])
         recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
-        calls = self._alltoallv(send, recv, [t.numel() for t in output_tensors], [t.numel() for t in input_tensors])
 
         def post() -> None:
             off = 0
@@ -619,7 +664,8 @@ class BackendOxccl(_C10dBackend):
                 t.copy_(recv[off : off + t.numel()].view(t.shape))
                 off += t.numel()
 
-        return self._run("all_to_all", calls, list(output_tensors), post)
+        counts = ([t.numel() for t in output_tensors], [t.numel() for t in input_tensors])
+        return self._alltoallv("all_to_all", send, recv, *counts, list(output_tensors), post)
 
     def alltoall_base(
         self,
@@ -638,20 +684,27 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError(f"all_to_all_single: split sizes must have {n} entries")
         if sum(out_counts) != output.numel() or sum(in_counts) != input.numel():
             raise InvalidArgumentError("all_to_all_single: split sizes do not add up to the tensors' first dimension")
-        return self._run("all_to_all_single", self._alltoallv(input, output, out_counts, in_counts), [output])
+        return self._alltoallv("all_to_all_single", input, output, out_counts, in_counts, [output])
 
     all_to_all_single = alltoall_base
 
     def _alltoallv(
-        self, send: torch.Tensor, recv: torch.Tensor, out_counts: List[int], in_counts: List[int]
-    ) -> List[_Call]:
+        self,
+        what: str,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        out_counts: List[int],
+        in_counts: List[int],
+        result: Any,
+        post: Optional[Callable[[], None]] = None,
+    ) -> Any:
         """All-to-all with per-peer element counts: one oxccl all_to_all when the blocks are
-        equal, else pairwise send/recv in a deadlock-free order."""
+        equal, else one point-to-point group (a send and a recv per peer)."""
         n, me = self.size(), self.rank()
         if send.dtype != recv.dtype:
-            raise InvalidArgumentError("all_to_all: input and output dtypes differ")
+            raise InvalidArgumentError(f"{what}: input and output dtypes differ")
         if len(set(out_counts)) <= 1 and out_counts == in_counts:
-            return [_coll("all_to_all", send, recv, raw_bytes=True)]
+            return self._run(what, [_coll("all_to_all", send, recv, raw_bytes=True)], result, post)
         s, r = send.reshape(-1), recv.reshape(-1)
         s_off = [sum(in_counts[:p]) for p in range(n)]
         r_off = [sum(out_counts[:p]) for p in range(n)]
@@ -659,32 +712,29 @@ class BackendOxccl(_C10dBackend):
         for p in range(n):
             sblk = s[s_off[p] : s_off[p] + in_counts[p]]
             rblk = r[r_off[p] : r_off[p] + out_counts[p]]
-            if p == me:
-                ops.append(("copy", me, 0, sblk, rblk))
-            else:
-                ops.append(("send", p, 0, sblk))
-                ops.append(("recv", p, 0, rblk))
-        return self._p2p_calls(ops)
+            ops += [("copy", sblk, rblk)] if p == me else [("send", p, sblk), ("recv", p, rblk)]
+        return self._p2p_group(what, ops, result, post)
 
-    def _p2p_calls(self, ops: List[tuple]) -> List[_Call]:
-        """Orders point-to-point operations ``(kind, peer, tag, tensor[, dst])`` so that no
-        set of ranks can wait on each other in a cycle: peers in ascending order (so every
-        rank visits the pairs (a, b), a < b, in one global order); with each peer, the lower
-        rank sends first. Sends to and receives from one peer are ordered by tag, then as
-        issued (so both sides of a pair agree on which message is which)."""
-        me = self.rank()
-        calls: List[_Call] = []
-        for op in ops:
-            if op[0] == "copy" and op[3].numel():
-                calls.append(_Call("sendrecv", _buf(op[3], "copy", False, True), _buf(op[4], "copy", True, True), peer=me, root=me))
-        peers = sorted({op[1] for op in ops if op[0] != "copy"})
-        for p in peers:
-            mine = [(op[2], i, op) for i, op in enumerate(ops) if op[1] == p and op[0] != "copy"]
-            mine.sort(key=lambda x: (x[0], x[1]))
-            sends = [_Call("send", _buf(op[3], "send buffer", False, True), None, peer=p) for _, _, op in mine if op[0] == "send"]
-            recvs = [_Call("recv", None, _buf(op[3], "recv buffer", True, True), peer=p) for _, _, op in mine if op[0] == "recv"]
-            calls.extend(sends + recvs if me < p else recvs + sends)
-        return calls
+    def _p2p_group(
+        self, what: str, ops: List[tuple], result: Any, post: Optional[Callable[[], None]] = None
+    ) -> Any:
+        """Runs ``(kind, peer, tensor)`` sends and recvs (tag 0) as one group of the library's
+        point-to-point engine, queued (after any held operations); ``("copy", src, dst)``
+        (this rank's own block) once the group has finished, so after the calls before it,
+        then `post`."""
+        self._flush_p2p()
+        copies = [(op[1], op[2]) for op in ops if op[0] == "copy"]
+        bufs = [(k, p, _buf(t, f"{what} {k} buffer", k == "recv", True)) for k, p, t in ops if k != "copy"]
+        raw = [(kind, peer, 0, "uint8", b.addr, b.nbytes) for kind, peer, b in bufs]
+        handle, _ = self._raw.p2p_async(raw, [b.obj for _, _, b in bufs], None)
+
+        def finish() -> None:
+            for src, dst in copies:
+                dst.copy_(src.reshape(dst.shape))
+            if post is not None:
+                post()
+
+        return _JobWork(_Job(self, what, [handle], result, finish))
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
         root, me, n = opts.rootRank, self.rank(), self.size()
@@ -692,16 +742,14 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("gather: exactly one input tensor")
         inp = input_tensors[0]
         if me != root:
-            return self._run("gather", [_Call("send", _buf(inp, "gather input", False, True), None, peer=root)], [], inline=False)
+            return self._p2p_group("gather", [("send", root, inp)], [])
         outs = output_tensors[0] if output_tensors else []
         if len(outs) != n:
             raise InvalidArgumentError(f"gather: {len(outs)} output tensors on the root for a group of {n}")
-        ops: List[tuple] = []
-        for p, o in enumerate(outs):
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
-            ops.append(("copy", me, 0, inp, o) if p == me else ("recv", p, 0, o))
-        return self._run("gather", self._p2p_calls(ops), list(outs), inline=False)
+        if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
+            raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
+        ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(outs)]
+        return self._p2p_group("gather", ops, list(outs))
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
         root, me, n = opts.rootRank, self.rank(), self.size()
@@ -709,16 +757,14 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("scatter: exactly one output tensor")
         out = output_tensors[0]
         if me != root:
-            return self._run("scatter", [_Call("recv", None, _buf(out, "scatter output", True, True), peer=root)], [out], inline=False)
+            return self._p2p_group("scatter", [("recv", root, out)], [out])
         ins = input_tensors[0] if input_tensors else []
         if len(ins) != n:
             raise InvalidArgumentError(f"scatter: {len(ins)} input tensors on the root for a group of {n}")
-        ops: List[tuple] = []
-        for p, i in enumerate(ins):
-            if i.numel() != out.numel() or i.dtype != out.dtype:
-                raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
-            ops.append(("copy", me, 0, i, out) if p == me else ("send", p, 0, i))
-        return self._run("scatter", self._p2p_calls(ops), [out], inline=False)
+        if any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
+            raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
+        ops = [("copy", i, out) if p == me else ("send", p, i) for p, i in enumerate(ins)]
+        return self._p2p_group("scatter", ops, [out])
 
     def barrier(self, opts: Any = None) -> Any:
         return self._run("barrier", [_Call("barrier", None, None)], [], inline=True)
@@ -762,30 +808,42 @@ class BackendOxccl(_C10dBackend):
         store.set(f"{key}/done", "1")
 
     # -- point to point -----------------------------------------------------------------------
-    def _hold(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> Any:
-        for t in tensors:
-            _buf(t, f"{kind} buffer", kind == "recv", True)  # check now, while the caller sees it
-            self._held.append((kind, peer, tag, t))
-        job = _Job(self, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (tag {tag})", result=list(tensors))
+    def _hold(self, kind: str, tensors: List[torch.Tensor], peer: Optional[int], tag: int) -> Any:
+        """Holds a send or recv (``peer`` None: from any rank) until a wait, a future, the
+        next collective or shutdown runs every held one as one group."""
+        if not 0 <= tag < 1 << 32:
+            raise InvalidArgumentError(f"{kind}: tag {tag} is outside 0 .. 2**32-1")
+        if peer is not None and not 0 <= peer < self.size():
+            raise InvalidArgumentError(f"{kind}: rank {peer} is not in this group of {self.size()}")
+        what = f"{kind} {'to' if kind == 'send' else 'from'} {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
+        job = _Job(self, what, result=list(tensors))
         job.held = True
+        for t in tensors:
+            b = _buf(t, f"{kind} buffer", kind == "recv", True)  # checked now, while the caller sees it
+            job.sources = len(self._held)  # the index of its (last) operation in the group
+            self._held.append((kind, peer, tag, b))
         self._held_jobs.append(job)
         return _JobWork(job)
 
     def _flush_p2p(self) -> None:
-        """Runs every held send and recv as one deadlock-free group."""
+        """Runs every held send and recv as one group of the library's point-to-point engine:
+        its operations progress together (so no set of ranks waits on each other in a
+        cycle, and send-first exchanges of any size complete), and messages are matched by
+        source and tag, in send order per tag, across groups."""
         if not self._held:
             return
         held, jobs = self._held, self._held_jobs
         self._held, self._held_jobs = [], []
         try:
-            calls = self._p2p_calls(held)
-            handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
+            ops = [(kind, peer, tag, "uint8", b.addr, b.nbytes) for kind, peer, tag, b in held]
+            handle, sources = self._raw.p2p_async(ops, [b.obj for _, _, _, b in held], None)
         except BaseException as e:  # noqa: BLE001 - every held job reports it
             for j in jobs:
                 j.error, j.done, j.held = e, True, False
             return
         for j in jobs:
-            j.handles = handles
+            j.handles = [handle]
+            j.sources = (sources, j.sources)
             j.held = False
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
@@ -794,8 +852,10 @@ class BackendOxccl(_C10dBackend):
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
         return self._hold("recv", tensors, src, tag)
 
-    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
-        raise InvalidArgumentError("the oxccl backend needs the source rank of every recv (no recv from any source)")
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
+        """A recv from whichever rank sends with ``tag`` first; ``work._source_rank()`` (what
+        ``dist.recv`` returns) says which."""
+        return self._hold("recv", tensors, None, tag)
 
     # -- groups -------------------------------------------------------------------------------
     def split(self, store: Any, ranks: List[int], opts: Any = None) -> Optional["BackendOxccl"]:
@@ -812,6 +872,20 @@ class BackendOxccl(_C10dBackend):
 
     def abort(self) -> None:
         pass
+
+
+_BACKENDS: "weakref.WeakSet[BackendOxccl]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # Held sends of a rank that never waited go out before the process ends (registered after
+    # oxccl's own drain, so it runs before it).
+    for b in list(_BACKENDS):
+        try:
+            b._flush_p2p()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
 
 
 #: The name this class had when it was a ProcessGroup.

@@ -3,7 +3,9 @@ in the same processes (see torch_features_worker.py): DeviceMesh 1-D and 2-D, FS
 distributed checkpointing, DTensor, functional collectives (eager and compiled),
 torch.compile(DDP), the PowerSGD hook, a blocking collective in a .then() callback,
 gather/scatter and their object forms, monitored_barrier, split_group, send-first 16 MiB
-isend/irecv, tags, work.wait(timeout=), dtypes and ops. One launch per world size runs
+isend/irecv, tags across groups, recv from any source, an isend not waited for,
+work.wait(timeout=), dtypes (bool, uint16, uint32, uint64) and ops (BAND, BOR, BXOR,
+PREMUL_SUM). One launch per world size runs
 every check."""
 
 import os

@@ -229,16 +229,40 @@ def p2p(be):
     s.wait()
     q.wait()
     out["send_first_16MiB"] = got[::65536].clone()
-    # tags: two messages received in the other order
+    # tags: each of ranks 0 and 1 sends tag 1 then tag 2 and receives tag 2, then tag 1, in
+    # two blocking recvs (separate groups): the messages must not be swapped
     if R < 2:
         peer = 1 - R
         a, b = torch.full((3,), 10.0 + R), torch.full((5,), 20.0 + R)
         ra, rb = torch.empty(3), torch.empty(5)
         ws = [dist.isend(a, peer, tag=1), dist.isend(b, peer, tag=2)]
-        ws += [dist.irecv(rb, peer, tag=2), dist.irecv(ra, peer, tag=1)]
+        dist.recv(rb, peer, tag=2)
+        dist.recv(ra, peer, tag=1)
         for w in ws:
             w.wait()
         out["tags"] = torch.cat([ra, rb])
+    # recv from any source: rank 0 takes one message of tag 3 from each other rank, in
+    # whatever order they come; dist.recv returns the sender
+    if R == 0:
+        got = {}
+        for _ in range(N - 1):
+            t = torch.empty(4)
+            src = dist.recv(t, tag=3)
+            got[src] = t
+        out["anysource"] = torch.stack([torch.cat([torch.tensor([float(s)]), got[s]]) for s in sorted(got)])
+    else:
+        dist.send(torch.full((4,), 100.0 + R), 0, tag=3)
+    # an isend not waited for goes at the sender's next collective: the recv completes
+    # (its Work is kept: gloo drops a send whose Work is gone)
+    t, w = torch.zeros(2), None
+    if R == 1:
+        w = dist.isend(torch.full((2,), 5.0), 0, tag=4)
+    elif R == 0:
+        dist.recv(t, 1, tag=4)
+    dist.barrier()
+    if w is not None:
+        w.wait()
+    out["unwaited_isend"] = t
     # wait(timeout=) raises on time; with oxccl the recv still completes afterwards (gloo
     # closes the pair on a timeout: its group is a throwaway one, and the data goes by WORLD)
     tg = dist.new_group([0, 1], backend=be)
@@ -284,27 +308,60 @@ def dtypes_ops(be):
             dist.broadcast(xb, src=N - 1)
             dist.all_gather_into_tensor(g.view(torch.uint8), xb)
         out[f"move_{dt}"] = g.to(torch.complex128) if dt == torch.complex64 else g
-    # PREMUL_SUM (gloo has none: SUM of pre-scaled inputs is the reference)
-    x = torch.arange(4.0) + R
-    if be == "oxccl":
-        dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.5))
-    else:
-        x.mul_(2.5)
-        dist.all_reduce(x)
-    out["premul_sum"] = x
-    # bitwise ops and bool reductions: equal to gloo, or a clear error where the library lacks them
-    cases = [(torch.int32, dist.ReduceOp.BAND), (torch.int64, dist.ReduceOp.BOR), (torch.uint8, dist.ReduceOp.BXOR),
-             (torch.bool, dist.ReduceOp.SUM), (torch.bool, dist.ReduceOp.MIN), (torch.uint16, dist.ReduceOp.MAX)]
+    # reductions: equal to gloo where gloo has the dtype and op, else to a plain torch
+    # reference over every rank's input (each rank's input is a function of its rank)
+    def inp(dt, r):
+        return (torch.arange(8) % (r + 2) == 0) if dt == torch.bool else ((torch.arange(8) * 37 + r * 11) % 200).to(dt)
+
+    RO = dist.ReduceOp
+    folds = {
+        RO.SUM: lambda a, b: a + b, RO.PRODUCT: lambda a, b: a * b, RO.MIN: torch.minimum, RO.MAX: torch.maximum,
+        RO.BAND: torch.bitwise_and, RO.BOR: torch.bitwise_or, RO.BXOR: torch.bitwise_xor,
+    }
+
+    def reference(dt, op):
+        acc = None
+        for r in range(N):
+            v = inp(dt, r).to(torch.int64)  # exact; .to(dt) wraps as the typed arithmetic does
+            acc = v if acc is None else folds[op](acc, v)
+        return acc.to(dt)
+
+    cases = [(torch.bool, op) for op in folds] + [
+        (torch.int32, RO.BAND), (torch.int64, RO.BOR), (torch.uint8, RO.BXOR), (torch.int8, RO.BXOR),
+        (torch.uint16, RO.SUM), (torch.uint16, RO.MAX), (torch.uint16, RO.BAND),
+        (torch.uint32, RO.SUM), (torch.uint32, RO.MIN), (torch.uint32, RO.BOR),
+        (torch.uint64, RO.SUM), (torch.uint64, RO.PRODUCT), (torch.uint64, RO.BXOR),
+    ]
     for dt, op in cases:
-        x = (torch.arange(8) % (R + 2) == 0) if dt == torch.bool else ((torch.arange(8) * 37 + R * 11) % 200).to(dt)
+        x, ref = inp(dt, R), reference(dt, op)
         try:
             dist.all_reduce(x, op=op)
-        except (oxccl.InvalidArgumentError, RuntimeError) as e:
-            if be == "gloo":
-                continue  # gloo lacks it too: nothing to compare
-            assert isinstance(e, oxccl.InvalidArgumentError), e
-            x = None
-        out[f"reduce_{dt}_{op}"] = x if x is not None else "unsupported"
+        except RuntimeError:
+            if be == "oxccl":
+                raise
+            x = ref  # gloo lacks it
+            print(f"rank {R}: gloo lacks all_reduce {op} on {dt}: compared with torch", flush=True)
+        if be == "oxccl":
+            assert torch.equal(x, ref), (dt, op, x, ref)
+        out[f"reduce_{dt}_{op}"] = x
+    # PREMUL_SUM (NCCL's; gloo has none: a SUM of the inputs each rank scaled is the
+    # reference): one factor for all, a factor per rank, an integer tensor, reduce_scatter
+    for name, dt, factor in (("premul_sum", torch.float32, 2.5), ("premul_sum_per_rank", torch.float64, R + 0.5),
+                             ("premul_sum_int", torch.int32, 3)):
+        x = torch.arange(4 * N).to(dt) + R
+        if be == "oxccl":
+            dist.all_reduce(x, op=dist._make_nccl_premul_sum(factor))
+        else:
+            x = x * factor
+            dist.all_reduce(x)
+        out[name] = x
+    x = torch.arange(4.0 * N) * (R + 1)
+    y = torch.empty(4)
+    if be == "oxccl":
+        dist.reduce_scatter_tensor(y, x, op=dist._make_nccl_premul_sum(0.25))
+    else:
+        dist.reduce_scatter_tensor(y, x * 0.25)
+    out["premul_sum_reduce_scatter"] = y
     return out
 
 
