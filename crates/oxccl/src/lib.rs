@@ -32,6 +32,7 @@ pub mod flight_torch;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guard;
+mod grow;
 pub mod health;
 pub mod mem;
 pub mod metrics;
