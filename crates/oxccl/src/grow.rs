@@ -36,9 +36,6 @@ impl Communicator {
         if new_ranks == 0 {
             return Err(bad("grow by 0 ranks".into()));
         }
-        if rank == 0 && id.is_none() {
-            return Err(bad("rank 0 must pass the new communicator's UniqueId".into()));
-        }
         let mut mine = [0u8; ENTRY];
         mine[..4].copy_from_slice(MAGIC);
         mine[5..13].copy_from_slice(&(new_ranks as u64).to_le_bytes());
@@ -50,6 +47,11 @@ impl Communicator {
         self.all_gather(&mine, &mut all)?;
         let entries: Vec<&[u8]> = all.chunks_exact(ENTRY).collect();
         let root = entries[0];
+        if &root[..4] == MAGIC && root[4] != 1 {
+            return Err(bad(
+                "rank 0 must pass the new communicator's UniqueId".into()
+            ));
+        }
         for (r, e) in entries.iter().enumerate() {
             if &e[..4] != MAGIC {
                 return Err(bad(format!(
@@ -68,9 +70,6 @@ impl Communicator {
                     "rank {r} passed a UniqueId other than rank 0's"
                 )));
             }
-        }
-        if root[4] != 1 {
-            return Err(bad("rank 0 passed no UniqueId".into()));
         }
         let id = UniqueId::from_bytes(&root[13..])?;
         let size = n + new_ranks;

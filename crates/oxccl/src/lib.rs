@@ -31,8 +31,8 @@ pub mod flight;
 pub mod flight_torch;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod guard;
 mod grow;
+pub mod guard;
 pub mod health;
 pub mod mem;
 pub mod metrics;

@@ -248,7 +248,13 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
 }
 
 /// `--grow`: the survivors (`comm`) take in a replacement rank, back to `n` ranks.
-fn grow(comm: &Communicator, a: &Args, kind: CollKind, root: usize, n: usize) -> Result<(), String> {
+fn grow(
+    comm: &Communicator,
+    a: &Args,
+    kind: CollKind,
+    root: usize,
+    n: usize,
+) -> Result<(), String> {
     let e = |e: oxccl::Error| e.to_string();
     let (m, me) = (comm.world_size(), comm.rank());
     let mut child = None;
@@ -268,7 +274,9 @@ fn grow(comm: &Communicator, a: &Args, kind: CollKind, root: usize, n: usize) ->
     let t = Instant::now();
     let grown = comm.grow(n - m, id.as_ref());
     let took = t.elapsed();
-    let result = grown.map_err(e).and_then(|g| grown_check(&g, a, kind, root, took));
+    let result = grown
+        .map_err(e)
+        .and_then(|g| grown_check(&g, a, kind, root, took));
     let waited = child.map_or(Ok(()), |c| reap(c, comm.timeout()));
     result.and(waited)
 }
@@ -300,9 +308,18 @@ fn grown_check(
     took: Duration,
 ) -> Result<(), String> {
     let rank = comm.rank();
-    let out = check_run(comm, a, kind, root, &[rank as f64, took.as_secs_f64() * 1e3])?;
+    let out = check_run(
+        comm,
+        a,
+        kind,
+        root,
+        &[rank as f64, took.as_secs_f64() * 1e3],
+    )?;
     if rank == 0 {
-        println!("# grow: a replacement joined as rank {}", comm.world_size() - 1);
+        println!(
+            "# grow: a replacement joined as rank {}",
+            comm.world_size() - 1
+        );
         println!(
             "# {:>4} {:>12} {:>12} {:>7}",
             "rank", "grow(ms)", "rerun(ms)", "#wrong"
