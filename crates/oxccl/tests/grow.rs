@@ -1,7 +1,8 @@
 //! `Communicator::grow` with ranks as threads of this process, joined through a real
 //! rendezvous (loopback TCP) and real links: a new rank joins, the grown communicator's
 //! all_reduce matches a plain reference, the old one stays usable, and disagreeing ranks get
-//! an error naming the rank at odds.
+//! an error naming the rank at odds (or a mismatch, against another collective), and a new rank
+//! that never comes is a timeout naming it.
 
 use std::time::Duration;
 
@@ -113,12 +114,17 @@ fn disagreeing_ranks_are_an_error_on_every_rank() {
         (0, "rank 1 grows by 2 rank(s), rank 0 by 1"),
         (1, "rank 1 passed a UniqueId other than rank 0's"),
         (2, "rank 0 must pass the new communicator's UniqueId"),
+        (3, ""),
     ] {
         let res = run(
             2,
             0,
             TransportChoice::Shm,
             |r, comm| {
+                if (case, r) == (3, 1) {
+                    let mut v = [1.0f32; 53];
+                    return comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err();
+                }
                 let (k, id) = match (case, r) {
                     (0, 1) => (2, None),
                     (1, 1) => (1, Some(&other)),
@@ -130,6 +136,11 @@ fn disagreeing_ranks_are_an_error_on_every_rank() {
             |_| unreachable!(),
         );
         for (r, e) in res.iter().enumerate() {
+            if case == 3 {
+                // Grow against an all_reduce: the call check finds the mismatch on both.
+                assert!(e.is_mismatch(), "rank {r}: {e}");
+                continue;
+            }
             assert!(
                 matches!(e, Error::InvalidArgument { call: "grow", .. }),
                 "{e}"
@@ -137,4 +148,32 @@ fn disagreeing_ranks_are_an_error_on_every_rank() {
             assert!(e.to_string().contains(want), "case {case}, rank {r}: {e}");
         }
     }
+}
+
+#[test]
+fn a_new_rank_that_never_comes_is_a_timeout_naming_it() {
+    let gid = loopback_id();
+    let res = run(
+        2,
+        0,
+        TransportChoice::Shm,
+        |r, comm| {
+            comm.set_timeout(Duration::from_secs(2));
+            comm.grow(1, (r == 0).then_some(&gid))
+                .map(|_| ())
+                .unwrap_err()
+        },
+        |_| unreachable!(),
+    );
+    // Rank 0 hosts the rendezvous and knows who is missing; rank 1 waits on rank 0.
+    assert!(
+        res[0].to_string().contains("still waiting on rank(s) [2]"),
+        "{}",
+        res[0]
+    );
+    assert!(
+        res[1].to_string().contains("rank 1: rendezvous"),
+        "{}",
+        res[1]
+    );
 }
