@@ -89,6 +89,13 @@ pub struct Args {
     /// How long a stalled rank stays stopped before it resumes and leaves.
     #[arg(long, value_name = "SECS", default_value_t = 8.0)]
     stall_secs: f64,
+    /// With --kill-rank: after the survivors' re-run, start a replacement rank, `grow` back to
+    /// the original size, re-run the same size and check (see perf/inject.rs).
+    #[arg(long, requires = "kill_rank")]
+    grow: bool,
+    /// Internal (set by --grow for the replacement it starts): `RANK/SIZE/UNIQUE_ID` to join.
+    #[arg(long, hide = true, env = "OXCCL_PERF_GROW_JOIN")]
+    grow_join: Option<String>,
 }
 
 pub(crate) fn under_launcher() -> bool {
@@ -366,6 +373,9 @@ fn time_calls_cpu(
 
 fn rank_main(a: &Args) -> Result<(), String> {
     let kind = kind_of(&a.collective)?;
+    if let Some(join) = &a.grow_join {
+        return inject::join(join, a, kind);
+    }
     let comm = Communicator::from_env().map_err(|e| e.to_string())?;
     let (n, rank) = (comm.world_size(), comm.rank());
     if rank == 0 && n != a.ranks && a.ranks != 2 {

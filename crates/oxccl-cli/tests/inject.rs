@@ -51,3 +51,23 @@ fn survivors_detect_shrink_and_agree() {
         );
     }
 }
+
+/// 3 ranks, rank 2 killed, the survivors shrink to 2, then a replacement process joins with
+/// `grow`: the 3-rank all_reduce must match the reference and agree bitwise on every rank.
+#[test]
+fn a_replacement_grows_back_and_agrees() {
+    let out = run(&["--kill-rank", "2", "--at-iter", "5", "--grow"]);
+    assert!(
+        out.contains("re-run on 2 survivors: 0 wrong element(s)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("# grow: a replacement joined as rank 2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("re-run on 3 ranks after grow: 0 wrong element(s)")
+            && out.contains("bitwise identical on every rank"),
+        "{out}"
+    );
+}

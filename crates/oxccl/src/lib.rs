@@ -31,6 +31,7 @@ pub mod flight;
 pub mod flight_torch;
 #[doc(hidden)]
 pub mod fuzzing;
+mod grow;
 pub mod guard;
 pub mod health;
 pub mod mem;

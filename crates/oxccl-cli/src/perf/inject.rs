@@ -12,13 +12,19 @@
 //! error), then the survivors `shrink()` the victim out, re-run the same size, and report the
 //! time to recover (the shrink), wrong elements against the exact reference, and whether
 //! their results agree bitwise (for collectives whose output is the same on every rank).
+//!
+//! With `--grow` (after a kill), the survivors' rank 0 then starts a replacement process (this
+//! binary again, with `OXCCL_PERF_GROW_JOIN=RANK/SIZE/UNIQUE_ID`), every survivor calls
+//! `grow(1, ..)` and the replacement `Communicator::init` with that id; all ranks re-run the
+//! same size at the original size and report the time to grow, wrong elements and agreement.
 
 use std::hash::{Hash, Hasher};
 use std::io::Write;
-use std::time::Instant;
+use std::process::Child;
+use std::time::{Duration, Instant};
 
 use oxccl::check::Case;
-use oxccl::{CollKind, Communicator};
+use oxccl::{CollKind, Communicator, UniqueId};
 
 use super::{dtypes, ops, shape, Args};
 
@@ -64,6 +70,96 @@ fn digest(b: &[u8]) -> u64 {
     h.finish()
 }
 
+/// The case every rank runs: the first size, type and op of the command line.
+fn case_for(
+    a: &Args,
+    kind: CollKind,
+    rank: usize,
+    nranks: usize,
+    root: usize,
+) -> Result<Case, String> {
+    let dtype = dtypes(&a.datatype)?[0];
+    let op = ops(&a.op, kind, dtype)?[0];
+    let (count, _, _) = shape(kind, a.minbytes, dtype.size(), nranks);
+    Ok(Case {
+        kind,
+        dtype,
+        op,
+        root,
+        count,
+        in_place: false,
+        rank,
+        nranks,
+    })
+}
+
+/// What every rank learns from [`check_run`].
+struct Outcome {
+    /// Per rank: `times` as given, the call's time (ms), wrong elements.
+    rows: Vec<Vec<f64>>,
+    wrong: f64,
+    /// Whether the outputs are bitwise identical, where they should be.
+    agree: bool,
+    same_output: bool,
+}
+
+impl Outcome {
+    fn verdict(&self, who: &str) -> String {
+        let agreement = if !self.same_output {
+            "differ by design across ranks (checked against the reference only)".to_string()
+        } else if self.agree {
+            format!("bitwise identical on every {who}")
+        } else {
+            format!("NOT bitwise identical across {who}s")
+        };
+        format!(
+            "{} wrong element(s) against the reference; results {agreement}",
+            self.wrong
+        )
+    }
+
+    fn ok(&self) -> bool {
+        self.wrong == 0.0 && (!self.same_output || self.agree)
+    }
+}
+
+/// Runs the case of `rank`/`root` on `comm` once, checks it against the exact reference, and
+/// gathers everyone's `times` (ms), call time and wrong count, and the outputs' digests.
+fn check_run(
+    comm: &Communicator,
+    a: &Args,
+    kind: CollKind,
+    root: usize,
+    times: &[f64],
+) -> Result<Outcome, String> {
+    let e = |e: oxccl::Error| e.to_string();
+    let m = comm.world_size();
+    let case = case_for(a, kind, comm.rank(), m, root)?;
+    let mut bufs = case.buffers(None).map_err(e)?;
+    let (send, recv) = bufs.get();
+    case.fill(send, recv);
+    let t = Instant::now();
+    case.call(comm, send, recv).map_err(e)?;
+    let call = t.elapsed();
+    let wrong = case.wrong(recv);
+    let mut mine = times.to_vec();
+    mine.extend([call.as_secs_f64() * 1e3, wrong as f64]);
+    let mut all = vec![0f64; mine.len() * m];
+    comm.all_gather(&mine, &mut all).map_err(e)?;
+    let mut hashes = vec![0u64; m];
+    comm.all_gather(&[digest(recv)], &mut hashes).map_err(e)?;
+    let rows: Vec<Vec<f64>> = all.chunks(mine.len()).map(<[f64]>::to_vec).collect();
+    Ok(Outcome {
+        wrong: rows.iter().map(|r| r[r.len() - 1]).sum(),
+        rows,
+        agree: hashes.iter().all(|&h| h == hashes[0]),
+        same_output: matches!(
+            kind,
+            CollKind::AllReduce | CollKind::Broadcast | CollKind::AllGather
+        ),
+    })
+}
+
 /// Runs the injection; every rank calls it.
 pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), String> {
     let (n, rank) = (comm.world_size(), comm.rank());
@@ -81,23 +177,8 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
     if rooted && a.root == victim {
         return Err("the root cannot be the victim".into());
     }
-    let dtype = dtypes(&a.datatype)?[0];
-    let op = ops(&a.op, kind, dtype)?[0];
-    let case_for = |rank: usize, nranks: usize, root: usize| {
-        let (count, _, _) = shape(kind, a.minbytes, dtype.size(), nranks);
-        Case {
-            kind,
-            dtype,
-            op,
-            root,
-            count,
-            in_place: false,
-            rank,
-            nranks,
-        }
-    };
     let e = |e: oxccl::Error| e.to_string();
-    let case = case_for(rank, n, a.root);
+    let case = case_for(a, kind, rank, n, a.root)?;
     let mut bufs = case.buffers(None).map_err(e)?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);
@@ -125,37 +206,18 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
     // Re-run the same size on the survivors (a rooted call keeps its root, renumbered).
     let (m, me) = (new.world_size(), new.rank());
     let root = if a.root > victim { a.root - 1 } else { a.root };
-    let case = case_for(me, m, root);
-    let mut bufs = case.buffers(None).map_err(e)?;
-    let (send, recv) = bufs.get();
-    case.fill(send, recv);
-    let t = Instant::now();
-    case.call(&new, send, recv).map_err(e)?;
-    let rerun = t.elapsed();
-    let wrong = case.wrong(recv);
-    let mine = [
+    let times = [
         rank as f64,
         detect.as_secs_f64() * 1e3,
         recover.as_secs_f64() * 1e3,
-        rerun.as_secs_f64() * 1e3,
-        wrong as f64,
     ];
-    let mut all = vec![0f64; mine.len() * m];
-    new.all_gather(&mine, &mut all).map_err(e)?;
-    let mut hashes = vec![0u64; m];
-    new.all_gather(&[digest(recv)], &mut hashes).map_err(e)?;
-    let same_output = matches!(
-        kind,
-        CollKind::AllReduce | CollKind::Broadcast | CollKind::AllGather
-    );
-    let agree = hashes.iter().all(|&h| h == hashes[0]);
-    let total_wrong: f64 = all.chunks(mine.len()).map(|c| c[4]).sum();
+    let out = check_run(&new, a, kind, root, &times)?;
     if me == 0 {
         println!(
             "# failure injection: {} {} B {}, {n} ranks, rank {victim} {} at iteration {}",
             kind.name(),
             a.minbytes,
-            dtype.name(),
+            case.dtype.name(),
             if how == How::Kill {
                 "killed (abrupt exit)"
             } else {
@@ -167,26 +229,130 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
             "# {:>4} {:>12} {:>12} {:>12} {:>7}",
             "rank", "detect(ms)", "recover(ms)", "rerun(ms)", "#wrong"
         );
-        for c in all.chunks(mine.len()) {
+        for c in &out.rows {
             println!(
                 "  {:>4} {:>12.1} {:>12.1} {:>12.3} {:>7}",
                 c[0], c[1], c[2], c[3], c[4]
             );
         }
-        println!(
-            "# re-run on {m} survivors: {total_wrong} wrong element(s) against the reference; results {}",
-            if !same_output {
-                "differ by design across ranks (checked against the reference only)".to_string()
-            } else if agree {
-                "bitwise identical on every survivor".to_string()
-            } else {
-                "NOT bitwise identical across survivors".to_string()
-            }
-        );
+        println!("# re-run on {m} survivors: {}", out.verdict("survivor"));
     }
     new.barrier().map_err(e)?;
-    if total_wrong > 0.0 || (same_output && !agree) {
+    if !out.ok() {
         return Err("the survivors' results are wrong or differ".into());
     }
+    if a.grow {
+        grow(&new, a, kind, root, n)?;
+    }
     Ok(())
+}
+
+/// `--grow`: the survivors (`comm`) take in a replacement rank, back to `n` ranks.
+fn grow(
+    comm: &Communicator,
+    a: &Args,
+    kind: CollKind,
+    root: usize,
+    n: usize,
+) -> Result<(), String> {
+    let e = |e: oxccl::Error| e.to_string();
+    let (m, me) = (comm.world_size(), comm.rank());
+    let mut child = None;
+    let id = if me == 0 {
+        let id = UniqueId::new().map_err(e)?;
+        let exe = std::env::current_exe().map_err(|e| format!("--grow: {e}"))?;
+        let c = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("OXCCL_PERF_GROW_JOIN", format!("{m}/{n}/{id}"))
+            .spawn()
+            .map_err(|e| format!("--grow: starting the replacement: {e}"))?;
+        child = Some(c);
+        Some(id)
+    } else {
+        None
+    };
+    let t = Instant::now();
+    let grown = comm.grow(n - m, id.as_ref());
+    let took = t.elapsed();
+    let result = grown
+        .map_err(e)
+        .and_then(|g| grown_check(&g, a, kind, root, took));
+    let waited = child.map_or(Ok(()), |c| reap(c, comm.timeout()));
+    result.and(waited)
+}
+
+/// Waits (at most `timeout`) for the replacement to leave; it must succeed.
+fn reap(mut c: Child, timeout: Duration) -> Result<(), String> {
+    let end = Instant::now() + timeout;
+    loop {
+        match c.try_wait() {
+            Ok(Some(s)) if s.success() => return Ok(()),
+            Ok(Some(s)) => return Err(format!("the replacement rank failed: {s}")),
+            Ok(None) if Instant::now() < end => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = c.kill();
+                let _ = c.wait();
+                return Err("the replacement rank did not leave in time".into());
+            }
+            Err(e) => return Err(format!("waiting for the replacement rank: {e}")),
+        }
+    }
+}
+
+/// Every rank of the grown communicator: re-run, check, report (rank 0), agree.
+fn grown_check(
+    comm: &Communicator,
+    a: &Args,
+    kind: CollKind,
+    root: usize,
+    took: Duration,
+) -> Result<(), String> {
+    let rank = comm.rank();
+    let out = check_run(
+        comm,
+        a,
+        kind,
+        root,
+        &[rank as f64, took.as_secs_f64() * 1e3],
+    )?;
+    if rank == 0 {
+        println!(
+            "# grow: a replacement joined as rank {}",
+            comm.world_size() - 1
+        );
+        println!(
+            "# {:>4} {:>12} {:>12} {:>7}",
+            "rank", "grow(ms)", "rerun(ms)", "#wrong"
+        );
+        for c in &out.rows {
+            println!("  {:>4} {:>12.1} {:>12.3} {:>7}", c[0], c[1], c[2], c[3]);
+        }
+        println!(
+            "# re-run on {} ranks after grow: {}",
+            comm.world_size(),
+            out.verdict("rank")
+        );
+    }
+    comm.barrier().map_err(|e| e.to_string())?;
+    if !out.ok() {
+        return Err("the grown communicator's results are wrong or differ".into());
+    }
+    Ok(())
+}
+
+/// The replacement rank started by `--grow`: joins with `RANK/SIZE/UNIQUE_ID`.
+pub(super) fn join(spec: &str, a: &Args, kind: CollKind) -> Result<(), String> {
+    let bad = || format!("OXCCL_PERF_GROW_JOIN: expected RANK/SIZE/UNIQUE_ID, got {spec:?}");
+    let mut it = spec.splitn(3, '/');
+    let rank: usize = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+    let size: usize = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+    let id: UniqueId = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+    let t = Instant::now();
+    let comm = Communicator::init(&id, rank, size).map_err(|e| e.to_string())?;
+    let took = t.elapsed();
+    let root = match a.kill_rank {
+        Some(v) if a.root > v => a.root - 1,
+        _ => a.root,
+    };
+    grown_check(&comm, a, kind, root, took)
 }
