@@ -33,6 +33,7 @@ pub mod flight_torch;
 pub mod fuzzing;
 pub mod guard;
 pub mod health;
+pub mod hugepages;
 pub mod mem;
 pub mod metrics;
 pub mod op;
