@@ -166,6 +166,8 @@ pub fn execute(
 ) -> Result<()> {
     let words = sched.scratch_bytes.div_ceil(8);
     if scratch.len() < words {
+        *scratch = Vec::with_capacity(words);
+        crate::hugepages::advise_fresh(scratch.as_ptr().cast(), words * 8);
         scratch.resize(words, 0);
     }
     let mem = Mem {

@@ -34,6 +34,7 @@ pub mod fuzzing;
 mod grow;
 pub mod guard;
 pub mod health;
+pub mod hugepages;
 pub mod mem;
 pub mod metrics;
 pub mod op;

@@ -182,6 +182,19 @@ pub fn membarrier_allowed() -> bool {
     )
 }
 
+/// `OXCCL_HUGEPAGES=0`: no transparent huge pages for large private buffers on the single-copy
+/// path ([`crate::hugepages`]); default on (so is an unreadable value). Read once per process
+/// (an address space's buffers are the process's, whatever communicator uses them).
+pub fn hugepages_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("OXCCL_HUGEPAGES")
+            .ok()
+            .and_then(|v| parse_bool(v.trim()).ok())
+            .unwrap_or(true)
+    })
+}
+
 /// The size of the largest data cache of CPU 0 (sysfs), in bytes; read once per process
 /// (every `Config::default()` asks).
 fn last_level_cache() -> Option<usize> {

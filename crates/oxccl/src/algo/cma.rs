@@ -30,6 +30,7 @@ use crate::algo::{block, Coll, CollKind};
 use crate::error::Result;
 use crate::exec::Buffers;
 use crate::exec_direct::DirectCtx;
+use crate::hugepages;
 use crate::op::ReduceOp;
 use crate::reduce;
 use crate::shared_buffer::{region_of, Region};
@@ -136,8 +137,11 @@ pub fn run(
         .into_iter()
         .enumerate()
     {
-        if let Some(r) = region_of(p, l) {
-            regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words());
+        match region_of(p, l) {
+            Some(r) => regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words()),
+            // Private: the peers' cross-memory copies walk its pages (huge ones, once
+            // registered).
+            None => hugepages::register(p, l),
         }
     }
     let e1 = cx.begin(
