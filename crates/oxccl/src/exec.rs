@@ -9,10 +9,10 @@
 //! deadline and that the peers it waits for are alive.
 
 use std::marker::PhantomData;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
-use rustix::event::{PollFd, PollFlags};
+use rustix::event::PollFlags;
 
 use crate::algo::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
 use crate::dtype::DataType;
@@ -518,21 +518,8 @@ impl Runner<'_, '_, '_> {
         }
         // SAFETY: each fd belongs to a link in `ctx.links` (or to the health state), alive
         // for this call.
-        let borrowed: Vec<BorrowedFd<'_>> = fds
-            .iter()
-            .map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) })
-            .collect();
-        let mut pfds: Vec<PollFd<'_>> = borrowed
-            .iter()
-            .zip(&fds)
-            .map(|(fd, (_, fl))| PollFd::from_borrowed_fd(*fd, *fl))
-            .collect();
-        let ts = rustix::time::Timespec {
-            tv_sec: timeout.as_secs() as _,
-            tv_nsec: timeout.subsec_nanos() as _,
-        };
-        match rustix::event::poll(&mut pfds, Some(&ts)) {
-            Ok(_) | Err(rustix::io::Errno::INTR) => Ok(false),
+        match unsafe { crate::wait::poll_fds(&fds, timeout) } {
+            Ok(()) => Ok(false),
             Err(e) => Err(Error::Io {
                 rank: self.ctx.rank,
                 context: "poll".into(),

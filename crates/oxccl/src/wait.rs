@@ -37,10 +37,12 @@
 //! timeout slice (50 ms in the executors): slow, never a hang. Reproduce with
 //! `for i in $(seq 600); do OXCCL_MEMBARRIER=1 target/debug/deps/shm_stress-* stress_rounded_ring || echo lost; done`.
 
+use std::os::fd::{BorrowedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use rustix::event::{PollFd, PollFlags};
 use rustix::thread::futex;
 
 /// An event count used to sleep until a peer makes progress. `repr(C)` so that it can live in
@@ -222,6 +224,38 @@ impl Backoff {
             std::hint::spin_loop();
         }
         false
+    }
+}
+
+/// Sleeps in `poll(2)` until one of `fds` is ready or `timeout` passes (a signal counts as
+/// a wake-up): the socket half of the executors' waits. `Ok(())` says nothing about which fd
+/// is ready; the caller retries its transfers.
+///
+/// # Safety
+///
+/// Every fd in `fds` must be open for the whole call (the executors pass the fds of links
+/// and health state they borrow for the call).
+pub(crate) unsafe fn poll_fds(
+    fds: &[(RawFd, PollFlags)],
+    timeout: Duration,
+) -> rustix::io::Result<()> {
+    // SAFETY: the caller keeps every fd open for this call.
+    let borrowed: Vec<BorrowedFd<'_>> = fds
+        .iter()
+        .map(|(fd, _)| unsafe { BorrowedFd::borrow_raw(*fd) })
+        .collect();
+    let mut pfds: Vec<PollFd<'_>> = borrowed
+        .iter()
+        .zip(fds)
+        .map(|(fd, (_, fl))| PollFd::from_borrowed_fd(*fd, *fl))
+        .collect();
+    let ts = rustix::time::Timespec {
+        tv_sec: timeout.as_secs() as _,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    match rustix::event::poll(&mut pfds, Some(&ts)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
