@@ -315,6 +315,24 @@ fn parse_bool(v: &str) -> std::result::Result<bool, String> {
     }
 }
 
+/// Parses a number of seconds, fractions allowed, greater than 0.
+fn parse_positive_secs(v: &str) -> std::result::Result<Duration, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|s| *s > 0.0 && s.is_finite())
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| "expected a positive number of seconds".to_string())
+}
+
+/// Parses a number of seconds, fractions allowed, 0 or more.
+fn parse_secs(v: &str) -> std::result::Result<Duration, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|s| *s >= 0.0 && s.is_finite())
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| "expected a number of seconds".to_string())
+}
+
 /// Parses a byte size with an optional K, M or G suffix (powers of 1024), as nccl-tests.
 pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     let s = s.trim();
@@ -367,13 +385,7 @@ impl Config {
             c.oneshot_max = t.oneshot_max;
             c.cma_min = t.cma_min;
         }
-        if let Some(t) = env_parse("OXCCL_TIMEOUT", |v| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|s| *s > 0.0 && s.is_finite())
-                .map(Duration::from_secs_f64)
-                .ok_or_else(|| "expected a positive number of seconds".to_string())
-        })? {
+        if let Some(t) = env_parse("OXCCL_TIMEOUT", parse_positive_secs)? {
             c.timeout = t;
         }
         if let Some(t) = env_parse("OXCCL_TRANSPORT", |v| v.parse())? {
@@ -456,13 +468,7 @@ impl Config {
     /// Operations settings: metrics, status agent, torch flight records.
     fn read_ops_env(&mut self) -> Result<()> {
         self.metrics = env_parse("OXCCL_METRICS", |v| Ok(v.to_string()))?;
-        if let Some(t) = env_parse("OXCCL_METRICS_INTERVAL", |v| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|s| *s > 0.0 && s.is_finite())
-                .map(Duration::from_secs_f64)
-                .ok_or_else(|| "expected a positive number of seconds".to_string())
-        })? {
+        if let Some(t) = env_parse("OXCCL_METRICS_INTERVAL", parse_positive_secs)? {
             self.metrics_interval = t;
         }
         self.fr_dump = env_parse("OXCCL_FR_DUMP", |v| Ok(v.to_string()))?;
@@ -503,17 +509,10 @@ impl Config {
     }
 
     fn read_startup_env(&mut self) -> Result<()> {
-        let secs = |v: &str| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|s| *s >= 0.0 && s.is_finite())
-                .map(Duration::from_secs_f64)
-                .ok_or_else(|| "expected a number of seconds".to_string())
-        };
-        if let Some(t) = env_parse("OXCCL_STARTUP_REPORT_SECS", secs)? {
+        if let Some(t) = env_parse("OXCCL_STARTUP_REPORT_SECS", parse_secs)? {
             self.startup_report = (!t.is_zero()).then_some(t);
         }
-        if let Some(t) = env_parse("OXCCL_RENDEZVOUS_REFUSED_SECS", secs)? {
+        if let Some(t) = env_parse("OXCCL_RENDEZVOUS_REFUSED_SECS", parse_secs)? {
             self.rendezvous_refused = t;
         }
         Ok(())
