@@ -1,5 +1,5 @@
 #![no_main]
-//! Fuzz target: see `oxccl::fuzzing::call_header`.
+//! Fuzz target: see `oxccl::testing::fuzzing::call_header`.
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| oxccl::fuzzing::call_header(data));
+fuzz_target!(|data: &[u8]| oxccl::testing::fuzzing::call_header(data));

@@ -1,5 +1,5 @@
 #![no_main]
-//! Fuzz target: see `oxccl::fuzzing::rendezvous_messages`.
+//! Fuzz target: see `oxccl::testing::fuzzing::rendezvous_messages`.
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| oxccl::fuzzing::rendezvous_messages(data));
+fuzz_target!(|data: &[u8]| oxccl::testing::fuzzing::rendezvous_messages(data));

@@ -1,13 +1,13 @@
 //! `oxccl tune`: measures this host and saves where one intra-host algorithm overtakes
-//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::param::Tuning`].
+//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::base::param::Tuning`].
 
 use std::io::Write;
 
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressStyle};
-use oxccl::algo::Algo;
-use oxccl::check::Case;
-use oxccl::param::{parse_bytes, Tuning};
+use oxccl::base::param::{parse_bytes, Tuning};
+use oxccl::comm::check::Case;
+use oxccl::sched::Algo;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
 use crate::launch::rank_or_launch;

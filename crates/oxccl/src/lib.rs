@@ -15,50 +15,28 @@
 
 #![warn(missing_docs)]
 
-pub mod algo;
+pub mod base;
 pub mod bootstrap;
-pub mod check;
 pub mod comm;
-pub mod control;
-pub mod cost;
-pub mod debug;
-pub mod dtype;
-pub mod error;
+pub mod direct;
 pub mod exec;
-pub mod exec_direct;
-pub mod fingerprint;
-pub mod flight;
-pub mod flight_torch;
+pub mod fault;
+pub mod net;
+pub mod observe;
+pub mod plan;
+pub mod sched;
 #[doc(hidden)]
-pub mod fuzzing;
-mod grow;
-pub mod guard;
-pub mod health;
-pub mod hugepages;
-pub mod mem;
-pub mod metrics;
-pub mod op;
-pub mod p2p;
-pub mod param;
-pub mod reduce;
-pub mod shared_buffer;
-mod split;
-pub mod status;
-pub mod stream;
-pub mod timeline;
-pub mod topo;
+pub mod testing;
 pub mod transport;
-pub mod tune;
-pub mod wait;
 
-pub use algo::CollKind;
+pub use base::dtype::{Bool, DataType, Element};
+pub use base::error::{Error, FailureKind, Result};
+pub use base::op::ReduceOp;
+pub use base::param::Config;
 pub use bootstrap::UniqueId;
+pub use comm::stream::{RawBufs, Work};
 pub use comm::{ByteBufs, Communicator};
-pub use dtype::{Bool, DataType, Element};
-pub use error::{Error, FailureKind, Result};
+pub use direct::shared_buffer::SharedBuffer;
+pub use exec::p2p::P2pOp;
 pub use half::{bf16, f16};
-pub use op::ReduceOp;
-pub use p2p::P2pOp;
-pub use param::Config;
-pub use shared_buffer::SharedBuffer;
-pub use stream::{RawBufs, Work};
+pub use sched::CollKind;

@@ -2,9 +2,9 @@
 //! run for a bounded number of random and mutated inputs on the stable toolchain, so that
 //! every test run exercises them. The long, coverage-guided runs are `fuzz/run.sh`.
 
-use oxccl::control::Frame;
-use oxccl::fingerprint::{Fingerprint, Header};
-use oxccl::fuzzing::TARGETS;
+use oxccl::fault::control::Frame;
+use oxccl::fault::fingerprint::{Fingerprint, Header};
+use oxccl::testing::fuzzing::TARGETS;
 use oxccl::{CollKind, DataType, FailureKind, ReduceOp};
 use proptest::prelude::*;
 

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use oxccl::param::TransportChoice;
+use oxccl::base::param::TransportChoice;
 use oxccl::{Communicator, Config, Error, ReduceOp, UniqueId};
 
 fn cfg(transport: TransportChoice) -> Config {

@@ -313,9 +313,10 @@ fn throughput() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(8 << 30);
-    let ring =
-        oxccl::param::parse_bytes(&std::env::var("OXCCL_SHM_RING_BYTES").unwrap_or("4M".into()))
-            .unwrap();
+    let ring = oxccl::base::param::parse_bytes(
+        &std::env::var("OXCCL_SHM_RING_BYTES").unwrap_or("4M".into()),
+    )
+    .unwrap();
     let chunk = 1usize << 20;
     let tag = random_tag();
     let pid = std::process::id();
@@ -328,7 +329,7 @@ fn throughput() {
         ex.barrier().unwrap();
         let t0 = Instant::now();
         let mut done = 0u64;
-        let mut backoff = oxccl::wait::Backoff::new(oxccl::wait::Spin::new(2000));
+        let mut backoff = oxccl::base::wait::Backoff::new(oxccl::base::wait::Spin::new(2000));
         let mut pos = 0usize;
         let mut step = |link: &mut Box<dyn oxccl::transport::Link>, done: u64| {
             if ex_rank == 0 {

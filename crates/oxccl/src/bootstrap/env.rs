@@ -22,7 +22,7 @@ use std::sync::Once;
 use sha2::{Digest, Sha256};
 
 use super::unique_id::{parse_secret_hex, UniqueId};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// What a launcher told this process.
 #[derive(Clone)]
@@ -187,7 +187,7 @@ impl LaunchEnv {
                     String::new()
                 };
                 DERIVED_WARNING.call_once(|| {
-                    crate::debug::announce(&format!(
+                    crate::base::debug::announce(&format!(
                         "warning: OXCCL_SECRET is not set: the communicator secret is derived from the rendezvous address {root_text}{}, \
                          so anyone who can reach that address can compute it and join or disturb the job. \
                          Set OXCCL_SECRET to the same 32 random hex digits on every rank (oxccl run does)",

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::Exchange;
-use crate::error::Result;
+use crate::base::error::Result;
 
 struct Shared {
     n: usize,

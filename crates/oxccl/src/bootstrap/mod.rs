@@ -8,11 +8,10 @@
 //! their links: every rank sends its contribution to rank 0, which sends the concatenation
 //! back.
 
-pub(crate) mod accept;
-pub mod auth;
 pub mod env;
 pub mod local;
 mod root_join;
+pub mod topo;
 mod unique_id;
 
 use std::io;
@@ -23,9 +22,10 @@ pub use env::LaunchEnv;
 pub(crate) use unique_id::park as park_listener;
 pub use unique_id::{default_ip, UniqueId};
 
-use crate::error::{Error, Result};
-use crate::param::Config;
-use auth::{Deadlined, Hello, Purpose};
+use crate::base::error::{Error, Result};
+use crate::base::param::Config;
+use crate::net::accept;
+use crate::net::auth::{self, Deadlined, Hello, Purpose};
 use root_join::RootJoin;
 
 /// The most ranks a communicator may have; larger world sizes are an
@@ -44,7 +44,7 @@ const JOIN_VERSION: u8 = 1;
 pub struct PeerInfo {
     /// The rank.
     pub rank: usize,
-    /// Host identity: ranks with equal host ids share memory (see [`crate::topo`]).
+    /// Host identity: ranks with equal host ids share memory (see [`crate::bootstrap::topo`]).
     pub host_id: String,
     /// Host name, for messages.
     pub hostname: String,
@@ -517,7 +517,7 @@ impl Bootstrap {
             if let (Some(at), Some(every)) = (next_report, cfg.startup_report) {
                 if now >= at {
                     next_report = Some(now + every);
-                    crate::debug::announce(&format!(
+                    crate::base::debug::announce(&format!(
                         "rank {}: still cannot join the rendezvous at {addr} after {:.0?} ({last_err}); waiting for rank 0 up to OXCCL_TIMEOUT={:?}",
                         self.rank,
                         now - start,
@@ -607,7 +607,7 @@ impl Bootstrap {
                 tv_nsec: wait.subsec_nanos() as _,
             };
             match rustix::event::poll(&mut fds, Some(&ts)) {
-                Ok(0) if !left.is_zero() && wait < left => crate::debug::announce(&format!(
+                Ok(0) if !left.is_zero() && wait < left => crate::base::debug::announce(&format!(
                     "rank {}: joined the rendezvous at {} {:.0?} ago; rank 0 is still waiting for other ranks",
                     self.rank,
                     self.root,
@@ -687,7 +687,7 @@ impl Bootstrap {
     }
 
     /// Hands over the rendezvous connections, for the communicator's watchdog
-    /// ([`crate::control`]): rank 0 gets one per other rank, the others the one to rank 0.
+    /// ([`crate::fault::control`]): rank 0 gets one per other rank, the others the one to rank 0.
     /// Exchanges are impossible afterwards.
     pub fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
         match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {

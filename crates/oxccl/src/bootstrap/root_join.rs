@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
-use super::accept::{Admit, Strangers};
-use super::auth::{self, Deadlined, Hello, Verdict};
 use super::{parse_join, PeerInfo, MAX_JOIN};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::net::accept::{Admit, Strangers};
+use crate::net::auth::{self, Deadlined, Hello, Verdict};
 
 /// Rank 0's state while the ranks join.
 pub(super) struct RootJoin {
@@ -180,7 +180,7 @@ impl Admit for RootJoin {
             .summary()
             .map(|s| format!("; {s}"))
             .unwrap_or_default();
-        crate::debug::announce(&format!(
+        crate::base::debug::announce(&format!(
             "rank 0: rendezvous at {}: {} of {} ranks joined after {:.0?}, waiting on rank(s) {shown:?}{more}{strangers}",
             self.root,
             self.joined,

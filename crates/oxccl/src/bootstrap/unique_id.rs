@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, UdpSocket};
 use std::str::FromStr;
 use std::sync::Mutex;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Made by one rank ([`UniqueId::new`]), handed to every other rank out of band, then passed
 /// to `Communicator::init`: the address where rank 0 hosts the rendezvous, and a random

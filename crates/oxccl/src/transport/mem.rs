@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Link, LinkError, TransportKind, WaitSource};
-use crate::wait::Doorbell;
+use crate::base::wait::Doorbell;
 
 #[derive(Default)]
 struct PipeState {

@@ -13,13 +13,11 @@
 use std::fmt;
 use std::os::fd::BorrowedFd;
 
-use crate::wait::Doorbell;
+use crate::base::wait::Doorbell;
 
-pub mod direct;
 pub mod mem;
 pub mod shm;
 pub mod tcp;
-pub mod tcp_striped;
 
 /// Which transport a link uses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]

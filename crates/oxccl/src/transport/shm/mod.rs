@@ -2,7 +2,7 @@
 //!
 //! Each rank creates one segment that it owns, `/dev/shm/oxccl-<tag>-<rank>-<pid>` (mode
 //! 0600, memory reserved up front with `fallocate`), holding a header, the rank's
-//! [`Doorbell`](crate::wait::Doorbell) and one incoming single-producer/single-consumer byte ring per shared-memory
+//! [`Doorbell`](crate::base::wait::Doorbell) and one incoming single-producer/single-consumer byte ring per shared-memory
 //! peer (the owner reads, the peer writes). [`connect`] creates it, exchanges the paths,
 //! maps every peer's segment, waits until every rank has done so and then unlinks its own
 //! file: from then on nothing is left in `/dev/shm`, even if the process is killed.
@@ -16,10 +16,9 @@
 //! The ring protocol (Release/Acquire on `head` and `tail`, cached opposite index) is
 //! described in `ring.rs`, the segment layout in `segment.rs`.
 
-pub mod direct;
 pub(crate) mod handoff;
 mod ring;
-mod segment;
+pub(crate) mod segment;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -28,9 +27,9 @@ use handoff::{OpenError, Sharing};
 use ring::{Consumer, Producer};
 use segment::Segment;
 
+use crate::base::error::{Error, Result};
+use crate::base::param::Config;
 use crate::bootstrap::Exchange;
-use crate::error::{Error, Result};
-use crate::param::Config;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// The name of the segment that `rank` creates for communicator `tag`: the memfd's name, or

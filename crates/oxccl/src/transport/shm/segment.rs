@@ -19,7 +19,7 @@ use rustix::mm::{MapFlags, ProtFlags};
 
 use super::handoff::{self, Sharing};
 use super::ring::RingCtrl;
-use crate::wait::Doorbell;
+use crate::base::wait::Doorbell;
 
 /// `"OXCCLSHM"` as a little-endian `u64`.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"OXCCLSHM");
@@ -217,7 +217,7 @@ impl Segment {
         })?;
         let owner_rank_u32 =
             u32::try_from(owner_rank).map_err(|_| format!("rank {owner_rank} is too large"))?;
-        crate::mem::check_fits(
+        crate::base::mem::check_fits(
             layout.total,
             &format!(
                 "the shared-memory segment ({nrings} ring(s) of {cap} bytes, OXCCL_SHM_RING_BYTES)"

@@ -1,0 +1,456 @@
+//! Failure handling of a communicator, in one place: its [`Health`], its watchdog
+//! ([`crate::fault::control`]), its flight recorder ([`crate::observe::flight`]) and timeline
+//! ([`crate::observe::timeline`]), its timeout, and the public calls built on them:
+//! [`Communicator::abort`], [`Communicator::shrink`], [`Communicator::check`],
+//! [`Communicator::set_timeout`].
+//!
+//! `comm.rs` holds one [`CommGuard`] and calls [`CommGuard::begin`] / [`CommGuard::end`]
+//! around every call.
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use crate::base::error::{Error, Result};
+use crate::base::param::Config;
+use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::comm::Communicator;
+use crate::fault::control::{WatchSettings, Watchdog};
+use crate::fault::fingerprint::CallPrint;
+use crate::fault::health::{Failure, Health};
+use crate::observe::flight::Recorder;
+use crate::observe::flight_torch::TorchDump;
+use crate::observe::metrics::{Identity, Metrics};
+use crate::observe::status::StatusAgent;
+use crate::observe::timeline::Timeline;
+
+/// What [`Communicator::shrink`] needs: every rank's pre-opened rendezvous listener address,
+/// and this rank's listener.
+#[derive(Debug)]
+struct ShrinkPlan {
+    addrs: Vec<SocketAddr>,
+    listener: Mutex<Option<TcpListener>>,
+    secret: [u8; 16],
+}
+
+/// How long a call that lost a link waits for another rank's report of the cause.
+pub const CAUSE_GRACE: Duration = Duration::from_millis(300);
+
+/// A communicator's failure-handling state; see the module documentation.
+#[derive(Debug)]
+pub struct CommGuard {
+    rank: usize,
+    health: Arc<Health>,
+    recorder: Arc<Recorder>,
+    timeline: Option<Timeline>,
+    metrics: Option<Arc<Metrics>>,
+    timeout_ns: AtomicU64,
+    shrink: Option<ShrinkPlan>,
+    status: Option<StatusAgent>,
+    // Last: dropped after the rest (it says goodbye to the peers).
+    watchdog: Option<Watchdog>,
+}
+
+impl CommGuard {
+    /// Without a rendezvous (links made elsewhere, e.g. threads of one process): failures
+    /// are seen only where they happen; no watchdog, no shrink.
+    pub fn local(rank: usize, nranks: usize, cfg: &Config) -> CommGuard {
+        CommGuard {
+            rank,
+            health: Arc::new(Health::new()),
+            recorder: Recorder::new(
+                rank,
+                nranks,
+                0,
+                cfg.flight_entries,
+                cfg.flight_recorder.clone(),
+                torch_dump(cfg),
+            ),
+            timeline: cfg.trace.as_deref().map(|p| Timeline::new(rank, p)),
+            metrics: metrics(cfg, 0, rank, nranks, 1),
+            timeout_ns: AtomicU64::new(cfg.timeout.as_nanos().min(u64::MAX as u128) as u64),
+            shrink: None,
+            status: None,
+            watchdog: None,
+        }
+    }
+
+    /// For a communicator made by a rendezvous. Collective (one exchange): opens this rank's
+    /// listener for a later [`Communicator::shrink`] and tells the others where, then hands
+    /// the rendezvous connections to a new watchdog.
+    pub fn with_bootstrap(boot: &mut Bootstrap, cfg: &Config) -> Result<CommGuard> {
+        let (rank, nranks) = (boot.rank(), boot.world_size());
+        let mut g = CommGuard::local(rank, nranks, cfg);
+        g.recorder = Recorder::new(
+            rank,
+            nranks,
+            boot.comm_tag(),
+            cfg.flight_entries,
+            cfg.flight_recorder.clone(),
+            torch_dump(cfg),
+        );
+        let mut hosts: Vec<&str> = boot.peers().iter().map(|p| p.host_id.as_str()).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        g.metrics = metrics(cfg, boot.comm_tag(), rank, nranks, hosts.len());
+        let my_ip: IpAddr = boot.peers()[rank].ip;
+        let listener = TcpListener::bind(SocketAddr::new(my_ip, 0));
+        let port = listener
+            .as_ref()
+            .ok()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(0u16, |a| a.port());
+        let status = status_listener(cfg, rank, my_ip);
+        let status_port = status
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(0u16, |a| a.port());
+        let mut mine = port.to_le_bytes().to_vec();
+        mine.extend_from_slice(&status_port.to_le_bytes());
+        let ports = boot.allgather(&mine)?;
+        let status_addrs: Vec<Option<SocketAddr>> = ports
+            .iter()
+            .zip(boot.peers())
+            .map(|(p, info)| {
+                let port = p.get(2..4).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                (port != 0).then_some(SocketAddr::new(info.ip, port))
+            })
+            .collect();
+        let addrs: Vec<SocketAddr> = ports
+            .iter()
+            .zip(boot.peers())
+            .map(|(p, info)| {
+                let port = p.get(..2).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                SocketAddr::new(info.ip, port)
+            })
+            .collect();
+        g.shrink = Some(ShrinkPlan {
+            addrs,
+            listener: Mutex::new(listener.ok()),
+            secret: *boot.secret(),
+        });
+        if let Some(l) = status {
+            let src = crate::observe::status::Source {
+                rank,
+                nranks,
+                recorder: g.recorder.clone(),
+                health: g.health.clone(),
+            };
+            match StatusAgent::start(l, src, status_addrs) {
+                Ok(a) => g.status = Some(a),
+                Err(e) => tracing::warn!(rank, "cannot start the status agent: {e}"),
+            }
+        }
+        let conns = boot.take_connections();
+        if !conns.is_empty() {
+            let rec = g.recorder.clone();
+            let w = Watchdog::start(
+                rank,
+                conns,
+                g.health.clone(),
+                WatchSettings {
+                    heartbeat: cfg.heartbeat,
+                },
+                Box::new(move || rec.dump("failure reported by the watchdog")),
+            )
+            .map_err(|source| Error::Io {
+                rank,
+                context: "starting the watchdog thread".into(),
+                source,
+            })?;
+            g.watchdog = Some(w);
+        }
+        Ok(g)
+    }
+
+    /// The health shared with the executor.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Fails fast when the communicator has failed (one atomic load when healthy).
+    #[inline]
+    pub fn check(&self, call: &'static str, seq: u64) -> Result<()> {
+        if self.health.is_failed() {
+            return Err(self.health.error(self.rank, call, seq));
+        }
+        Ok(())
+    }
+
+    /// The timeout in force for calls.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    /// Records the start of a call; returns the buffer for its step times when the timeline
+    /// is on.
+    pub fn begin(
+        &self,
+        seq: u64,
+        call: &'static str,
+        print: &CallPrint,
+        algo: &'static str,
+    ) -> Option<(Instant, Vec<Instant>)> {
+        if let Some(m) = &self.metrics {
+            m.begin();
+        }
+        self.recorder.begin(
+            seq,
+            call,
+            print.fp,
+            print.send_seq.max(print.recv_seq),
+            algo,
+        );
+        self.timeline.as_ref().map(|_| (Instant::now(), Vec::new()))
+    }
+
+    /// Records the end of a call; a fatal error marks the communicator failed, tells the
+    /// other ranks and writes the flight recorder. Returns the call's result, where a lost
+    /// link is replaced by its cause when another rank reports one within [`CAUSE_GRACE`]
+    /// (a rank that found a mismatch and exited closes its links before its report arrives).
+    pub fn end(
+        &self,
+        seq: u64,
+        call: &'static str,
+        print: &CallPrint,
+        algo: &'static str,
+        timing: Option<(Instant, Vec<Instant>)>,
+        mut res: Result<()>,
+    ) -> Result<()> {
+        if let Err(e @ (Error::PeerLost { .. } | Error::Protocol { .. })) = &res {
+            let t = Instant::now();
+            while !self.health.is_failed() && t.elapsed() < CAUSE_GRACE {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let cause = match self.health.failure() {
+                Some(Failure::Remote { .. }) => true,
+                Some(Failure::Lost { peer, .. }) => Some(peer) != e.lost_peer(),
+                _ => false,
+            };
+            if cause {
+                res = Err(self.health.error(self.rank, call, seq));
+            }
+        }
+        let err = res.as_ref().err();
+        self.recorder.end(seq, err.map(|e| e.to_string()));
+        if let Some(m) = &self.metrics {
+            m.end(seq, call, &print.fp, err.is_some());
+        }
+        if let (Some(t), Some((start, steps))) = (&self.timeline, timing) {
+            t.record(
+                seq,
+                call,
+                print.fp,
+                algo,
+                start,
+                steps,
+                err.map(|e| e.to_string()),
+            );
+        }
+        if let Some(e) = err.filter(|e| e.is_fatal()) {
+            self.failed(e);
+        }
+        res
+    }
+
+    /// This rank failed with `e`: remember it, tell everyone, write the flight recorder.
+    pub fn failed(&self, e: &Error) {
+        let first = self.health.fail(Failure::Local { msg: e.to_string() });
+        if first {
+            if let Some(w) = &self.watchdog {
+                w.report(e);
+            }
+            self.recorder.dump(&e.to_string());
+        }
+    }
+}
+
+/// This rank's status listener when `OXCCL_STATUS` is set: rank 0 on its address, the others
+/// on an ephemeral port of `my_ip`. A failure is a warning: the job goes on without it.
+fn status_listener(cfg: &Config, rank: usize, my_ip: IpAddr) -> Option<TcpListener> {
+    let v = cfg.status.as_deref()?;
+    let addr = if rank == 0 {
+        match crate::observe::status::parse_addr(v) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(rank, "OXCCL_STATUS: {e}; no status agent");
+                return None;
+            }
+        }
+    } else {
+        SocketAddr::new(my_ip, 0)
+    };
+    match TcpListener::bind(addr) {
+        Ok(l) => Some(l),
+        // Typically another communicator of this process (a split, a shrink) holds it: the
+        // first communicator made answers there.
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            tracing::info!(rank, %addr, "OXCCL_STATUS: address in use; no status agent for this communicator");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent");
+            None
+        }
+    }
+}
+
+/// The torch-format flight record of a communicator when `OXCCL_FR_DUMP` is set.
+fn torch_dump(cfg: &Config) -> Option<TorchDump> {
+    cfg.fr_dump.clone().map(|prefix| TorchDump {
+        prefix,
+        timeout_ms: cfg.timeout.as_millis().min(u64::MAX as u128) as u64,
+    })
+}
+
+impl Drop for CommGuard {
+    fn drop(&mut self) {
+        // At exit (the communicator is dropped): the torch-format record, if asked for and
+        // there is something to say (not for the placeholder guard `Communicator::init`
+        // replaces).
+        if !self.recorder.is_empty() {
+            self.recorder.dump_torch();
+        }
+    }
+}
+
+/// The metrics of a communicator when `OXCCL_METRICS` is set.
+fn metrics(
+    cfg: &Config,
+    comm: u64,
+    rank: usize,
+    nranks: usize,
+    nnodes: usize,
+) -> Option<Arc<Metrics>> {
+    let dir = cfg.metrics.as_deref()?;
+    let id = Identity {
+        comm,
+        rank,
+        nranks,
+        nnodes,
+    };
+    Some(Metrics::new(id, dir, cfg.metrics_interval))
+}
+
+impl Communicator {
+    /// Stops the communicator: every call blocked on it (in any thread) returns an error at
+    /// once, later calls fail, and the other ranks are told (their calls fail too, naming
+    /// this rank). Returns promptly in any state; the communicator can then only be dropped
+    /// (or [`shrink`](Self::shrink)ed by the others).
+    pub fn abort(&self) {
+        let g = self.guard();
+        let msg = format!("rank {} called abort()", self.rank());
+        if g.health.fail(Failure::Aborted { msg: msg.clone() }) {
+            if let Some(w) = &g.watchdog {
+                w.report(&Error::Aborted {
+                    rank: self.rank(),
+                    msg,
+                });
+            }
+            g.recorder.dump("abort()");
+        }
+    }
+
+    /// `Ok` while the communicator is healthy; else the error the next call would return
+    /// (a lost peer, another rank's failure, an abort), without making a call (as NCCL's
+    /// `ncclCommGetAsyncError`). The watchdog keeps this up to date between calls.
+    pub fn check(&self) -> Result<()> {
+        self.guard().check("check", 0)
+    }
+
+    /// Sets the timeout of this communicator's calls (instead of `OXCCL_TIMEOUT`).
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.guard().timeout_ns.store(
+            timeout.as_nanos().clamp(1, u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// The timeout in force for calls.
+    pub fn timeout(&self) -> Duration {
+        self.guard().timeout()
+    }
+
+    /// Where this rank's status agent (`OXCCL_STATUS`, [`crate::observe::status`]) listens, if it runs.
+    pub fn status_addr(&self) -> Option<SocketAddr> {
+        self.guard().status.as_ref().map(|a| a.addr())
+    }
+
+    /// The flight recorder as JSON (what `OXCCL_FLIGHT_RECORDER` writes).
+    pub fn flight_record(&self) -> String {
+        self.guard().recorder.to_json("requested")
+    }
+
+    /// Builds a communicator of the ranks not in `exclude` (typically lost ones), so that
+    /// work can go on without them (as NCCL 2.27's `ncclCommShrink`). Every surviving rank
+    /// must call it with the same `exclude`; excluded ranks must not. Ranks keep their order:
+    /// the new rank of a survivor is its index among the survivors. The lowest survivor hosts
+    /// the new rendezvous on a port it opened at init. Each communicator can be shrunk once
+    /// (shrink the new one for later failures). Works on a failed communicator.
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        let (rank, n) = (self.rank(), self.world_size());
+        let bad = |msg: String| Error::InvalidArgument {
+            rank,
+            call: "shrink",
+            seq: 0,
+            msg,
+        };
+        let mut ex: Vec<usize> = exclude.to_vec();
+        ex.sort_unstable();
+        ex.dedup();
+        if let Some(r) = ex.iter().find(|&&r| r >= n) {
+            return Err(bad(format!("rank {r} is not in a world of {n}")));
+        }
+        if ex.contains(&rank) {
+            return Err(bad(format!("rank {rank} excludes itself")));
+        }
+        let plan = self.guard().shrink.as_ref().ok_or_else(|| {
+            bad(
+                "this communicator was not made by a rendezvous (from_links): it cannot shrink"
+                    .into(),
+            )
+        })?;
+        let survivors: Vec<usize> = (0..n).filter(|r| !ex.contains(r)).collect();
+        let new_rank = survivors
+            .iter()
+            .position(|&r| r == rank)
+            .expect("not excluded");
+        let root = survivors[0];
+        let addr = plan.addrs[root];
+        if addr.port() == 0 {
+            return Err(bad(format!("rank {root} has no shrink listener")));
+        }
+        if root == rank {
+            let l = plan
+                .listener
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .ok_or_else(|| {
+                    bad("this communicator was already shrunk: shrink the new one".into())
+                })?;
+            crate::bootstrap::park_listener(addr, l);
+        }
+        let mut h = Sha256::new();
+        h.update(b"oxccl-shrink");
+        h.update(plan.secret);
+        for r in &ex {
+            h.update((*r as u64).to_le_bytes());
+        }
+        let digest = h.finalize();
+        let mut secret = [0u8; 16];
+        secret.copy_from_slice(&digest[..16]);
+        let mut cfg = self.config().clone();
+        cfg.timeout = self.timeout();
+        tracing::info!(rank, new_rank, excluded = ?ex, %addr, "shrink");
+        Communicator::init_with_config(
+            &UniqueId::with_addr(addr, secret),
+            new_rank,
+            survivors.len(),
+            cfg,
+        )
+    }
+}

@@ -1,0 +1,277 @@
+//! Running the intra-host direct algorithms ([`crate::direct::oneshot`], [`crate::direct::cma`]):
+//! publishing events and waiting for peers, with the executor's waiting discipline (spin,
+//! then sleep on this rank's doorbell in slices, checking the deadline and that the awaited
+//! peers are alive between slices).
+
+use std::time::{Duration, Instant};
+
+use crate::base::error::{Error, Result};
+use crate::base::wait::{Backoff, Spin};
+use crate::direct::link::{Direct, ADDRS};
+use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
+use crate::fault::health::Health;
+use crate::transport::{Link, LinkError};
+
+const SLEEP_SLICE: Duration = Duration::from_millis(50);
+
+/// One call's view of the direct area.
+pub struct DirectCtx<'a> {
+    /// The direct area of this rank.
+    pub direct: &'a mut dyn Direct,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks (all on this host).
+    pub nranks: usize,
+    /// How to spin before sleeping.
+    pub spin: Spin,
+    /// How long the call may take.
+    pub timeout: Duration,
+    /// The call's name, for errors.
+    pub call: &'static str,
+    /// The call's sequence number, for errors.
+    pub seq: u64,
+    /// When the call started, for its timeout; `None`: from the first time it sleeps (a call
+    /// done within its spin budget never reads the clock).
+    pub start: Option<Instant>,
+    /// The call's fingerprint, published with its first event and checked against every
+    /// peer's (`None`: unchecked).
+    pub print: Option<&'a CallPrint>,
+    /// The communicator's health: a failure elsewhere wakes and fails a waiting call.
+    pub health: Option<&'a Health>,
+    /// The links to the peers: a peer that sends bytes over a link while this call waits for
+    /// it in the direct area is in another call (a mismatch).
+    pub links: Option<&'a mut [Option<Box<dyn Link>>]>,
+    /// When set, receives the time each event completes (the timeline's steps).
+    pub step_ends: Option<&'a mut Vec<Instant>>,
+    /// Out-of-place results are written with streaming stores from this footprint on
+    /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
+    pub nt_bytes: usize,
+}
+
+fn header_of(w: &[u64]) -> [u8; HEADER_BYTES] {
+    let mut b = [0u8; HEADER_BYTES];
+    b[..8].copy_from_slice(&w[4].to_le_bytes());
+    b[8..].copy_from_slice(&w[5].to_le_bytes());
+    b
+}
+
+fn mismatch(
+    print: &CallPrint,
+    b: &[u8; HEADER_BYTES],
+    rank: usize,
+    peer: usize,
+    seq: u64,
+) -> Error {
+    let (mine, theirs) = match Header::decode(b) {
+        Ok(h) => print
+            .check(&h)
+            .err()
+            .unwrap_or_else(|| (print.fp.to_string(), h.fp.to_string())),
+        Err(msg) => (
+            print.fp.to_string(),
+            format!("an unreadable header ({msg})"),
+        ),
+    };
+    Error::Mismatch {
+        rank,
+        peer,
+        seq,
+        mine,
+        theirs,
+    }
+}
+
+/// For the link executor: a peer among `waiting` that has published a direct event this rank
+/// has not is running a direct-area call while this rank runs a link call — a mismatch,
+/// described by the header the peer published with that event.
+pub fn direct_mismatch(
+    d: &dyn Direct,
+    waiting: &[usize],
+    print: &CallPrint,
+    rank: usize,
+    seq: u64,
+) -> Option<Error> {
+    let next = d.event() + 1;
+    let peer = *waiting.iter().find(|&&p| d.reached(p, next))?;
+    // The peer's call starts at `next` (its header travels with its first event).
+    Some(mismatch(
+        print,
+        &header_of(&d.peer_addrs(peer, next)),
+        rank,
+        peer,
+        seq,
+    ))
+}
+
+impl DirectCtx<'_> {
+    /// Publishes the next event (see [`Direct::publish`]) with four algorithm words.
+    pub fn publish(&mut self, data: &[u8], words: [u64; 4]) -> u64 {
+        let mut all = [0u64; ADDRS];
+        all[..4].copy_from_slice(&words);
+        self.direct.publish(data, all)
+    }
+
+    /// Publishes the call's first event, carrying its header, waits for every peer's, and
+    /// checks that every peer called the same collective: a mismatch is an error on every
+    /// rank (each reads every other's header) before any data is combined.
+    pub fn begin(&mut self, data: &[u8], words: [u64; 4]) -> Result<u64> {
+        let mut all = [0u64; ADDRS];
+        all[..4].copy_from_slice(&words);
+        if let Some(p) = self.print {
+            let h = p.header();
+            all[4] = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
+            all[5] = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
+        }
+        let e = self.direct.publish(data, all);
+        self.wait_all(e)?;
+        if let Some(p) = self.print {
+            for peer in (0..self.nranks).filter(|&q| q != self.rank) {
+                let w = self.direct.peer_header_words(peer, e);
+                let mut b = [0u8; HEADER_BYTES];
+                b[..8].copy_from_slice(&w[0].to_le_bytes());
+                b[8..].copy_from_slice(&w[1].to_le_bytes());
+                if p.matches(&b) {
+                    continue;
+                }
+                let (mine, theirs) = match Header::decode(&b) {
+                    Ok(h) => p.check(&h).err().unwrap_or_default(),
+                    Err(msg) => (p.fp.to_string(), format!("an unreadable header ({msg})")),
+                };
+                return Err(Error::Mismatch {
+                    rank: self.rank,
+                    peer,
+                    seq: self.seq,
+                    mine,
+                    theirs,
+                });
+            }
+        }
+        Ok(e)
+    }
+
+    fn lost(&self, peer: usize, e: LinkError) -> Error {
+        e.into_error(self.rank, peer, self.call, self.seq)
+    }
+
+    /// An error for a failed read of a peer's memory.
+    pub fn read_error(&self, peer: usize, e: std::io::Error) -> Error {
+        self.access_error(peer, "reading", e)
+    }
+
+    /// An error for a failed write into a peer's memory.
+    pub fn write_error(&self, peer: usize, e: std::io::Error) -> Error {
+        self.access_error(peer, "writing", e)
+    }
+
+    fn access_error(&self, peer: usize, what: &str, e: std::io::Error) -> Error {
+        if self.direct.check_alive(peer).is_err() {
+            return self.lost(peer, LinkError::Io(e));
+        }
+        Error::Io {
+            rank: self.rank,
+            context: format!(
+                "{} (call #{}): {what} rank {peer}'s buffer",
+                self.call, self.seq
+            ),
+            source: e,
+        }
+    }
+
+    /// A peer among `waiting` that has sent bytes over its link is running a link call while
+    /// this rank runs a direct one (no call leaves bytes unread): a mismatch, described by the
+    /// header those bytes begin with.
+    fn link_mismatch(&mut self, waiting: &[usize]) -> Option<Error> {
+        let print = self.print?;
+        let links = self.links.as_deref_mut()?;
+        for &p in waiting {
+            let Some(link) = links.get_mut(p).and_then(|l| l.as_mut()) else {
+                continue;
+            };
+            let mut head = [0u8; HEADER_BYTES];
+            let mut have = 0;
+            // Peek: copy what has arrived but take nothing.
+            let _ = link.try_recv(&mut |b: &[u8]| {
+                let k = b.len().min(HEADER_BYTES - have);
+                head[have..have + k].copy_from_slice(&b[..k]);
+                have += k;
+                0
+            });
+            if have == HEADER_BYTES {
+                return Some(mismatch(print, &head, self.rank, p, self.seq));
+            }
+        }
+        None
+    }
+
+    /// Waits until every peer has published event `e`.
+    pub fn wait_all(&mut self, e: u64) -> Result<()> {
+        let n = self.nranks;
+        let me = self.rank;
+        let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));
+        let mut backoff = Backoff::new(self.spin);
+        // Read the clock only once spinning is over: the fast path never does.
+        let mut last_check: Option<Instant> = None;
+        loop {
+            let Some(_) = pending(&*self.direct) else {
+                if let Some(v) = self.step_ends.as_mut() {
+                    v.push(Instant::now());
+                }
+                return Ok(());
+            };
+            if !backoff.should_sleep() {
+                continue;
+            }
+            let start = *self.start.get_or_insert_with(Instant::now);
+            let last = *last_check.get_or_insert(start);
+            {
+                let bell = self.direct.doorbell();
+                // A failure elsewhere (abort, a lost rank, a mismatch) rings this doorbell.
+                let _registered = self.health.map(|h| h.sleeping_on(bell));
+                if let Some(h) = self.health.filter(|h| h.is_failed()) {
+                    return Err(h.error(me, self.call, self.seq));
+                }
+                let token = bell.prepare();
+                if pending(&*self.direct).is_none() {
+                    bell.cancel(token);
+                    continue;
+                }
+                let slept = Instant::now();
+                bell.wait(token, SLEEP_SLICE);
+                if slept.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
+                    // Every peer had published, yet no ring woke this rank: a lost wake-up
+                    // (never expected; the doorbell's protocol is in crate::base::wait).
+                    tracing::warn!(
+                        rank = me,
+                        call = self.call,
+                        seq = self.seq,
+                        "no ring within the sleep slice although every peer had published: a lost wake-up (or a publish just as the slice ended)"
+                    );
+                }
+            }
+            if last.elapsed() >= SLEEP_SLICE {
+                last_check = Some(Instant::now());
+                let waiting: Vec<usize> = (0..n)
+                    .filter(|&p| p != me && !self.direct.reached(p, e))
+                    .collect();
+                if let Some(err) = self.link_mismatch(&waiting) {
+                    return Err(err);
+                }
+                for &p in &waiting {
+                    if let Err(err) = self.direct.check_alive(p) {
+                        return Err(self.lost(p, err));
+                    }
+                }
+                let elapsed = start.elapsed();
+                if elapsed > self.timeout && !waiting.is_empty() {
+                    return Err(Error::Timeout {
+                        rank: me,
+                        call: self.call,
+                        seq: self.seq,
+                        waiting_on: waiting,
+                        elapsed,
+                    });
+                }
+            }
+        }
+    }
+}

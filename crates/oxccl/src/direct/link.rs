@@ -1,0 +1,236 @@
+//! Direct access between the ranks of one host: the interface of the intra-host algorithms
+//! that do not stream bytes through links (one-shot all-reduce, single-copy all-reduce).
+//!
+//! Each rank owns a small published area that every other rank of the host can read: an
+//! event counter, two data slots and two address records (slot `e % 2` belongs to event `e`).
+//! A rank [`publish`](Direct::publish)es event `e` (its data and/or the addresses of its
+//! buffers), then waits until every peer has published `e` too, then reads what they
+//! published, and may copy straight out of their buffers ([`read_peer`](Direct::read_peer),
+//! `process_vm_readv`, single copy), or map a peer's shared buffer and use it in place
+//! ([`map_peer`](Direct::map_peer)).
+//!
+//! Reuse of a slot is safe without acknowledgements because every algorithm keeps one rule:
+//! **before publishing event `e + 1`, a rank has waited for every peer to publish `e`** (and
+//! has finished reading their event-`e` data before publishing `e + 1`). Then slot `e % 2` is
+//! next overwritten at `e + 2`, by a rank that has seen every peer publish `e + 1`, i.e.
+//! finish reading event `e`.
+//!
+//! [`shm`](super::shm) implements it over `/dev/shm`; [`mem::group`](mem_group) over heap
+//! memory for threads of one process (tests).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::base::wait::Doorbell;
+use crate::direct::shared_buffer::Region;
+use crate::transport::LinkError;
+
+/// Number of words a rank publishes with an event: four for the algorithm (buffer addresses
+/// and lengths), two for the call's header (its fingerprint and sequence number, see
+/// [`crate::fault::fingerprint`]), checked by every peer before any data is combined.
+pub const ADDRS: usize = 6;
+
+/// Direct access to the published areas and memory of the other ranks of one host.
+pub trait Direct: Send {
+    /// Capacity of one data slot in bytes.
+    fn slot_bytes(&self) -> usize;
+
+    /// Publishes the next event: copies `data` (at most [`slot_bytes`](Self::slot_bytes)) into
+    /// this rank's slot for it, records `addrs`, advances this rank's counter and wakes
+    /// sleeping peers. Returns the event number.
+    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64;
+
+    /// Whether `peer` has published event `e`.
+    fn reached(&self, peer: usize, e: u64) -> bool;
+
+    /// The last event this rank published.
+    fn event(&self) -> u64;
+
+    /// The first `len` bytes `peer` published with event `e`. Valid until this rank publishes
+    /// `e + 1` (see the module's reuse rule); the caller has seen [`reached`](Self::reached).
+    fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8];
+
+    /// The addresses `peer` published with event `e`.
+    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS];
+
+    /// Words 4 and 5 of what `peer` published with event `e` (the call's header): what every
+    /// call checks, so an implementation may keep them where they are cheapest to read.
+    fn peer_header_words(&self, peer: usize, e: u64) -> [u64; 2] {
+        let a = self.peer_addrs(peer, e);
+        [a[4], a[5]]
+    }
+
+    /// Copies `dst.len()` bytes at `addr` in `peer`'s address space into `dst`.
+    fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()>;
+
+    /// Copies `src` to `addr` in `peer`'s address space. The peer published `addr` as a buffer
+    /// that it does not touch until the algorithm's next event.
+    fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()>;
+
+    /// A pointer, in this process, to the start of `peer`'s shared buffer `region` (which the
+    /// peer published, see [`crate::direct::shared_buffer`]), mapping it on first use; `Ok(None)` where
+    /// this implementation does not map peers' memory. The mapping stays valid at least until
+    /// this rank's next event after the one that maps it.
+    fn map_peer(
+        &mut self,
+        peer: usize,
+        region: &Region,
+    ) -> std::io::Result<Option<std::ptr::NonNull<u8>>> {
+        let _ = (peer, region);
+        Ok(None)
+    }
+
+    /// Whether [`read_peer`](Self::read_peer) and [`write_peer`](Self::write_peer) work between
+    /// these processes (checked at setup).
+    fn can_read_peers(&self) -> bool;
+
+    /// This rank's doorbell, rung by peers when they publish.
+    fn doorbell(&self) -> &Doorbell;
+
+    /// An error if `peer` is known to be gone.
+    fn check_alive(&self, peer: usize) -> Result<(), LinkError>;
+}
+
+/// Slot capacity of the in-memory implementation.
+const MEM_SLOT: usize = 64 << 10;
+
+struct MemArea {
+    progress: AtomicU64,
+    slots: [std::sync::Mutex<Vec<u8>>; 2],
+    addrs: [[AtomicU64; ADDRS]; 2],
+    bell: Doorbell,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// The in-memory implementation, for ranks that are threads of one process.
+pub struct MemDirect {
+    rank: usize,
+    areas: Arc<Vec<MemArea>>,
+    event: u64,
+}
+
+/// `n` handles for `n` threads.
+pub fn mem_group(n: usize) -> Vec<MemDirect> {
+    let areas: Arc<Vec<MemArea>> = Arc::new(
+        (0..n)
+            .map(|_| MemArea {
+                progress: AtomicU64::new(0),
+                slots: [
+                    std::sync::Mutex::new(vec![0; MEM_SLOT]),
+                    std::sync::Mutex::new(vec![0; MEM_SLOT]),
+                ],
+                addrs: Default::default(),
+                bell: Doorbell::new(),
+                closed: Default::default(),
+            })
+            .collect(),
+    );
+    (0..n)
+        .map(|rank| MemDirect {
+            rank,
+            areas: areas.clone(),
+            event: 0,
+        })
+        .collect()
+}
+
+impl Direct for MemDirect {
+    fn slot_bytes(&self) -> usize {
+        MEM_SLOT
+    }
+
+    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64 {
+        self.event += 1;
+        let e = self.event;
+        let me = &self.areas[self.rank];
+        let p = (e % 2) as usize;
+        me.slots[p].lock().unwrap_or_else(|e| e.into_inner())[..data.len()].copy_from_slice(data);
+        for (a, v) in me.addrs[p].iter().zip(addrs) {
+            a.store(v, Ordering::Relaxed);
+        }
+        me.progress.store(e, Ordering::Release);
+        for (r, a) in self.areas.iter().enumerate() {
+            if r != self.rank {
+                a.bell.ring();
+            }
+        }
+        e
+    }
+
+    fn reached(&self, peer: usize, e: u64) -> bool {
+        self.areas[peer].progress.load(Ordering::Acquire) >= e
+    }
+
+    fn event(&self) -> u64 {
+        self.event
+    }
+
+    fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
+        let slot = self.areas[peer].slots[(e % 2) as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the Vec is never resized and lives as long as `areas`; by the reuse rule the
+        // owner does not write this slot again until we publish e + 1, which needs `&mut self`
+        // and so ends this borrow first.
+        unsafe { std::slice::from_raw_parts(slot.as_ptr(), len) }
+    }
+
+    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS] {
+        let a = &self.areas[peer].addrs[(e % 2) as usize];
+        std::array::from_fn(|i| a[i].load(Ordering::Relaxed))
+    }
+
+    fn read_peer(&self, _peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        // SAFETY: threads share one address space; the peer published `addr` as a buffer of at
+        // least this length that stays valid and unwritten until the algorithm's next event.
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr as usize as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    fn write_peer(&self, _peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()> {
+        // SAFETY: threads share one address space; the peer published `addr` as a buffer of at
+        // least this length that it neither reads nor writes until the algorithm's next event,
+        // and that no other rank writes in the same phase.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), addr as usize as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn map_peer(
+        &mut self,
+        _peer: usize,
+        region: &Region,
+    ) -> std::io::Result<Option<std::ptr::NonNull<u8>>> {
+        // Threads share one address space: the peer's buffer is where the peer has it.
+        Ok(std::ptr::NonNull::new(region.base as usize as *mut u8))
+    }
+
+    fn can_read_peers(&self) -> bool {
+        true
+    }
+
+    fn doorbell(&self) -> &Doorbell {
+        &self.areas[self.rank].bell
+    }
+
+    fn check_alive(&self, peer: usize) -> Result<(), LinkError> {
+        if self.areas[peer].closed.load(Ordering::Acquire) {
+            return Err(LinkError::Closed(format!(
+                "rank {peer} dropped its communicator"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MemDirect {
+    fn drop(&mut self) {
+        self.areas[self.rank].closed.store(true, Ordering::Release);
+        for (r, a) in self.areas.iter().enumerate() {
+            if r != self.rank {
+                a.bell.ring();
+            }
+        }
+    }
+}

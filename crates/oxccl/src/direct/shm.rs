@@ -1,0 +1,543 @@
+//! [`Direct`] over shared memory: each rank of a host owns a small segment (a memfd, handed
+//! to peers by [`handoff`]) with two event records and two data slots, mapped by
+//! every other rank of the host; peers' buffers are read and written with `process_vm_readv` /
+//! `process_vm_writev` (single copy, as Open MPI's CMA path) where the kernel allows it, and
+//! peers' shared buffers ([`crate::direct::shared_buffer`]) are mapped here once (`pidfd_getfd` of
+//! their memfd, at most [`PEER_MAPPINGS`] per peer) and reached with loads and stores.
+//!
+//! Layout: header (magic `"OXCCLDIR"`, version, owner pid and rank, slot size) at 0, the
+//! owner's [`Doorbell`] at 128, the closed flag at 320, the event records of the two parities
+//! at 384 and 640, the two slots from 4096 on.
+//!
+//! An event record holds everything a peer needs to see of an event besides bulk data, laid
+//! out so that the line a peer polls carries the most: data of up to 160 bytes ends right
+//! before the data's length, the two words of the call's header and, last, the event number,
+//! in the record's third cache line; the four algorithm words follow in the fourth. An
+//! 8-byte or 32-byte all_reduce thus crosses between cores as one cache line, data and flag
+//! together as in NCCL's LL protocol, instead of one line for a counter, one for the words and
+//! one for the data. Larger data goes to the slot.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
+use nix::unistd::Pid as NixPid;
+use rustix::fs::FallocateFlags;
+
+use crate::base::error::Result;
+use crate::base::wait::Doorbell;
+use crate::bootstrap::Exchange;
+use crate::direct::link::{Direct, ADDRS};
+use crate::direct::shared_buffer::{PeerMapping, Region, PEER_MAPPINGS};
+use crate::transport::shm::handoff;
+use crate::transport::shm::segment::{io_msg, map};
+use crate::transport::LinkError;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"OXCCLDIR");
+const VERSION: u32 = 2;
+/// Bytes of one data slot.
+pub const SLOT_BYTES: usize = 64 << 10;
+const BELL_OFF: usize = 128;
+const CLOSED_OFF: usize = 320;
+const RECORDS_OFF: usize = 384;
+/// Bytes of one event record (four cache lines).
+const RECORD: usize = 256;
+/// Data bytes an event record carries itself.
+const INLINE: usize = 160;
+/// Offsets inside an event record: the inline data ends at INLINE (right-aligned, so that a
+/// small message shares the last line with the event number), then the data's length, the
+/// words that carry the call's header, the event number; the other words in the next line.
+const LEN_OFF: usize = INLINE;
+const HEADER_WORDS_OFF: usize = LEN_OFF + 8;
+const EVENT_OFF: usize = HEADER_WORDS_OFF + 16;
+const WORDS_OFF: usize = EVENT_OFF + 8;
+const _: () = assert!(
+    EVENT_OFF + 8 == 3 * 64
+        && WORDS_OFF + 4 * 8 <= RECORD
+        && ADDRS == 6
+        && RECORDS_OFF % 64 == 0
+        && RECORDS_OFF + 2 * RECORD <= SLOTS_OFF
+);
+const SLOTS_OFF: usize = 4096;
+const TOTAL: usize = SLOTS_OFF + 2 * SLOT_BYTES;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    pid: AtomicU32,
+    rank: AtomicU32,
+    slot_bytes: AtomicU32,
+}
+
+/// One mapped direct segment (ours or a peer's).
+struct Area {
+    base: NonNull<u8>,
+}
+
+// SAFETY: the mapping lives until Drop; shared bytes are only accessed through atomics or
+// under the event protocol of `transport::direct`.
+unsafe impl Send for Area {}
+// SAFETY: as above.
+unsafe impl Sync for Area {}
+
+impl Area {
+    fn at<T>(&self, off: usize) -> &T {
+        // SAFETY: every offset used is a constant below TOTAL, aligned for T (atomics at
+        // multiples of 8, the Doorbell at 128), in a mapping of TOTAL bytes that lives as long
+        // as `self`; all these types are valid for any bit pattern and used only atomically.
+        unsafe { &*self.base.as_ptr().add(off).cast::<T>() }
+    }
+    fn header(&self) -> &Header {
+        self.at(0)
+    }
+    fn bell(&self) -> &Doorbell {
+        self.at(BELL_OFF)
+    }
+    fn closed(&self) -> &AtomicU32 {
+        self.at(CLOSED_OFF)
+    }
+    fn record(&self, parity: usize) -> *mut u8 {
+        // SAFETY: RECORDS_OFF + 2 * RECORD <= TOTAL (checked at compile time).
+        unsafe { self.base.as_ptr().add(RECORDS_OFF + parity * RECORD) }
+    }
+    /// The number of the last event published in the record of `parity`.
+    fn event_of(&self, parity: usize) -> &AtomicU64 {
+        self.at(RECORDS_OFF + parity * RECORD + EVENT_OFF)
+    }
+    /// The length of the data published in the record of `parity`.
+    fn len_of(&self, parity: usize) -> &AtomicU64 {
+        self.at(RECORDS_OFF + parity * RECORD + LEN_OFF)
+    }
+    fn addr(&self, parity: usize, i: usize) -> &AtomicU64 {
+        let off = if i < 4 {
+            WORDS_OFF + i * 8
+        } else {
+            HEADER_WORDS_OFF + (i - 4) * 8
+        };
+        self.at(RECORDS_OFF + parity * RECORD + off)
+    }
+    fn slot(&self, parity: usize) -> *mut u8 {
+        // SAFETY: SLOTS_OFF + parity * SLOT_BYTES + SLOT_BYTES <= TOTAL for parity 0 and 1.
+        unsafe { self.base.as_ptr().add(SLOTS_OFF + parity * SLOT_BYTES) }
+    }
+}
+
+impl Drop for Area {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from mmap of TOTAL bytes and is unmapped exactly once.
+        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), TOTAL) };
+    }
+}
+
+/// The shared-memory [`Direct`] of one rank.
+pub struct ShmDirect {
+    rank: usize,
+    areas: Vec<Option<Area>>,
+    pids: Vec<Option<rustix::process::Pid>>,
+    event: u64,
+    cma: bool,
+    /// Per peer: a pidfd (opened on first use) and the peer's shared buffers mapped here.
+    mapped: Vec<(Option<std::os::fd::OwnedFd>, Vec<PeerMapping>)>,
+}
+
+/// Creates this rank's area in a memfd (see [`handoff`]); returns it and the memfd,
+/// which peers copy until it is closed.
+fn create(name: &str, rank: usize) -> std::result::Result<(Area, OwnedFd), String> {
+    crate::base::mem::check_fits(TOTAL as u64, "the shared-memory direct area")?;
+    let fd = handoff::memfd(name)?;
+    let path = PathBuf::from(format!("memfd:{name}"));
+    let path = &path;
+    if let Err(e) = rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, TOTAL as u64) {
+        rustix::fs::ftruncate(&fd, TOTAL as u64).map_err(|_| io_msg("fallocate", path, e))?;
+    }
+    let base = map(fd.as_fd(), TOTAL as u64, path)?;
+    let area = Area { base };
+    let h = area.header();
+    h.version.store(VERSION, Ordering::Relaxed);
+    h.pid.store(std::process::id(), Ordering::Relaxed);
+    h.rank.store(rank as u32, Ordering::Relaxed);
+    h.slot_bytes.store(SLOT_BYTES as u32, Ordering::Relaxed);
+    h.magic.store(MAGIC, Ordering::Release);
+    Ok((area, fd))
+}
+
+fn open(path: &str, rank: usize, pid: u32) -> std::result::Result<Area, String> {
+    let p = PathBuf::from(path);
+    let fd = handoff::open_token(path, pid).map_err(|e| match e {
+        handoff::OpenError::Refused(m) | handoff::OpenError::Failed(m) => {
+            format!("rank {rank}'s direct area: {m}")
+        }
+    })?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| io_msg("fstat", &p, e))?;
+    if (st.st_size as u64) < TOTAL as u64 {
+        return Err(format!("{path} is too small"));
+    }
+    let area = Area {
+        base: map(fd.as_fd(), TOTAL as u64, &p)?,
+    };
+    let h = area.header();
+    if h.magic.load(Ordering::Acquire) != MAGIC
+        || h.version.load(Ordering::Relaxed) != VERSION
+        || h.rank.load(Ordering::Relaxed) as usize != rank
+        || h.pid.load(Ordering::Relaxed) != pid
+        || h.slot_bytes.load(Ordering::Relaxed) as usize != SLOT_BYTES
+    {
+        return Err(format!("{path} does not hold rank {rank}'s direct area"));
+    }
+    Ok(area)
+}
+
+/// Sets up direct access among all `n` ranks of a single-host communicator: collective, every
+/// rank calls it. `pid_of[r]` is rank r's process id. Returns `None` (and logs why) where it
+/// cannot be set up on some rank; the ring algorithms then do all the work.
+pub fn connect(
+    ex: &mut dyn Exchange,
+    pid_of: &[u32],
+    tag: u64,
+    allow_cma: bool,
+) -> Result<Option<ShmDirect>> {
+    let (rank, n) = (ex.rank(), ex.world_size());
+    let mine = create(&format!("oxccl-{tag:016x}-d{rank}"), rank);
+    // A probe value whose address peers read and write (the same bytes back), to learn whether
+    // CMA works. Atomic: peers write it behind the compiler's back.
+    let probe = Box::new(std::sync::atomic::AtomicU64::new(0x0c5a_u64 ^ tag));
+    let msg = match &mine {
+        Ok((_, fd)) => format!(
+            "ok {} {} {}",
+            probe.as_ptr() as usize,
+            crate::transport::shm::pid_namespace(),
+            handoff::token(fd)
+        ),
+        Err(e) => format!("err {e}"),
+    };
+    let all = ex.allgather(msg.as_bytes())?;
+    let mut areas: Vec<Option<Area>> = (0..n).map(|_| None).collect();
+    let mut failure = mine.as_ref().err().cloned();
+    let mut cma_ok = allow_cma;
+    let mut probes = vec![0u64; n];
+    let my_ns = crate::transport::shm::pid_namespace();
+    // Pids mean something here only for peers in this pid namespace.
+    let mut pids: Vec<Option<rustix::process::Pid>> = vec![None; n];
+    for (r, m) in all.iter().enumerate() {
+        let m = String::from_utf8_lossy(m);
+        let mut it = m.splitn(4, ' ');
+        match (it.next(), it.next(), it.next(), it.next()) {
+            (Some("ok"), Some(addr), Some(ns), Some(p)) if r != rank => match open(p, r, pid_of[r])
+            {
+                Ok(a) => {
+                    areas[r] = Some(a);
+                    probes[r] = addr.parse().unwrap_or(0);
+                    if ns == my_ns && !my_ns.is_empty() {
+                        pids[r] = rustix::process::Pid::from_raw(pid_of[r] as i32);
+                    } else {
+                        cma_ok = false;
+                    }
+                }
+                Err(e) => failure = failure.or(Some(e)),
+            },
+            (Some("ok"), _, _, _) => {}
+            _ => failure = failure.or(Some(format!("rank {r}: {m}"))),
+        }
+    }
+    // The area's memfd stays open until every peer has copied it (the verdict below).
+    let mut my_fd = None;
+    if let Ok((a, fd)) = mine {
+        areas[rank] = Some(a);
+        my_fd = Some(fd);
+    }
+    if cma_ok {
+        for (r, &addr) in probes.iter().enumerate() {
+            if r == rank || failure.is_some() {
+                continue;
+            }
+            let mut v = [0u8; 8];
+            // Read the peer's probe, then write the same bytes back: both directions must work
+            // (writing the value it already holds leaves it intact for the other readers).
+            if read_remote(pid_of[r], addr, &mut v).is_err()
+                || u64::from_ne_bytes(v) != 0x0c5a_u64 ^ tag
+                || write_remote(pid_of[r], addr, &v).is_err()
+            {
+                cma_ok = false;
+            }
+        }
+    }
+    let verdict = [u8::from(failure.is_none()), u8::from(cma_ok)];
+    let all = ex.allgather(&verdict)?;
+    drop(probe);
+    drop(my_fd);
+    if let Some(f) = failure.or_else(|| {
+        all.iter()
+            .any(|v| v.first() != Some(&1))
+            .then(|| "a peer failed".to_string())
+    }) {
+        tracing::warn!(rank, "shared-memory direct algorithms disabled: {f}");
+        return Ok(None);
+    }
+    let cma = all.iter().all(|v| v.get(1) == Some(&1));
+    tracing::info!(rank, cma, "shared-memory direct area ready");
+    Ok(Some(ShmDirect {
+        rank,
+        areas,
+        pids,
+        event: 0,
+        cma,
+        mapped: (0..n).map(|_| (None, Vec::new())).collect(),
+    }))
+}
+
+/// Repeats `step(done)` (which moves bytes from offset `done` on and returns how many it
+/// moved) until `len` bytes have moved: the kernel may move fewer than asked.
+fn until_done(
+    len: usize,
+    what: &str,
+    mut step: impl FnMut(usize) -> nix::Result<usize>,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let k = step(done).map_err(std::io::Error::from)?;
+        if k == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("{what} moved nothing"),
+            ));
+        }
+        done += k;
+    }
+    Ok(())
+}
+
+fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+    let len = dst.len();
+    until_done(len, "process_vm_readv", |done| {
+        let remote = [RemoteIoVec {
+            base: addr as usize + done,
+            len: len - done,
+        }];
+        let mut local = [IoSliceMut::new(&mut dst[done..])];
+        process_vm_readv(NixPid::from_raw(pid as i32), &mut local, &remote)
+    })
+}
+
+fn write_remote(pid: u32, addr: u64, src: &[u8]) -> std::io::Result<()> {
+    let len = src.len();
+    until_done(len, "process_vm_writev", |done| {
+        let remote = [RemoteIoVec {
+            base: addr as usize + done,
+            len: len - done,
+        }];
+        process_vm_writev(
+            NixPid::from_raw(pid as i32),
+            &[IoSlice::new(&src[done..])],
+            &remote,
+        )
+    })
+}
+
+impl ShmDirect {
+    fn area(&self, r: usize) -> &Area {
+        self.areas[r]
+            .as_ref()
+            .expect("every rank's area is mapped (checked in connect)")
+    }
+}
+
+impl Direct for ShmDirect {
+    fn slot_bytes(&self) -> usize {
+        SLOT_BYTES
+    }
+
+    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64 {
+        assert!(data.len() <= SLOT_BYTES, "direct slot overflow");
+        self.event += 1;
+        let e = self.event;
+        let p = (e % 2) as usize;
+        let me = self.area(self.rank);
+        if data.len() <= INLINE {
+            // Small data travels in the record, right before the event number (see the layout).
+            // SAFETY: INLINE - len .. INLINE lies in the record; by the reuse rule no peer reads
+            // record p now (they finished event e - 2 before publishing e - 1, which we waited
+            // for).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr(),
+                    me.record(p).add(INLINE - data.len()),
+                    data.len(),
+                )
+            };
+        } else {
+            // SAFETY: the slot has SLOT_BYTES >= data.len() bytes; no peer reads slot p now
+            // (as above).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), me.slot(p), data.len()) };
+        }
+        me.len_of(p).store(data.len() as u64, Ordering::Relaxed);
+        for (i, a) in addrs.iter().enumerate() {
+            let w = me.addr(p, i);
+            // Words 0-3 sit in a line of their own, which small calls leave at zero: writing
+            // only changed values keeps that line out of the peers' way.
+            if i >= 4 || w.load(Ordering::Relaxed) != *a {
+                w.store(*a, Ordering::Relaxed);
+            }
+        }
+        // SeqCst: the store is a full barrier, which orders the publish before the reads of
+        // the peers' sleeper counts (one barrier for every peer, see crate::base::wait).
+        me.event_of(p).store(e, Ordering::SeqCst);
+        for r in 0..self.areas.len() {
+            if r != self.rank {
+                self.area(r).bell().ring_after_seqcst_store();
+            }
+        }
+        e
+    }
+
+    fn reached(&self, peer: usize, e: u64) -> bool {
+        // The line of e's parity holds e - 2, e, or nothing newer: the peer cannot publish
+        // e + 2 before this rank publishes e + 1 (the reuse rule).
+        self.area(peer)
+            .event_of((e % 2) as usize)
+            .load(Ordering::Acquire)
+            >= e
+    }
+
+    fn event(&self) -> u64 {
+        self.event
+    }
+
+    fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
+        let len = len.min(SLOT_BYTES);
+        let p = (e % 2) as usize;
+        let area = self.area(peer);
+        // Where the peer put it depends on how much it published (a reader may want less:
+        // all_to_all reads a prefix).
+        let total = area.len_of(p).load(Ordering::Relaxed) as usize;
+        // Every reader asks for at most what the peer published: the call's header, checked
+        // before any slot is read, fixes the lengths on both sides.
+        debug_assert!(len <= total, "reading {len} bytes of {total} published");
+        let at = if total <= INLINE {
+            // SAFETY: `INLINE - total` lies within the record (total <= INLINE).
+            unsafe { area.record(p).add(INLINE - total).cast_const() }
+        } else {
+            area.slot(p).cast_const()
+        };
+        // SAFETY: `len` bytes at `at` lie in the peer's record or slot; the peer wrote them
+        // before publishing e (seen with Acquire by `reached`) and will not write them again
+        // before we publish e + 1.
+        unsafe { std::slice::from_raw_parts(at, len) }
+    }
+
+    fn peer_header_words(&self, peer: usize, e: u64) -> [u64; 2] {
+        // Both in the line `reached` polled: no further transfer between cores.
+        let a = self.area(peer);
+        [4, 5].map(|i| a.addr((e % 2) as usize, i).load(Ordering::Relaxed))
+    }
+
+    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS] {
+        let a = self.area(peer);
+        std::array::from_fn(|i| a.addr((e % 2) as usize, i).load(Ordering::Relaxed))
+    }
+
+    fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        let pid = self.pids[peer].map_or(0, |p| p.as_raw_nonzero().get() as u32);
+        read_remote(pid, addr, dst)
+    }
+
+    fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()> {
+        let pid = self.pids[peer].map_or(0, |p| p.as_raw_nonzero().get() as u32);
+        write_remote(pid, addr, src)
+    }
+
+    fn map_peer(&mut self, peer: usize, region: &Region) -> std::io::Result<Option<NonNull<u8>>> {
+        let Some(pid) = self.pids[peer].filter(|_| self.cma) else {
+            return Ok(None);
+        };
+        let now = self.event;
+        let (pidfd, maps) = &mut self.mapped[peer];
+        // The region's length decides which offsets callers use: a cached mapping serves only
+        // if it is at least that long (it is: ids are never reused for another buffer).
+        if let Some(m) = maps
+            .iter_mut()
+            .find(|m| m.id == region.id && m.len as u64 >= region.len)
+        {
+            m.used = now;
+            return Ok(Some(m.local));
+        }
+        if pidfd.is_none() {
+            *pidfd = Some(rustix::process::pidfd_open(
+                pid,
+                rustix::process::PidfdFlags::empty(),
+            )?);
+        }
+        let m = PeerMapping::map(pidfd.as_ref().expect("opened above"), region, now)?;
+        if maps.len() >= PEER_MAPPINGS {
+            // The least recently used: not one of this event's (those carry `now`, and a call
+            // maps at most two buffers per peer).
+            let (i, _) = maps
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, m)| m.used)
+                .expect("not empty");
+            maps.swap_remove(i);
+        }
+        let local = m.local;
+        maps.push(m);
+        tracing::debug!(
+            rank = self.rank,
+            peer,
+            id = region.id,
+            len = region.len,
+            "mapped a peer's shared buffer"
+        );
+        Ok(Some(local))
+    }
+
+    fn can_read_peers(&self) -> bool {
+        self.cma
+    }
+
+    fn doorbell(&self) -> &Doorbell {
+        self.area(self.rank).bell()
+    }
+
+    fn check_alive(&self, peer: usize) -> std::result::Result<(), LinkError> {
+        if self.area(peer).closed().load(Ordering::Acquire) != 0 {
+            return Err(LinkError::Closed(format!(
+                "rank {peer} closed its communicator"
+            )));
+        }
+        match self.pids[peer] {
+            Some(pid) if crate::transport::shm::process_gone(pid) => Err(LinkError::Closed(
+                format!("process {} of rank {peer} exited", pid.as_raw_nonzero()),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for ShmDirect {
+    fn drop(&mut self) {
+        // Peers waiting for this rank's next event learn at their next liveness check that it
+        // will never come.
+        if let Some(me) = self.areas.get(self.rank).and_then(|a| a.as_ref()) {
+            me.closed().store(1, Ordering::Release);
+        }
+        fence(Ordering::SeqCst);
+        for (r, a) in self.areas.iter().enumerate() {
+            if let (true, Some(a)) = (r != self.rank, a) {
+                a.bell().ring();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for ShmDirect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmDirect")
+            .field("rank", &self.rank)
+            .field("event", &self.event)
+            .field("cma", &self.cma)
+            .finish()
+    }
+}

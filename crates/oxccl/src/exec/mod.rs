@@ -1,0 +1,660 @@
+//! The executor: runs one rank's [`Schedule`] over its links.
+//!
+//! Within a step every transfer progresses at once: sends copy as much as the link takes,
+//! receives consume what has arrived, storing or reducing it straight into the destination in
+//! whole elements (a partial element is carried over). When no transfer can progress, the
+//! executor spins for [`Config::spin`](crate::Config::spin) rounds
+//! ([`Config::tcp_spin`](crate::Config::tcp_spin) where it waits on sockets only), then
+//! sleeps on the links' doorbells or sockets in slices, checking between slices the call's
+//! deadline and that the peers it waits for are alive.
+
+pub mod p2p;
+
+use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::PollFlags;
+
+use crate::base::dtype::DataType;
+use crate::base::error::{Error, Result};
+use crate::base::op::ReduceOp;
+use crate::base::reduce;
+use crate::base::wait::{Backoff, Doorbell, Spin};
+use crate::fault::fingerprint::{CallPrint, HeaderFlags, HeaderState};
+use crate::fault::health::Health;
+use crate::sched::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
+use crate::transport::{Link, LinkError, WaitSource};
+
+/// How long one sleep lasts before the executor re-checks deadline and liveness.
+const SLEEP_SLICE: Duration = Duration::from_millis(50);
+
+/// The buffers of one call, as raw memory (input and output may alias for in-place calls).
+pub struct Buffers<'a> {
+    input: *const u8,
+    input_len: usize,
+    output: *mut u8,
+    output_len: usize,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Buffers<'a> {
+    /// Separate input and output (either may be empty).
+    pub fn new(input: &'a [u8], output: &'a mut [u8]) -> Self {
+        Buffers {
+            input: input.as_ptr(),
+            input_len: input.len(),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// One buffer used in place: the input is `buf[input]`, the output `buf[output]`.
+    /// Panics if a range is out of bounds (callers compute them from validated lengths).
+    pub fn in_place(
+        buf: &'a mut [u8],
+        input: std::ops::Range<usize>,
+        output: std::ops::Range<usize>,
+    ) -> Self {
+        assert!(input.start <= input.end && input.end <= buf.len());
+        assert!(output.start <= output.end && output.end <= buf.len());
+        let base = buf.as_mut_ptr();
+        Buffers {
+            // SAFETY: both ranges were just checked to lie inside `buf`.
+            input: unsafe { base.add(input.start) },
+            input_len: input.len(),
+            // SAFETY: as above.
+            output: unsafe { base.add(output.start) },
+            output_len: output.len(),
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl Buffers<'_> {
+    /// The input: address and length (for algorithms that publish addresses).
+    pub(crate) fn input_raw(&self) -> (*const u8, usize) {
+        (self.input, self.input_len)
+    }
+
+    /// The output: address and length.
+    pub(crate) fn output_raw(&self) -> (*mut u8, usize) {
+        (self.output, self.output_len)
+    }
+}
+
+/// Everything the executor needs besides the schedule and the buffers.
+pub struct Ctx<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// Links indexed by peer rank (`None` for this rank).
+    pub links: &'a mut [Option<Box<dyn Link>>],
+    /// Element type of the call.
+    pub dtype: DataType,
+    /// Reduction op of the call.
+    pub op: ReduceOp,
+    /// Number of ranks (for averages).
+    pub nranks: usize,
+    /// How to spin before sleeping.
+    pub spin: Spin,
+    /// How long the whole call may take.
+    pub timeout: Duration,
+    /// The call's name, for errors.
+    pub call: &'static str,
+    /// The call's sequence number, for errors.
+    pub seq: u64,
+    /// Failure handling: fingerprints, health, step timing (all off by default).
+    pub guard: Guard<'a>,
+}
+
+/// The executor's failure-handling hooks ([`crate::fault::fingerprint`], [`crate::fault::health`]).
+#[derive(Default)]
+pub struct Guard<'a> {
+    /// This call's fingerprint: a header goes before the first data to each peer, and each
+    /// peer's header is checked before any of its data is used.
+    pub print: Option<&'a CallPrint>,
+    /// Checked before every sleep; wakes sleeps when the communicator fails.
+    pub health: Option<&'a Health>,
+    /// When set, receives the end time of each step (the timeline, `OXCCL_TRACE`).
+    pub step_ends: Option<&'a mut Vec<Instant>>,
+    /// The host's direct area, when the communicator has one: a peer that publishes an event
+    /// there while this call waits for it over a link is in another call (a mismatch).
+    pub direct: Option<&'a dyn crate::direct::link::Direct>,
+    /// Call headers that a point-to-point receive from any source read off a peer's link
+    /// before this call began ([`crate::exec::p2p`]): the start of this call's data from that peer.
+    pub held: Option<&'a mut [Option<[u8; crate::fault::fingerprint::HEADER_BYTES]>]>,
+}
+
+/// Progress of one transfer.
+#[derive(Clone, Copy, Default)]
+struct XState {
+    done: usize,
+    carry: [u8; 8],
+    carry_len: usize,
+    /// The call header still to send or receive before the data.
+    hdr: HeaderState,
+}
+
+/// Resolved memory of a schedule's buffers.
+struct Mem {
+    input: (*mut u8, usize),
+    output: (*mut u8, usize),
+    scratch: (*mut u8, usize),
+}
+
+impl Mem {
+    fn ptr(&self, r: Region) -> Result<*mut u8, String> {
+        let (base, len) = match r.buf {
+            Buf::Input => self.input,
+            Buf::Output => self.output,
+            Buf::Scratch => self.scratch,
+        };
+        if r.off.checked_add(r.len).is_none_or(|end| end > len) {
+            return Err(format!("region {r:?} outside its buffer of {len} bytes"));
+        }
+        // SAFETY: `off + len <= buffer length`, checked above.
+        Ok(unsafe { base.add(r.off) })
+    }
+}
+
+/// Runs `sched` to completion. `scratch` is grown to the schedule's need and reused across
+/// calls.
+pub fn execute(
+    ctx: &mut Ctx<'_>,
+    sched: &Schedule,
+    bufs: &mut Buffers<'_>,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let words = sched.scratch_bytes.div_ceil(8);
+    if scratch.len() < words {
+        *scratch = Vec::with_capacity(words);
+        crate::direct::hugepages::advise_fresh(scratch.as_ptr().cast(), words * 8);
+        scratch.resize(words, 0);
+    }
+    let mem = Mem {
+        input: (bufs.input as *mut u8, bufs.input_len),
+        output: (bufs.output, bufs.output_len),
+        scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
+    };
+    let start = Instant::now();
+    let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
+    let mut run = Runner {
+        ctx,
+        mem: &mem,
+        start,
+        headers,
+        failed_seen: None,
+    };
+    for step in &sched.steps {
+        run.step(step)?;
+        if let Some(ends) = run.ctx.guard.step_ends.as_deref_mut() {
+            ends.push(Instant::now());
+        }
+    }
+    Ok(())
+}
+
+struct Runner<'c, 'a, 'm> {
+    ctx: &'c mut Ctx<'a>,
+    mem: &'m Mem,
+    start: Instant,
+    /// Which peers got this call's header and sent theirs.
+    headers: HeaderFlags,
+    /// When this call first saw the communicator failed.
+    failed_seen: Option<Instant>,
+}
+
+/// How long a call that sees the communicator failed elsewhere goes on taking data that is
+/// already on its way (peers that finished this call before failing in a later one), so
+/// that a correct call is not failed by a later call's error. An abort stops at once.
+const FAIL_GRACE: Duration = Duration::from_millis(100);
+
+impl Runner<'_, '_, '_> {
+    fn internal(&self, msg: String) -> Error {
+        Error::Aborted {
+            rank: self.ctx.rank,
+            msg: format!(
+                "internal error in {} (call #{}): {msg}",
+                self.ctx.call, self.ctx.seq
+            ),
+        }
+    }
+
+    fn link_err(&self, peer: usize, e: LinkError) -> Error {
+        e.into_error(self.ctx.rank, peer, self.ctx.call, self.ctx.seq)
+    }
+
+    fn local(&self, l: &Local) -> Result<()> {
+        match *l {
+            Local::Copy { src, dst } => {
+                let s = self.mem.ptr(src).map_err(|m| self.internal(m))?;
+                let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
+                if src.len != dst.len {
+                    return Err(
+                        self.internal(format!("copy of {} bytes into {}", src.len, dst.len))
+                    );
+                }
+                if s != d {
+                    // SAFETY: both ranges are in bounds (checked by `ptr`); `std::ptr::copy`
+                    // allows overlap.
+                    unsafe { std::ptr::copy(s, d, src.len) };
+                }
+            }
+            Local::DivideByRanks(r) => {
+                let p = self.mem.ptr(r).map_err(|m| self.internal(m))?;
+                // SAFETY: in bounds (checked by `ptr`); no other reference to this memory is
+                // live during local work.
+                let buf = unsafe { std::slice::from_raw_parts_mut(p, r.len) };
+                reduce::divide_by(self.ctx.dtype, buf, self.ctx.nranks);
+            }
+            Local::Reduce { dst, src } => {
+                let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
+                let s = self.mem.ptr(src).map_err(|m| self.internal(m))?;
+                if src.len != dst.len
+                    || (s as usize) < d as usize + dst.len && (d as usize) < s as usize + src.len
+                {
+                    return Err(self.internal(format!("local reduce of {src:?} into {dst:?}")));
+                }
+                // SAFETY: both in bounds (checked by `ptr`) and disjoint (checked above); no
+                // other reference to this memory is live during local work.
+                let (dst_b, src_b) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(d, dst.len),
+                        std::slice::from_raw_parts(s, src.len),
+                    )
+                };
+                reduce::reduce_inplace(self.ctx.dtype, self.ctx.op, dst_b, src_b);
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, step: &Step) -> Result<()> {
+        for l in &step.before {
+            self.local(l)?;
+        }
+        let mut st = vec![XState::default(); step.xfers.len()];
+        if let Some(p) = self.ctx.guard.print {
+            for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
+                s.hdr = self
+                    .headers
+                    .start(p, x.peer(), matches!(x, Xfer::Send { .. }));
+                let held = match (x, self.ctx.guard.held.as_deref_mut()) {
+                    (Xfer::Recv { .. }, Some(h)) if s.hdr.pending() => {
+                        h.get_mut(x.peer()).and_then(|h| h.take())
+                    }
+                    _ => None,
+                };
+                if let Some(bytes) = held {
+                    let mut fault = None;
+                    s.hdr.take(&bytes, Some(p), &mut fault);
+                    if let Some(f) = fault {
+                        return Err(f.error(self.ctx.rank, x.peer(), self.ctx.call, self.ctx.seq));
+                    }
+                }
+            }
+        }
+        // Where every link of the step is a socket, a spin round is a system call per
+        // transfer: spin only `tcp_spin` rounds, then sleep in poll(), so that a slow link
+        // costs no CPU.
+        let spin = if self.sockets_only(step) {
+            self.ctx.spin.for_sockets()
+        } else {
+            self.ctx.spin
+        };
+        let mut backoff = Backoff::new(spin);
+        let mut last_check = Instant::now();
+        loop {
+            let (progressed, done) = self.progress(step, &mut st)?;
+            if done {
+                break;
+            }
+            if progressed {
+                backoff.reset();
+                continue;
+            }
+            if !backoff.should_sleep() {
+                continue;
+            }
+            if self.check_health()? {
+                // Failed elsewhere, within the grace: keep taking what arrives.
+                std::thread::sleep(Duration::from_micros(200));
+                backoff.reset();
+                continue;
+            }
+            if self.sleep(step, &mut st)? {
+                backoff.reset();
+                continue;
+            }
+            if last_check.elapsed() >= SLEEP_SLICE {
+                last_check = Instant::now();
+                self.check(step, &st)?;
+            }
+        }
+        for l in &step.after {
+            self.local(l)?;
+        }
+        Ok(())
+    }
+
+    /// One pass over the step's pending transfers. Returns (made progress, all done).
+    fn progress(&mut self, step: &Step, st: &mut [XState]) -> Result<(bool, bool)> {
+        let mut progressed = false;
+        let mut all_done = true;
+        let es = self.ctx.dtype.size();
+        let (dtype, op) = (self.ctx.dtype, self.ctx.op);
+        for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
+            let len = x.len();
+            if s.done == len {
+                continue;
+            }
+            let peer = x.peer();
+            if self.ctx.links.get(peer).and_then(|l| l.as_ref()).is_none() {
+                return Err(self.internal(format!("no link to rank {peer}")));
+            }
+            match *x {
+                Xfer::Send { src, .. } => {
+                    let p = self.mem.ptr(src).map_err(|m| self.internal(m))?;
+                    // SAFETY: in bounds (checked by `ptr`); the schedule's validation ensures
+                    // nothing in this step writes a region that a send reads.
+                    let data = unsafe { std::slice::from_raw_parts(p.add(s.done), len - s.done) };
+                    let link = self.ctx.links[peer].as_mut().expect("checked above");
+                    let sent = if s.hdr.pending() {
+                        s.hdr.send_with(&mut **link, data)
+                    } else {
+                        link.try_send(data).map(|k| (k, k > 0))
+                    };
+                    match sent {
+                        Ok((k, moved)) => {
+                            s.done += k;
+                            progressed |= moved;
+                        }
+                        Err(e) => return Err(self.link_err(peer, e)),
+                    }
+                }
+                Xfer::Recv {
+                    dst,
+                    combine: Combine::Store,
+                    ..
+                } if s.carry_len == 0 && !s.hdr.pending() => {
+                    // (Only once the call's header from this peer has been taken and checked:
+                    // the header precedes the data in the stream.)
+                    // A plain store: let the link write into the destination directly.
+                    let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
+                    // SAFETY: in bounds (checked by `ptr`); nothing else in this step touches
+                    // the destination (validated).
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(d.add(s.done), len - s.done) };
+                    let link = self.ctx.links[peer].as_mut().expect("checked above");
+                    match link.try_recv_into(out) {
+                        Ok(k) => {
+                            s.done += k;
+                            progressed |= k > 0;
+                        }
+                        Err(e) => return Err(self.link_err(peer, e)),
+                    }
+                }
+                Xfer::Recv { dst, combine, .. } => {
+                    let d = self.mem.ptr(dst).map_err(|m| self.internal(m))?;
+                    let with = match combine {
+                        Combine::Store => None,
+                        Combine::Reduce { with } => {
+                            Some(self.mem.ptr(with).map_err(|m| self.internal(m))?)
+                        }
+                    };
+                    let apply = |off: usize, bytes: &[u8]| {
+                        // SAFETY: `off + bytes.len() <= len` (the consumer never takes more
+                        // than the transfer's remaining length), and the destination range is
+                        // in bounds and written by nobody else in this step (validated).
+                        let out =
+                            unsafe { std::slice::from_raw_parts_mut(d.add(off), bytes.len()) };
+                        match with {
+                            None => out.copy_from_slice(bytes),
+                            Some(w) if w == d => reduce::reduce_inplace(dtype, op, out, bytes),
+                            Some(w) => {
+                                // SAFETY: the operand has the destination's length (validated)
+                                // and is only read in this step.
+                                let a =
+                                    unsafe { std::slice::from_raw_parts(w.add(off), bytes.len()) };
+                                reduce::reduce_into(dtype, op, out, a, bytes)
+                            }
+                        }
+                    };
+                    let print = self.ctx.guard.print;
+                    let mut fault = None;
+                    let mut consume = |data: &[u8]| {
+                        let taken = s.hdr.take(data, print, &mut fault);
+                        if s.hdr.pending() || fault.is_some() {
+                            return taken;
+                        }
+                        taken + consume(s, len, es, &data[taken..], &apply)
+                    };
+                    let link = self.ctx.links[peer].as_mut().expect("checked above");
+                    let res = link.try_recv(&mut consume);
+                    if let Some(f) = fault {
+                        return Err(f.error(self.ctx.rank, peer, self.ctx.call, self.ctx.seq));
+                    }
+                    match res {
+                        Ok(k) => progressed |= k > 0,
+                        Err(e) => return Err(self.link_err(peer, e)),
+                    }
+                }
+            }
+            if s.done < len {
+                all_done = false;
+            }
+        }
+        Ok((progressed, all_done))
+    }
+
+    /// Whether every transfer of `step` waits on a socket.
+    fn sockets_only(&self, step: &Step) -> bool {
+        step.xfers.iter().all(|x| {
+            self.ctx
+                .links
+                .get(x.peer())
+                .and_then(|l| l.as_ref())
+                .is_some_and(|l| match x {
+                    Xfer::Send { .. } => matches!(l.send_wait(), WaitSource::Fd(_)),
+                    Xfer::Recv { .. } => matches!(l.recv_wait(), WaitSource::Fd(_)),
+                })
+        })
+    }
+
+    /// Sleeps until a pending link may progress or a slice passes. Returns true if the
+    /// re-check made progress (no sleep happened).
+    fn sleep(&mut self, step: &Step, st: &mut [XState]) -> Result<bool> {
+        let mut bell: Option<*const Doorbell> = None;
+        let mut fds: Vec<(RawFd, PollFlags)> = Vec::new();
+        for (x, s) in step.xfers.iter().zip(st.iter()) {
+            if s.done == x.len() {
+                continue;
+            }
+            let Some(link) = self.ctx.links.get(x.peer()).and_then(|l| l.as_ref()) else {
+                continue;
+            };
+            let (src, flags) = match x {
+                Xfer::Send { .. } => (link.send_wait(), PollFlags::OUT),
+                Xfer::Recv { .. } => (link.recv_wait(), PollFlags::IN),
+            };
+            match src {
+                WaitSource::Doorbell(b) => bell = Some(b as *const Doorbell),
+                WaitSource::Fd(fd) => fds.push((fd.as_raw_fd(), flags)),
+            }
+        }
+        if fds.is_empty() {
+            let Some(bell) = bell else { return Ok(false) };
+            // SAFETY: the doorbell lives in a link (or its shared segment) owned by
+            // `ctx.links`, which outlives this call; links are not dropped during a step.
+            let bell = unsafe { &*bell };
+            // A failure (abort, the watchdog) rings this doorbell while it is registered.
+            let _registered = self.ctx.guard.health.map(|h| h.sleeping_on(bell));
+            let token = bell.prepare();
+            if self.ctx.guard.health.is_some_and(|h| h.is_failed()) {
+                bell.cancel(token);
+                return Ok(false);
+            }
+            let (progressed, done) = match self.progress(step, st) {
+                Ok(r) => r,
+                Err(e) => {
+                    bell.cancel(token);
+                    return Err(e);
+                }
+            };
+            if progressed || done {
+                bell.cancel(token);
+                return Ok(true);
+            }
+            bell.wait(token, SLEEP_SLICE);
+            return Ok(false);
+        }
+        // Sockets (maybe mixed with a doorbell: then poll briefly and come back to spin).
+        let timeout = if bell.is_some() {
+            Duration::from_micros(200)
+        } else {
+            SLEEP_SLICE
+        };
+        if let Some(fd) = self.ctx.guard.health.and_then(|h| h.poll_fd()) {
+            fds.push((fd.as_raw_fd(), PollFlags::IN));
+        }
+        // SAFETY: each fd belongs to a link in `ctx.links` (or to the health state), alive
+        // for this call.
+        match unsafe { crate::base::wait::poll_fds(&fds, timeout) } {
+            Ok(()) => Ok(false),
+            Err(e) => Err(Error::Io {
+                rank: self.ctx.rank,
+                context: "poll".into(),
+                source: e.into(),
+            }),
+        }
+    }
+
+    /// The communicator failed (a peer lost, another rank's error, abort): stop, after
+    /// [`FAIL_GRACE`] unless aborted. `Ok(true)`: failed, but within the grace.
+    fn check_health(&mut self) -> Result<bool> {
+        match self.ctx.guard.health {
+            Some(h) if h.is_failed() => {
+                let since = *self.failed_seen.get_or_insert_with(Instant::now);
+                if h.is_aborted() || since.elapsed() >= FAIL_GRACE {
+                    Err(h.error(self.ctx.rank, self.ctx.call, self.ctx.seq))
+                } else {
+                    Ok(true)
+                }
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Between sleeps: the deadline, and the liveness of the peers still awaited.
+    fn check(&mut self, step: &Step, st: &[XState]) -> Result<()> {
+        let pending: Vec<usize> = step
+            .xfers
+            .iter()
+            .zip(st)
+            .filter(|(x, s)| s.done < x.len())
+            .map(|(x, _)| x.peer())
+            .collect();
+        for &peer in &pending {
+            if let Some(link) = self.ctx.links.get_mut(peer).and_then(|l| l.as_mut()) {
+                if let Err(e) = link.check_alive() {
+                    return Err(self.link_err(peer, e));
+                }
+            }
+        }
+        if let (Some(d), Some(print)) = (self.ctx.guard.direct, self.ctx.guard.print) {
+            if let Some(e) = crate::direct::exec::direct_mismatch(
+                d,
+                &pending,
+                print,
+                self.ctx.rank,
+                self.ctx.seq,
+            ) {
+                return Err(e);
+            }
+        }
+        let elapsed = self.start.elapsed();
+        if elapsed > self.ctx.timeout {
+            let mut waiting_on = pending;
+            waiting_on.sort_unstable();
+            waiting_on.dedup();
+            return Err(Error::Timeout {
+                rank: self.ctx.rank,
+                call: self.ctx.call,
+                seq: self.ctx.seq,
+                waiting_on,
+                elapsed,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Takes bytes of a receive: completes a carried partial element, applies whole elements, and
+/// carries a trailing partial one. Never takes more than the transfer still needs.
+fn consume(
+    s: &mut XState,
+    len: usize,
+    es: usize,
+    data: &[u8],
+    apply: &dyn Fn(usize, &[u8]),
+) -> usize {
+    let mut taken = 0;
+    if s.carry_len > 0 {
+        let k = (es - s.carry_len).min(data.len());
+        s.carry[s.carry_len..s.carry_len + k].copy_from_slice(&data[..k]);
+        s.carry_len += k;
+        taken = k;
+        if s.carry_len < es {
+            return taken;
+        }
+        let elem = s.carry;
+        apply(s.done, &elem[..es]);
+        s.done += es;
+        s.carry_len = 0;
+    }
+    let avail = (data.len() - taken).min(len - s.done);
+    let whole = avail / es * es;
+    if whole > 0 {
+        apply(s.done, &data[taken..taken + whole]);
+        s.done += whole;
+        taken += whole;
+    }
+    let tail = avail - whole;
+    if tail > 0 {
+        s.carry[..tail].copy_from_slice(&data[taken..taken + tail]);
+        s.carry_len = tail;
+        taken += tail;
+    }
+    taken
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    #[test]
+    fn consume_carries_partial_elements() {
+        let out = RefCell::new(vec![0u8; 12]);
+        let apply = |off: usize, b: &[u8]| out.borrow_mut()[off..off + b.len()].copy_from_slice(b);
+        let mut s = XState::default();
+        let data: Vec<u8> = (1..=12).collect();
+        // Feed 3, 2, 6, 1 bytes, then more than needed.
+        assert_eq!(consume(&mut s, 12, 4, &data[0..3], &apply), 3);
+        assert_eq!(s.done, 0);
+        assert_eq!(consume(&mut s, 12, 4, &data[3..5], &apply), 2);
+        assert_eq!(s.done, 4);
+        assert_eq!(consume(&mut s, 12, 4, &data[5..11], &apply), 6);
+        assert_eq!(s.done, 8);
+        let mut more = data[11..].to_vec();
+        more.extend_from_slice(&[99, 99]);
+        assert_eq!(
+            consume(&mut s, 12, 4, &more, &apply),
+            1,
+            "must not take the next message's bytes"
+        );
+        assert_eq!(s.done, 12);
+        assert_eq!(*out.borrow(), data);
+    }
+}

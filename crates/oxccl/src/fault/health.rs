@@ -1,0 +1,221 @@
+//! A communicator's health: whether it has failed, why, and how to wake a call that sleeps.
+//!
+//! One [`Health`] is shared by a communicator's calls, its watchdog ([`crate::fault::control`]) and
+//! [`Communicator::abort`](crate::Communicator::abort). The first failure wins and is kept;
+//! setting it wakes a call blocked in the executor, whether it sleeps on a futex doorbell
+//! (the doorbell it sleeps on is registered here while it sleeps, and rung) or in `poll(2)`
+//! (an eventfd of this struct is in every poll set). A call checks [`Health::is_failed`] when
+//! it starts (one atomic load) and whenever it is about to sleep.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use crate::base::error::{Error, FailureKind};
+use crate::base::wait::Doorbell;
+
+/// Why a communicator failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// A peer is gone (seen here, or reported by the watchdog).
+    Lost {
+        /// The lost rank.
+        peer: usize,
+        /// How it was seen.
+        reason: String,
+    },
+    /// Another rank failed and said so.
+    Remote {
+        /// The rank that failed.
+        origin: usize,
+        /// Its kind of failure.
+        kind: FailureKind,
+        /// Its error.
+        msg: String,
+    },
+    /// This rank failed in a call (the error was returned there).
+    Local {
+        /// The error.
+        msg: String,
+    },
+    /// [`abort`](crate::Communicator::abort) was called.
+    Aborted {
+        /// Why.
+        msg: String,
+    },
+}
+
+/// Shared failure state; see the module documentation.
+#[derive(Debug)]
+pub struct Health {
+    failed: AtomicBool,
+    why: Mutex<Option<Failure>>,
+    /// The doorbell a call sleeps on now (0: none), rung by [`Health::fail`].
+    sleeping_on: Mutex<usize>,
+    /// Readable once failed: in every `poll(2)` set of the executor.
+    event: Option<OwnedFd>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Health {
+    /// A healthy state.
+    pub fn new() -> Health {
+        let event = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .ok();
+        Health {
+            failed: AtomicBool::new(false),
+            why: Mutex::new(None),
+            sleeping_on: Mutex::new(0),
+            event,
+        }
+    }
+
+    /// True once any failure was recorded.
+    #[inline]
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Records `f` unless a failure is already recorded, and wakes any sleeping call.
+    /// Returns true if `f` is the first failure.
+    pub fn fail(&self, f: Failure) -> bool {
+        let first = {
+            let mut w = self.why.lock().unwrap_or_else(|e| e.into_inner());
+            if w.is_some() {
+                false
+            } else {
+                *w = Some(f);
+                true
+            }
+        };
+        self.failed.store(true, Ordering::SeqCst);
+        self.wake();
+        first
+    }
+
+    /// True when [`abort`](crate::Communicator::abort) was called here.
+    pub fn is_aborted(&self) -> bool {
+        self.is_failed() && matches!(self.failure(), Some(Failure::Aborted { .. }))
+    }
+
+    /// The recorded failure.
+    pub fn failure(&self) -> Option<Failure> {
+        self.why.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Wakes a call sleeping in the executor (it then sees [`is_failed`](Self::is_failed)).
+    pub fn wake(&self) {
+        if let Some(fd) = &self.event {
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
+        let bell = self.sleeping_on.lock().unwrap_or_else(|e| e.into_inner());
+        if *bell != 0 {
+            // SAFETY: the pointer is registered by `sleep_on` only while the doorbell is
+            // alive (the executor's links outlive the registration, which it clears under
+            // this lock before returning).
+            unsafe { (*(*bell as *const Doorbell)).ring() };
+        }
+    }
+
+    /// Registers the doorbell the executor is about to sleep on; `None` clears it.
+    pub(crate) fn sleep_on(&self, bell: Option<&Doorbell>) {
+        *self.sleeping_on.lock().unwrap_or_else(|e| e.into_inner()) =
+            bell.map_or(0, |b| b as *const Doorbell as usize);
+    }
+
+    /// Registers `bell` (rung on failure) until the returned guard is dropped.
+    pub(crate) fn sleeping_on<'h>(&'h self, bell: &'h Doorbell) -> SleepRegistration<'h> {
+        self.sleep_on(Some(bell));
+        SleepRegistration(self)
+    }
+
+    /// A descriptor that becomes readable when the communicator fails.
+    pub fn poll_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.event.as_ref().map(|f| f.as_fd())
+    }
+
+    /// The error a call (`call`, number `seq`, on `rank`) returns because of the recorded
+    /// failure.
+    pub fn error(&self, rank: usize, call: &'static str, seq: u64) -> Error {
+        match self.failure() {
+            Some(Failure::Lost { peer, reason }) => Error::PeerLost {
+                rank,
+                peer,
+                call,
+                seq,
+                reason,
+            },
+            Some(Failure::Remote { origin, kind, msg }) => Error::Remote {
+                rank,
+                call,
+                seq,
+                origin,
+                kind,
+                msg,
+            },
+            Some(Failure::Local { msg }) => Error::Aborted {
+                rank,
+                msg: format!("{call} (call #{seq}) after an earlier failure: {msg}"),
+            },
+            Some(Failure::Aborted { msg }) => Error::Aborted {
+                rank,
+                msg: format!("{call} (call #{seq}): {msg}"),
+            },
+            None => Error::Aborted {
+                rank,
+                msg: format!("{call} (call #{seq}): communicator failed"),
+            },
+        }
+    }
+}
+
+/// While alive, failures ring the doorbell given to [`Health::sleeping_on`].
+pub(crate) struct SleepRegistration<'h>(&'h Health);
+
+impl Drop for SleepRegistration<'_> {
+    fn drop(&mut self) {
+        self.0.sleep_on(None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn first_failure_wins_and_wakes_a_doorbell_sleeper() {
+        let h = Arc::new(Health::new());
+        let bell = Arc::new(Doorbell::new());
+        h.sleep_on(Some(&bell));
+        let (h2, start) = (h.clone(), Instant::now());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            assert!(h2.fail(Failure::Aborted { msg: "a".into() }));
+            assert!(!h2.fail(Failure::Aborted { msg: "b".into() }));
+        });
+        while !h.is_failed() {
+            let tok = bell.prepare();
+            if h.is_failed() {
+                bell.cancel(tok);
+                break;
+            }
+            bell.wait(tok, Duration::from_secs(10));
+        }
+        h.sleep_on(None);
+        assert!(start.elapsed() < Duration::from_secs(5));
+        t.join().unwrap();
+        assert_eq!(h.failure(), Some(Failure::Aborted { msg: "a".into() }));
+        let e = h.error(3, "all_reduce", 7);
+        assert!(e.to_string().contains("call #7"), "{e}");
+    }
+}

@@ -1,0 +1,306 @@
+//! The cost model for ranks on several hosts: per-link latency and bandwidth for shared
+//! memory and for the network, the predicted time of each all-reduce algorithm on a
+//! topology, and the choice of the fastest.
+//!
+//! A step that moves `b` bytes over a link costs `α + b/β`. For `n` ranks on `H` hosts of
+//! `L` ranks each, a buffer of `S` bytes:
+//!
+//! | algorithm | predicted time |
+//! |---|---|
+//! | ring (host order) | `2(n-1) · (α_net + S/n / β_net) + (n-1) · S/n / μ` (each host link carries one ring hop each way) |
+//! | hier | `max(T_net, T_loc) + T_loc/K` with `T_loc = 2(L-1) · (α_shm + S/L / β_shm) + (L-1)/L · S/μ`, `T_net = 2(H-1) · (α_net + S/H / β_net) + (H-1)/(HL) · S/μ` (the `L` ranks of a host share its link; `K` pipeline chunks overlap the two) |
+//! | tree | `2⌈log2 L⌉ · (α_shm + S/β_shm + S/μ) + (⌈log2 H⌉ + 2·[H not a power of 2]) · (α_net + S/β_net + S/μ)` |
+//! | hd | `2 Σ_{k=1..log2 P} (α_net + S/2^k / β_net) + (P-1)/P · S/μ` `= 2·log2 P · α_net + 2(P-1)/P · S/β_net + (P-1)/P · S/μ`, plus `2(α_net + S/β_net) + S/μ` when `n` is not a power of two (`P`: the largest power of two `≤ n`) |
+//!
+//! `μ` is the rate at which one rank reduces or copies memory (`local_gbps`, or
+//! `cached_gbps` for buffers of at most 1 MiB, which stay in the caches); the tree
+//! reduces (and copies) the whole buffer at every step, the rings only a `1/n` block.
+//! Halving-doubling is charged as if every step crossed the network (as the ring is) and
+//! ignores that, in host order, its first `log2 L` steps stay inside a host: an
+//! overestimate when hosts have several ranks, exact with one rank per host.
+//!
+//! On one host this module decides nothing: [`tune::choose`] does.
+//! Defaults were measured on the emulated cluster of `scripts/cluster.sh` (10 Gbit/s links);
+//! `OXCCL_NET_GBPS` and `OXCCL_NET_LAT_US` set the network's for other networks.
+
+use crate::bootstrap::topo::Topology;
+use crate::plan::tune;
+use crate::sched::{Algo, CollKind};
+
+/// Latency and bandwidth of one kind of link.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct LinkCost {
+    /// Per-step latency in microseconds (a message's first byte, a wake-up).
+    pub alpha_us: f64,
+    /// Bandwidth in GB/s (1e9 bytes per second) of one link in one direction.
+    pub gbps: f64,
+}
+
+impl LinkCost {
+    /// Microseconds to move `bytes` in one step.
+    pub fn time_us(&self, bytes: f64) -> f64 {
+        self.alpha_us + bytes / (self.gbps * 1e3)
+    }
+}
+
+/// Link costs for shared memory and for the network.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct CostModel {
+    /// Between ranks of one host.
+    pub shm: LinkCost,
+    /// Between hosts.
+    pub net: LinkCost,
+    /// GB/s at which one rank reduces or copies memory.
+    pub local_gbps: f64,
+    /// The same while a call's buffer fits in the core's caches (at most
+    /// [`CACHE_BYTES`](Self::CACHE_BYTES)).
+    pub cached_gbps: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel {
+            shm: LinkCost {
+                alpha_us: 4.0,
+                gbps: 3.0,
+            },
+            net: LinkCost {
+                alpha_us: 30.0,
+                gbps: 1.2,
+            },
+            local_gbps: 2.0,
+            cached_gbps: 10.0,
+        }
+    }
+}
+
+fn ceil_log2(x: usize) -> f64 {
+    if x <= 1 {
+        0.0
+    } else {
+        f64::from((x - 1).ilog2() + 1)
+    }
+}
+
+impl CostModel {
+    /// Buffers up to this size count as cache-resident ([`cached_gbps`](Self::cached_gbps)).
+    pub const CACHE_BYTES: usize = 1 << 20;
+
+    /// The model with the network's latency and bandwidth replaced where given.
+    pub fn with_net(mut self, gbps: Option<f64>, lat_us: Option<f64>) -> Self {
+        if let Some(g) = gbps {
+            self.net.gbps = g;
+        }
+        if let Some(l) = lat_us {
+            self.net.alpha_us = l;
+        }
+        self
+    }
+
+    /// Predicted microseconds of an all-reduce of `bytes` with `algo` on `topo`; `None` when
+    /// the algorithm does not run on this topology as itself (hier on hosts of unequal size).
+    pub fn all_reduce_us(&self, algo: Algo, bytes: usize, topo: &Topology) -> Option<f64> {
+        let n = topo.host_of.len();
+        let h = topo.hosts.len();
+        let l = topo.hosts.iter().map(Vec::len).max().unwrap_or(1);
+        let s = bytes as f64;
+        let link = if h > 1 { self.net } else { self.shm };
+        // Local work runs at cache speed while the whole buffer fits in the caches: the tree,
+        // which reduces the whole buffer at every step, was charged 5-10 times its measured
+        // local cost at 64-256 KB with the memory rate (4 x 1 emulated hosts).
+        let mu = if bytes <= Self::CACHE_BYTES {
+            self.cached_gbps
+        } else {
+            self.local_gbps
+        };
+        let mem = |bytes: f64| bytes / (mu * 1e3);
+        let nf = n as f64;
+        match algo {
+            Algo::Ring => Some(2.0 * (nf - 1.0) * link.time_us(s / nf) + (nf - 1.0) * mem(s / nf)),
+            Algo::Hier => {
+                if topo.hosts.iter().any(|x| x.len() != l) {
+                    return None;
+                }
+                let (lf, hf) = (l as f64, h as f64);
+                let local = 2.0 * (lf - 1.0) * self.shm.time_us(s / lf) + mem(s * (lf - 1.0) / lf);
+                let net =
+                    2.0 * (hf - 1.0) * self.net.time_us(s / hf) + mem(s * (hf - 1.0) / (hf * lf));
+                // Pipelined in K chunks: the local phases of neighbouring chunks overlap the
+                // network phase; about one chunk's worth stays exposed.
+                let k = crate::sched::allreduce_hier::chunks(bytes) as f64;
+                Some(net.max(local) + local / k)
+            }
+            Algo::HalvingDoubling => {
+                let p = 1usize << n.max(1).ilog2();
+                let pf = p as f64;
+                // Step k of each phase moves S/2^(k+1); the owner reduces (P-1)/P of S.
+                let phase: f64 = (0..p.ilog2())
+                    .map(|k| link.time_us(s / f64::from(k + 1).exp2()))
+                    .sum();
+                let pairs = if n == p {
+                    0.0
+                } else {
+                    2.0 * link.time_us(s) + mem(s)
+                };
+                Some(2.0 * phase + mem(s * (pf - 1.0) / pf) + pairs)
+            }
+            Algo::Tree => {
+                let net_steps = ceil_log2(h) + if h.is_power_of_two() { 0.0 } else { 2.0 };
+                Some(
+                    2.0 * ceil_log2(l) * (self.shm.time_us(s) + mem(s))
+                        + net_steps * (self.net.time_us(s) + mem(s)),
+                )
+            }
+            _ => None,
+        }
+    }
+
+    /// The algorithm for one call: on several hosts the all-reduce with the least predicted
+    /// time (unless one is forced, or reductions must be rank-ordered); otherwise, and for
+    /// every other collective, [`tune::choose`].
+    pub fn choose(
+        &self,
+        s: &tune::Situation,
+        topo: Option<&Topology>,
+        forced: Option<Algo>,
+    ) -> Algo {
+        let forced_fits = forced.is_some_and(|a| tune::feasible(a, s));
+        match (s.kind, topo) {
+            (CollKind::AllReduce, Some(t))
+                if t.hosts.len() > 1 && !forced_fits && !s.deterministic =>
+            {
+                // On equal predictions the earlier candidate wins (`min_by` keeps the first).
+                [Algo::Ring, Algo::Hier, Algo::Tree, Algo::HalvingDoubling]
+                    .into_iter()
+                    .filter_map(|a| self.all_reduce_us(a, s.input_bytes, t).map(|us| (a, us)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
+                    .map_or(Algo::Ring, |(a, _)| a)
+            }
+            _ => tune::choose(s, forced),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo(host_of: Vec<usize>) -> Topology {
+        let nh = host_of.iter().max().unwrap() + 1;
+        let mut hosts = vec![Vec::new(); nh];
+        for (r, &h) in host_of.iter().enumerate() {
+            hosts[h].push(r);
+        }
+        Topology { host_of, hosts }
+    }
+
+    fn sit(kind: CollKind, bytes: usize) -> tune::Situation {
+        tune::Situation {
+            kind,
+            input_bytes: bytes,
+            direct: false,
+            cma: false,
+            slot_bytes: 0,
+            nranks: 2,
+            oneshot_max: 0,
+            cma_min: usize::MAX,
+            deterministic: false,
+        }
+    }
+
+    #[test]
+    fn chooses_by_size_and_shape() {
+        let m = CostModel::default();
+        struct M(CostModel);
+        impl M {
+            fn choose(
+                &self,
+                kind: CollKind,
+                bytes: usize,
+                t: Option<&Topology>,
+                f: Option<Algo>,
+            ) -> Algo {
+                self.0.choose(&sit(kind, bytes), t, f)
+            }
+        }
+        let m = M(m);
+        let two_by_two = topo(vec![0, 0, 1, 1]);
+        let four = topo(vec![0, 1, 2, 3]);
+        let one = topo(vec![0, 0, 0, 0]);
+        let ar = CollKind::AllReduce;
+        assert_eq!(m.choose(ar, 8, Some(&two_by_two), None), Algo::Tree);
+        assert_eq!(m.choose(ar, 64 << 20, Some(&two_by_two), None), Algo::Hier);
+        assert_eq!(m.choose(ar, 8, Some(&four), None), Algo::Tree);
+        // Four hosts of one rank: halving-doubling moves the ring's bytes in 4 steps instead
+        // of 6 (this was the ring before it existed).
+        assert_eq!(
+            m.choose(ar, 64 << 20, Some(&four), None),
+            Algo::HalvingDoubling
+        );
+        // 4 x 1 on the emulated cluster (README): the tree up to 64 KB (116-142 µs against
+        // hd's 160-260 and the ring's 178-222), halving-doubling at 512 KB (1026-1176 µs
+        // against the ring's 1390-1891 and the tree's 1667-1719).
+        assert_eq!(m.choose(ar, 64 << 10, Some(&four), None), Algo::Tree);
+        assert_eq!(
+            m.choose(ar, 512 << 10, Some(&four), None),
+            Algo::HalvingDoubling
+        );
+        let two = topo(vec![0, 1]);
+        assert_eq!(m.choose(ar, 8, Some(&two), None), Algo::Tree);
+        // Two ranks: halving-doubling is the ring (same prediction), and the ring is kept.
+        assert_eq!(
+            m.0.all_reduce_us(Algo::HalvingDoubling, 1 << 20, &two),
+            m.0.all_reduce_us(Algo::Ring, 1 << 20, &two)
+        );
+        assert_eq!(m.choose(ar, 1 << 20, Some(&two), None), Algo::Ring);
+        // Three hosts: the extra rank's two whole-buffer steps make it lose to the ring.
+        let three = topo(vec![0, 1, 2]);
+        assert_eq!(m.choose(ar, 1 << 20, Some(&three), None), Algo::Ring);
+        let eight = topo((0..8).collect());
+        assert_eq!(
+            m.choose(ar, 1 << 20, Some(&eight), None),
+            Algo::HalvingDoubling
+        );
+        // 4 hosts x 2 ranks: tree, then halving-doubling, then hier for large buffers.
+        let four_by_two = topo(vec![0, 0, 1, 1, 2, 2, 3, 3]);
+        assert_eq!(m.choose(ar, 8, Some(&four_by_two), None), Algo::Tree);
+        assert_eq!(
+            m.choose(ar, 1 << 20, Some(&four_by_two), None),
+            Algo::HalvingDoubling
+        );
+        assert_eq!(m.choose(ar, 64 << 20, Some(&four_by_two), None), Algo::Hier);
+        // Deterministic mode never takes it, forced or not.
+        let det = tune::Situation {
+            deterministic: true,
+            ..sit(ar, 1 << 20)
+        };
+        assert_eq!(
+            m.0.choose(&det, Some(&eight), Some(Algo::HalvingDoubling)),
+            Algo::Ordered
+        );
+        // One host: the intra-host tuner decides.
+        assert_eq!(
+            m.choose(ar, 8, Some(&one), None),
+            tune::choose(&sit(ar, 8), None)
+        );
+        // Bitwise reproducibility across hosts: rank-ordered, whatever the cost.
+        let det = tune::Situation {
+            deterministic: true,
+            ..sit(ar, 64 << 20)
+        };
+        assert_eq!(m.0.choose(&det, Some(&two_by_two), None), Algo::Ordered);
+        // Forced where it fits; other collectives keep their default.
+        assert_eq!(
+            m.choose(ar, 8, Some(&two_by_two), Some(Algo::Ring)),
+            Algo::Ring
+        );
+        assert_eq!(
+            m.choose(CollKind::Broadcast, 8, Some(&two_by_two), Some(Algo::Tree)),
+            Algo::Chain
+        );
+        // Unequal hosts: no hier.
+        let uneven = topo(vec![0, 0, 1, 2]);
+        assert_eq!(m.0.all_reduce_us(Algo::Hier, 1 << 20, &uneven), None);
+        assert_ne!(m.choose(ar, 64 << 20, Some(&uneven), None), Algo::Hier);
+    }
+}

@@ -1,0 +1,229 @@
+//! Tuning: which algorithm runs a call.
+//!
+//! Today each collective has one algorithm ([`default_algo`]); `OXCCL_ALGO` (or
+//! [`crate::Config::algo`]) forces one for every collective it implements. The cost model
+//! that picks among several per call sits here as algorithms are added.
+
+use crate::sched::{Algo, CollKind};
+
+/// The algorithm a collective uses unless one is forced.
+pub fn default_algo(kind: CollKind) -> Algo {
+    match kind {
+        CollKind::AllReduce | CollKind::AllGather | CollKind::ReduceScatter => Algo::Ring,
+        CollKind::Broadcast | CollKind::Reduce => Algo::Chain,
+        CollKind::AllToAll => Algo::Pairwise,
+        CollKind::Barrier => Algo::Dissemination,
+        CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. } => Algo::Direct,
+    }
+}
+
+/// What the tuner knows about a call and the communicator.
+#[derive(Clone, Copy, Debug)]
+pub struct Situation {
+    /// The collective.
+    pub kind: CollKind,
+    /// Bytes of one rank's input (the whole buffer for all_reduce, broadcast, reduce).
+    pub input_bytes: usize,
+    /// Whether every rank shares this host and the direct area is set up.
+    pub direct: bool,
+    /// Whether ranks can read each other's memory (`process_vm_readv`).
+    pub cma: bool,
+    /// Capacity of a direct slot (the most one-shot can carry).
+    pub slot_bytes: usize,
+    /// Ranks in the communicator.
+    pub nranks: usize,
+    /// Largest input that goes one-shot with two ranks (`OXCCL_ONESHOT_MAX`); with `n` ranks
+    /// the limit is `n - 1` times larger (up to a slot): one handshake replaces the ring's
+    /// `2(n-1)` steps, which cost more the more ranks share the cores.
+    pub oneshot_max: usize,
+    /// Smallest input that goes single-copy (`OXCCL_CMA_MIN`).
+    pub cma_min: usize,
+    /// Reductions must combine in rank order (`OXCCL_DETERMINISTIC=1`).
+    pub deterministic: bool,
+}
+
+/// Whether `algo` can run this call at all.
+pub fn feasible(algo: Algo, s: &Situation) -> bool {
+    algo.supports(s.kind)
+        && match algo {
+            Algo::OneShot => s.direct && s.input_bytes <= s.slot_bytes,
+            Algo::Cma => s.direct && s.cma,
+            _ => true,
+        }
+}
+
+/// The algorithm for a call: `forced` where it can run the call, else by size: one-shot for
+/// small inputs on one host, single-copy for large ones, the default schedule otherwise.
+pub fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
+    let reduces = matches!(
+        s.kind,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+    );
+    // Bitwise reproducibility: only algorithms that combine in rank order may reduce.
+    let allowed = |a: Algo| feasible(a, s) && (!s.deterministic || !reduces || a.rank_ordered());
+    if let Some(a) = forced.filter(|a| allowed(*a)) {
+        return a;
+    }
+    if s.kind == CollKind::Barrier && s.direct {
+        return Algo::OneShot;
+    }
+    let oneshot_max = s
+        .oneshot_max
+        .saturating_mul(s.nranks.saturating_sub(1).max(1));
+    if allowed(Algo::OneShot) && s.input_bytes <= oneshot_max {
+        return Algo::OneShot;
+    }
+    if allowed(Algo::Cma) && s.input_bytes >= s.cma_min {
+        return Algo::Cma;
+    }
+    if s.deterministic && reduces {
+        return Algo::Ordered;
+    }
+    default_algo(s.kind)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sit(kind: CollKind, input_bytes: usize, direct: bool) -> Situation {
+        Situation {
+            kind,
+            input_bytes,
+            direct,
+            cma: direct,
+            slot_bytes: 65536,
+            nranks: 2,
+            oneshot_max: 8192,
+            cma_min: 65536,
+            deterministic: false,
+        }
+    }
+
+    #[test]
+    fn forced_only_where_it_fits() {
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 8, false), Some(Algo::Chain)),
+            Algo::Ring
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Broadcast, 8, false), Some(Algo::Chain)),
+            Algo::Chain
+        );
+        assert_eq!(
+            choose(
+                &sit(CollKind::AllReduce, 1 << 20, true),
+                Some(Algo::OneShot)
+            ),
+            Algo::Cma,
+            "too big for a slot"
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 8, false), Some(Algo::OneShot)),
+            Algo::Ring,
+            "no direct area"
+        );
+    }
+
+    #[test]
+    fn by_size_on_one_host() {
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 8, true), None),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 16384, true), None),
+            Algo::Ring
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 1 << 20, true), None),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Reduce, 1 << 20, true), None),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Reduce, 1 << 20, false), None),
+            Algo::Chain
+        );
+        assert_eq!(
+            choose(&sit(CollKind::Barrier, 0, true), None),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 1 << 20, false), None),
+            Algo::Ring
+        );
+    }
+
+    #[test]
+    fn one_shot_reaches_further_with_more_ranks() {
+        let eight = |bytes| Situation {
+            nranks: 8,
+            ..sit(CollKind::AllReduce, bytes, true)
+        };
+        assert_eq!(choose(&eight(50_000), None), Algo::OneShot);
+        assert_eq!(choose(&eight(7 * 8192), None), Algo::OneShot);
+        assert_eq!(choose(&eight(7 * 8192 + 1), None), Algo::Ring);
+        assert_eq!(choose(&eight(70_000), None), Algo::Cma);
+        let big = Situation {
+            oneshot_max: 1 << 20,
+            ..eight(65537)
+        };
+        assert_eq!(choose(&big, None), Algo::Cma, "never past a slot");
+        assert_eq!(
+            choose(&sit(CollKind::AllReduce, 50_000, true), None),
+            Algo::Ring
+        );
+    }
+
+    #[test]
+    fn deterministic_reductions_are_rank_ordered() {
+        let det = |kind, bytes, direct| Situation {
+            deterministic: true,
+            ..sit(kind, bytes, direct)
+        };
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 16384, true), None),
+            Algo::Ordered
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 8, true), None),
+            Algo::OneShot
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 1 << 20, true), Some(Algo::Ring)),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&det(CollKind::Reduce, 1 << 20, true), None),
+            Algo::Cma
+        );
+        assert_eq!(
+            choose(&det(CollKind::Reduce, 1 << 20, false), None),
+            Algo::Ordered
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllReduce, 1 << 20, false), None),
+            Algo::Ordered
+        );
+        assert_eq!(
+            choose(&det(CollKind::AllGather, 1 << 20, false), None),
+            Algo::Ring,
+            "no reduction"
+        );
+        for k in [
+            CollKind::AllReduce,
+            CollKind::Broadcast,
+            CollKind::Reduce,
+            CollKind::AllGather,
+            CollKind::ReduceScatter,
+            CollKind::AllToAll,
+            CollKind::Barrier,
+            CollKind::Send { peer: 1 },
+        ] {
+            assert!(default_algo(k).supports(k));
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! A deterministic, single-threaded simulator that runs every rank's schedule over unbounded
+//! in-memory queues, whole messages at a time. It checks what each algorithm computes, with no
+//! transport and no threads (the executor's streaming and flow control are tested with the
+//! in-memory transport instead).
+
+mod hosts;
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::base::dtype::DataType;
+use crate::base::op::ReduceOp;
+use crate::base::reduce;
+use crate::sched::{Algo, Buf, Coll, CollKind, Combine, Local, Region, Schedule, Xfer};
+
+/// One rank's buffers.
+#[derive(Clone, Debug, Default)]
+pub struct Bufs {
+    /// Input bytes.
+    pub input: Vec<u8>,
+    /// Output bytes.
+    pub output: Vec<u8>,
+    /// Scratch bytes.
+    pub scratch: Vec<u8>,
+}
+
+impl Bufs {
+    fn get(&self, r: Region) -> &[u8] {
+        let b = match r.buf {
+            Buf::Input => &self.input,
+            Buf::Output => &self.output,
+            Buf::Scratch => &self.scratch,
+        };
+        &b[r.off..r.off + r.len]
+    }
+    fn get_mut(&mut self, r: Region) -> &mut [u8] {
+        let b = match r.buf {
+            Buf::Input => &mut self.input,
+            Buf::Output => &mut self.output,
+            Buf::Scratch => &mut self.scratch,
+        };
+        &mut b[r.off..r.off + r.len]
+    }
+}
+
+fn local(b: &mut Bufs, l: &Local, dtype: DataType, op: ReduceOp, n: usize) {
+    match *l {
+        Local::Copy { src, dst } => {
+            let data = b.get(src).to_vec();
+            b.get_mut(dst).copy_from_slice(&data);
+        }
+        Local::DivideByRanks(r) => reduce::divide_by(dtype, b.get_mut(r), n),
+        Local::Reduce { dst, src } => {
+            let data = b.get(src).to_vec();
+            reduce::reduce_inplace(dtype, op, b.get_mut(dst), &data);
+        }
+    }
+}
+
+/// Runs the schedules of every rank (`colls[r]`, `bufs[r]`) to completion. Panics on deadlock.
+pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
+    let n = colls.len();
+    let scheds: Vec<Schedule> = colls.iter().map(|c| algo.schedule(c)).collect();
+    for (r, s) in scheds.iter().enumerate() {
+        s.validate(r).unwrap();
+        bufs[r].scratch = vec![0; s.scratch_bytes];
+    }
+    let mut queues: HashMap<(usize, usize), VecDeque<Vec<u8>>> = HashMap::new();
+    let mut pc = vec![0usize; n];
+    let mut done: Vec<Vec<bool>> = vec![Vec::new(); n];
+    loop {
+        let mut progress = false;
+        for r in 0..n {
+            let Some(step) = scheds[r].steps.get(pc[r]) else {
+                continue;
+            };
+            let (dtype, op) = (colls[r].dtype, colls[r].op);
+            if done[r].is_empty() {
+                for l in &step.before {
+                    local(&mut bufs[r], l, dtype, op, n);
+                }
+                done[r] = vec![false; step.xfers.len()];
+                progress = true;
+            }
+            for (i, x) in step.xfers.iter().enumerate() {
+                if done[r][i] {
+                    continue;
+                }
+                match *x {
+                    Xfer::Send { peer, src } => {
+                        queues
+                            .entry((r, peer))
+                            .or_default()
+                            .push_back(bufs[r].get(src).to_vec());
+                        done[r][i] = true;
+                        progress = true;
+                    }
+                    Xfer::Recv { peer, dst, combine } => {
+                        let Some(msg) = queues.entry((peer, r)).or_default().pop_front() else {
+                            continue;
+                        };
+                        assert_eq!(
+                            msg.len(),
+                            dst.len,
+                            "rank {r} step {}: message from {peer} has wrong size",
+                            pc[r]
+                        );
+                        match combine {
+                            Combine::Store => bufs[r].get_mut(dst).copy_from_slice(&msg),
+                            Combine::Reduce { with } => {
+                                let a = bufs[r].get(with).to_vec();
+                                reduce::reduce_into(dtype, op, bufs[r].get_mut(dst), &a, &msg);
+                            }
+                        }
+                        done[r][i] = true;
+                        progress = true;
+                    }
+                }
+            }
+            if done[r].iter().all(|d| *d) {
+                for l in &step.after {
+                    local(&mut bufs[r], l, dtype, op, n);
+                }
+                done[r].clear();
+                pc[r] += 1;
+                progress = true;
+            }
+        }
+        if pc.iter().zip(&scheds).all(|(p, s)| *p == s.steps.len()) {
+            assert!(queues.values().all(|q| q.is_empty()), "messages left over");
+            return;
+        }
+        assert!(progress, "deadlock: ranks stuck at steps {pc:?}");
+    }
+}
+
+/// Buffers for `n` ranks: rank r's input and output bytes.
+pub(crate) fn make_bufs(
+    n: usize,
+    input: impl Fn(usize) -> Vec<u8>,
+    output: impl Fn(usize) -> Vec<u8>,
+) -> Vec<Bufs> {
+    (0..n)
+        .map(|r| Bufs {
+            input: input(r),
+            output: output(r),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// The reduction over `n` ranks of `val(rank, i)`, with the integer kernels' wrapping.
+pub(crate) fn reduce_of(val: fn(usize, usize) -> i64, n: usize, i: usize, op: ReduceOp) -> i64 {
+    let vals = (0..n).map(|r| val(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<i64>() / n as i64,
+        ReduceOp::Prod => vals.fold(1i64, |a, b| a.wrapping_mul(b)),
+        ReduceOp::Min => vals.min().unwrap(),
+        ReduceOp::Max => vals.max().unwrap(),
+        ReduceOp::BAnd => vals.fold(-1, |a, b| a & b),
+        ReduceOp::BOr => vals.fold(0, |a, b| a | b),
+        ReduceOp::BXor => vals.fold(0, |a, b| a ^ b),
+        ReduceOp::PreMulSum(_) => unreachable!("inputs are scaled before a schedule runs"),
+    }
+}
+
+/// Runs `algo` on `colls` (one per rank, all the same call) over the inputs `val(rank, i)` and
+/// checks every rank's output against the plain reference; `what` names the case in failures.
+pub(crate) fn check(algo: Algo, colls: &[Coll], val: fn(usize, usize) -> i64, what: &str) {
+    let n = colls.len();
+    let Coll {
+        kind,
+        count,
+        op,
+        root,
+        ..
+    } = colls[0].clone();
+    let c = count.max(1);
+    let seq = |f: &dyn Fn(usize) -> i64, len: usize| bytes(&(0..len).map(f).collect::<Vec<_>>());
+    let (in_len, out_len) = match kind {
+        CollKind::ReduceScatter => (n * count, count),
+        CollKind::AllGather => (count, n * count),
+        CollKind::AllToAll => (n * count, n * count),
+        _ => (count, count),
+    };
+    let mut bufs = make_bufs(
+        n,
+        |r| {
+            if kind == CollKind::Broadcast && r != root {
+                vec![]
+            } else {
+                seq(&|i| val(r, i), in_len)
+            }
+        },
+        |r| {
+            vec![
+                0;
+                if kind == CollKind::Reduce && r != root {
+                    0
+                } else {
+                    out_len * 8
+                }
+            ]
+        },
+    );
+    run(algo, colls, &mut bufs);
+    for (r, b) in bufs.iter().enumerate() {
+        let want = match kind {
+            CollKind::AllReduce => seq(&|i| reduce_of(val, n, i, op), count),
+            CollKind::ReduceScatter => seq(&|i| reduce_of(val, n, r * count + i, op), count),
+            CollKind::Reduce if r == root => seq(&|i| reduce_of(val, n, i, op), count),
+            CollKind::Broadcast => seq(&|i| val(root, i), count),
+            CollKind::AllGather => seq(&|j| val(j / c, j % c), n * count),
+            // Block p of rank r's output is block r of rank p's input.
+            CollKind::AllToAll => seq(&|j| val(j / c, r * count + j % c), n * count),
+            _ => continue,
+        };
+        assert_eq!(
+            b.output,
+            want,
+            "{} {algo} {what} count={count} op={op} root={root} rank={r}",
+            kind.name()
+        );
+    }
+}
+
+fn val(rank: usize, i: usize) -> i64 {
+    ((rank * 7 + i * 3) % 11) as i64 - 5
+}
+
+pub(crate) fn bytes(v: &[i64]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root: usize) -> Coll {
+    Coll {
+        kind,
+        rank,
+        nranks: n,
+        count,
+        dtype: DataType::I64,
+        op,
+        root,
+        chunk_bytes: 24,
+        topo: None,
+    }
+}
+
+#[test]
+fn every_algorithm_matches_reference() {
+    for n in 1..=9usize {
+        let what = format!("n={n}");
+        let all = |kind, count, op, root| -> Vec<Coll> {
+            (0..n).map(|r| coll(kind, r, n, count, op, root)).collect()
+        };
+        for count in [0usize, 1, 2, 5, 9, 17, 64] {
+            for op in ReduceOp::ALL {
+                let colls = all(CollKind::AllReduce, count, op, 0);
+                for algo in [Algo::Ring, Algo::Ordered, Algo::HalvingDoubling] {
+                    check(algo, &colls, val, &what);
+                }
+                let colls = all(CollKind::ReduceScatter, count, op, 0);
+                for algo in [Algo::Ring, Algo::Ordered] {
+                    check(algo, &colls, val, &what);
+                }
+                for root in 0..n {
+                    let colls = all(CollKind::Reduce, count, op, root);
+                    for algo in [Algo::Chain, Algo::Ordered] {
+                        check(algo, &colls, val, &what);
+                    }
+                }
+            }
+            for root in 0..n {
+                let colls = all(CollKind::Broadcast, count, ReduceOp::Sum, root);
+                check(Algo::Chain, &colls, val, &what);
+            }
+            check(
+                Algo::Ring,
+                &all(CollKind::AllGather, count, ReduceOp::Sum, 0),
+                val,
+                &what,
+            );
+            check(
+                Algo::Pairwise,
+                &all(CollKind::AllToAll, count, ReduceOp::Sum, 0),
+                val,
+                &what,
+            );
+        }
+        check(
+            Algo::Dissemination,
+            &all(CollKind::Barrier, 0, ReduceOp::Sum, 0),
+            val,
+            &what,
+        );
+    }
+}
+
+#[test]
+fn bytes_on_the_wire() {
+    // Ring all-reduce sends 2(n-1)/n of the buffer; chain broadcast sends it once per hop.
+    let n = 4;
+    let c = coll(CollKind::AllReduce, 1, n, 400, ReduceOp::Sum, 0);
+    assert_eq!(Algo::Ring.schedule(&c).bytes_sent(), 2 * (n - 1) * 100 * 8);
+    let c = coll(CollKind::Broadcast, 0, n, 400, ReduceOp::Sum, 0);
+    assert_eq!(Algo::Chain.schedule(&c).bytes_sent(), 400 * 8);
+    let c = coll(CollKind::Broadcast, 3, n, 400, ReduceOp::Sum, 0);
+    assert_eq!(
+        Algo::Chain.schedule(&c).bytes_sent(),
+        0,
+        "the last rank of the chain only receives"
+    );
+}

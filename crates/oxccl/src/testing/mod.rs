@@ -1,0 +1,3 @@
+//! Internals that tests, the fuzz targets and the CLI reach for; not a stable API.
+
+pub mod fuzzing;
