@@ -12,7 +12,7 @@ pub fn main() -> i32 {
         }
     };
     println!("oxccl        {}", env!("CARGO_PKG_VERSION"));
-    println!("host id      {}", oxccl::bootstrap::local_host_id(&cfg));
+    println!("host id      {}", oxccl::local_host_id(&cfg));
     let host = rustix::system::uname();
     println!("host name    {}", host.nodename().to_string_lossy());
     let cores = std::thread::available_parallelism()
@@ -54,7 +54,7 @@ pub fn main() -> i32 {
     }
     println!(
         "default ip   {} (the address peers reach this host at, unless OXCCL_SOCKET_IFNAME says)",
-        oxccl::bootstrap::default_ip()
+        oxccl::default_ip()
     );
     let mut transports = vec!["tcp"];
     if shm_ok {

@@ -14,8 +14,8 @@ use std::io::Write;
 use std::time::Instant;
 
 use clap::Args as ClapArgs;
-use oxccl::base::param::parse_bytes;
-use oxccl::comm::check::Case;
+use oxccl::check::Case;
+use oxccl::parse_bytes;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 use serde::Serialize;
 
@@ -161,7 +161,7 @@ fn ops(s: &str, kind: CollKind, dtype: DataType) -> Result<Vec<ReduceOp>, String
         return Ok(vec![ReduceOp::Sum]);
     }
     if s == "all" {
-        return Ok(oxccl::comm::check::ops(dtype));
+        return Ok(oxccl::check::ops(dtype));
     }
     let ops = s
         .split(',')
@@ -273,7 +273,7 @@ struct Measured {
 fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured> {
     let (s, r) = case.sizes();
     let local = comm.local_size() as u64;
-    oxccl::base::mem::check_fits(
+    oxccl::check_fits(
         (s as u64 + r as u64).saturating_mul(local),
         &format!("{local} rank(s) on this host with {s} + {r} bytes of buffers each"),
     )

@@ -1,5 +1,5 @@
 //! `oxccl status ADDR`: asks a running job's status agent (`OXCCL_STATUS`, see
-//! `oxccl::observe::status`) where every rank is, and prints it as a table or JSON; with `--watch`,
+//! `oxccl::status`) where every rank is, and prints it as a table or JSON; with `--watch`,
 //! asks again every SECS seconds and prints only what changed.
 
 use std::net::SocketAddr;
@@ -25,7 +25,7 @@ pub struct Args {
 }
 
 fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Value, String> {
-    let line = oxccl::observe::status::ask(addr, "status", timeout)
+    let line = oxccl::status::ask(addr, "status", timeout)
         .map_err(|e| format!("no answer from {addr}: {e}"))?;
     let v: Value =
         serde_json::from_str(&line).map_err(|e| format!("{addr} answered '{line}': {e}"))?;
@@ -119,7 +119,7 @@ fn table(v: &Value, with_times: bool) -> String {
 
 /// Entry point.
 pub fn main(a: Args) -> i32 {
-    let addr = match oxccl::observe::status::parse_addr(&a.addr) {
+    let addr = match oxccl::status::parse_addr(&a.addr) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("oxccl status: {e}");

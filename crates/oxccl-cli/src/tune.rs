@@ -1,13 +1,13 @@
 //! `oxccl tune`: measures this host and saves where one intra-host algorithm overtakes
-//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::base::param::Tuning`].
+//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::Tuning`].
 
 use std::io::Write;
 
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressStyle};
-use oxccl::base::param::{parse_bytes, Tuning};
-use oxccl::comm::check::Case;
-use oxccl::sched::Algo;
+use oxccl::check::Case;
+use oxccl::Algo;
+use oxccl::{parse_bytes, Tuning};
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
 use crate::launch::rank_or_launch;

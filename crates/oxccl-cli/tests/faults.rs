@@ -14,7 +14,7 @@ use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use oxccl::comm::check::Case;
+use oxccl::check::Case;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
 const OXCCL: &str = env!("CARGO_BIN_EXE_oxccl");
@@ -62,7 +62,7 @@ fn random_case(rng: &mut Rng, rank: usize, n: usize) -> Case {
     ];
     let kind = kinds[rng.below(kinds.len())];
     let dtype = DataType::ALL[rng.below(DataType::ALL.len())];
-    let ops = oxccl::comm::check::ops(dtype);
+    let ops = oxccl::check::ops(dtype);
     let op = ops[rng.below(ops.len())];
     let count = match rng.below(10) {
         0 => 0,

@@ -8,7 +8,7 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use oxccl::comm::check::Case;
+use oxccl::check::Case;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
 const OXCCL: &str = env!("CARGO_BIN_EXE_oxccl");
@@ -42,7 +42,7 @@ fn assert_ok(out: &Output, what: &str) {
     );
 }
 
-use oxccl::comm::check::kinds;
+use oxccl::check::kinds;
 
 fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
     let mut v = Vec::new();
@@ -53,7 +53,7 @@ fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
         .trim_start_matches("mixed-");
     match mode {
         // 0, 1, odd, not divisible by the rank count, a few pages.
-        "matrix" => v = oxccl::comm::check::matrix(rank, n, &[0, 1, 7, 13, 2049]),
+        "matrix" => v = oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 2049]),
         "large" => {
             // 64 MiB buffers: larger than every transport buffer (shm rings 4 MiB, sockets).
             for (kind, root) in kinds(n) {
@@ -173,13 +173,13 @@ fn child() {
     let shared = mode.starts_with("shared-") || (mode.starts_with("mixed-") && rank % 2 == 0);
     if mode.contains("-matrix") {
         // Small sizes too through the single-copy algorithms, where shared buffers matter.
-        comm.set_algo(Some(oxccl::sched::Algo::Cma));
+        comm.set_algo(Some(oxccl::Algo::Cma));
     }
     if mode == "p2p" {
         // Send-first groups, tags out of order, any source: 0, 1, odd, not divisible by the
         // rank count, and larger than every link buffer (shm rings 4 MiB, sockets).
         let counts = [0, 1, 7, 13, 2049, (6 << 20) / 4 + 3];
-        let wrong = oxccl::comm::check::p2p(&comm, &counts, 64 << 10);
+        let wrong = oxccl::check::p2p(&comm, &counts, 64 << 10);
         assert_eq!(wrong, 0, "rank {rank} of {n}: wrong elements");
         println!(
             "rank {rank}: all cases correct (p2p) over {}",
@@ -457,8 +457,7 @@ fn tune_measures_and_saves() {
         .output()
         .unwrap();
     assert_ok(&out, "tune");
-    let saved =
-        oxccl::base::param::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let saved = oxccl::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains(&format!("oneshot_max={}", saved.oneshot_max)),

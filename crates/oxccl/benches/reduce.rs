@@ -33,7 +33,7 @@ fn memcpy(b: Bencher, bytes: usize) {
 fn memcpy_streaming(b: Bencher, bytes: usize) {
     let (mut dst, src) = buffers(bytes);
     b.counter(BytesCount::new(bytes)).bench_local(|| {
-        oxccl::base::reduce::copy_streaming(
+        oxccl::testing::reduce::copy_streaming(
             bytemuck::cast_slice_mut(&mut dst),
             divan::black_box(bytemuck::cast_slice(&src)),
         );
@@ -43,7 +43,7 @@ fn memcpy_streaming(b: Bencher, bytes: usize) {
 fn reduce(b: Bencher, bytes: usize, dtype: DataType, op: ReduceOp) {
     let (mut dst, src) = buffers(bytes);
     b.counter(BytesCount::new(bytes)).bench_local(|| {
-        oxccl::base::reduce::reduce_inplace(
+        oxccl::testing::reduce::reduce_inplace(
             dtype,
             op,
             bytemuck::cast_slice_mut(&mut dst),

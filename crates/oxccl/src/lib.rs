@@ -8,35 +8,57 @@
 //! [`barrier`](Communicator::barrier). Ranks of one host talk through shared memory, ranks of
 //! different hosts through TCP.
 //!
-//! The tree follows the communicator's life: [`bootstrap`] (rendezvous), [`topo`] (who shares
-//! a host), [`transport`] (links to peers), [`tune`] (which algorithm), [`algo`] (each
-//! algorithm as a schedule of sends and receives, no I/O), [`exec`] (runs a schedule over
-//! links), [`reduce`] (the reduction kernels), [`comm`] (the public API).
+//! The source tree is layered; each folder imports only from the folders above it in this
+//! list (bottom layer first):
+//!
+//! 1. `base`: errors, environment parameters (all of them), data types, reduction operators,
+//!    the reduction kernels, memory helpers, the doorbell and spin/sleep waiting primitives.
+//! 2. `net`: the authenticated socket layer (handshake, admitting strangers) shared by the
+//!    rendezvous and the TCP transport.
+//! 3. `bootstrap`: rendezvous (unique id, launcher environment, root join, local groups) and
+//!    the topology it yields (who shares a host).
+//! 4. `transport`: the `Link` trait and its implementations: in-memory, shared memory, TCP
+//!    (with striping).
+//! 5. `sched`: each collective algorithm as a schedule of sends, receives and reductions (no
+//!    I/O), the rank placement they use, and their simulators (tests only).
+//! 6. `plan`: the cost model and the tuner that picks an algorithm.
+//! 7. `fault`: health, the control plane (heartbeats, aborts) and call fingerprints.
+//! 8. `observe`: flight recorder, timeline, metrics, status agent.
+//! 9. `direct`: one-shot and single-copy collectives over mapped shared buffers.
+//! 10. `exec`: the executor that runs a schedule over links, and the point-to-point engine.
+//! 11. `comm`: the [`Communicator`] (init, collectives, streams, fault guard, split, grow) and
+//!     the collective [`check`]er.
+//!
+//! The modules are private; this root re-exports the public API, and [`testing`] (hidden)
+//! the internals that integration tests, benchmarks and fuzz targets drive directly.
 
 #![warn(missing_docs)]
 
-pub mod base;
-pub mod bootstrap;
-pub mod comm;
-pub mod direct;
-pub mod exec;
-pub mod fault;
-pub mod net;
-pub mod observe;
-pub mod plan;
-pub mod sched;
+mod base;
+mod bootstrap;
+mod comm;
+mod direct;
+mod exec;
+mod fault;
+mod net;
+mod observe;
+mod plan;
+mod sched;
 #[doc(hidden)]
 pub mod testing;
-pub mod transport;
+mod transport;
 
 pub use base::dtype::{Bool, DataType, Element};
 pub use base::error::{Error, FailureKind, Result};
+pub use base::mem::check_fits;
 pub use base::op::ReduceOp;
-pub use base::param::Config;
-pub use bootstrap::UniqueId;
+pub use base::param::{parse_bytes, Config, TransportChoice, Tuning};
+pub use bootstrap::{default_ip, local_host_id, UniqueId};
+pub use comm::check;
 pub use comm::stream::{RawBufs, Work};
 pub use comm::{ByteBufs, Communicator};
 pub use direct::shared_buffer::SharedBuffer;
 pub use exec::p2p::P2pOp;
 pub use half::{bf16, f16};
-pub use sched::CollKind;
+pub use observe::status;
+pub use sched::{Algo, CollKind};

@@ -1,14 +1,14 @@
 //! Every collective × dtype × op × size class × in/out of place, with ranks as threads over
 //! the in-memory transport (small queues, so every stream waits on flow control), checked
-//! element by element against the reference in `oxccl::comm::check`.
+//! element by element against the reference in `oxccl::check`.
 
 use std::time::Duration;
 
-use oxccl::comm::check::Case;
-use oxccl::transport::mem;
+use oxccl::check::Case;
+use oxccl::testing::transport::mem;
 use oxccl::{CollKind, Communicator, Config, DataType, ReduceOp};
 
-use oxccl::comm::check::kinds;
+use oxccl::check::kinds;
 
 /// How the ranks of a group reach each other besides links.
 #[derive(Clone, Copy)]
@@ -50,8 +50,8 @@ fn run_group_algo(
         algo: algo.map(str::to_string),
         ..Config::default()
     };
-    let forced: Option<oxccl::sched::Algo> = algo.map(|a| a.parse().unwrap());
-    let mut areas: Vec<Option<oxccl::direct::link::MemDirect>> = (0..n).map(|_| None).collect();
+    let forced: Option<oxccl::Algo> = algo.map(|a| a.parse().unwrap());
+    let mut areas: Vec<Option<oxccl::testing::link::MemDirect>> = (0..n).map(|_| None).collect();
     let mut shared = false;
     if let Direct::Yes {
         oneshot_max,
@@ -65,7 +65,7 @@ fn run_group_algo(
         if sh {
             cfg.nt_bytes = 0;
         }
-        areas = oxccl::direct::link::mem_group(n)
+        areas = oxccl::testing::link::mem_group(n)
             .into_iter()
             .map(Some)
             .collect();
@@ -112,7 +112,7 @@ fn matrix(n: usize) {
 
 fn matrix_with(n: usize, direct: Direct) {
     run_group_with(n, 96, direct, |rank| {
-        oxccl::comm::check::matrix(rank, n, &[0, 1, 7, 13, 200])
+        oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 200])
     });
 }
 
@@ -147,7 +147,7 @@ fn matrix_8_ranks() {
 fn matrix_halving_doubling() {
     for n in [1, 2, 3, 5, 6, 8] {
         run_group_algo(n, 96, Direct::No, Some("hd"), |rank| {
-            oxccl::comm::check::matrix(rank, n, &[0, 1, 7, 13, 200])
+            oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 200])
                 .into_iter()
                 .filter(|c| c.kind == CollKind::AllReduce)
                 .collect()
@@ -340,7 +340,7 @@ fn bad_arguments_are_errors() {
 }
 
 /// Point-to-point: send-first exchanges in groups, tags out of order, any source
-/// ([`oxccl::comm::check::p2p`]), over queues smaller than every message but the empty ones.
+/// ([`oxccl::check::p2p`]), over queues smaller than every message but the empty ones.
 #[test]
 fn p2p_groups_tags_and_any_source() {
     for n in [1, 2, 3, 4] {
@@ -353,7 +353,7 @@ fn p2p_groups_tags_and_any_source() {
                         ..Config::default()
                     };
                     let comm = Communicator::from_links(rank, n, links, cfg).unwrap();
-                    let wrong = oxccl::comm::check::p2p(&comm, &[0, 1, 7, 13, 4099], 96);
+                    let wrong = oxccl::check::p2p(&comm, &[0, 1, 7, 13, 4099], 96);
                     assert_eq!(wrong, 0, "rank {rank} of {n}");
                 });
             }
@@ -468,13 +468,13 @@ fn timeout_names_the_missing_rank() {
 /// is overridden), and equal to a serial fold in rank order.
 #[test]
 fn deterministic_bits_whatever_the_algorithm() {
-    use oxccl::sched::Algo;
+    use oxccl::Algo;
     let n = 3;
     let count = 1001;
     let data = |rank: usize, dtype: DataType| -> Vec<u8> {
         let mut v = vec![0u8; count * dtype.size()];
         // A hash of (rank, index): pseudo-random values whose sums round.
-        oxccl::comm::check::fill(dtype, &mut v, |i| {
+        oxccl::check::fill(dtype, &mut v, |i| {
             let mut x = 0x9e3779b97f4a7c15u64
                 ^ ((rank * count + i) as u64 + 1).wrapping_mul(0x2545F4914F6CDD1D);
             x ^= x << 13;
@@ -488,10 +488,10 @@ fn deterministic_bits_whatever_the_algorithm() {
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut want = data(0, dtype);
             for r in 1..n {
-                oxccl::base::reduce::reduce_inplace(dtype, op, &mut want, &data(r, dtype));
+                oxccl::testing::reduce::reduce_inplace(dtype, op, &mut want, &data(r, dtype));
             }
             if op == ReduceOp::Avg {
-                oxccl::base::reduce::divide_by(dtype, &mut want, n);
+                oxccl::testing::reduce::divide_by(dtype, &mut want, n);
             }
             let cfg = Config {
                 deterministic: true,
@@ -499,7 +499,7 @@ fn deterministic_bits_whatever_the_algorithm() {
                 cma_min: 0,
                 ..Config::default()
             };
-            let areas = oxccl::direct::link::mem_group(n);
+            let areas = oxccl::testing::link::mem_group(n);
             let groups = mem::group(n, 512);
             let outs: Vec<Vec<(String, Vec<u8>)>> = std::thread::scope(|s| {
                 let hs: Vec<_> = groups
@@ -579,7 +579,7 @@ fn parts_of_shared_buffers_and_reused_addresses() {
         timeout: Duration::from_secs(60),
         ..Config::default()
     };
-    let areas = oxccl::direct::link::mem_group(n);
+    let areas = oxccl::testing::link::mem_group(n);
     let groups = mem::group(n, 4096);
     std::thread::scope(|s| {
         for (rank, (links, area)) in groups.into_iter().zip(areas).enumerate() {
@@ -588,7 +588,7 @@ fn parts_of_shared_buffers_and_reused_addresses() {
                 let comm = Communicator::from_links(rank, n, links, cfg)
                     .unwrap()
                     .with_direct(Box::new(area));
-                for round in 0..(oxccl::direct::shared_buffer::PEER_MAPPINGS + 4) {
+                for round in 0..(oxccl::testing::shared_buffer::PEER_MAPPINGS + 4) {
                     let count = 10_001 + round;
                     let mut buf = comm.alloc_shared((count + 3) * 4).unwrap();
                     let v = &mut buf.as_mut_slice::<f32>()[3..3 + count];

@@ -6,7 +6,7 @@
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use oxccl::base::param::TransportChoice;
+use oxccl::TransportChoice;
 use oxccl::{Communicator, Config, Error, FailureKind, ReduceOp, UniqueId};
 
 fn cfg(transport: TransportChoice) -> Config {

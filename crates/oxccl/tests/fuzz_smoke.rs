@@ -2,8 +2,8 @@
 //! run for a bounded number of random and mutated inputs on the stable toolchain, so that
 //! every test run exercises them. The long, coverage-guided runs are `fuzz/run.sh`.
 
-use oxccl::fault::control::Frame;
-use oxccl::fault::fingerprint::{Fingerprint, Header};
+use oxccl::testing::control::Frame;
+use oxccl::testing::fingerprint::{Fingerprint, Header};
 use oxccl::testing::fuzzing::TARGETS;
 use oxccl::{CollKind, DataType, FailureKind, ReduceOp};
 use proptest::prelude::*;

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use oxccl::base::param::TransportChoice;
+use oxccl::TransportChoice;
 use oxccl::{Communicator, Config, Error, ReduceOp, UniqueId};
 
 fn cfg(transport: TransportChoice) -> Config {

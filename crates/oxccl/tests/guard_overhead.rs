@@ -4,9 +4,9 @@
 
 use std::hint::black_box;
 
-use oxccl::fault::fingerprint::{Fingerprint, Header, Sequencer};
-use oxccl::fault::health::Health;
-use oxccl::observe::flight::Recorder;
+use oxccl::testing::fingerprint::{Fingerprint, Header, Sequencer};
+use oxccl::testing::flight::Recorder;
+use oxccl::testing::health::Health;
 use oxccl::{CollKind, DataType, ReduceOp};
 
 /// Nanoseconds of this thread's CPU time per call of `f` (CPU time, not wall time: other
@@ -53,13 +53,13 @@ fn per_call_cost_of_fingerprints_health_recorder_and_metrics() {
         rec.end(i as u64, None);
     });
     let dir = std::env::temp_dir().join(format!("oxccl-overhead-{}", std::process::id()));
-    let id = oxccl::observe::metrics::Identity {
+    let id = oxccl::testing::metrics::Identity {
         comm: 1,
         rank: 0,
         nranks: 8,
         nnodes: 1,
     };
-    let metrics = oxccl::observe::metrics::Metrics::new(
+    let metrics = oxccl::testing::metrics::Metrics::new(
         id,
         dir.to_str().unwrap(),
         std::time::Duration::from_secs(3600),

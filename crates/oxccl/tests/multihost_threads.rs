@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use oxccl::comm::check::Case;
-use oxccl::sched::Algo;
+use oxccl::check::Case;
+use oxccl::Algo;
 use oxccl::{CollKind, Communicator, Config, DataType, ReduceOp, UniqueId};
 
 fn cases(rank: usize, n: usize) -> Vec<(Option<Algo>, Case)> {

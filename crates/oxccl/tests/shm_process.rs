@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use oxccl::bootstrap::Exchange;
-use oxccl::transport::shm::connect;
-use oxccl::transport::{Link, LinkError};
+use oxccl::testing::bootstrap::Exchange;
+use oxccl::testing::transport::shm::connect;
+use oxccl::testing::transport::{Link, LinkError};
 use oxccl::{Config, Error, Result};
 use shm_common::*;
 

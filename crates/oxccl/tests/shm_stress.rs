@@ -5,10 +5,10 @@ mod shm_common;
 
 use std::time::{Duration, Instant};
 
-use oxccl::bootstrap::local::LocalExchange;
-use oxccl::bootstrap::Exchange;
-use oxccl::transport::shm::{self, connect};
-use oxccl::transport::{LinkError, TransportKind};
+use oxccl::testing::bootstrap::local::LocalExchange;
+use oxccl::testing::bootstrap::Exchange;
+use oxccl::testing::transport::shm::{self, connect};
+use oxccl::testing::transport::{LinkError, TransportKind};
 use oxccl::{Config, Error};
 use shm_common::*;
 
@@ -313,10 +313,8 @@ fn throughput() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(8 << 30);
-    let ring = oxccl::base::param::parse_bytes(
-        &std::env::var("OXCCL_SHM_RING_BYTES").unwrap_or("4M".into()),
-    )
-    .unwrap();
+    let ring =
+        oxccl::parse_bytes(&std::env::var("OXCCL_SHM_RING_BYTES").unwrap_or("4M".into())).unwrap();
     let chunk = 1usize << 20;
     let tag = random_tag();
     let pid = std::process::id();
@@ -329,9 +327,9 @@ fn throughput() {
         ex.barrier().unwrap();
         let t0 = Instant::now();
         let mut done = 0u64;
-        let mut backoff = oxccl::base::wait::Backoff::new(oxccl::base::wait::Spin::new(2000));
+        let mut backoff = oxccl::testing::wait::Backoff::new(oxccl::testing::wait::Spin::new(2000));
         let mut pos = 0usize;
-        let mut step = |link: &mut Box<dyn oxccl::transport::Link>, done: u64| {
+        let mut step = |link: &mut Box<dyn oxccl::testing::transport::Link>, done: u64| {
             if ex_rank == 0 {
                 link.try_send(&buf[..chunk.min((total - done) as usize)])
                     .unwrap()

@@ -80,7 +80,7 @@ fn ranks_killed_at_any_moment_of_start_up_leave_nothing_in_dev_shm() {
         let mut secret = [0u8; 16];
         getrandom::fill(&mut secret).unwrap();
         let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-        let tag = oxccl::net::auth::comm_tag(&secret);
+        let tag = oxccl::testing::auth::comm_tag(&secret);
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()

@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use oxccl::base::param::TransportChoice;
+use oxccl::TransportChoice;
 use oxccl::{Communicator, Config, Error, ReduceOp, UniqueId};
 
 fn cfg(transport: TransportChoice) -> Config {

@@ -23,7 +23,7 @@ use std::io::Write;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use oxccl::comm::check::Case;
+use oxccl::check::Case;
 use oxccl::{CollKind, Communicator, UniqueId};
 
 use super::{dtypes, ops, shape, Args};

@@ -21,7 +21,9 @@ use std::sync::Once;
 
 use sha2::{Digest, Sha256};
 
-use super::unique_id::{parse_secret_hex, UniqueId};
+use super::unique_id::parse_secret_hex;
+#[cfg(test)]
+use super::unique_id::UniqueId;
 use crate::base::error::{Error, Result};
 
 /// What a launcher told this process.
@@ -257,6 +259,7 @@ impl LaunchEnv {
     }
 
     /// The [`UniqueId`] of this launch: [`root`](Self::root) and [`secret`](Self::secret).
+    #[cfg(test)]
     pub fn unique_id(&self) -> UniqueId {
         UniqueId::with_addr(self.root, self.secret)
     }

@@ -706,6 +706,7 @@ impl Bootstrap {
     }
 
     /// Forwards to [`Exchange::barrier`].
+    #[cfg(test)]
     pub fn barrier(&mut self) -> Result<()> {
         <Self as Exchange>::barrier(self)
     }

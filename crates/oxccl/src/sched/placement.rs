@@ -29,16 +29,6 @@ impl Ring {
         Ring { order, pos }
     }
 
-    /// The number of ranks.
-    pub fn len(&self) -> usize {
-        self.order.len()
-    }
-
-    /// True when the ring is empty (never, for a valid call).
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-
     /// The rank at position `pos + delta` (mod n; `delta` may be negative).
     pub fn at(&self, delta: isize) -> usize {
         let n = self.order.len() as isize;

@@ -1,13 +1,13 @@
 //! Helpers shared by the shared-memory integration tests: verifiable byte streams and a
-//! spin-then-sleep driver that follows the doorbell protocol of `oxccl::base::wait`.
+//! spin-then-sleep driver that follows the doorbell protocol of `oxccl::testing::wait`.
 
 #![allow(dead_code)]
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use oxccl::base::wait::{Backoff, Doorbell};
-use oxccl::transport::{Link, LinkError, WaitSource};
+use oxccl::testing::transport::{Link, LinkError, WaitSource};
+use oxccl::testing::wait::{Backoff, Doorbell};
 
 /// A random tag for one test's communicator.
 pub fn random_tag() -> u64 {
@@ -170,7 +170,7 @@ pub fn run_rank(
         .collect();
     let mut rng = Rng(pair_seed(plan.tag, rank, 1000) | 1);
     let mut buf = vec![0u8; plan.max_send as usize];
-    let mut backoff = Backoff::new(oxccl::base::wait::Spin::new(spin));
+    let mut backoff = Backoff::new(oxccl::testing::wait::Spin::new(spin));
     let mut stats = Stats::default();
     loop {
         if pairs

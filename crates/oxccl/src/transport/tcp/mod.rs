@@ -104,11 +104,6 @@ impl TcpLink {
     pub(crate) fn dead_after_for_test(&mut self, after: Duration) {
         self.dead_after = after;
     }
-
-    /// The rank at the other end.
-    pub fn peer(&self) -> usize {
-        self.peer
-    }
 }
 
 fn closed(e: &io::Error) -> bool {
