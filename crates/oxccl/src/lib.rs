@@ -33,6 +33,8 @@
 //! the internals that integration tests, benchmarks and fuzz targets drive directly.
 
 #![warn(missing_docs)]
+#![warn(unreachable_pub)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod base;
 mod bootstrap;

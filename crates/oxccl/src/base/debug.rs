@@ -6,7 +6,7 @@
 //! none; a program with its own `tracing` subscriber filters on the targets below.
 
 /// The `tracing` targets of each subsystem name accepted by `OXCCL_DEBUG_SUBSYS`.
-pub const SUBSYSTEMS: &[(&str, &[&str])] = &[
+pub(crate) const SUBSYSTEMS: &[(&str, &[&str])] = &[
     ("init", &["oxccl::comm", "oxccl::topo"]),
     ("bootstrap", &["oxccl::bootstrap"]),
     ("shm", &["oxccl::transport::shm"]),
@@ -16,7 +16,7 @@ pub const SUBSYSTEMS: &[(&str, &[&str])] = &[
 ];
 
 /// The filter directives for a level and a subsystem list (`None` = all subsystems).
-pub fn directives(level: &str, subsys: Option<&str>) -> Result<String, String> {
+pub(crate) fn directives(level: &str, subsys: Option<&str>) -> Result<String, String> {
     let level = level.trim().to_ascii_lowercase();
     if !["error", "warn", "info", "debug", "trace"].contains(&level.as_str()) {
         return Err(format!(
@@ -48,7 +48,7 @@ pub fn directives(level: &str, subsys: Option<&str>) -> Result<String, String> {
 /// Installs a stderr subscriber per `OXCCL_DEBUG`/`OXCCL_DEBUG_SUBSYS`, once per process, if
 /// `OXCCL_DEBUG` is set and the program has no subscriber of its own. A malformed setting is
 /// reported on stderr and ignored (logging must never stop a job).
-pub fn init_from_env() {
+pub(crate) fn init_from_env() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let Ok(level) = std::env::var("OXCCL_DEBUG") else {
@@ -76,7 +76,7 @@ pub fn init_from_env() {
 /// Tells the user something they must see whatever `OXCCL_DEBUG` says (a warning about the
 /// setup, what a start-up waits for): through `tracing` when a subscriber is installed, else
 /// on stderr as `oxccl: MSG`.
-pub fn announce(msg: &str) {
+pub(crate) fn announce(msg: &str) {
     if tracing::dispatcher::has_been_set() {
         tracing::warn!(target: "oxccl::init", "{msg}");
     } else {

@@ -4,7 +4,7 @@
 
 /// The memory the kernel says can be had without swapping (`MemAvailable` of
 /// `/proc/meminfo`), in bytes; `None` where unknown.
-pub fn available() -> Option<u64> {
+pub(crate) fn available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -26,7 +26,7 @@ pub fn check_fits(bytes: u64, what: &str) -> Result<(), String> {
 
 /// A zeroed vector of `len` elements: checked with [`check_fits`] and allocated with
 /// `try_reserve_exact`, so that a failure is an error, never an abort.
-pub fn try_zeroed<T: Copy + Default>(len: usize, what: &str) -> Result<Vec<T>, String> {
+pub(crate) fn try_zeroed<T: Copy + Default>(len: usize, what: &str) -> Result<Vec<T>, String> {
     let bytes = (len as u64).saturating_mul(std::mem::size_of::<T>() as u64);
     check_fits(bytes, what)?;
     let mut v = Vec::new();
@@ -37,7 +37,7 @@ pub fn try_zeroed<T: Copy + Default>(len: usize, what: &str) -> Result<Vec<T>, S
 }
 
 /// `bytes` for people: "64.0 GiB", "512 B".
-pub fn human(bytes: u64) -> String {
+pub(crate) fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut u = 0;

@@ -2,11 +2,11 @@
 //! reduction kernels, memory helpers and the doorbell/spin waiting primitives. Imports nothing
 //! else of the crate.
 
-pub mod debug;
-pub mod dtype;
-pub mod error;
-pub mod mem;
-pub mod op;
-pub mod param;
+pub(crate) mod debug;
+pub(crate) mod dtype;
+pub(crate) mod error;
+pub(crate) mod mem;
+pub(crate) mod op;
+pub(crate) mod param;
 pub mod reduce;
 pub mod wait;

@@ -175,7 +175,7 @@ impl Default for Config {
 /// `OXCCL_MEMBARRIER=1`: asymmetric fences in the doorbell ([`crate::base::wait`]): rings without a
 /// hardware fence, sleepers issue `membarrier`. Off by default: a stress test lost wake-ups
 /// with it (see `crate::base::wait`). Read once per process; set it on every rank of a host or none.
-pub fn membarrier_allowed() -> bool {
+pub(crate) fn membarrier_allowed() -> bool {
     matches!(
         std::env::var("OXCCL_MEMBARRIER").as_deref().map(str::trim),
         Ok("1")
@@ -185,7 +185,7 @@ pub fn membarrier_allowed() -> bool {
 /// `OXCCL_HUGEPAGES=0`: no transparent huge pages for large private buffers on the single-copy
 /// path ([`crate::direct::hugepages`]); default on (so is an unreadable value). Read once per process
 /// (an address space's buffers are the process's, whatever communicator uses them).
-pub fn hugepages_allowed() -> bool {
+pub(crate) fn hugepages_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         std::env::var("OXCCL_HUGEPAGES")

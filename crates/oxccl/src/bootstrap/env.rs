@@ -28,7 +28,7 @@ use crate::base::error::{Error, Result};
 
 /// What a launcher told this process.
 #[derive(Clone)]
-pub struct LaunchEnv {
+pub(crate) struct LaunchEnv {
     /// This process's rank.
     pub rank: usize,
     /// The number of ranks.
@@ -82,13 +82,13 @@ static DERIVED_WARNING: Once = Once::new();
 
 impl LaunchEnv {
     /// Reads the process environment; see the [module docs](self).
-    pub fn from_env() -> Result<LaunchEnv> {
+    pub(crate) fn from_env() -> Result<LaunchEnv> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
     /// As [`from_env`](Self::from_env), with variables looked up by `get` (for tests and
     /// embedders). Empty values count as unset, except `OXCCL_SECRET`, where one is an error.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+    pub(crate) fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
         let var = |name: &str| {
             get(name)
                 .map(|v| v.trim().to_string())
@@ -260,7 +260,7 @@ impl LaunchEnv {
 
     /// The [`UniqueId`] of this launch: [`root`](Self::root) and [`secret`](Self::secret).
     #[cfg(test)]
-    pub fn unique_id(&self) -> UniqueId {
+    pub(crate) fn unique_id(&self) -> UniqueId {
         UniqueId::with_addr(self.root, self.secret)
     }
 }

@@ -8,17 +8,17 @@
 //! their links: every rank sends its contribution to rank 0, which sends the concatenation
 //! back.
 
-pub mod env;
+pub(crate) mod env;
 pub mod local;
 mod root_join;
-pub mod topo;
+pub(crate) mod topo;
 mod unique_id;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
-pub use env::LaunchEnv;
+pub(crate) use env::LaunchEnv;
 pub(crate) use unique_id::park as park_listener;
 pub use unique_id::{default_ip, UniqueId};
 
@@ -30,9 +30,9 @@ use root_join::RootJoin;
 
 /// The most ranks a communicator may have; larger world sizes are an
 /// [`Error::InvalidArgument`] (or [`Error::Env`] from a launcher's variables).
-pub const MAX_WORLD_SIZE: usize = 1 << 16;
+pub(crate) const MAX_WORLD_SIZE: usize = 1 << 16;
 /// Largest frame a rank accepts on a bootstrap connection (an allgather result).
-pub const MAX_FRAME: usize = 256 << 20;
+pub(crate) const MAX_FRAME: usize = 256 << 20;
 /// Largest join message (a [`PeerInfo`]) rank 0 accepts.
 const MAX_JOIN: usize = 64 << 10;
 /// Longest host id or host name a [`PeerInfo`] may carry.
@@ -89,7 +89,7 @@ impl PeerInfo {
 }
 
 /// Parses a join message (what each rank sends rank 0): version, world size, [`PeerInfo`].
-pub fn parse_join(join: &[u8]) -> Option<(usize, PeerInfo)> {
+pub(crate) fn parse_join(join: &[u8]) -> Option<(usize, PeerInfo)> {
     let mut r = join;
     if take(&mut r, 1)?[0] != JOIN_VERSION {
         return None;
@@ -174,7 +174,7 @@ fn hostname() -> String {
 /// local address of a UDP socket "connected" to `toward` (which picks the route without
 /// sending anything; no host name is looked up). An unknown interface name is an
 /// [`Error::Env`] listing the interfaces that exist.
-pub fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
+pub(crate) fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
     if let Some(name) = &cfg.socket_ifname {
         let ifs = if_addrs::get_if_addrs().map_err(|e| {
             Error::Env(format!(
@@ -241,7 +241,7 @@ enum Links {
 }
 
 /// A rank's connection to the rendezvous, kept open for out-of-band exchanges.
-pub struct Bootstrap {
+pub(crate) struct Bootstrap {
     rank: usize,
     world_size: usize,
     peers: Vec<PeerInfo>,
@@ -280,7 +280,12 @@ impl Bootstrap {
     /// and fails with [`Error::Rendezvous`] when two connections claim one rank or a rank
     /// has another world size (telling the ranks already joined). The other ranks connect
     /// with retries until `cfg.timeout`, then fail with [`Error::Connect`].
-    pub fn init(id: &UniqueId, rank: usize, world_size: usize, cfg: &Config) -> Result<Bootstrap> {
+    pub(crate) fn init(
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+        cfg: &Config,
+    ) -> Result<Bootstrap> {
         if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
             let msg = if world_size > MAX_WORLD_SIZE {
                 format!("world size {world_size} is more than the {MAX_WORLD_SIZE} ranks oxccl supports")
@@ -661,35 +666,35 @@ impl Bootstrap {
     }
 
     /// This rank.
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.rank
     }
 
     /// The number of ranks.
-    pub fn world_size(&self) -> usize {
+    pub(crate) fn world_size(&self) -> usize {
         self.world_size
     }
 
     /// Every rank's [`PeerInfo`], indexed by rank.
-    pub fn peers(&self) -> &[PeerInfo] {
+    pub(crate) fn peers(&self) -> &[PeerInfo] {
         &self.peers
     }
 
     /// The communicator's secret (from the [`UniqueId`]).
-    pub fn secret(&self) -> &[u8; 16] {
+    pub(crate) fn secret(&self) -> &[u8; 16] {
         &self.secret
     }
 
     /// A 64-bit tag naming this communicator, derived from its secret (it reveals nothing of
     /// the secret): for naming shared-memory segments and telling communicators apart.
-    pub fn comm_tag(&self) -> u64 {
+    pub(crate) fn comm_tag(&self) -> u64 {
         auth::comm_tag(&self.secret)
     }
 
     /// Hands over the rendezvous connections, for the communicator's watchdog
     /// ([`crate::fault::control`]): rank 0 gets one per other rank, the others the one to rank 0.
     /// Exchanges are impossible afterwards.
-    pub fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
+    pub(crate) fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
         match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {
             Links::Root(conns) => conns
                 .into_iter()
@@ -701,13 +706,13 @@ impl Bootstrap {
     }
 
     /// Forwards to [`Exchange::allgather`].
-    pub fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    pub(crate) fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         <Self as Exchange>::allgather(self, mine)
     }
 
     /// Forwards to [`Exchange::barrier`].
     #[cfg(test)]
-    pub fn barrier(&mut self) -> Result<()> {
+    pub(crate) fn barrier(&mut self) -> Result<()> {
         <Self as Exchange>::barrier(self)
     }
 }

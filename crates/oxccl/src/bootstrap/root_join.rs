@@ -31,7 +31,7 @@ pub(super) struct RootJoin {
 
 impl RootJoin {
     /// The ranks that have not joined.
-    pub fn missing(&self) -> Vec<usize> {
+    pub(super) fn missing(&self) -> Vec<usize> {
         (0..self.world)
             .filter(|&r| self.infos[r].is_none())
             .collect()

@@ -54,7 +54,7 @@ impl Topology {
 /// their address), under the user's transport choice. Errs when `shm` is forced but a peer is
 /// on another host.
 #[allow(clippy::type_complexity)]
-pub fn plan_links(
+pub(crate) fn plan_links(
     me: usize,
     peers: &[PeerInfo],
     topo: &Topology,

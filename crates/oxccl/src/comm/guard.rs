@@ -37,11 +37,11 @@ struct ShrinkPlan {
 }
 
 /// How long a call that lost a link waits for another rank's report of the cause.
-pub const CAUSE_GRACE: Duration = Duration::from_millis(300);
+pub(crate) const CAUSE_GRACE: Duration = Duration::from_millis(300);
 
 /// A communicator's failure-handling state; see the module documentation.
 #[derive(Debug)]
-pub struct CommGuard {
+pub(crate) struct CommGuard {
     rank: usize,
     health: Arc<Health>,
     recorder: Arc<Recorder>,
@@ -57,7 +57,7 @@ pub struct CommGuard {
 impl CommGuard {
     /// Without a rendezvous (links made elsewhere, e.g. threads of one process): failures
     /// are seen only where they happen; no watchdog, no shrink.
-    pub fn local(rank: usize, nranks: usize, cfg: &Config) -> CommGuard {
+    pub(crate) fn local(rank: usize, nranks: usize, cfg: &Config) -> CommGuard {
         CommGuard {
             rank,
             health: Arc::new(Health::new()),
@@ -81,7 +81,7 @@ impl CommGuard {
     /// For a communicator made by a rendezvous. Collective (one exchange): opens this rank's
     /// listener for a later [`Communicator::shrink`] and tells the others where, then hands
     /// the rendezvous connections to a new watchdog.
-    pub fn with_bootstrap(boot: &mut Bootstrap, cfg: &Config) -> Result<CommGuard> {
+    pub(crate) fn with_bootstrap(boot: &mut Bootstrap, cfg: &Config) -> Result<CommGuard> {
         let (rank, nranks) = (boot.rank(), boot.world_size());
         let mut g = CommGuard::local(rank, nranks, cfg);
         g.recorder = Recorder::new(
@@ -167,13 +167,13 @@ impl CommGuard {
     }
 
     /// The health shared with the executor.
-    pub fn health(&self) -> &Health {
+    pub(crate) fn health(&self) -> &Health {
         &self.health
     }
 
     /// Fails fast when the communicator has failed (one atomic load when healthy).
     #[inline]
-    pub fn check(&self, call: &'static str, seq: u64) -> Result<()> {
+    pub(crate) fn check(&self, call: &'static str, seq: u64) -> Result<()> {
         if self.health.is_failed() {
             return Err(self.health.error(self.rank, call, seq));
         }
@@ -181,13 +181,13 @@ impl CommGuard {
     }
 
     /// The timeout in force for calls.
-    pub fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
 
     /// Records the start of a call; returns the buffer for its step times when the timeline
     /// is on.
-    pub fn begin(
+    pub(crate) fn begin(
         &self,
         seq: u64,
         call: &'static str,
@@ -211,7 +211,7 @@ impl CommGuard {
     /// other ranks and writes the flight recorder. Returns the call's result, where a lost
     /// link is replaced by its cause when another rank reports one within [`CAUSE_GRACE`]
     /// (a rank that found a mismatch and exited closes its links before its report arrives).
-    pub fn end(
+    pub(crate) fn end(
         &self,
         seq: u64,
         call: &'static str,
@@ -257,7 +257,7 @@ impl CommGuard {
     }
 
     /// This rank failed with `e`: remember it, tell everyone, write the flight recorder.
-    pub fn failed(&self, e: &Error) {
+    pub(crate) fn failed(&self, e: &Error) {
         let first = self.health.fail(Failure::Local { msg: e.to_string() });
         if first {
             if let Some(w) = &self.watchdog {

@@ -2,9 +2,9 @@
 
 pub mod check;
 mod grow;
-pub mod guard;
+pub(crate) mod guard;
 mod split;
-pub mod stream;
+pub(crate) mod stream;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

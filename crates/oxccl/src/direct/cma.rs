@@ -120,7 +120,7 @@ fn copy(nt: bool, dst: &mut [u8], src: &[u8]) {
 }
 
 /// Runs `c` single-copy. `tmp` is reused across calls.
-pub fn run(
+pub(crate) fn run(
     cx: &mut DirectCtx<'_>,
     c: &Coll,
     bufs: &mut Buffers<'_>,

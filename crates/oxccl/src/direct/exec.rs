@@ -15,7 +15,7 @@ use crate::transport::{Link, LinkError};
 const SLEEP_SLICE: Duration = Duration::from_millis(50);
 
 /// One call's view of the direct area.
-pub struct DirectCtx<'a> {
+pub(crate) struct DirectCtx<'a> {
     /// The direct area of this rank.
     pub direct: &'a mut dyn Direct,
     /// This rank.
@@ -84,7 +84,7 @@ fn mismatch(
 /// For the link executor: a peer among `waiting` that has published a direct event this rank
 /// has not is running a direct-area call while this rank runs a link call — a mismatch,
 /// described by the header the peer published with that event.
-pub fn direct_mismatch(
+pub(crate) fn direct_mismatch(
     d: &dyn Direct,
     waiting: &[usize],
     print: &CallPrint,
@@ -105,7 +105,7 @@ pub fn direct_mismatch(
 
 impl DirectCtx<'_> {
     /// Publishes the next event (see [`Direct::publish`]) with four algorithm words.
-    pub fn publish(&mut self, data: &[u8], words: [u64; 4]) -> u64 {
+    pub(crate) fn publish(&mut self, data: &[u8], words: [u64; 4]) -> u64 {
         let mut all = [0u64; ADDRS];
         all[..4].copy_from_slice(&words);
         self.direct.publish(data, all)
@@ -114,7 +114,7 @@ impl DirectCtx<'_> {
     /// Publishes the call's first event, carrying its header, waits for every peer's, and
     /// checks that every peer called the same collective: a mismatch is an error on every
     /// rank (each reads every other's header) before any data is combined.
-    pub fn begin(&mut self, data: &[u8], words: [u64; 4]) -> Result<u64> {
+    pub(crate) fn begin(&mut self, data: &[u8], words: [u64; 4]) -> Result<u64> {
         let mut all = [0u64; ADDRS];
         all[..4].copy_from_slice(&words);
         if let Some(p) = self.print {
@@ -154,12 +154,12 @@ impl DirectCtx<'_> {
     }
 
     /// An error for a failed read of a peer's memory.
-    pub fn read_error(&self, peer: usize, e: std::io::Error) -> Error {
+    pub(crate) fn read_error(&self, peer: usize, e: std::io::Error) -> Error {
         self.access_error(peer, "reading", e)
     }
 
     /// An error for a failed write into a peer's memory.
-    pub fn write_error(&self, peer: usize, e: std::io::Error) -> Error {
+    pub(crate) fn write_error(&self, peer: usize, e: std::io::Error) -> Error {
         self.access_error(peer, "writing", e)
     }
 
@@ -204,7 +204,7 @@ impl DirectCtx<'_> {
     }
 
     /// Waits until every peer has published event `e`.
-    pub fn wait_all(&mut self, e: u64) -> Result<()> {
+    pub(crate) fn wait_all(&mut self, e: u64) -> Result<()> {
         let n = self.nranks;
         let me = self.rank;
         let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));

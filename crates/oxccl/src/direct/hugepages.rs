@@ -17,7 +17,7 @@
 use std::sync::Mutex;
 
 /// Buffers from this many bytes on are registered.
-pub const MIN_BYTES: usize = 4 << 20;
+pub(crate) const MIN_BYTES: usize = 4 << 20;
 
 /// Size of a transparent huge page (x86-64, arm64 with 4 KiB pages).
 const HUGE: usize = 2 << 20;
@@ -29,7 +29,7 @@ static REGISTERED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
 /// Registers the private buffer `[ptr, ptr + len)` if it is large, new to the cache and huge
 /// pages are allowed. The caller owns the buffer (the advice changes no byte of it).
-pub fn register(ptr: *const u8, len: usize) {
+pub(crate) fn register(ptr: *const u8, len: usize) {
     if len < MIN_BYTES || !crate::base::param::hugepages_allowed() {
         return;
     }
@@ -50,7 +50,7 @@ pub fn register(ptr: *const u8, len: usize) {
 /// Advises huge pages for a library-owned allocation of `len` bytes at `ptr` (staging,
 /// scratch) before it is filled, so that its first touches fault in huge pages; no cache and
 /// no collapse (it has no pages yet, or they are about to be overwritten).
-pub fn advise_fresh(ptr: *const u8, len: usize) {
+pub(crate) fn advise_fresh(ptr: *const u8, len: usize) {
     if len >= MIN_BYTES && crate::base::param::hugepages_allowed() {
         advise(ptr, len, false);
     }

@@ -2,10 +2,10 @@
 //! single-copy (CMA) collectives over mapped shared buffers, their event records ([`link`],
 //! [`shm`]), their executor ([`exec`]) and the shared buffers themselves.
 
-pub mod cma;
-pub mod exec;
-pub mod hugepages;
+pub(crate) mod cma;
+pub(crate) mod exec;
+pub(crate) mod hugepages;
 pub mod link;
-pub mod oneshot;
+pub(crate) mod oneshot;
 pub mod shared_buffer;
-pub mod shm;
+pub(crate) mod shm;

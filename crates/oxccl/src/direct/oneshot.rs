@@ -16,7 +16,7 @@ use crate::exec::Buffers;
 use crate::sched::{Coll, CollKind};
 
 /// Runs `c` one-shot.
-pub fn run(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>) -> Result<()> {
+pub(crate) fn run(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>) -> Result<()> {
     let (n, me, es) = (c.nranks, c.rank, c.dtype.size());
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();

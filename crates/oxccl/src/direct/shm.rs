@@ -39,7 +39,7 @@ use crate::transport::LinkError;
 const MAGIC: u64 = u64::from_le_bytes(*b"OXCCLDIR");
 const VERSION: u32 = 2;
 /// Bytes of one data slot.
-pub const SLOT_BYTES: usize = 64 << 10;
+pub(crate) const SLOT_BYTES: usize = 64 << 10;
 const BELL_OFF: usize = 128;
 const CLOSED_OFF: usize = 320;
 const RECORDS_OFF: usize = 384;
@@ -134,7 +134,7 @@ impl Drop for Area {
 }
 
 /// The shared-memory [`Direct`] of one rank.
-pub struct ShmDirect {
+pub(crate) struct ShmDirect {
     rank: usize,
     areas: Vec<Option<Area>>,
     pids: Vec<Option<rustix::process::Pid>>,
@@ -194,7 +194,7 @@ fn open(path: &str, rank: usize, pid: u32) -> std::result::Result<Area, String> 
 /// Sets up direct access among all `n` ranks of a single-host communicator: collective, every
 /// rank calls it. `pid_of[r]` is rank r's process id. Returns `None` (and logs why) where it
 /// cannot be set up on some rank; the ring algorithms then do all the work.
-pub fn connect(
+pub(crate) fn connect(
     ex: &mut dyn Exchange,
     pid_of: &[u32],
     tag: u64,

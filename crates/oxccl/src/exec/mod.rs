@@ -8,7 +8,7 @@
 //! sleeps on the links' doorbells or sockets in slices, checking between slices the call's
 //! deadline and that the peers it waits for are alive.
 
-pub mod p2p;
+pub(crate) mod p2p;
 
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, RawFd};
@@ -30,7 +30,7 @@ use crate::transport::{Link, LinkError, WaitSource};
 const SLEEP_SLICE: Duration = Duration::from_millis(50);
 
 /// The buffers of one call, as raw memory (input and output may alias for in-place calls).
-pub struct Buffers<'a> {
+pub(crate) struct Buffers<'a> {
     input: *const u8,
     input_len: usize,
     output: *mut u8,
@@ -40,7 +40,7 @@ pub struct Buffers<'a> {
 
 impl<'a> Buffers<'a> {
     /// Separate input and output (either may be empty).
-    pub fn new(input: &'a [u8], output: &'a mut [u8]) -> Self {
+    pub(crate) fn new(input: &'a [u8], output: &'a mut [u8]) -> Self {
         Buffers {
             input: input.as_ptr(),
             input_len: input.len(),
@@ -52,7 +52,7 @@ impl<'a> Buffers<'a> {
 
     /// One buffer used in place: the input is `buf[input]`, the output `buf[output]`.
     /// Panics if a range is out of bounds (callers compute them from validated lengths).
-    pub fn in_place(
+    pub(crate) fn in_place(
         buf: &'a mut [u8],
         input: std::ops::Range<usize>,
         output: std::ops::Range<usize>,
@@ -85,7 +85,7 @@ impl Buffers<'_> {
 }
 
 /// Everything the executor needs besides the schedule and the buffers.
-pub struct Ctx<'a> {
+pub(crate) struct Ctx<'a> {
     /// This rank.
     pub rank: usize,
     /// Links indexed by peer rank (`None` for this rank).
@@ -110,7 +110,7 @@ pub struct Ctx<'a> {
 
 /// The executor's failure-handling hooks ([`crate::fault::fingerprint`], [`crate::fault::health`]).
 #[derive(Default)]
-pub struct Guard<'a> {
+pub(crate) struct Guard<'a> {
     /// This call's fingerprint: a header goes before the first data to each peer, and each
     /// peer's header is checked before any of its data is used.
     pub print: Option<&'a CallPrint>,
@@ -160,7 +160,7 @@ impl Mem {
 
 /// Runs `sched` to completion. `scratch` is grown to the schedule's need and reused across
 /// calls.
-pub fn execute(
+pub(crate) fn execute(
     ctx: &mut Ctx<'_>,
     sched: &Schedule,
     bufs: &mut Buffers<'_>,

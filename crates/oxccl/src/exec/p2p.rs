@@ -73,7 +73,7 @@ pub enum P2pOp<'a> {
 
 /// Messages that arrived before a receive asked for them.
 #[derive(Debug, Default)]
-pub struct Stash {
+pub(crate) struct Stash {
     msgs: VecDeque<Stashed>,
     bytes: usize,
     /// Per peer: the header of a collective read while waiting for a message from any
@@ -92,7 +92,7 @@ struct Stashed {
 
 impl Stash {
     /// The headers held per peer (see [`crate::exec::Guard::held`]).
-    pub fn held_mut(&mut self) -> &mut [Option<[u8; HEADER_BYTES]>] {
+    pub(crate) fn held_mut(&mut self) -> &mut [Option<[u8; HEADER_BYTES]>] {
         &mut self.held
     }
 
@@ -194,7 +194,7 @@ impl Ctx<'_> {
     }
 
     /// Runs the group to completion: every send taken by its link, every receive filled.
-    pub fn run(&mut self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+    pub(crate) fn run(&mut self, ops: &mut [P2pOp<'_>]) -> Result<()> {
         let n = self.links.len();
         let mut done = vec![false; ops.len()];
         self.validate(ops)?;

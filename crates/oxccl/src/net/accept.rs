@@ -27,13 +27,13 @@ use super::auth::{self, Hello, Purpose, Verdict, HELLO_C_LEN, NONCE, PROOF_C_LEN
 use crate::base::error::Result;
 
 /// How long an accepted connection may stay silent before it is dropped.
-pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(1);
 /// At most this many unauthenticated connections from one source address are kept.
-pub const MAX_PENDING_PER_SOURCE: usize = 64;
+pub(crate) const MAX_PENDING_PER_SOURCE: usize = 64;
 /// At most this many unauthenticated connections are kept in all.
-pub const MAX_PENDING: usize = 512;
+pub(crate) const MAX_PENDING: usize = 512;
 /// The listen backlog of every listener the acceptor serves.
-pub const LISTEN_BACKLOG: i32 = 4096;
+pub(crate) const LISTEN_BACKLOG: i32 = 4096;
 /// At most this many connections are taken from the backlog between two polls, so that
 /// connections already accepted progress during a flood.
 const ACCEPT_BURST: usize = 256;
@@ -83,7 +83,7 @@ const WHY: [(Why, &str); 6] = [
 
 /// Connections dropped without a valid handshake, counted by source address and reason.
 #[derive(Default, Debug)]
-pub struct Strangers {
+pub(crate) struct Strangers {
     by_ip: BTreeMap<IpAddr, [usize; WHY.len()]>,
 }
 
@@ -94,7 +94,7 @@ impl Strangers {
 
     /// E.g. "120 connection(s) from 10.0.0.9 dropped without a valid handshake (100 silent,
     /// 20 not oxccl)", the three busiest sources; `None` when nothing was dropped.
-    pub fn summary(&self) -> Option<String> {
+    pub(crate) fn summary(&self) -> Option<String> {
         let mut v: Vec<(usize, &IpAddr, &[usize; WHY.len()])> = self
             .by_ip
             .iter()

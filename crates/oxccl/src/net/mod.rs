@@ -1,5 +1,5 @@
 //! The authenticated socket layer shared by the rendezvous ([`crate::bootstrap`]) and the TCP
 //! transport: the handshake ([`auth`]) and the listener that admits strangers ([`accept`]).
 
-pub mod accept;
+pub(crate) mod accept;
 pub mod auth;

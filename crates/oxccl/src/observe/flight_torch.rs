@@ -20,7 +20,7 @@ use crate::base::dtype::DataType;
 use crate::observe::flight::{CallState, Entry};
 
 /// The version of torch's format written (what torch 2.10's flight recorder writes).
-pub const VERSION: &str = "2.10";
+pub(crate) const VERSION: &str = "2.10";
 
 /// Where and how a rank writes its torch-format record.
 #[derive(Clone, Debug)]
@@ -125,7 +125,7 @@ fn torch_name(call: &str) -> Option<&'static str> {
 
 /// The pickled dump of `entries` (oldest first) of a rank of `nranks` in communicator
 /// `comm`.
-pub fn to_pickle(entries: &[Entry], nranks: usize, comm: u64, timeout_ms: u64) -> Vec<u8> {
+pub(crate) fn to_pickle(entries: &[Entry], nranks: usize, comm: u64, timeout_ms: u64) -> Vec<u8> {
     let pg = format!("{:08x}", comm as u32);
     let mut out = Vec::new();
     let (mut started, mut completed) = (-1i64, -1i64);

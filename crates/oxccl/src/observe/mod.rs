@@ -2,7 +2,7 @@
 //! the call timeline, the metrics and the status agent answering `oxccl status`.
 
 pub mod flight;
-pub mod flight_torch;
+pub(crate) mod flight_torch;
 pub mod metrics;
 pub mod status;
-pub mod timeline;
+pub(crate) mod timeline;

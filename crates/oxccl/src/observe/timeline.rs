@@ -28,7 +28,7 @@ struct Call {
 }
 
 /// A rank's timeline; see the module documentation.
-pub struct Timeline {
+pub(crate) struct Timeline {
     rank: usize,
     path: PathBuf,
     epoch: (Instant, u64),
@@ -45,7 +45,7 @@ impl std::fmt::Debug for Timeline {
 }
 
 /// The file rank `rank` writes for `OXCCL_TRACE=path`.
-pub fn rank_path(path: &str, rank: usize) -> PathBuf {
+pub(crate) fn rank_path(path: &str, rank: usize) -> PathBuf {
     if path.contains("%r") {
         return PathBuf::from(path.replace("%r", &rank.to_string()));
     }
@@ -57,7 +57,7 @@ pub fn rank_path(path: &str, rank: usize) -> PathBuf {
 
 impl Timeline {
     /// A timeline of `rank` written to [`rank_path`]`(path, rank)`.
-    pub fn new(rank: usize, path: &str) -> Timeline {
+    pub(crate) fn new(rank: usize, path: &str) -> Timeline {
         let unix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
@@ -71,7 +71,7 @@ impl Timeline {
 
     /// Records a finished call.
     #[allow(clippy::too_many_arguments)]
-    pub fn record(
+    pub(crate) fn record(
         &self,
         seq: u64,
         name: &'static str,
@@ -104,7 +104,7 @@ impl Timeline {
     }
 
     /// The trace as Chrome JSON.
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         let c = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         let mut s = String::from("{\"displayTimeUnit\":\"ns\",\"traceEvents\":[");
         let _ = write!(
@@ -145,7 +145,7 @@ impl Timeline {
     }
 
     /// Writes the file; errors are logged.
-    pub fn write(&self) {
+    pub(crate) fn write(&self) {
         if let Err(e) = std::fs::write(&self.path, self.to_json()) {
             tracing::warn!(rank = self.rank, path = %self.path.display(), "cannot write the trace: {e}");
         }

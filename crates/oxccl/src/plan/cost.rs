@@ -29,7 +29,7 @@ use crate::sched::{Algo, CollKind};
 
 /// Latency and bandwidth of one kind of link.
 #[derive(Copy, Clone, Debug, PartialEq)]
-pub struct LinkCost {
+pub(crate) struct LinkCost {
     /// Per-step latency in microseconds (a message's first byte, a wake-up).
     pub alpha_us: f64,
     /// Bandwidth in GB/s (1e9 bytes per second) of one link in one direction.
@@ -38,14 +38,14 @@ pub struct LinkCost {
 
 impl LinkCost {
     /// Microseconds to move `bytes` in one step.
-    pub fn time_us(&self, bytes: f64) -> f64 {
+    pub(crate) fn time_us(&self, bytes: f64) -> f64 {
         self.alpha_us + bytes / (self.gbps * 1e3)
     }
 }
 
 /// Link costs for shared memory and for the network.
 #[derive(Copy, Clone, Debug, PartialEq)]
-pub struct CostModel {
+pub(crate) struct CostModel {
     /// Between ranks of one host.
     pub shm: LinkCost,
     /// Between hosts.
@@ -84,10 +84,10 @@ fn ceil_log2(x: usize) -> f64 {
 
 impl CostModel {
     /// Buffers up to this size count as cache-resident ([`cached_gbps`](Self::cached_gbps)).
-    pub const CACHE_BYTES: usize = 1 << 20;
+    pub(crate) const CACHE_BYTES: usize = 1 << 20;
 
     /// The model with the network's latency and bandwidth replaced where given.
-    pub fn with_net(mut self, gbps: Option<f64>, lat_us: Option<f64>) -> Self {
+    pub(crate) fn with_net(mut self, gbps: Option<f64>, lat_us: Option<f64>) -> Self {
         if let Some(g) = gbps {
             self.net.gbps = g;
         }
@@ -99,7 +99,7 @@ impl CostModel {
 
     /// Predicted microseconds of an all-reduce of `bytes` with `algo` on `topo`; `None` when
     /// the algorithm does not run on this topology as itself (hier on hosts of unequal size).
-    pub fn all_reduce_us(&self, algo: Algo, bytes: usize, topo: &Topology) -> Option<f64> {
+    pub(crate) fn all_reduce_us(&self, algo: Algo, bytes: usize, topo: &Topology) -> Option<f64> {
         let n = topo.host_of.len();
         let h = topo.hosts.len();
         let l = topo.hosts.iter().map(Vec::len).max().unwrap_or(1);
@@ -158,7 +158,7 @@ impl CostModel {
     /// The algorithm for one call: on several hosts the all-reduce with the least predicted
     /// time (unless one is forced, or reductions must be rank-ordered); otherwise, and for
     /// every other collective, [`tune::choose`].
-    pub fn choose(
+    pub(crate) fn choose(
         &self,
         s: &tune::Situation,
         topo: Option<&Topology>,

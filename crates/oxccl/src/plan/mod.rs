@@ -1,5 +1,5 @@
 //! Choosing how to run a call: the cost model and the tuner that picks an algorithm per
 //! collective and size.
 
-pub mod cost;
-pub mod tune;
+pub(crate) mod cost;
+pub(crate) mod tune;

@@ -7,7 +7,7 @@
 use crate::sched::{Algo, CollKind};
 
 /// The algorithm a collective uses unless one is forced.
-pub fn default_algo(kind: CollKind) -> Algo {
+pub(crate) fn default_algo(kind: CollKind) -> Algo {
     match kind {
         CollKind::AllReduce | CollKind::AllGather | CollKind::ReduceScatter => Algo::Ring,
         CollKind::Broadcast | CollKind::Reduce => Algo::Chain,
@@ -19,7 +19,7 @@ pub fn default_algo(kind: CollKind) -> Algo {
 
 /// What the tuner knows about a call and the communicator.
 #[derive(Clone, Copy, Debug)]
-pub struct Situation {
+pub(crate) struct Situation {
     /// The collective.
     pub kind: CollKind,
     /// Bytes of one rank's input (the whole buffer for all_reduce, broadcast, reduce).
@@ -43,7 +43,7 @@ pub struct Situation {
 }
 
 /// Whether `algo` can run this call at all.
-pub fn feasible(algo: Algo, s: &Situation) -> bool {
+pub(crate) fn feasible(algo: Algo, s: &Situation) -> bool {
     algo.supports(s.kind)
         && match algo {
             Algo::OneShot => s.direct && s.input_bytes <= s.slot_bytes,
@@ -54,7 +54,7 @@ pub fn feasible(algo: Algo, s: &Situation) -> bool {
 
 /// The algorithm for a call: `forced` where it can run the call, else by size: one-shot for
 /// small inputs on one host, single-copy for large ones, the default schedule otherwise.
-pub fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
+pub(crate) fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
     let reduces = matches!(
         s.kind,
         CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter

@@ -9,7 +9,7 @@ use super::placement::Ring;
 use super::{Buf, Coll, Combine, Local, Region, Schedule, Xfer};
 
 /// The ring all-gather schedule for `c` (`c.count` = elements per rank).
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let (n, r) = (c.nranks, c.rank);
     let bytes = c.count * c.dtype.size();
     let blk = |i: usize| Region::new(Buf::Output, i * bytes, bytes);

@@ -44,7 +44,7 @@ use super::placement::{self, Ring};
 use super::{block, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The halving-doubling all-reduce schedule for `c`.
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let ring: Ring = placement::Ring::of(c);
     let (n, pos, es) = (c.nranks, ring.pos, c.dtype.size());
     let all = c.count * es;

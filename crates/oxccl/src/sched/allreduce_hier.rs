@@ -29,13 +29,13 @@ const MIN_CHUNK: usize = 2 << 20;
 const MAX_CHUNKS: usize = 8;
 
 /// How many pipeline chunks a buffer of `bytes` gets.
-pub fn chunks(bytes: usize) -> usize {
+pub(crate) fn chunks(bytes: usize) -> usize {
     (bytes / MIN_CHUNK).clamp(1, MAX_CHUNKS)
 }
 
 /// The hierarchical all-reduce schedule for `c` (the ring schedule when `c.topo` is absent
 /// or its hosts differ in size).
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let Some((local, j, topo)) = levels(c) else {
         return allreduce_ring::schedule(c);
     };

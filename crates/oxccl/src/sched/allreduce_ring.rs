@@ -13,7 +13,7 @@ use super::placement::{self, Ring};
 use super::{block, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The ring all-reduce schedule for `c`.
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let ring: Ring = placement::Ring::of(c);
     let (n, r, es) = (c.nranks, ring.pos, c.dtype.size());
     let mut s = Schedule::new("ring");

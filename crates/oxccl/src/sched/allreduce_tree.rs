@@ -19,7 +19,7 @@ use super::placement::levels;
 use super::{Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The tree all-reduce schedule for `c`.
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let all = c.count * c.dtype.size();
     let out = Region::new(Buf::Output, 0, all);
     let scr = Region::new(Buf::Scratch, 0, all);

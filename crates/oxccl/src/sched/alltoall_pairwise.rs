@@ -5,7 +5,7 @@
 use super::{sub_mod, Buf, Coll, Combine, Local, Region, Schedule, Xfer};
 
 /// The pairwise all-to-all schedule for `c` (`c.count` = elements per peer block).
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let (n, r) = (c.nranks, c.rank);
     let bytes = c.count * c.dtype.size();
     let blk = |buf, i: usize| Region::new(buf, i * bytes, bytes);

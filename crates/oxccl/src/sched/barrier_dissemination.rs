@@ -5,7 +5,7 @@
 use super::{sub_mod, Buf, Coll, Combine, Region, Schedule, Xfer};
 
 /// The dissemination barrier schedule for `c`.
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let (n, r) = (c.nranks, c.rank);
     let mut s = Schedule::new("dissemination");
     s.scratch_bytes = 2;

@@ -9,7 +9,7 @@ use super::placement::{root_pos, Ring};
 use super::{segments, sub_mod, Buf, Coll, Combine, Local, Region, Schedule, Xfer};
 
 /// The chain broadcast schedule for `c`.
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let (n, es) = (c.nranks, c.dtype.size());
     let all = c.count * es;
     let mut s = Schedule::new("chain");

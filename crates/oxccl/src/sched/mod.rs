@@ -13,21 +13,21 @@ use crate::base::dtype::DataType;
 use crate::base::op::ReduceOp;
 use crate::bootstrap::topo::Topology;
 
-pub mod allgather_ring;
-pub mod allreduce_halving_doubling;
-pub mod allreduce_hier;
-pub mod allreduce_ring;
-pub mod allreduce_tree;
-pub mod alltoall_pairwise;
-pub mod barrier_dissemination;
-pub mod broadcast_chain;
-pub mod ordered;
-pub mod placement;
-pub mod reduce_chain;
-pub mod reduce_scatter_ring;
-pub mod sendrecv;
+pub(crate) mod allgather_ring;
+pub(crate) mod allreduce_halving_doubling;
+pub(crate) mod allreduce_hier;
+pub(crate) mod allreduce_ring;
+pub(crate) mod allreduce_tree;
+pub(crate) mod alltoall_pairwise;
+pub(crate) mod barrier_dissemination;
+pub(crate) mod broadcast_chain;
+pub(crate) mod ordered;
+pub(crate) mod placement;
+pub(crate) mod reduce_chain;
+pub(crate) mod reduce_scatter_ring;
+pub(crate) mod sendrecv;
 #[cfg(test)]
-pub mod sim;
+pub(crate) mod sim;
 
 /// Which collective a call is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -412,7 +412,7 @@ impl Local {
 
 /// Block `i` of `count` elements split into `n` nearly equal blocks: `(first element, len)`.
 /// The first `count % n` blocks are one element longer.
-pub fn block(count: usize, n: usize, i: usize) -> (usize, usize) {
+pub(crate) fn block(count: usize, n: usize, i: usize) -> (usize, usize) {
     let base = count / n;
     let extra = count % n;
     let start = i * base + i.min(extra);
@@ -421,7 +421,11 @@ pub fn block(count: usize, n: usize, i: usize) -> (usize, usize) {
 
 /// Splits `len` elements into pipeline segments of at most `chunk_bytes` (at least one
 /// element each): `(first element, len)` pairs.
-pub fn segments(len: usize, es: usize, chunk_bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(crate) fn segments(
+    len: usize,
+    es: usize,
+    chunk_bytes: usize,
+) -> impl Iterator<Item = (usize, usize)> {
     let per = (chunk_bytes / es).max(1);
     (0..len.div_ceil(per)).map(move |k| (k * per, per.min(len - k * per)))
 }

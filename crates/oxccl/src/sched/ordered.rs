@@ -17,7 +17,7 @@ use super::{
 };
 
 /// The rank-ordered schedule for `c` (all_reduce, reduce_scatter or reduce).
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let (n, r, es) = (c.nranks, c.rank, c.dtype.size());
     // Input block i: (byte offset, byte length).
     let blk = |i: usize| -> (usize, usize) {

@@ -12,7 +12,7 @@ use crate::bootstrap::topo::Topology;
 
 /// A ring of all ranks in host order, seen from one rank.
 #[derive(Clone, Debug)]
-pub struct Ring {
+pub(crate) struct Ring {
     order: Vec<usize>,
     /// This rank's position in the ring.
     pub pos: usize,
@@ -20,7 +20,7 @@ pub struct Ring {
 
 impl Ring {
     /// The ring for `c`'s rank: host order when `c.topo` is known, else rank order.
-    pub fn of(c: &Coll) -> Ring {
+    pub(crate) fn of(c: &Coll) -> Ring {
         let order: Vec<usize> = match c.topo.as_deref() {
             Some(t) if t.host_of.len() == c.nranks => ring_order(t),
             _ => (0..c.nranks).collect(),
@@ -30,42 +30,42 @@ impl Ring {
     }
 
     /// The rank at position `pos + delta` (mod n; `delta` may be negative).
-    pub fn at(&self, delta: isize) -> usize {
+    pub(crate) fn at(&self, delta: isize) -> usize {
         let n = self.order.len() as isize;
         self.order[((self.pos as isize + delta).rem_euclid(n)) as usize]
     }
 
     /// The rank at position `pos` (`pos < len()`).
-    pub fn rank_at(&self, pos: usize) -> usize {
+    pub(crate) fn rank_at(&self, pos: usize) -> usize {
         self.order[pos]
     }
 
     /// The left neighbour (sends to this rank).
-    pub fn left(&self) -> usize {
+    pub(crate) fn left(&self) -> usize {
         self.at(-1)
     }
 
     /// The right neighbour (this rank sends to it).
-    pub fn right(&self) -> usize {
+    pub(crate) fn right(&self) -> usize {
         self.at(1)
     }
 }
 
 /// The position of rank `root` in `ring`. Chains (broadcast, reduce) run in ring order from
 /// the root, so they too cross each host boundary once.
-pub fn root_pos(ring: &Ring, root: usize) -> usize {
+pub(crate) fn root_pos(ring: &Ring, root: usize) -> usize {
     ring.order.iter().position(|&r| r == root).unwrap_or(0)
 }
 
 /// Every rank, host by host: the ring order that crosses each host boundary once.
-pub fn ring_order(t: &Topology) -> Vec<usize> {
+pub(crate) fn ring_order(t: &Topology) -> Vec<usize> {
     t.hosts.iter().flatten().copied().collect()
 }
 
 /// `c.rank`'s view of a two-level placement: its host's ranks (in rank order), its index
 /// among them, and for each host its ranks. `None` when `c.topo` is absent or does not
 /// describe `c.nranks` ranks.
-pub fn levels(c: &Coll) -> Option<(&[usize], usize, &Topology)> {
+pub(crate) fn levels(c: &Coll) -> Option<(&[usize], usize, &Topology)> {
     let t = c.topo.as_deref()?;
     if t.host_of.len() != c.nranks || c.rank >= c.nranks {
         return None;

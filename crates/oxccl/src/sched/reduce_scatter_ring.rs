@@ -11,7 +11,7 @@ use super::placement::Ring;
 use super::{Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
 
 /// The ring reduce-scatter schedule for `c` (`c.count` = elements per rank's block).
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let n = c.nranks;
     let bytes = c.count * c.dtype.size();
     let input = |i: usize| Region::new(Buf::Input, i * bytes, bytes);

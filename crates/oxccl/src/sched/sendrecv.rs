@@ -4,7 +4,7 @@
 use super::{Buf, Coll, CollKind, Combine, Local, Region, Schedule, Xfer};
 
 /// The direct schedule for a send, a receive or a sendrecv.
-pub fn schedule(c: &Coll) -> Schedule {
+pub(crate) fn schedule(c: &Coll) -> Schedule {
     let bytes = c.count * c.dtype.size();
     let input = Region::new(Buf::Input, 0, bytes);
     let output = Region::new(Buf::Output, 0, bytes);

@@ -17,7 +17,7 @@ use crate::base::wait::Doorbell;
 
 pub mod mem;
 pub mod shm;
-pub mod tcp;
+pub(crate) mod tcp;
 
 /// Which transport a link uses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -99,7 +99,7 @@ impl LinkError {
 
 /// What an OS error on a peer's process or connection means, with the raw error after it:
 /// "its process is gone (No such process (os error 3))".
-pub fn describe_io(e: &std::io::Error) -> String {
+pub(crate) fn describe_io(e: &std::io::Error) -> String {
     let meaning = match e.raw_os_error() {
         Some(libc::ESRCH) => Some("its process is gone"),
         Some(libc::EFAULT) => Some("its buffer is no longer mapped (it died or freed it)"),

@@ -14,13 +14,13 @@ use crate::sched::{Algo, Buf, Coll, CollKind, Combine, Local, Region, Schedule, 
 
 /// One rank's buffers.
 #[derive(Clone, Debug, Default)]
-pub struct Bufs {
+pub(crate) struct Bufs {
     /// Input bytes.
-    pub input: Vec<u8>,
+    pub(crate) input: Vec<u8>,
     /// Output bytes.
-    pub output: Vec<u8>,
+    pub(crate) output: Vec<u8>,
     /// Scratch bytes.
-    pub scratch: Vec<u8>,
+    pub(crate) scratch: Vec<u8>,
 }
 
 impl Bufs {
@@ -57,7 +57,7 @@ fn local(b: &mut Bufs, l: &Local, dtype: DataType, op: ReduceOp, n: usize) {
 }
 
 /// Runs the schedules of every rank (`colls[r]`, `bufs[r]`) to completion. Panics on deadlock.
-pub fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
+pub(crate) fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
     let n = colls.len();
     let scheds: Vec<Schedule> = colls.iter().map(|c| algo.schedule(c)).collect();
     for (r, s) in scheds.iter().enumerate() {

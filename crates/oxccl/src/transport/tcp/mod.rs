@@ -3,7 +3,7 @@
 //! [`connect`] builds one authenticated TCP connection per pair of ranks that need one (the
 //! higher rank connects to the lower); [`TcpLink`] drives it as a non-blocking [`Link`].
 
-pub mod striped;
+pub(crate) mod striped;
 
 use std::io::{self, Read};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -20,15 +20,15 @@ use crate::transport::tcp::striped::StripedLink;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// Bytes a [`TcpLink`] reads ahead from its socket.
-pub const RECV_BUFFER: usize = 512 << 10;
+pub(crate) const RECV_BUFFER: usize = 512 << 10;
 /// Requested kernel socket buffer size, each direction (best effort: the kernel may cap it).
-pub const SOCKET_BUFFER: usize = 4 << 20;
+pub(crate) const SOCKET_BUFFER: usize = 4 << 20;
 
 const CALL: &str = "tcp_connect";
 const BLOB_VERSION: u8 = 1;
 
 /// One end of a TCP connection to a peer, non-blocking.
-pub struct TcpLink {
+pub(crate) struct TcpLink {
     stream: TcpStream,
     peer: usize,
     buf: Box<[u8]>,
@@ -55,7 +55,7 @@ impl std::fmt::Debug for TcpLink {
 
 impl TcpLink {
     /// Wraps an established, authenticated connection to `peer` (made non-blocking here).
-    pub fn new(stream: TcpStream, peer: usize) -> io::Result<TcpLink> {
+    pub(crate) fn new(stream: TcpStream, peer: usize) -> io::Result<TcpLink> {
         tune(&stream);
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(None)?;
@@ -85,7 +85,7 @@ impl TcpLink {
     /// `TCP_USER_TIMEOUT` is deliberately not used: Linux applies it to zero-window probing
     /// too, so it would kill the connection to a live peer that is busy elsewhere (a rank
     /// writing a checkpoint) for longer than the timeout.
-    pub fn with_dead_after(mut self, after: Duration) -> io::Result<TcpLink> {
+    pub(crate) fn with_dead_after(mut self, after: Duration) -> io::Result<TcpLink> {
         self.dead_after = after;
         if !after.is_zero() {
             let r = socket2::SockRef::from(&self.stream);
@@ -344,7 +344,7 @@ fn blob_streams(b: &[u8], listens: bool, npeers: usize) -> usize {
 }
 
 /// Reads a rank's contribution to the port exchange; `None` for anything malformed.
-pub fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
+pub(crate) fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
     let mut r = b;
     let mut take = |n: usize| -> Option<&[u8]> {
         if r.len() < n {
@@ -385,7 +385,7 @@ pub fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
 ///
 /// This rank listens on the address of `cfg.socket_ifname`, else on the local address that
 /// routes to its first peer, and tells the peers where; `peers`' addresses pick that route.
-pub fn connect(
+pub(crate) fn connect(
     ex: &mut dyn Exchange,
     peers: &[(usize, IpAddr)],
     secret: &[u8; 16],

@@ -9,11 +9,11 @@ use crate::transport::tcp::TcpLink;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// Bytes per stripe.
-pub const STRIPE: usize = 256 << 10;
+pub(crate) const STRIPE: usize = 256 << 10;
 
 /// One link striped over `k` TCP connections.
 #[derive(Debug)]
-pub struct StripedLink {
+pub(crate) struct StripedLink {
     links: Vec<TcpLink>,
     sent: u64,
     recvd: u64,
@@ -21,7 +21,7 @@ pub struct StripedLink {
 
 impl StripedLink {
     /// Stripes over `links` (all to one peer, opened in the same order on both ends).
-    pub fn new(links: Vec<TcpLink>) -> StripedLink {
+    pub(crate) fn new(links: Vec<TcpLink>) -> StripedLink {
         assert!(!links.is_empty());
         StripedLink {
             links,
