@@ -2,6 +2,7 @@
 //! reduction kernels, memory helpers and the doorbell/spin waiting primitives. Imports nothing
 //! else of the crate.
 
+pub(crate) mod buffers;
 pub(crate) mod debug;
 pub(crate) mod dtype;
 pub(crate) mod error;

@@ -96,21 +96,21 @@ pub struct Config {
     /// (`file.<rank>.json`, or `%r` replaced by the rank).
     pub trace: Option<String>,
     /// `OXCCL_METRICS`: directory where each rank writes its call metrics (JSON lines and a
-    /// Prometheus text file, see [`crate::observe::metrics`]). Default off.
+    /// Prometheus text file, see `observe::metrics`). Default off.
     pub metrics: Option<String>,
     /// `OXCCL_METRICS_INTERVAL` (seconds): how often the metrics are written. Default 10 s.
     pub metrics_interval: Duration,
     /// `OXCCL_FR_DUMP`: file prefix; each rank writes its flight record in PyTorch's format
-    /// to `PREFIX<rank>` (see [`crate::observe::flight_torch`]) on an error, a timeout, `SIGUSR1` and
+    /// to `PREFIX<rank>` (see `observe::flight_torch`) on an error, a timeout, `SIGUSR1` and
     /// when the communicator is dropped. Default off.
     pub fr_dump: Option<String>,
     /// `OXCCL_STATUS`: a port (on 127.0.0.1) or `host:port` where rank 0 answers status
-    /// queries (`oxccl status`, [`crate::observe::status`]); the other ranks where it is set answer
+    /// queries (`oxccl status`, `observe::status`); the other ranks where it is set answer
     /// on an ephemeral port. Default off.
     pub status: Option<String>,
     // Multi-host settings (transport/tcp.rs, cost.rs).
     /// `OXCCL_NET_GBPS`: network bandwidth per host link in GB/s for the cost model
-    /// (default: [`crate::plan::cost::CostModel`]'s, 1.2).
+    /// (default: `plan::cost::CostModel`'s, 1.2).
     pub net_gbps: Option<f64>,
     /// `OXCCL_NET_LAT_US`: network latency per step in microseconds for the cost model.
     pub net_lat_us: Option<f64>,
@@ -183,7 +183,7 @@ pub(crate) fn membarrier_allowed() -> bool {
 }
 
 /// `OXCCL_HUGEPAGES=0`: no transparent huge pages for large private buffers on the single-copy
-/// path ([`crate::direct::hugepages`]); default on (so is an unreadable value). Read once per process
+/// path (`direct::hugepages`); default on (so is an unreadable value). Read once per process
 /// (an address space's buffers are the process's, whatever communicator uses them).
 pub(crate) fn hugepages_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -362,21 +362,6 @@ pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
 }
 
 impl Config {
-    /// The waiting policy these settings give, for a host where `local_ranks` ranks of the
-    /// communicator run.
-    pub fn spin_policy(&self, local_ranks: usize) -> crate::base::wait::Spin {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        crate::base::wait::Spin {
-            budget: self.spin,
-            socket_budget: self.tcp_spin,
-            yield_every: self.yield_every.unwrap_or(if local_ranks > cpus {
-                1
-            } else {
-                crate::base::wait::Spin::YIELD_EVERY
-            }),
-        }
-    }
-
     /// Reads every `OXCCL_*` setting from the environment; unset ones keep their defaults.
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
@@ -522,25 +507,6 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn spinning_yields_every_round_only_when_ranks_outnumber_cpus() {
-        let cpus = std::thread::available_parallelism().unwrap().get();
-        let c = Config::default();
-        assert_eq!(
-            c.spin_policy(cpus).yield_every,
-            crate::base::wait::Spin::YIELD_EVERY
-        );
-        assert_eq!(c.spin_policy(cpus + 1).yield_every, 1);
-        assert_eq!(c.spin_policy(1).budget, c.spin);
-        assert_eq!(c.spin_policy(1).socket_budget, c.tcp_spin);
-        let forced = Config {
-            yield_every: Some(8),
-            ..Config::default()
-        };
-        assert_eq!(forced.spin_policy(cpus + 1).yield_every, 8);
-        assert_eq!(forced.spin_policy(1).yield_every, 8);
-    }
 
     #[test]
     fn tuning_file() {

@@ -171,6 +171,21 @@ pub struct Spin {
 }
 
 impl Spin {
+    /// The waiting policy of the settings `cfg`, for a host where `local_ranks` ranks of the
+    /// communicator run.
+    pub(crate) fn from_config(cfg: &crate::base::param::Config, local_ranks: usize) -> Spin {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Spin {
+            budget: cfg.spin,
+            socket_budget: cfg.tcp_spin,
+            yield_every: cfg.yield_every.unwrap_or(if local_ranks > cpus {
+                1
+            } else {
+                Spin::YIELD_EVERY
+            }),
+        }
+    }
+
     /// Rounds between yields on a host with a core for every rank.
     pub const YIELD_EVERY: u32 = 64;
 
@@ -266,6 +281,22 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
     use std::time::Instant;
+
+    #[test]
+    fn spinning_yields_every_round_only_when_ranks_outnumber_cpus() {
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        let c = crate::base::param::Config::default();
+        assert_eq!(Spin::from_config(&c, cpus).yield_every, Spin::YIELD_EVERY);
+        assert_eq!(Spin::from_config(&c, cpus + 1).yield_every, 1);
+        assert_eq!(Spin::from_config(&c, 1).budget, c.spin);
+        assert_eq!(Spin::from_config(&c, 1).socket_budget, c.tcp_spin);
+        let forced = crate::base::param::Config {
+            yield_every: Some(8),
+            ..crate::base::param::Config::default()
+        };
+        assert_eq!(Spin::from_config(&forced, cpus + 1).yield_every, 8);
+        assert_eq!(Spin::from_config(&forced, 1).yield_every, 8);
+    }
 
     #[test]
     fn ring_wakes_sleeper() {

@@ -659,7 +659,7 @@ impl Bootstrap {
                 seq: self.seq,
                 reason: format!(
                     "bootstrap connection: {}",
-                    crate::transport::describe_io(&e)
+                    crate::base::error::describe_io(&e)
                 ),
             },
         }
@@ -692,7 +692,7 @@ impl Bootstrap {
     }
 
     /// Hands over the rendezvous connections, for the communicator's watchdog
-    /// ([`crate::fault::control`]): rank 0 gets one per other rank, the others the one to rank 0.
+    /// (`fault::control`): rank 0 gets one per other rank, the others the one to rank 0.
     /// Exchanges are impossible afterwards.
     pub(crate) fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
         match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {

@@ -171,7 +171,7 @@ impl Communicator {
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
-        comm.spin = comm.cfg.spin_policy(comm.local_size);
+        comm.spin = Spin::from_config(&comm.cfg, comm.local_size);
         comm.guard = CommGuard::with_bootstrap(&mut boot, &comm.cfg)?;
         comm.topo = Some(Arc::new(topo));
         comm.state
@@ -234,7 +234,7 @@ impl Communicator {
             local_rank: 0,
             local_size: 1,
             guard: CommGuard::local(rank, nranks, &cfg),
-            spin: cfg.spin_policy(1),
+            spin: Spin::from_config(&cfg, 1),
             cfg,
             forced_algo,
             transports,

@@ -26,13 +26,13 @@
 
 use std::ptr::NonNull;
 
+use crate::base::buffers::Buffers;
 use crate::base::error::Result;
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
 use crate::direct::exec::DirectCtx;
 use crate::direct::hugepages;
 use crate::direct::shared_buffer::{region_of, Region};
-use crate::exec::Buffers;
 use crate::sched::{block, Coll, CollKind};
 
 /// Bytes reduced at a time (the temporary stays in the core's cache).

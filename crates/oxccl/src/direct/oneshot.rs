@@ -8,11 +8,11 @@
 //! has to sleep. Limited to inputs that fit a slot
 //! ([`Direct::slot_bytes`](crate::direct::link::Direct::slot_bytes)).
 
+use crate::base::buffers::Buffers;
 use crate::base::error::Result;
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
 use crate::direct::exec::DirectCtx;
-use crate::exec::Buffers;
 use crate::sched::{Coll, CollKind};
 
 /// Runs `c` one-shot.

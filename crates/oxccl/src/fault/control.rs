@@ -346,7 +346,7 @@ fn run(sh: Arc<Shared>, mut conns: Vec<Conn>, settings: WatchSettings, on_failur
                             c.peer,
                             format!(
                                 "control connection: {}",
-                                crate::transport::describe_io(&std::io::Error::from(e))
+                                crate::base::error::describe_io(&std::io::Error::from(e))
                             ),
                         ));
                         break;

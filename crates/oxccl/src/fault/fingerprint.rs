@@ -109,7 +109,7 @@ impl Fingerprint {
     }
 
     /// A point-to-point message of `count` elements of `dtype`; `tagged`: an 8-byte tag
-    /// follows the header ([`crate::exec::p2p`]), marked in the op field (unused by messages).
+    /// follows the header (`exec::p2p`), marked in the op field (unused by messages).
     pub fn p2p(dtype: DataType, count: usize, tagged: bool) -> Self {
         Fingerprint {
             kind: P2P,

@@ -1,4 +1,4 @@
-//! The authenticated socket layer shared by the rendezvous ([`crate::bootstrap`]) and the TCP
+//! The authenticated socket layer shared by the rendezvous (`bootstrap`) and the TCP
 //! transport: the handshake ([`auth`]) and the listener that admits strangers ([`accept`]).
 
 pub(crate) mod accept;

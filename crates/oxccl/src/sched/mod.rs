@@ -1,7 +1,7 @@
 //! Algorithms as schedules: each collective algorithm turns a call ([`Coll`]) into a
 //! [`Schedule`] of steps, each step a set of sends and receives over byte ranges of the
 //! call's buffers. Schedules do no I/O: they are checked here against a deterministic
-//! in-memory simulator (`sim`, in tests), and run over real links by [`crate::exec`].
+//! in-memory simulator (`sim`, in tests), and run over real links by `exec`.
 //!
 //! One file per algorithm, named `<collective>_<algorithm>` as in Gloo. docs/algorithms.md
 //! lists each one's steps and bytes on the wire.
@@ -507,7 +507,7 @@ impl Algo {
     }
 
     /// True for the algorithms that work on the direct area of one host
-    /// ([`crate::direct::link`]) instead of a schedule over links.
+    /// (`direct::link`) instead of a schedule over links.
     pub fn is_direct(self) -> bool {
         matches!(self, Algo::OneShot | Algo::Cma)
     }

@@ -2,7 +2,7 @@
 //!
 //! Every transport fills the same small interface, [`Link`]: an ordered, reliable,
 //! non-blocking byte stream to one peer, in both directions. Algorithms never see a
-//! transport; the executor ([`crate::exec`]) drives links and sleeps on their
+//! transport; the executor (`exec`) drives links and sleeps on their
 //! [`WaitSource`]s when none can progress.
 //!
 //! - [`shm`]: shared memory between ranks of one host (one single-producer/single-consumer
@@ -18,6 +18,8 @@ use crate::base::wait::Doorbell;
 pub mod mem;
 pub mod shm;
 pub(crate) mod tcp;
+
+pub(crate) use crate::base::error::describe_io;
 
 /// Which transport a link uses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -94,33 +96,6 @@ impl LinkError {
                 reason: describe_io(&e),
             },
         }
-    }
-}
-
-/// What an OS error on a peer's process or connection means, with the raw error after it:
-/// "its process is gone (No such process (os error 3))".
-pub(crate) fn describe_io(e: &std::io::Error) -> String {
-    let meaning = match e.raw_os_error() {
-        Some(libc::ESRCH) => Some("its process is gone"),
-        Some(libc::EFAULT) => Some("its buffer is no longer mapped (it died or freed it)"),
-        Some(libc::EPERM) | Some(libc::EACCES) => {
-            Some("the kernel refuses access to its memory (ptrace rules)")
-        }
-        _ => match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                Some("it sent nothing within the socket's timeout")
-            }
-            std::io::ErrorKind::ConnectionReset => {
-                Some("the connection was reset (its process died or its host went away)")
-            }
-            std::io::ErrorKind::BrokenPipe => Some("it closed the connection"),
-            std::io::ErrorKind::UnexpectedEof => Some("it closed the connection mid-message"),
-            _ => None,
-        },
-    };
-    match meaning {
-        Some(m) => format!("{m} ({e})"),
-        None => e.to_string(),
     }
 }
 
