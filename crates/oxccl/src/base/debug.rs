@@ -7,12 +7,21 @@
 
 /// The `tracing` targets of each subsystem name accepted by `OXCCL_DEBUG_SUBSYS`.
 pub(crate) const SUBSYSTEMS: &[(&str, &[&str])] = &[
-    ("init", &["oxccl::comm", "oxccl::topo"]),
-    ("bootstrap", &["oxccl::bootstrap"]),
-    ("shm", &["oxccl::transport::shm"]),
+    ("init", &["oxccl::comm", "oxccl::bootstrap::topo"]),
+    ("bootstrap", &["oxccl::bootstrap", "oxccl::net"]),
+    ("shm", &["oxccl::transport::shm", "oxccl::direct::shm"]),
     ("net", &["oxccl::transport::tcp"]),
-    ("coll", &["oxccl::exec", "oxccl::algo"]),
-    ("tune", &["oxccl::tune"]),
+    (
+        "coll",
+        &[
+            "oxccl::exec",
+            "oxccl::sched",
+            "oxccl::direct::exec",
+            "oxccl::direct::cma",
+            "oxccl::direct::oneshot",
+        ],
+    ),
+    ("tune", &["oxccl::plan::tune"]),
 ];
 
 /// The filter directives for a level and a subsystem list (`None` = all subsystems).
@@ -93,7 +102,7 @@ mod tests {
         assert_eq!(directives("info", None).unwrap(), "oxccl=info");
         assert_eq!(
             directives("DEBUG", Some("shm,net")).unwrap(),
-            "oxccl::transport::shm=debug,oxccl::transport::tcp=debug"
+            "oxccl::transport::shm=debug,oxccl::direct::shm=debug,oxccl::transport::tcp=debug"
         );
         assert!(directives("loud", None).is_err());
         assert!(directives("info", Some("gpu"))
