@@ -83,6 +83,10 @@ pub struct Args {
     /// Failure injection: this rank stops itself (SIGSTOP) at --at-iter for --stall-secs.
     #[arg(long, value_name = "RANK")]
     stall_rank: Option<usize>,
+    /// Failure injection (TCP only): this rank is cut off the network at --at-iter, as a
+    /// silent partition (every packet to its TCP sockets dropped; no FIN, no RST).
+    #[arg(long, value_name = "RANK", conflicts_with_all = ["kill_rank", "stall_rank"])]
+    cut_rank: Option<usize>,
     /// The iteration at which the injected failure happens.
     #[arg(long, value_name = "I", default_value_t = 10)]
     at_iter: usize,
@@ -195,6 +199,16 @@ fn validate(a: &Args) -> Result<(), String> {
     }
     if a.check > 1 {
         return Err("-c takes 0 or 1".into());
+    }
+    if a.cut_rank.is_some() {
+        // --transport, else OXCCL_TRANSPORT.
+        let t = match &a.transport {
+            Some(t) => t.parse().ok(),
+            None => oxccl::Config::from_env().ok().map(|c| c.transport),
+        };
+        if t != Some(oxccl::param::TransportChoice::Tcp) {
+            return Err(inject::CUT_NEEDS_TCP.into());
+        }
     }
     Ok(())
 }
@@ -387,7 +401,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
     if a.root >= n && matches!(kind, CollKind::Broadcast | CollKind::Reduce) {
         return Err(format!("root {} is out of range for {n} ranks", a.root));
     }
-    if a.kill_rank.is_some() || a.stall_rank.is_some() {
+    if a.kill_rank.is_some() || a.stall_rank.is_some() || a.cut_rank.is_some() {
         return inject::run(comm, a, kind);
     }
     let transport = comm.transport_summary();

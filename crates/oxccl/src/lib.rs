@@ -45,6 +45,8 @@ pub mod shared_buffer;
 mod split;
 pub mod status;
 pub mod stream;
+#[doc(hidden)]
+pub mod testing;
 pub mod timeline;
 pub mod topo;
 pub mod transport;
