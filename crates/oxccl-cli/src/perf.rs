@@ -76,8 +76,9 @@ pub struct Args {
     /// Also write one JSON object per row and placement to this file.
     #[arg(long)]
     json: Option<String>,
-    /// Failure injection: this rank exits abruptly (as SIGKILL: no goodbye) at --at-iter;
-    /// the survivors report the time to detect, shrink, re-run and check (see perf/inject.rs).
+    /// Failure injection: this rank is killed (SIGKILL; under a launcher other than this
+    /// command's own, an abrupt exit with status 0) at --at-iter; the survivors report the
+    /// time to detect, shrink, re-run and check (see perf/inject.rs).
     #[arg(long, value_name = "RANK", conflicts_with = "stall_rank")]
     kill_rank: Option<usize>,
     /// Failure injection: this rank stops itself (SIGSTOP) at --at-iter for --stall-secs.
@@ -97,6 +98,9 @@ pub struct Args {
     /// the original size, re-run the same size and check (see perf/inject.rs).
     #[arg(long, requires = "kill_rank")]
     grow: bool,
+    /// Internal (set by this command's launcher): the rank whose SIGKILL it expects.
+    #[arg(long, hide = true, env = crate::launch::EXPECT_KILL_ENV)]
+    launcher_expects_kill: Option<usize>,
     /// Internal (set by --grow for the replacement it starts): `RANK/SIZE/UNIQUE_ID` to join.
     #[arg(long, hide = true, env = "OXCCL_PERF_GROW_JOIN")]
     grow_join: Option<String>,
@@ -132,7 +136,7 @@ pub fn main(a: Args) -> i32 {
     if let Some(al) = &a.algo {
         env.push(("OXCCL_ALGO", al.clone()));
     }
-    rank_or_launch("perf", rank, a.ranks, &env, || rank_main(&a))
+    rank_or_launch("perf", rank, a.ranks, &env, a.kill_rank, || rank_main(&a))
 }
 
 fn kind_of(name: &str) -> Result<CollKind, String> {

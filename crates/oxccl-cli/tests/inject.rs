@@ -56,6 +56,14 @@ fn survivors_detect_shrink_and_agree() {
     ] {
         let out = run(&args);
         assert!(out.contains(victim), "{out}");
+        if args[0] == "--kill-rank" {
+            // A real SIGKILL, which this command's launcher expected.
+            assert!(
+                out.contains("rank 1 killed (SIGKILL)")
+                    && out.contains("rank 1 was killed by signal 9 (SIGKILL), as expected"),
+                "{out}"
+            );
+        }
         let seen = out.matches("failure seen at iteration").count();
         assert_eq!(seen, 2, "both survivors report the failure:\n{out}");
         assert!(
@@ -136,6 +144,39 @@ fn a_cut_needs_tcp() {
         assert!(
             out.contains("--cut-rank needs the TCP transport") && !out.contains("failure seen"),
             "{out}"
+        );
+    }
+}
+
+/// `oxccl run --expect-kill R`: rank R's SIGKILL does not stop the other ranks (they get
+/// `OXCCL_LAUNCH_EXPECTS_KILL=R`); without the flag, or when another rank is the one killed,
+/// the job stops as before.
+#[test]
+fn the_launcher_keeps_the_survivors_of_an_expected_sigkill() {
+    let script = "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 5; \
+                  echo survived $RANK $OXCCL_LAUNCH_EXPECTS_KILL";
+    let go = |extra: &[&str]| {
+        let o = Command::new(OXCCL)
+            .args(["run", "-n", "3"])
+            .args(extra)
+            .args(["--", "sh", "-c", script])
+            .output()
+            .unwrap();
+        (o.status.success(), text(&o))
+    };
+    let (ok, out) = go(&["--expect-kill", "1"]);
+    assert!(
+        ok && out.contains("rank 1 was killed by signal 9 (SIGKILL), as expected")
+            && out.contains("[0] survived 0 1")
+            && out.contains("[2] survived 2 1"),
+        "{out}"
+    );
+    for extra in [&[][..], &["--expect-kill", "2"]] {
+        let (ok, out) = go(extra);
+        assert!(
+            !ok && out.contains("rank 1 was killed by signal 9 (SIGKILL) first")
+                && !out.contains("survived"),
+            "{extra:?}: {out}"
         );
     }
 }

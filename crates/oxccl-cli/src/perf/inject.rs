@@ -2,9 +2,11 @@
 //! `--stall-rank R` or `--cut-rank R` with `--at-iter I`. The ranks run the collective (the
 //! first size, type and op of the command line) in a loop; at iteration I the victim fails:
 //!
-//! - kill: it exits at once, without a goodbye (its sockets are closed by the kernel and its
-//!   shared memory is left as it is, as under SIGKILL; the exit status is 0 so that the
-//!   launcher, which stops the job when a rank dies by a signal, keeps the survivors);
+//! - kill: it sends itself SIGKILL (no goodbye: its sockets are closed by the kernel and its
+//!   shared memory is left as it is); this command's launcher is told to expect it and keeps
+//!   the survivors. Under another launcher (torchrun, srun, `oxccl run` without
+//!   `--expect-kill`), which would stop the job, it exits at once with status 0 instead,
+//!   which its peers cannot tell from SIGKILL;
 //! - stall: it stops itself (SIGSTOP: its sockets stay open, its heartbeats stop, as a host
 //!   that went away) for `--stall-secs`, then resumes and leaves;
 //! - cut (TCP only): a silent network partition, as a pulled cable or a dead switch port: it
@@ -42,9 +44,19 @@ enum How {
     Cut,
 }
 
-fn fail(how: How, rank: usize, iter: usize, stall_secs: f64) {
+fn fail(how: How, rank: usize, iter: usize, a: &Args) {
     let _ = std::io::stdout().flush();
     match how {
+        How::Kill if a.launcher_expects_kill == Some(rank) => {
+            eprintln!("rank {rank}: injected failure: SIGKILL at iteration {iter}");
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+            // Not reached: SIGKILL cannot be caught.
+            // SAFETY: as below.
+            unsafe { libc::_exit(0) }
+        }
         How::Kill => {
             eprintln!("rank {rank}: injected failure: exiting abruptly at iteration {iter}");
             // SAFETY: `_exit` ends the process at once (no destructors, no atexit handlers:
@@ -58,14 +70,21 @@ fn fail(how: How, rank: usize, iter: usize, stall_secs: f64) {
             let waker = std::process::Command::new("sh")
                 .args([
                     "-c",
-                    &format!("sleep {stall_secs}; kill -CONT {}", pid.as_raw_nonzero()),
+                    &format!(
+                        "sleep {}; kill -CONT {}",
+                        a.stall_secs,
+                        pid.as_raw_nonzero()
+                    ),
                 ])
                 .spawn();
             if let Err(e) = waker {
                 eprintln!("rank {rank}: cannot start the waker ({e}); not stalling");
                 return;
             }
-            eprintln!("rank {rank}: injected failure: stopping (SIGSTOP) for {stall_secs} s at iteration {iter}");
+            eprintln!(
+                "rank {rank}: injected failure: stopping (SIGSTOP) for {} s at iteration {iter}",
+                a.stall_secs
+            );
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::STOP);
             eprintln!("rank {rank}: resumed; leaving");
         }
@@ -228,7 +247,7 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
     for i in 0..a.at_iter + 10_000 {
         if i == a.at_iter && rank == victim {
             if how != How::Cut {
-                fail(how, rank, i, a.stall_secs);
+                fail(how, rank, i, a);
                 return Ok(());
             }
             cut(rank, i)?;
@@ -273,6 +292,7 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
             a.minbytes,
             case.dtype.name(),
             match how {
+                How::Kill if a.launcher_expects_kill == Some(victim) => "killed (SIGKILL)",
                 How::Kill => "killed (abrupt exit)",
                 How::Stall => "stalled (SIGSTOP)",
                 How::Cut => "cut off (silent TCP partition)",
