@@ -9,9 +9,9 @@
 //!   which its peers cannot tell from SIGKILL;
 //! - stall: it stops itself (SIGSTOP: its sockets stay open, its heartbeats stop, as a host
 //!   that went away) for `--stall-secs`, then resumes and leaves;
-//! - cut (TCP only): a silent network partition, as a pulled cable or a dead switch port: it
-//!   drops every packet that reaches any of its TCP sockets ([`oxccl::testing::cut_tcp`]), so
-//!   nothing it sends is acknowledged and nothing sent to it arrives; no FIN, no RST. It goes
+//! - cut (TCP only): a silent network partition, as a pulled cable or a dead switch port: each
+//!   of its TCP sockets drops every packet that reaches it and sends at most one more
+//!   ([`oxccl::testing::cut_tcp`]); no FIN, no RST. It goes
 //!   on calling: its own call must fail too (it reports its time to detect), then it stays
 //!   silent for twice the heartbeat timeout (an exit would close its sockets and turn the
 //!   silence into a closed connection) and leaves.
@@ -97,7 +97,7 @@ fn cut(rank: usize, iter: usize) -> Result<(), String> {
     let n = oxccl::testing::cut_tcp().map_err(|e| format!("rank {rank}: cutting: {e}"))?;
     eprintln!(
         "rank {rank}: injected failure: cut off the network at iteration {iter} \
-         ({n} TCP sockets drop every packet; nothing closed)"
+         ({n} TCP sockets drop every packet and send at most one more; nothing closed)"
     );
     Ok(())
 }
