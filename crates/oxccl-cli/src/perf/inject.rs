@@ -13,8 +13,8 @@
 //!   of its TCP sockets drops every packet that reaches it and sends at most one more
 //!   ([`oxccl::testing::cut_tcp`]); no FIN, no RST. It goes
 //!   on calling: its own call must fail too (it reports its time to detect), then it stays
-//!   silent for twice the heartbeat timeout (an exit would close its sockets and turn the
-//!   silence into a closed connection) and leaves.
+//!   silent for twice the heartbeat timeout and 2 s (an exit would close its sockets and
+//!   could turn the silence into a closed connection) and leaves.
 //!
 //! Each survivor reports the time to detect (from the start of its call at iteration I to the
 //! error, which must be a lost peer naming the victim), then the survivors `shrink()` the victim out, re-run the same size, and report the
@@ -104,11 +104,11 @@ fn cut(rank: usize, iter: usize) -> Result<(), String> {
 
 /// The cut rank after its own call failed: stays silent long enough for every survivor to
 /// see silence: twice the heartbeat timeout (without heartbeats, the TCP links' dead time,
-/// else the call timeout).
+/// else the call timeout), and 2 s more for a loaded machine.
 fn linger(comm: &Communicator, rank: usize) {
     let cfg = comm.config();
     let dead_after = (!cfg.tcp_dead_after.is_zero()).then_some(cfg.tcp_dead_after);
-    let wait = 2 * cfg.heartbeat.or(dead_after).unwrap_or(comm.timeout());
+    let wait = 2 * cfg.heartbeat.or(dead_after).unwrap_or(comm.timeout()) + Duration::from_secs(2);
     eprintln!(
         "rank {rank}: staying silent for {:.1} s, then leaving",
         wait.as_secs_f64()
