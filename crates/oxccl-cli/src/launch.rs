@@ -3,7 +3,10 @@
 //! Every rank gets the variables torchrun sets (`RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 //! MASTER_ADDR MASTER_PORT`) plus a fresh random `OXCCL_SECRET`. When a rank fails, the
 //! others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher says
-//! which rank failed and how.
+//! which rank failed and how. A failure drill may name one rank whose death by SIGKILL is
+//! expected (`oxccl run --expect-kill R`, `oxccl perf --kill-rank R`): that death does not
+//! stop the others, as torchrun's elastic agent keeps a job whose survivors go on; every
+//! rank then gets [`EXPECT_KILL_ENV`]`=R`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -24,10 +27,18 @@ pub struct RunArgs {
     /// Do not prefix output lines with the rank.
     #[arg(long)]
     no_prefix: bool,
+    /// Failure drills: this rank's death by SIGKILL is expected and does not stop the other
+    /// ranks (any other failure still does; the ranks get OXCCL_LAUNCH_EXPECTS_KILL=RANK).
+    #[arg(long, value_name = "RANK")]
+    expect_kill: Option<usize>,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
     command: Vec<String>,
 }
+
+/// Set by the launcher for every rank when one rank's death by SIGKILL is expected: that
+/// rank's number.
+pub const EXPECT_KILL_ENV: &str = "OXCCL_LAUNCH_EXPECTS_KILL";
 
 /// How the launcher treats the ranks' output.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -100,6 +111,11 @@ impl Death {
     fn by_signal(&self) -> bool {
         use std::os::unix::process::ExitStatusExt;
         matches!(&self.status, Ok(s) if s.signal().is_some())
+    }
+
+    fn by_sigkill(&self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        matches!(&self.status, Ok(s) if s.signal() == Some(libc::SIGKILL))
     }
 
     fn describe(&self) -> String {
@@ -213,13 +229,15 @@ impl Drop for Binding {
 }
 
 /// Starts `n` ranks of `program args`, waits for them, and returns the exit code: 0 when all
-/// succeed; otherwise the failing rank is reported, the others stopped, and 1 returned.
+/// succeed; otherwise the failing rank is reported, the others stopped, and 1 returned. The
+/// death of rank `expect_kill` by SIGKILL is not a failure.
 pub fn launch(
     n: usize,
     program: &str,
     args: &[String],
     mode: Output,
     extra_env: &[(&str, String)],
+    expect_kill: Option<usize>,
 ) -> i32 {
     if n == 0 {
         eprintln!("oxccl: need at least one rank");
@@ -252,6 +270,9 @@ pub fn launch(
             .process_group(0);
         for (k, v) in extra_env {
             cmd.env(k, v);
+        }
+        if let Some(r) = expect_kill {
+            cmd.env(EXPECT_KILL_ENV, r.to_string());
         }
         if mode == Output::Prefixed {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -332,7 +353,13 @@ pub fn launch(
         match rx.recv_timeout(Duration::from_millis(10)) {
             Ok(d) => {
                 alive.retain(|(r, _)| *r != d.rank);
-                if d.failed() {
+                if Some(d.rank) == expect_kill && d.by_sigkill() {
+                    eprintln!(
+                        "oxccl: rank {} {}, as expected; the other ranks go on",
+                        d.rank,
+                        d.describe()
+                    );
+                } else if d.failed() {
                     failures.push(d);
                 }
             }
@@ -397,12 +424,14 @@ fn stop_all(alive: &mut Vec<(usize, u32)>, ended: &std::sync::mpsc::Receiver<Dea
 
 /// A subcommand that is either one rank of a launched job (under torchrun, srun, mpirun or
 /// `oxccl run`: `rank_main` runs here) or the launcher of `ranks` local copies of this very
-/// command line, each with `env` added. Returns the exit code; `name` prefixes messages.
+/// command line, each with `env` added (and `expect_kill` as in [`launch`]). Returns the exit
+/// code; `name` prefixes messages.
 pub fn rank_or_launch(
     name: &str,
     under_launcher: bool,
     ranks: usize,
     env: &[(&str, String)],
+    expect_kill: Option<usize>,
     rank_main: impl FnOnce() -> Result<(), String>,
 ) -> i32 {
     if under_launcher {
@@ -422,7 +451,7 @@ pub fn rank_or_launch(
         }
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
-    launch(ranks, &exe, &args, Output::Raw, env)
+    launch(ranks, &exe, &args, Output::Raw, env, expect_kill)
 }
 
 /// `oxccl run`.
@@ -432,5 +461,12 @@ pub fn run_main(a: RunArgs) -> i32 {
     } else {
         Output::Prefixed
     };
-    launch(a.nproc, &a.command[0], &a.command[1..], mode, &[])
+    launch(
+        a.nproc,
+        &a.command[0],
+        &a.command[1..],
+        mode,
+        &[],
+        a.expect_kill,
+    )
 }

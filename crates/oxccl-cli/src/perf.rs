@@ -76,13 +76,18 @@ pub struct Args {
     /// Also write one JSON object per row and placement to this file.
     #[arg(long)]
     json: Option<String>,
-    /// Failure injection: this rank exits abruptly (as SIGKILL: no goodbye) at --at-iter;
-    /// the survivors report the time to detect, shrink, re-run and check (see perf/inject.rs).
+    /// Failure injection: this rank is killed (SIGKILL; under a launcher other than this
+    /// command's own, an abrupt exit with status 0) at --at-iter; the survivors report the
+    /// time to detect, shrink, re-run and check (see perf/inject.rs).
     #[arg(long, value_name = "RANK", conflicts_with = "stall_rank")]
     kill_rank: Option<usize>,
     /// Failure injection: this rank stops itself (SIGSTOP) at --at-iter for --stall-secs.
     #[arg(long, value_name = "RANK")]
     stall_rank: Option<usize>,
+    /// Failure injection (TCP only): this rank is cut off the network at --at-iter, as a
+    /// silent partition (every packet to its TCP sockets dropped; no FIN, no RST).
+    #[arg(long, value_name = "RANK", conflicts_with_all = ["kill_rank", "stall_rank"])]
+    cut_rank: Option<usize>,
     /// The iteration at which the injected failure happens.
     #[arg(long, value_name = "I", default_value_t = 10)]
     at_iter: usize,
@@ -93,6 +98,9 @@ pub struct Args {
     /// the original size, re-run the same size and check (see perf/inject.rs).
     #[arg(long, requires = "kill_rank")]
     grow: bool,
+    /// Internal (set by this command's launcher): the rank whose SIGKILL it expects.
+    #[arg(long, hide = true, env = crate::launch::EXPECT_KILL_ENV)]
+    launcher_expects_kill: Option<usize>,
     /// Internal (set by --grow for the replacement it starts): `RANK/SIZE/UNIQUE_ID` to join.
     #[arg(long, hide = true, env = "OXCCL_PERF_GROW_JOIN")]
     grow_join: Option<String>,
@@ -128,7 +136,7 @@ pub fn main(a: Args) -> i32 {
     if let Some(al) = &a.algo {
         env.push(("OXCCL_ALGO", al.clone()));
     }
-    rank_or_launch("perf", rank, a.ranks, &env, || rank_main(&a))
+    rank_or_launch("perf", rank, a.ranks, &env, a.kill_rank, || rank_main(&a))
 }
 
 fn kind_of(name: &str) -> Result<CollKind, String> {
@@ -195,6 +203,16 @@ fn validate(a: &Args) -> Result<(), String> {
     }
     if a.check > 1 {
         return Err("-c takes 0 or 1".into());
+    }
+    if a.cut_rank.is_some() {
+        // --transport, else OXCCL_TRANSPORT.
+        let t = match &a.transport {
+            Some(t) => t.parse().ok(),
+            None => oxccl::Config::from_env().ok().map(|c| c.transport),
+        };
+        if t != Some(oxccl::TransportChoice::Tcp) {
+            return Err(inject::CUT_NEEDS_TCP.into());
+        }
     }
     Ok(())
 }
@@ -387,7 +405,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
     if a.root >= n && matches!(kind, CollKind::Broadcast | CollKind::Reduce) {
         return Err(format!("root {} is out of range for {n} ranks", a.root));
     }
-    if a.kill_rank.is_some() || a.stall_rank.is_some() {
+    if a.kill_rank.is_some() || a.stall_rank.is_some() || a.cut_rank.is_some() {
         return inject::run(comm, a, kind);
     }
     let transport = comm.transport_summary();

@@ -37,7 +37,9 @@ pub fn main(a: Args) -> i32 {
     if let Some(p) = Tuning::path() {
         env.push(("OXCCL_USER_TUNE_FILE", p.to_string_lossy().into_owned()));
     }
-    rank_or_launch("tune", under_launcher(), a.ranks, &env, || rank_main(&a))
+    rank_or_launch("tune", under_launcher(), a.ranks, &env, None, || {
+        rank_main(&a)
+    })
 }
 
 const ALGOS: [Algo; 3] = [Algo::OneShot, Algo::Ring, Algo::Cma];

@@ -1,15 +1,23 @@
-//! Failure injection in `oxccl perf` (as torchft's and ULFM's tests): `--kill-rank R` or
-//! `--stall-rank R` with `--at-iter I`. The ranks run the collective (the first size, type and
-//! op of the command line) in a loop; at iteration I the victim fails:
+//! Failure injection in `oxccl perf` (as torchft's and ULFM's tests): `--kill-rank R`,
+//! `--stall-rank R` or `--cut-rank R` with `--at-iter I`. The ranks run the collective (the
+//! first size, type and op of the command line) in a loop; at iteration I the victim fails:
 //!
-//! - kill: it exits at once, without a goodbye (its sockets are closed by the kernel and its
-//!   shared memory is left as it is, as under SIGKILL; the exit status is 0 so that the
-//!   launcher, which stops the job when a rank dies by a signal, keeps the survivors);
+//! - kill: it sends itself SIGKILL (no goodbye: its sockets are closed by the kernel and its
+//!   shared memory is left as it is); this command's launcher is told to expect it and keeps
+//!   the survivors. Under another launcher (torchrun, srun, `oxccl run` without
+//!   `--expect-kill`), which would stop the job, it exits at once with status 0 instead,
+//!   which its peers cannot tell from SIGKILL;
 //! - stall: it stops itself (SIGSTOP: its sockets stay open, its heartbeats stop, as a host
-//!   that went away) for `--stall-secs`, then resumes and leaves.
+//!   that went away) for `--stall-secs`, then resumes and leaves;
+//! - cut (TCP only): a silent network partition, as a pulled cable or a dead switch port: each
+//!   of its TCP sockets drops every packet that reaches it and sends at most one more
+//!   ([`oxccl::testing::cut_tcp`]); no FIN, no RST. It goes
+//!   on calling: its own call must fail too (it reports its time to detect), then it stays
+//!   silent for twice the heartbeat timeout and 2 s (an exit would close its sockets and
+//!   could turn the silence into a closed connection) and leaves.
 //!
 //! Each survivor reports the time to detect (from the start of its call at iteration I to the
-//! error), then the survivors `shrink()` the victim out, re-run the same size, and report the
+//! error, which must be a lost peer naming the victim), then the survivors `shrink()` the victim out, re-run the same size, and report the
 //! time to recover (the shrink), wrong elements against the exact reference, and whether
 //! their results agree bitwise (for collectives whose output is the same on every rank).
 //!
@@ -24,6 +32,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use oxccl::check::Case;
+use oxccl::TransportChoice;
 use oxccl::{CollKind, Communicator, UniqueId};
 
 use super::{dtypes, ops, shape, Args};
@@ -32,11 +41,22 @@ use super::{dtypes, ops, shape, Args};
 enum How {
     Kill,
     Stall,
+    Cut,
 }
 
-fn fail(how: How, rank: usize, iter: usize, stall_secs: f64) {
+fn fail(how: How, rank: usize, iter: usize, a: &Args) {
     let _ = std::io::stdout().flush();
     match how {
+        How::Kill if a.launcher_expects_kill == Some(rank) => {
+            eprintln!("rank {rank}: injected failure: SIGKILL at iteration {iter}");
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+            // Not reached: SIGKILL cannot be caught.
+            // SAFETY: as below.
+            unsafe { libc::_exit(0) }
+        }
         How::Kill => {
             eprintln!("rank {rank}: injected failure: exiting abruptly at iteration {iter}");
             // SAFETY: `_exit` ends the process at once (no destructors, no atexit handlers:
@@ -50,19 +70,55 @@ fn fail(how: How, rank: usize, iter: usize, stall_secs: f64) {
             let waker = std::process::Command::new("sh")
                 .args([
                     "-c",
-                    &format!("sleep {stall_secs}; kill -CONT {}", pid.as_raw_nonzero()),
+                    &format!(
+                        "sleep {}; kill -CONT {}",
+                        a.stall_secs,
+                        pid.as_raw_nonzero()
+                    ),
                 ])
                 .spawn();
             if let Err(e) = waker {
                 eprintln!("rank {rank}: cannot start the waker ({e}); not stalling");
                 return;
             }
-            eprintln!("rank {rank}: injected failure: stopping (SIGSTOP) for {stall_secs} s at iteration {iter}");
+            eprintln!(
+                "rank {rank}: injected failure: stopping (SIGSTOP) for {} s at iteration {iter}",
+                a.stall_secs
+            );
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::STOP);
             eprintln!("rank {rank}: resumed; leaving");
         }
+        How::Cut => unreachable!("a cut rank goes on calling; see `cut`"),
     }
 }
+
+/// `--cut-rank`: silences every TCP socket of this process (see the module documentation).
+fn cut(rank: usize, iter: usize) -> Result<(), String> {
+    let n = oxccl::testing::cut_tcp().map_err(|e| format!("rank {rank}: cutting: {e}"))?;
+    eprintln!(
+        "rank {rank}: injected failure: cut off the network at iteration {iter} \
+         ({n} TCP sockets drop every packet and send at most one more; nothing closed)"
+    );
+    Ok(())
+}
+
+/// The cut rank after its own call failed: stays silent long enough for every survivor to
+/// see silence: twice the heartbeat timeout (without heartbeats, the TCP links' dead time,
+/// else the call timeout), and 2 s more for a loaded machine.
+fn linger(comm: &Communicator, rank: usize) {
+    let cfg = comm.config();
+    let dead_after = (!cfg.tcp_dead_after.is_zero()).then_some(cfg.tcp_dead_after);
+    let wait = 2 * cfg.heartbeat.or(dead_after).unwrap_or(comm.timeout()) + Duration::from_secs(2);
+    eprintln!(
+        "rank {rank}: staying silent for {:.1} s, then leaving",
+        wait.as_secs_f64()
+    );
+    std::thread::sleep(wait);
+}
+
+/// Why `--cut-rank` is refused on shared memory.
+pub(super) const CUT_NEEDS_TCP: &str = "--cut-rank needs the TCP transport (--transport tcp): \
+     it cuts TCP sockets, and shared memory has no packets to drop";
 
 fn digest(b: &[u8]) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -163,11 +219,15 @@ fn check_run(
 /// Runs the injection; every rank calls it.
 pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), String> {
     let (n, rank) = (comm.world_size(), comm.rank());
-    let (victim, how) = match (a.kill_rank, a.stall_rank) {
-        (Some(r), None) => (r, How::Kill),
-        (None, Some(r)) => (r, How::Stall),
-        _ => return Err("give one of --kill-rank and --stall-rank".into()),
+    let (victim, how) = match (a.kill_rank, a.stall_rank, a.cut_rank) {
+        (Some(r), None, None) => (r, How::Kill),
+        (None, Some(r), None) => (r, How::Stall),
+        (None, None, Some(r)) => (r, How::Cut),
+        _ => return Err("give one of --kill-rank, --stall-rank and --cut-rank".into()),
     };
+    if how == How::Cut && comm.config().transport != TransportChoice::Tcp {
+        return Err(CUT_NEEDS_TCP.into());
+    }
     if n < 2 || victim >= n {
         return Err(format!(
             "rank {victim} is not one of {n} ranks (at least 2)"
@@ -186,8 +246,11 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
     let mut seen = None;
     for i in 0..a.at_iter + 10_000 {
         if i == a.at_iter && rank == victim {
-            fail(how, rank, i, a.stall_secs);
-            return Ok(());
+            if how != How::Cut {
+                fail(how, rank, i, a);
+                return Ok(());
+            }
+            cut(rank, i)?;
         }
         let t = Instant::now();
         if let Err(err) = case.call(&comm, send, recv) {
@@ -196,10 +259,20 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
         }
     }
     let (iter, detect, err) = seen.ok_or("no failure seen")?;
+    let who = if rank == victim { " (cut)" } else { "" };
     println!(
-        "rank {rank}: failure seen at iteration {iter}, {:.1} ms into the call: {err}",
+        "rank {rank}{who}: failure seen at iteration {iter}, {:.1} ms into the call: {err}",
         detect.as_secs_f64() * 1e3
     );
+    if rank == victim {
+        linger(&comm, rank);
+        return Ok(());
+    }
+    if !matches!(err, oxccl::Error::PeerLost { peer, .. } if peer == victim) {
+        return Err(format!(
+            "rank {rank}: the failure does not name the lost rank {victim}: {err}"
+        ));
+    }
     let t = Instant::now();
     let new = comm.shrink(&[victim]).map_err(e)?;
     let recover = t.elapsed();
@@ -218,10 +291,11 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
             kind.name(),
             a.minbytes,
             case.dtype.name(),
-            if how == How::Kill {
-                "killed (abrupt exit)"
-            } else {
-                "stalled (SIGSTOP)"
+            match how {
+                How::Kill if a.launcher_expects_kill == Some(victim) => "killed (SIGKILL)",
+                How::Kill => "killed (abrupt exit)",
+                How::Stall => "stalled (SIGSTOP)",
+                How::Cut => "cut off (silent TCP partition)",
             },
             a.at_iter
         );

@@ -1,7 +1,10 @@
 //! Internals that the integration tests, the benchmarks and the fuzz targets reach for; not a
 //! stable API (hidden from the docs).
 
+mod cut;
 pub mod fuzzing;
+
+pub use cut::cut_tcp;
 
 pub use crate::base::{reduce, wait};
 pub use crate::direct::{link, shared_buffer};
