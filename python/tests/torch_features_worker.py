@@ -391,6 +391,10 @@ def run(be, store, tmp, names):
     _pair_group = dist.new_group([0, 1], backend="gloo")
     w = dist.group.WORLD
     assert w.group_name and torch.device("cpu") in w._device_types, (w.group_name, w._device_types)
+    if be == "oxccl":  # the C++ backend (oxccl/csrc) unless the Python one was asked for
+        kind = type(w._get_backend(torch.device("cpu"))).__name__
+        want = "BackendOxccl" if os.environ.get("OXCCL_TORCH_BACKEND") == "python" else "BackendOxcclCpp"
+        assert kind == want, f"the oxccl backend in use is {kind}, expected {want}"
     results, times = {}, {}
     for name in names:
         fn = CHECKS.get(name) or CHECKS_ON_REQUEST[name]
