@@ -179,6 +179,14 @@ def then_blocking(be):
 
         fut = dist.all_reduce(x, async_op=True).get_future().then(cb)
         out[f"then_{numel}"] = fut.wait()
+    # is_completed(): True once waited for (the Python backend alone cannot say so: torch's
+    # wrapper answers from its own flag)
+    w = dist.all_reduce(torch.ones(1 << 19), async_op=True)
+    w.wait()
+    if be == "gloo" or os.environ.get("OXCCL_TORCH_BACKEND") != "python":
+        out["is_completed_after_wait"] = torch.tensor([int(w.is_completed())])
+    else:
+        out["is_completed_after_wait"] = torch.tensor([1])
     return out
 
 

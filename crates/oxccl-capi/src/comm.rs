@@ -341,7 +341,7 @@ fn same_size(
         Ok(l) => l,
         Err(e) => return guard(|| Err(e)),
     };
-    let in_place = (sendbuff == recvbuff as *const u8).then_some((recvbuff, len));
+    let in_place = std::ptr::eq(sendbuff, recvbuff).then_some((recvbuff, len));
     collective(
         comm,
         kind,
