@@ -131,7 +131,7 @@ def layers(iters):
     opts = dist.AllreduceOptions()
     kind = type(backend).__name__
     steps = [
-        (f"dist.all_reduce(x)  (torch's Python API, {kind})", lambda: dist.all_reduce(x)),
+        (f"dist.all_reduce(x, group=pg)  (torch's Python API, {kind})", lambda: dist.all_reduce(x, group=pg)),
         (f"pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup, {kind})", lambda: pg.allreduce([x], opts).wait()),
         (f"backend.allreduce([x], opts).wait()  ({kind})", lambda: backend.allreduce([x], opts).wait()),
         ("dist.all_reduce(x, group=pg_py)  (torch's Python API, BackendOxccl)", lambda: dist.all_reduce(x, group=pg_py)),
