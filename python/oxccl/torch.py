@@ -22,7 +22,12 @@ stream thread, so a ``.then()`` callback may itself run a blocking collective. E
 is bounded: by the call's own timeout (the group's ``timeout``, or ``OXCCL_TIMEOUT``), and
 by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``). torch wraps a Python
 backend's Work in its own object, whose ``is_completed()`` stays False: poll
-``work.get_future().done()``.
+``work.get_future().done()`` (the C++ backend answers it).
+
+The C++ backend (``oxccl/csrc/backend.cpp``, ``python -m oxccl.build_torch_ext``) is what
+``register_backend`` hands torch when it is built (see ``_wrap``): it holds this Python
+backend, runs the hot collectives through the library's C ABI on this backend's
+communicator, and delegates everything else here.
 
 Point-to-point runs on the library's engine (``Comm.p2p``). ``isend``/``irecv`` (and
 ``batch_isend_irecv``, which issues them) are held until one of their Works is waited on (or
