@@ -32,17 +32,12 @@ pub fn dtype(v: oxcclDataType_t) -> Result<DataType, CError> {
     })
 }
 
-/// The library's reduction of a C value.
+/// The library's reduction of a C value: NCCL's numbering is the library's own op code (its
+/// wire code, [`ReduceOp::from_code`]) for 0-7; premul_sum (code 8) is not offered here.
 pub fn op(v: oxcclRedOp_t) -> Result<ReduceOp, CError> {
-    Ok(match v {
-        0 => ReduceOp::Sum,
-        1 => ReduceOp::Prod,
-        2 => ReduceOp::Max,
-        3 => ReduceOp::Min,
-        4 => ReduceOp::Avg,
-        5 => ReduceOp::BAnd,
-        6 => ReduceOp::BOr,
-        7 => ReduceOp::BXor,
-        _ => return Err(CError::invalid(format!("oxccl: unknown reduction op {v}"))),
-    })
+    u8::try_from(v)
+        .ok()
+        .filter(|&c| c <= 7)
+        .and_then(ReduceOp::from_code)
+        .ok_or_else(|| CError::invalid(format!("oxccl: unknown reduction op {v}")))
 }
