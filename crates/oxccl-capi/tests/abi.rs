@@ -211,7 +211,7 @@ fn group_misuse_is_an_error() {
         last_error()
     );
     // an empty group hands back no work
-    let mut w: *mut oxcclWork = 1 as *mut oxcclWork;
+    let mut w: *mut oxcclWork = std::ptr::dangling_mut();
     ok(oxcclGroupStart());
     ok(oxcclGroupEnd(&mut w));
     assert!(w.is_null());
