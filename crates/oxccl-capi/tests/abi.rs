@@ -129,6 +129,22 @@ fn every_op_and_in_place_forms_match_a_reference() {
     });
 }
 
+/// An in-place float sum of `x`, queued as a one-call group.
+fn queue_sum(x: &mut [f32], comm: *mut oxcclComm) -> *mut oxcclWork {
+    let mut w = std::ptr::null_mut();
+    ok(oxcclGroupStart());
+    ok(oxcclAllReduce(
+        x.as_ptr().cast(),
+        x.as_mut_ptr().cast(),
+        x.len(),
+        FLOAT32,
+        0,
+        comm,
+    ));
+    ok(oxcclGroupEnd(&mut w));
+    w
+}
+
 static CALLBACK: AtomicI32 = AtomicI32::new(-1);
 static CALLBACK_TEXT_OK: AtomicI32 = AtomicI32::new(0);
 
@@ -147,17 +163,7 @@ fn queued_work_times_out_then_completes_and_reports_failures() {
             std::thread::sleep(Duration::from_millis(300));
         }
         let mut x = vec![1.0f32; 8];
-        let mut w: *mut oxcclWork = std::ptr::null_mut();
-        ok(oxcclGroupStart());
-        ok(oxcclAllReduce(
-            x.as_ptr().cast(),
-            x.as_mut_ptr().cast(),
-            8,
-            FLOAT32,
-            0,
-            comm,
-        ));
-        ok(oxcclGroupEnd(&mut w));
+        let mut w = queue_sum(&mut x[..8], comm);
         if rank == 0 {
             assert_eq!(oxcclWorkWait(w, 0.05), oxcclTimeout);
             assert!(
@@ -175,16 +181,7 @@ fn queued_work_times_out_then_completes_and_reports_failures() {
         // lengths that differ between ranks: the queued call fails on both, the waiter and
         // the callback get the code, the callback also the text
         let n = 4 + rank;
-        ok(oxcclGroupStart());
-        ok(oxcclAllReduce(
-            x.as_ptr().cast(),
-            x.as_mut_ptr().cast(),
-            n,
-            FLOAT32,
-            0,
-            comm,
-        ));
-        ok(oxcclGroupEnd(&mut w));
+        w = queue_sum(&mut x[..n], comm);
         if rank == 0 {
             ok(oxcclWorkOnComplete(w, Some(on_done), std::ptr::null_mut()));
         }
