@@ -39,6 +39,8 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, maturin" 2>/dev/null; the
 fi
 echo "== python: build (maturin develop --release)"
 VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" maturin develop --release -q -m python/Cargo.toml
+echo "== python: the C++ torch backend (python -m oxccl.build_torch_ext)"
+.venv/bin/python -m oxccl.build_torch_ext
 echo "== python: pytest"
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider python/tests

@@ -1,18 +1,20 @@
-"""Per-call cost of a blocking all_reduce through torch.distributed: the "oxccl" backend vs
-gloo vs oxccl's own Python API (``oxccl.Comm``) vs the bare binding, in one run.
+"""Per-call cost of a blocking all_reduce through torch.distributed: the "oxccl" backend (its
+C++ backend and its Python backend) vs gloo vs oxccl's own Python API (``oxccl.Comm``) vs the
+bare binding, in one run.
 
     python python/bench/overhead_bench.py [--iters 2000] [--rounds 5]
     python python/bench/overhead_bench.py --layers     # one rank: the cost of each layer
 
 Starts 2 ranks on this host (subprocesses), one TCPStore, a gloo default group, an "oxccl"
-group and, on the same communicator as that group, the plain API. For each size (4 B, 16 KB,
+group with the C++ backend (oxccl/csrc, when built), one with the Python backend, and, on the
+communicator of the first, the plain API. For each size (4 B, 16 KB,
 4 MB of float32) the paths take turns in rounds; every call is timed on its own and rank 0
 prints the median (and 10th/90th percentiles) in microseconds per call.
 
 Paths:
   gloo            dist.all_reduce(x, group=gloo)
-  oxccl torch     dist.all_reduce(x, group=oxccl)   (calls up to INLINE_MAX_BYTES run inline)
-  oxccl queued    the same with the inline path off (queue + Work wait)
+  oxccl C++       dist.all_reduce(x, group=oxccl)   (the C++ backend: calls up to 1 MiB inline)
+  oxccl Python    dist.all_reduce(x, group=oxccl_py) (the Python backend, INLINE_MAX_BYTES inline)
   oxccl.Comm      comm.all_reduce(x)                (the library's Python API)
   binding         comm._raw.call(...)               (the PyO3 call alone)
 """
@@ -45,13 +47,14 @@ def rank_main(iters, rounds):
     dist.init_process_group("gloo", store=store, rank=r, world_size=n)
     gloo = dist.group.WORLD
     ox = dist.new_group(backend="oxccl")
+    cpp, oxt._CPP = oxt._CPP, None  # the next group gets the Python backend
+    ox_py = dist.new_group(backend="oxccl")
+    oxt._CPP = cpp
     backend = ox._get_backend(torch.device("cpu"))
-    comm = backend.comm
-    inline_max = oxt.INLINE_MAX_BYTES
+    comm = getattr(backend, "python_backend", backend).comm
 
-    def torch_path(group, inline=True):
+    def torch_path(group):
         def f(x):
-            oxt.INLINE_MAX_BYTES = inline_max if inline else -1
             dist.all_reduce(x, group=group)
 
         return f
@@ -64,8 +67,8 @@ def rank_main(iters, rounds):
 
     paths = [
         ("gloo", torch_path(gloo)),
-        ("oxccl torch", torch_path(ox)),
-        ("oxccl queued", torch_path(ox, inline=False)),
+        ("oxccl C++" if cpp is not None else "oxccl C++ (not built)", torch_path(ox)),
+        ("oxccl Python", torch_path(ox_py)),
         ("oxccl.Comm", comm_path),
         ("binding", binding_path),
     ]
@@ -85,7 +88,6 @@ def rank_main(iters, rounds):
                     t0 = time.perf_counter_ns()
                     f(x)
                     s.append(time.perf_counter_ns() - t0)
-        oxt.INLINE_MAX_BYTES = inline_max
         rows.append((label, {name: [v / 1000 for v in s] for name, s in samples.items()}))
     if r == 0:
         names = [p[0] for p in paths]
@@ -95,9 +97,11 @@ def rank_main(iters, rounds):
         for label, d in rows:
             cells = [f"{statistics.median(d[nm]):.1f} ({_pct(d[nm], 0.1):.1f}-{_pct(d[nm], 0.9):.1f})" for nm in names]
             print(f"| {label} | " + " | ".join(cells) + " |")
+        med = statistics.median
+        c = names[1]
         print("ratios (median): " + "; ".join(
-            f"{label}: gloo/oxccl-torch {statistics.median(d['gloo']) / statistics.median(d['oxccl torch']):.1f}x, "
-            f"oxccl-torch minus oxccl.Comm {statistics.median(d['oxccl torch']) - statistics.median(d['oxccl.Comm']):.1f} µs"
+            f"{label}: gloo/C++ {med(d['gloo']) / med(d[c]):.1f}x, Python/C++ {med(d['oxccl Python']) / med(d[c]):.2f}x, "
+            f"C++ minus oxccl.Comm {med(d[c]) - med(d['oxccl.Comm']):.1f} µs"
             for label, d in rows
         ))
     dist.destroy_process_group()
@@ -109,7 +113,7 @@ def layers(iters):
     import torch
     import torch.distributed as dist
 
-    import oxccl.torch  # noqa: F401 - registers "oxccl"
+    import oxccl.torch as oxt
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,14 +121,21 @@ def layers(iters):
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("oxccl", store=store, rank=0, world_size=1)
     pg = dist.group.WORLD
+    cpp, oxt._CPP = oxt._CPP, None  # a second group with the Python backend
+    pg_py = dist.new_group(backend="oxccl")
+    oxt._CPP = cpp
     backend = pg._get_backend(torch.device("cpu"))
-    comm = backend.comm
+    py_backend = pg_py._get_backend(torch.device("cpu"))
+    comm = py_backend.comm
     x = torch.ones(1)
     opts = dist.AllreduceOptions()
+    kind = type(backend).__name__
     steps = [
-        ("dist.all_reduce(x)  (torch's Python API)", lambda: dist.all_reduce(x)),
-        ("pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup)", lambda: pg.allreduce([x], opts).wait()),
-        ("backend.allreduce([x], opts).wait()  (this backend)", lambda: backend.allreduce([x], opts).wait()),
+        (f"dist.all_reduce(x, group=pg)  (torch's Python API, {kind})", lambda: dist.all_reduce(x, group=pg)),
+        (f"pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup, {kind})", lambda: pg.allreduce([x], opts).wait()),
+        (f"backend.allreduce([x], opts).wait()  ({kind})", lambda: backend.allreduce([x], opts).wait()),
+        ("dist.all_reduce(x, group=pg_py)  (torch's Python API, BackendOxccl)", lambda: dist.all_reduce(x, group=pg_py)),
+        ("py_backend.allreduce([x], opts).wait()  (BackendOxccl)", lambda: py_backend.allreduce([x], opts).wait()),
         ("comm.all_reduce(x)  (oxccl.Comm)", lambda: comm.all_reduce(x)),
         ("comm._raw.call(...)  (the binding)", lambda: comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), 4), True)),
     ]

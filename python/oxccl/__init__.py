@@ -284,6 +284,12 @@ class Comm:
         """The transports in use: ``"shm"``, ``"tcp"``, ``"shm+tcp"`` or ``"none"``."""
         return self._raw.transport
 
+    def c_comm(self) -> int:
+        """A new C handle of this communicator (``oxcclComm_t`` of ``oxccl.h``, as an
+        address), for C/C++ code calling the library through the capsule
+        ``oxccl._oxccl._C_API``; that code frees it with the table's ``comm_destroy``."""
+        return self._raw.c_comm()
+
     def __repr__(self) -> str:
         return f"<oxccl.Comm rank={self.rank} world_size={self.world_size} transport={self.transport}>"
 

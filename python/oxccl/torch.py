@@ -22,7 +22,12 @@ stream thread, so a ``.then()`` callback may itself run a blocking collective. E
 is bounded: by the call's own timeout (the group's ``timeout``, or ``OXCCL_TIMEOUT``), and
 by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``). torch wraps a Python
 backend's Work in its own object, whose ``is_completed()`` stays False: poll
-``work.get_future().done()``.
+``work.get_future().done()`` (the C++ backend answers it).
+
+The C++ backend (``oxccl/csrc/backend.cpp``, ``python -m oxccl.build_torch_ext``) is what
+``register_backend`` hands torch when it is built (see ``_wrap``): it holds this Python
+backend, runs the hot collectives through the library's C ABI on this backend's
+communicator, and delegates everything else here.
 
 Point-to-point runs on the library's engine (``Comm.p2p``). ``isend``/``irecv`` (and
 ``batch_isend_irecv``, which issues them) are held until one of their Works is waited on (or
@@ -951,8 +956,45 @@ else:
     sys.meta_path.insert(0, _DynamoSkipsOxccl())
 
 
-def _create(dist_opts: Any, backend_options: Any = None) -> BackendOxccl:
-    return _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, dist_opts.group_id)
+def _load_cpp() -> Any:
+    """The C++ backend's module (oxccl/csrc/backend.cpp, built by ``python -m
+    oxccl.build_torch_ext``), or None: then a one-line warning, and the Python backend serves.
+    ``OXCCL_TORCH_BACKEND=python`` chooses the Python backend without a warning."""
+    choice = os.environ.get("OXCCL_TORCH_BACKEND", "cpp").lower()
+    if choice == "python":
+        return None
+    if choice != "cpp":
+        raise InvalidArgumentError(f"OXCCL_TORCH_BACKEND={choice!r}: expected 'cpp' or 'python'")
+    try:
+        from . import _torch_backend  # type: ignore[attr-defined]
+    except ImportError as e:
+        import warnings
+
+        warnings.warn(
+            f"oxccl: the C++ torch backend is not built ({e}); using the Python backend, which costs "
+            "~30 us more per call: run `python -m oxccl.build_torch_ext`",
+            stacklevel=3,
+        )
+        return None
+    return _torch_backend
+
+
+_CPP = _load_cpp()
+
+
+def _wrap(backend: Optional[BackendOxccl]) -> Any:
+    """The C++ backend over `backend` (its hot calls go to the library through the C ABI, the
+    rest to `backend`), when built."""
+    if _CPP is None or backend is None:
+        return backend
+    timeout = backend._timeout.total_seconds() if backend._timeout is not None else -1.0
+    return _CPP.BackendOxcclCpp(backend, backend.comm.c_comm(), _oxccl._C_API, timeout, _wrap)
+
+
+def _create(dist_opts: Any, backend_options: Any = None) -> Any:
+    return _wrap(
+        _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, dist_opts.group_id)
+    )
 
 
 dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])

@@ -15,7 +15,7 @@ use oxccl::{
     UniqueId, Work,
 };
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyCapsule, PyType};
 
 /// The Python exception class (in `oxccl._errors`) for an oxccl error.
 fn error_class(e: &Error) -> &'static str {
@@ -389,6 +389,13 @@ impl RawComm {
         Ok((handle, out))
     }
 
+    /// A new C handle (`oxcclComm_t` of `oxccl.h`, as an address) of this communicator, for
+    /// C/C++ code calling through the `_C_API` capsule; that code frees it with
+    /// `comm_destroy`.
+    fn c_comm(&self) -> usize {
+        oxccl_capi::comm_into_handle(Arc::clone(&self.inner)) as usize
+    }
+
     /// Waits until every queued call has finished (GIL released).
     fn synchronize(&self, py: Python<'_>) {
         let comm = &self.inner;
@@ -634,5 +641,11 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(new_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(unique_id_for, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The C ABI's function table (oxccl.h's `oxcclApi_t`), as numpy's `_ARRAY_API`: C++ code
+    // (the torch backend) calls this library instance through it.
+    let api = std::ptr::NonNull::from(&oxccl_capi::API).cast::<std::ffi::c_void>();
+    // SAFETY: the table is a static: valid for the life of the process.
+    let capsule = unsafe { PyCapsule::new_with_pointer(m.py(), api, c"oxccl._C_API") }?;
+    m.add("_C_API", capsule)?;
     Ok(())
 }

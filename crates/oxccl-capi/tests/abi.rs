@@ -1,0 +1,215 @@
+//! The C ABI called from Rust, two ranks on two threads of one process: every reduction op
+//! against a plain reference, in-place forms, a wait that times out and then succeeds, a
+//! failed queued call reported to the waiter and the callback with its text, bad arguments.
+
+use std::ffi::{c_void, CStr};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use oxccl_capi::comm::*;
+use oxccl_capi::group::*;
+use oxccl_capi::result::*;
+use oxccl_capi::work::*;
+use oxccl_capi::{oxcclComm, oxcclResult_t::*, oxcclWork};
+
+const INT32: i32 = 2;
+const FLOAT32: i32 = 7;
+
+fn last_error() -> String {
+    // SAFETY: oxcclGetLastError returns a NUL-terminated string valid until the next call.
+    unsafe { CStr::from_ptr(oxcclGetLastError()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn ok(r: oxccl_capi::oxcclResult_t) {
+    assert_eq!(r, oxcclSuccess, "{}", last_error());
+}
+
+/// Runs `f(rank, comm)` on two ranks (threads) of one communicator.
+fn two_ranks(f: impl Fn(usize, *mut oxcclComm) + Send + Sync + Copy + 'static) {
+    std::env::set_var("OXCCL_TIMEOUT", "20");
+    let mut id = oxcclUniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
+    ok(oxcclGetUniqueId(&mut id));
+    let (tx, rx) = mpsc::channel::<[std::ffi::c_char; UNIQUE_ID_BYTES]>();
+    tx.send(id.internal).unwrap();
+    let peer = std::thread::spawn(move || {
+        let id = oxcclUniqueId {
+            internal: rx.recv().unwrap(),
+        };
+        let mut comm = std::ptr::null_mut();
+        ok(oxcclCommInitRank(&mut comm, 2, &id, 1));
+        f(1, comm);
+        ok(oxcclCommDestroy(comm));
+    });
+    let mut comm = std::ptr::null_mut();
+    ok(oxcclCommInitRank(&mut comm, 2, &id, 0));
+    f(0, comm);
+    ok(oxcclCommDestroy(comm));
+    peer.join().unwrap();
+}
+
+#[test]
+fn every_op_and_in_place_forms_match_a_reference() {
+    two_ranks(|rank, comm| {
+        let inputs =
+            |r: usize| -> Vec<i32> { (0..7).map(|i| (i * 3 + r as i32 * 5) % 11 + 1).collect() };
+        let (a, b) = (inputs(0), inputs(1));
+        let refs: [fn(i32, i32) -> i32; 8] = [
+            |x, y| x + y,
+            |x, y| x * y,
+            |x, y| x.max(y),
+            |x, y| x.min(y),
+            |x, y| (x + y) / 2,
+            |x, y| x & y,
+            |x, y| x | y,
+            |x, y| x ^ y,
+        ];
+        for (op, f) in refs.iter().enumerate() {
+            let send = inputs(rank);
+            let mut out = vec![0i32; 7];
+            ok(oxcclAllReduce(
+                send.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                7,
+                INT32,
+                op as i32,
+                comm,
+            ));
+            let want: Vec<i32> = a.iter().zip(&b).map(|(&x, &y)| f(x, y)).collect();
+            assert_eq!(out, want, "op {op}");
+        }
+        // all_gather in place: this rank's block already sits in the output
+        let mut all = vec![0.0f32; 6];
+        all[rank * 3..rank * 3 + 3].copy_from_slice(&[rank as f32 + 1.0; 3]);
+        let mine = all[rank * 3..].as_ptr();
+        ok(oxcclAllGather(
+            mine.cast(),
+            all.as_mut_ptr().cast(),
+            3,
+            FLOAT32,
+            comm,
+        ));
+        assert_eq!(all, [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
+        // reduce_scatter in place: the result lands in this rank's block
+        let mut buf: Vec<f32> = (0..4).map(|i| i as f32).collect();
+        let recv = buf[rank * 2..].as_mut_ptr();
+        ok(oxcclReduceScatter(
+            buf.as_ptr().cast(),
+            recv.cast(),
+            2,
+            FLOAT32,
+            0,
+            comm,
+        ));
+        assert_eq!(
+            &buf[rank * 2..rank * 2 + 2],
+            &[2.0 * (rank * 2) as f32, 2.0 * (rank * 2 + 1) as f32]
+        );
+        // bad arguments: an error code and a text, nothing sent
+        assert_eq!(
+            oxcclAllReduce(buf.as_ptr().cast(), recv.cast(), 1, FLOAT32, 8, comm),
+            oxcclInvalidArgument
+        );
+        assert!(
+            last_error().contains("unknown reduction op 8"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            oxcclAllReduce(buf.as_ptr().cast(), recv.cast(), 1, 42, 0, comm),
+            oxcclInvalidArgument
+        );
+        assert_eq!(oxcclBarrier(std::ptr::null()), oxcclInvalidArgument);
+        assert!(last_error().contains("NULL"), "{}", last_error());
+        ok(oxcclBarrier(comm));
+    });
+}
+
+/// An in-place float sum of `x`, queued as a one-call group.
+fn queue_sum(x: &mut [f32], comm: *mut oxcclComm) -> *mut oxcclWork {
+    let mut w = std::ptr::null_mut();
+    ok(oxcclGroupStart());
+    ok(oxcclAllReduce(
+        x.as_ptr().cast(),
+        x.as_mut_ptr().cast(),
+        x.len(),
+        FLOAT32,
+        0,
+        comm,
+    ));
+    ok(oxcclGroupEnd(&mut w));
+    w
+}
+
+static CALLBACK: AtomicI32 = AtomicI32::new(-1);
+static CALLBACK_TEXT_OK: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_done(_arg: *mut c_void, r: oxccl_capi::oxcclResult_t) {
+    if last_error().contains("all_reduce") {
+        CALLBACK_TEXT_OK.store(1, Ordering::SeqCst);
+    }
+    CALLBACK.store(r as i32, Ordering::SeqCst);
+}
+
+#[test]
+fn queued_work_times_out_then_completes_and_reports_failures() {
+    two_ranks(|rank, comm| {
+        // rank 1 joins late: rank 0's short wait times out, a second wait succeeds
+        if rank == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let mut x = vec![1.0f32; 8];
+        let mut w = queue_sum(&mut x[..8], comm);
+        if rank == 0 {
+            assert_eq!(oxcclWorkWait(w, 0.05), oxcclTimeout);
+            assert!(
+                last_error().contains("did not complete within"),
+                "{}",
+                last_error()
+            );
+            let mut done = 7;
+            ok(oxcclWorkTest(w, &mut done));
+            assert_eq!(done, 0);
+        }
+        ok(oxcclWorkWait(w, -1.0));
+        ok(oxcclWorkFree(w));
+        assert_eq!(x, [2.0; 8]);
+        // lengths that differ between ranks: the queued call fails on both, the waiter and
+        // the callback get the code, the callback also the text
+        let n = 4 + rank;
+        w = queue_sum(&mut x[..n], comm);
+        if rank == 0 {
+            ok(oxcclWorkOnComplete(w, Some(on_done), std::ptr::null_mut()));
+        }
+        let r = oxcclWorkWait(w, -1.0);
+        assert_ne!(r, oxcclSuccess);
+        assert!(last_error().contains("all_reduce"), "{}", last_error());
+        ok(oxcclWorkFree(w));
+        if rank == 0 {
+            while CALLBACK.load(Ordering::SeqCst) < 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(CALLBACK.load(Ordering::SeqCst), r as i32);
+            assert_eq!(CALLBACK_TEXT_OK.load(Ordering::SeqCst), 1);
+        }
+    });
+}
+
+#[test]
+fn group_misuse_is_an_error() {
+    assert_eq!(oxcclGroupEnd(std::ptr::null_mut()), oxcclInvalidArgument);
+    assert!(
+        last_error().contains("without oxcclGroupStart"),
+        "{}",
+        last_error()
+    );
+    // an empty group hands back no work
+    let mut w: *mut oxcclWork = std::ptr::dangling_mut();
+    ok(oxcclGroupStart());
+    ok(oxcclGroupEnd(&mut w));
+    assert!(w.is_null());
+}

@@ -1,0 +1,752 @@
+// oxccl's torch backend in C++: a c10d::Backend whose hot calls go straight to the Rust
+// library through its C ABI (oxccl.h), taken from the capsule oxccl._oxccl._C_API, so it is
+// the library instance and the communicator that the Python backend (oxccl/torch.py,
+// BackendOxccl) already made. Every other call, and every call these paths do not take
+// (PREMUL_SUM, non-contiguous or overlapping tensors, uneven all-to-all, ...), is delegated
+// to that Python backend, with the GIL, in call order: held point-to-point operations are
+// flushed before a collective of this file.
+//
+// Small calls (<= kInlineMaxBytes in all) run on the calling thread and return a completed
+// Work. Larger ones are queued on the communicator's stream (oxcclGroupStart/End) and return
+// a QueuedWork: is_completed() asks the library, wait() is bounded by the group's timeout (or
+// wait(timeout=)), and its future is completed by a completion thread of this file, never by
+// the library's stream thread, so a then() callback may itself run collectives.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // tensor and intrusive_ptr casters (not torch/extension.h: compiles in half the time)
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/distributed/c10d/exception.h>
+
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "oxccl.h"
+
+namespace py = pybind11;
+using c10d::OpType;
+using c10d::Work;
+
+namespace oxccl_torch {
+
+constexpr size_t kInlineMaxBytes = size_t(1) << 20;  // as INLINE_MAX_BYTES in torch.py
+
+const oxcclApi_t* g_api = nullptr;  // the library's table, set by the first backend
+
+// ------------------------------------------------------------------------------------------
+// Errors: the oxccl exception classes (oxccl._errors) on the calling thread, a
+// DistBackendError in futures.
+// ------------------------------------------------------------------------------------------
+const char* errorClass(oxcclResult_t r) {
+  switch (r) {
+    case oxcclTimeout: return "TimeoutError";
+    case oxcclPeerLost: return "PeerLostError";
+    case oxcclMismatch: return "MismatchError";
+    case oxcclInvalidArgument: return "InvalidArgumentError";
+    case oxcclAborted: return "AbortedError";
+    default: return "Error";
+  }
+}
+
+[[noreturn]] void raise(oxcclResult_t r, const std::string& msg) {
+  py::gil_scoped_acquire gil;
+  py::object cls = py::module_::import("oxccl._errors").attr(errorClass(r));
+  PyErr_SetString(cls.ptr(), msg.c_str());
+  throw py::error_already_set();
+}
+
+// ------------------------------------------------------------------------------------------
+// Completion threads: run queued tasks (marking futures) off the library's stream thread. A
+// task that blocks (a then() callback running a collective) does not hold up the others: a
+// new thread starts whenever none is idle; threads beyond one end after a second idle.
+// ------------------------------------------------------------------------------------------
+class Completers {
+ public:
+  void push(std::function<void()> task) {
+    std::unique_lock<std::mutex> lock(m_);
+    q_.push_back(std::move(task));
+    if (idle_ == 0) {
+      threads_++;
+      std::thread([this] { loop(); }).detach();
+    } else {
+      cv_.notify_one();
+    }
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(m_);
+    while (true) {
+      idle_++;
+      bool got = cv_.wait_for(lock, std::chrono::seconds(1), [this] { return !q_.empty(); });
+      idle_--;
+      if (!got) {
+        if (threads_ > 1) {
+          threads_--;
+          return;
+        }
+        continue;
+      }
+      auto task = std::move(q_.front());
+      q_.pop_front();
+      lock.unlock();
+      try {
+        task();
+      } catch (...) {  // never let a completion thread die
+      }
+      lock.lock();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  int idle_ = 0;
+  int threads_ = 0;
+};
+
+Completers& completers() {
+  static auto* c = new Completers();  // never destroyed: detached threads use it
+  return *c;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> newFuture() {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+// ------------------------------------------------------------------------------------------
+// Works.
+// ------------------------------------------------------------------------------------------
+// A call that has finished (it ran inline).
+class DoneWork : public Work {
+ public:
+  DoneWork(std::vector<at::Tensor> result, OpType type) : Work(-1, type), result_(std::move(result)) {}
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto f = newFuture();
+    f->markCompleted(c10::IValue(result_));
+    return f;
+  }
+
+ private:
+  std::vector<at::Tensor> result_;
+};
+
+// What a queued call and its completion share.
+struct Completion {
+  std::mutex m;
+  bool done = false;
+  oxcclResult_t code = oxcclSuccess;
+  std::string msg;
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  std::vector<at::Tensor> keep;  // the call's tensors, alive until it has finished
+};
+
+void completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, oxcclResult_t code,
+                    const std::string& msg, const std::vector<at::Tensor>& result) {
+  if (code == oxcclSuccess) {
+    fut->markCompleted(c10::IValue(result));
+  } else {
+    fut->setError(std::make_exception_ptr(c10::DistBackendError(msg)));
+  }
+}
+
+// A call queued on the communicator's stream.
+class QueuedWork : public Work {
+ public:
+  QueuedWork(const oxcclApi_t* api, oxcclWork_t w, std::vector<at::Tensor> result, OpType type,
+             double timeout_s, int rank, std::string what)
+      : Work(rank, type), api_(api), w_(w), result_(std::move(result)), timeout_s_(timeout_s),
+        rank_(rank), what_(std::move(what)), c_(std::make_shared<Completion>()) {
+    c_->keep = result_;
+    // The library calls back on its stream thread: hand over to a completion thread there.
+    auto* ticket = new std::shared_ptr<Completion>(c_);
+    oxcclResult_t r = api_->work_on_complete(w_, &QueuedWork::onComplete, ticket);
+    if (r != oxcclSuccess) {  // cannot happen for a fresh work; keep its tensors for good
+      delete ticket;
+    }
+  }
+
+  ~QueuedWork() override { api_->work_free(w_); }
+
+  bool isCompleted() override {
+    int done = 0;
+    api_->work_test(w_, &done);
+    return done != 0;
+  }
+
+  bool isSuccess() const override {
+    int done = 0;
+    return api_->work_test(w_, &done) == oxcclSuccess && done;
+  }
+
+  std::exception_ptr exception() const override {
+    int done = 0;
+    oxcclResult_t r = api_->work_test(w_, &done);
+    if (!done || r == oxcclSuccess) return nullptr;
+    return std::make_exception_ptr(c10::DistBackendError(api_->get_last_error()));
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    bool explicit_ = timeout != ::kNoTimeout && timeout.count() > 0;
+    double t = explicit_ ? timeout.count() / 1000.0 : timeout_s_;
+    oxcclResult_t r = api_->work_wait(w_, t);  // torch calls wait without the GIL
+    if (r == oxcclSuccess) return true;
+    int done = 0;
+    api_->work_test(w_, &done);
+    if (r == oxcclTimeout && !done) {
+      raise(oxcclTimeout, "oxccl: rank " + std::to_string(rank_) + ": " + what_ + " did not complete within " +
+                              std::to_string(t) + " s" +
+                              (explicit_ ? " given to work.wait(timeout=)" : " (the group's timeout)"));
+    }
+    raise(r, api_->get_last_error());
+  }
+
+  std::vector<at::Tensor> result() override { return result_; }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    bool now = false;
+    oxcclResult_t code;
+    std::string msg;
+    {
+      std::lock_guard<std::mutex> lock(c_->m);
+      if (!c_->fut) {
+        c_->fut = newFuture();
+        now = c_->done;
+        code = c_->code;
+        msg = c_->msg;
+      }
+      fut = c_->fut;
+    }
+    if (now) completeFuture(fut, code, msg, result_);
+    return fut;
+  }
+
+ private:
+  static void onComplete(void* arg, oxcclResult_t code) {
+    auto* ticket = static_cast<std::shared_ptr<Completion>*>(arg);
+    std::string msg = code == oxcclSuccess ? std::string() : std::string(g_api->get_last_error());
+    completers().push([ticket, code, msg] {
+      std::unique_ptr<std::shared_ptr<Completion>> own(ticket);
+      auto& c = **own;
+      c10::intrusive_ptr<c10::ivalue::Future> fut;
+      std::vector<at::Tensor> keep;
+      {
+        std::lock_guard<std::mutex> lock(c.m);
+        c.done = true;
+        c.code = code;
+        c.msg = msg;
+        fut = c.fut;
+        keep.swap(c.keep);
+      }
+      if (fut) completeFuture(fut, code, msg, keep);
+    });
+  }
+
+  const oxcclApi_t* api_;
+  oxcclWork_t w_;
+  std::vector<at::Tensor> result_;
+  double timeout_s_;
+  int rank_;
+  std::string what_;
+  std::shared_ptr<Completion> c_;
+};
+
+
+// The Work of a delegated call: the Python backend's Work, asked for everything (also
+// is_completed and the source rank, which torch's own wrapper does not forward).
+class DelegatedWork : public Work {
+ public:
+  explicit DelegatedWork(py::object w) : Work(-1, OpType::UNKNOWN), w_(std::move(w)) {}
+  ~DelegatedWork() override {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      w_ = py::object();
+    } else {
+      w_.release();  // the interpreter is gone: leak rather than crash
+    }
+  }
+  bool isCompleted() override { return call("is_completed").cast<bool>(); }
+  bool isSuccess() const override { return const_cast<DelegatedWork*>(this)->call("is_success").cast<bool>(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    if (timeout == ::kNoTimeout) return w_.attr("wait")().cast<bool>();
+    return w_.attr("wait")(timeout).cast<bool>();
+  }
+  int sourceRank() const override { return const_cast<DelegatedWork*>(this)->call("_source_rank").cast<int>(); }
+  std::vector<at::Tensor> result() override { return call("result").cast<std::vector<at::Tensor>>(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    py::gil_scoped_acquire gil;
+    return w_.cast<c10::intrusive_ptr<Work>>()->getFuture();
+  }
+
+ private:
+  py::object call(const char* name) {
+    py::gil_scoped_acquire gil;
+    return w_.attr(name)();
+  }
+  py::object w_;
+};
+
+// ------------------------------------------------------------------------------------------
+// Tensors and options.
+// ------------------------------------------------------------------------------------------
+// oxccl's data type of a tensor, or -1.
+int dtypeOf(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kChar: return oxcclInt8;
+    case at::kByte: return oxcclUint8;
+    case at::kInt: return oxcclInt32;
+    case at::kUInt32: return oxcclUint32;
+    case at::kLong: return oxcclInt64;
+    case at::kUInt64: return oxcclUint64;
+    case at::kHalf: return oxcclFloat16;
+    case at::kFloat: return oxcclFloat32;
+    case at::kDouble: return oxcclFloat64;
+    case at::kBFloat16: return oxcclBfloat16;
+    case at::kBool: return oxcclBool;
+    case at::kUInt16: return oxcclUint16;
+    default: return -1;
+  }
+}
+
+// oxccl's op, or -1 (PREMUL_SUM and anything else go to the Python backend).
+int opOf(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return oxcclSum;
+    case c10d::ReduceOp::PRODUCT: return oxcclProd;
+    case c10d::ReduceOp::MAX: return oxcclMax;
+    case c10d::ReduceOp::MIN: return oxcclMin;
+    case c10d::ReduceOp::AVG: return oxcclAvg;
+    case c10d::ReduceOp::BAND: return oxcclBand;
+    case c10d::ReduceOp::BOR: return oxcclBor;
+    case c10d::ReduceOp::BXOR: return oxcclBxor;
+    default: return -1;
+  }
+}
+
+// A dense CPU tensor this file can hand to the library as is.
+bool plain(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() &&
+         !t.is_neg();
+}
+
+bool plain(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts)
+    if (!plain(t)) return false;
+  return true;
+}
+
+// One library call.
+enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Barrier };
+
+struct Call {
+  Kind kind;
+  const void* send;
+  void* recv;
+  size_t count;  // all_gather: per rank (sendcount); reduce_scatter: recvcount; all_to_all: per peer
+  int dtype;
+  int op;
+  int root;
+};
+
+// ------------------------------------------------------------------------------------------
+// The backend.
+// ------------------------------------------------------------------------------------------
+class BackendOxcclCpp : public c10d::Backend {
+ public:
+  BackendOxcclCpp(py::object py, uintptr_t comm, const oxcclApi_t* api, double timeout_s, py::object wrap)
+      : Backend(py.attr("rank")().cast<int>(), py.attr("size")().cast<int>()), py_(std::move(py)),
+        wrap_(std::move(wrap)), api_(api), comm_(reinterpret_cast<oxcclComm_t>(comm)), timeout_s_(timeout_s) {}
+
+  ~BackendOxcclCpp() override {
+    api_->comm_destroy(comm_);
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      py_ = py::object();
+      wrap_ = py::object();
+    } else {
+      py_.release();
+      wrap_.release();
+    }
+  }
+
+  const std::string getBackendName() const override { return "oxccl"; }
+  bool supportsSplitting() const override { return true; }
+  bool supportsCoalescing() const override { return false; }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("options").cast<c10::intrusive_ptr<Options>>();
+  }
+
+  // -- hot calls -------------------------------------------------------------------------
+  c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
+                                     const c10d::AllreduceOptions& opts) override {
+    int op = opOf(opts.reduceOp);
+    std::vector<Call> calls;
+    if (op < 0 || !plain(tensors)) return delegate("allreduce", tensors, opts);
+    for (auto& t : tensors) {
+      int dt = dtypeOf(t);
+      if (dt < 0) return delegate("allreduce", tensors, opts);
+      calls.push_back({Kind::AllReduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, 0});
+    }
+    return run("all_reduce", calls, tensors, OpType::ALLREDUCE);
+  }
+
+  c10::intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                               const c10d::AllreduceCoalescedOptions& opts) override {
+    return allreduce(tensors, opts);
+  }
+
+  c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
+    if (!plain(tensors)) return delegate("broadcast", tensors, opts);
+    std::vector<Call> calls;
+    for (auto& t : tensors)
+      calls.push_back({Kind::Broadcast, t.data_ptr(), t.data_ptr(), t.nbytes(), oxcclUint8, oxcclSum,
+                       int(opts.rootRank)});
+    return run("broadcast", calls, tensors, OpType::BROADCAST);
+  }
+
+  c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    int op = opOf(opts.reduceOp);
+    if (op < 0 || !plain(tensors)) return delegate("reduce", tensors, opts);
+    std::vector<Call> calls;
+    for (auto& t : tensors) {
+      int dt = dtypeOf(t);
+      if (dt < 0) return delegate("reduce", tensors, opts);
+      calls.push_back({Kind::Reduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, int(opts.rootRank)});
+    }
+    return run("reduce", calls, tensors, OpType::REDUCE);
+  }
+
+  c10::intrusive_ptr<Work> all_gather_single(at::Tensor& output, at::Tensor& input,
+                                             const c10d::AllgatherOptions& opts) override {
+    std::vector<at::Tensor> outs{output}, ins{input};
+    std::vector<Call> calls;
+    if (!gatherCall(output, input, calls)) return delegate("_allgather_base", output, input, opts);
+    return run("all_gather_into_tensor", calls, outs, OpType::_ALLGATHER_BASE, &ins);
+  }
+
+  c10::intrusive_ptr<Work> all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllgatherOptions& opts) override {
+    std::vector<Call> calls;
+    for (size_t i = 0; i < outputs.size() && i < inputs.size(); i++)
+      if (!gatherCall(outputs[i], inputs[i], calls))
+        return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
+    if (outputs.size() != inputs.size()) return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
+    return run("all_gather_into_tensor", calls, outputs, OpType::COALESCED, &inputs);
+  }
+
+  c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                     const c10d::AllgatherOptions& opts) override {
+    // Into one flat buffer per input, then copied out: inline only (a queued call would need
+    // the copies after it).
+    size_t n = size_t(getSize()), total = 0;
+    bool ok = outputs.size() == inputs.size() && plain(inputs);
+    for (size_t i = 0; ok && i < inputs.size(); i++) {
+      ok = outputs[i].size() == n;
+      for (auto& o : outputs[i])
+        ok = ok && o.numel() == inputs[i].numel() && o.scalar_type() == inputs[i].scalar_type();
+      total += inputs[i].nbytes() * n;
+    }
+    if (!ok || total > kInlineMaxBytes) return delegate("allgather", outputs, inputs, opts);
+    flushHeld();
+    std::vector<at::Tensor> flat, result;
+    for (size_t i = 0; i < inputs.size(); i++) {
+      flat.push_back(at::empty({int64_t(n), inputs[i].numel()}, inputs[i].options()));
+      check(issue({Kind::AllGather, inputs[i].data_ptr(), flat.back().data_ptr(), inputs[i].nbytes(), oxcclUint8,
+                   oxcclSum, 0}));
+    }
+    for (size_t i = 0; i < inputs.size(); i++)
+      for (size_t r = 0; r < n; r++) {
+        outputs[i][r].copy_(flat[i][int64_t(r)].view(outputs[i][r].sizes()));
+        result.push_back(outputs[i][r]);
+      }
+    return c10::make_intrusive<DoneWork>(std::move(result), OpType::ALLGATHER);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::ReduceScatterOptions& opts) override {
+    std::vector<Call> calls;
+    std::vector<at::Tensor> outs{output}, ins{input};
+    if (!scatterCall(output, input, opts, calls)) return delegate("_reduce_scatter_base", output, input, opts);
+    return run("reduce_scatter_tensor", calls, outs, OpType::_REDUCE_SCATTER_BASE, &ins);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::ReduceScatterOptions& opts) override {
+    std::vector<Call> calls;
+    bool ok = outputs.size() == inputs.size();
+    for (size_t i = 0; ok && i < outputs.size(); i++) ok = scatterCall(outputs[i], inputs[i], opts, calls);
+    if (!ok) return delegate("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
+    return run("reduce_scatter_tensor", calls, outputs, OpType::COALESCED, &inputs);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    // The inputs stacked into one buffer per output (a copy), then one call each.
+    size_t n = size_t(getSize());
+    int op = opOf(opts.reduceOp);
+    bool ok = op >= 0 && outputs.size() == inputs.size() && plain(outputs);
+    for (size_t i = 0; ok && i < inputs.size(); i++) {
+      ok = inputs[i].size() == n && dtypeOf(outputs[i]) >= 0;
+      for (auto& t : inputs[i])
+        ok = ok && t.device().is_cpu() && t.numel() == outputs[i].numel() &&
+             t.scalar_type() == outputs[i].scalar_type();
+    }
+    if (!ok) return delegate("reduce_scatter", outputs, inputs, opts);
+    std::vector<at::Tensor> stacked;
+    std::vector<Call> calls;
+    for (size_t i = 0; i < inputs.size(); i++) {
+      std::vector<at::Tensor> flat;
+      for (auto& t : inputs[i]) flat.push_back(t.reshape({-1}));
+      stacked.push_back(at::stack(flat));
+      calls.push_back({Kind::ReduceScatter, stacked.back().data_ptr(), outputs[i].data_ptr(),
+                       size_t(outputs[i].numel()), dtypeOf(outputs[i]), op, 0});
+    }
+    return run("reduce_scatter", calls, outputs, OpType::REDUCE_SCATTER, &stacked);
+  }
+
+  c10::intrusive_ptr<Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
+                                             std::vector<int64_t>& outSplits, std::vector<int64_t>& inSplits,
+                                             const c10d::AllToAllOptions& opts) override {
+    // Equal blocks only (no split sizes, or all equal); the rest is the Python backend's
+    // point-to-point group.
+    int64_t n = getSize();
+    auto equal = [&](const std::vector<int64_t>& s, const at::Tensor& t) {
+      if (s.empty()) return true;
+      if (int64_t(s.size()) != n) return false;
+      for (auto v : s)
+        if (v != s[0]) return false;
+      return t.dim() > 0 && s[0] * n == t.size(0);
+    };
+    bool ok = plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
+              output.nbytes() == input.nbytes() && input.nbytes() % size_t(n) == 0 && equal(outSplits, output) &&
+              equal(inSplits, input) && !overlap(output, input);
+    if (!ok) return delegate("alltoall_base", output, input, outSplits, inSplits, opts);
+    std::vector<Call> calls{{Kind::AllToAll, input.data_ptr(), output.data_ptr(), input.nbytes() / size_t(n),
+                             oxcclUint8, oxcclSum, 0}};
+    std::vector<at::Tensor> outs{output}, ins{input};
+    return run("all_to_all_single", calls, outs, OpType::ALLTOALL_BASE, &ins);
+  }
+
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions&) override {
+    std::vector<Call> calls{{Kind::Barrier, nullptr, nullptr, 0, oxcclUint8, oxcclSum, 0}};
+    std::vector<at::Tensor> none;
+    return run("barrier", calls, none, OpType::BARRIER, nullptr, /*forceInline=*/true);
+  }
+
+  // -- delegated -------------------------------------------------------------------------
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts) override {
+    return allgather(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                  const c10d::GatherOptions& opts) override {
+    return delegate("gather", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ScatterOptions& opts) override {
+    return delegate("scatter", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                    const c10d::AllToAllOptions& opts) override {
+    return delegate("alltoall", outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    held_ = true;
+    return delegate("send", tensors, dst, tag);
+  }
+  c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    held_ = true;
+    return delegate("recv", tensors, src, tag);
+  }
+  c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    held_ = true;
+    return delegate("recv_anysource", tensors, tag);
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
+    py::gil_scoped_acquire gil;
+    py_.attr("monitored_barrier")(opts, waitAllRanks);
+  }
+  c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                    const c10::intrusive_ptr<Options>& opts) override {
+    py::gil_scoped_acquire gil;
+    py::object child = py_.attr("split")(store, ranks, opts);
+    if (child.is_none()) return {};
+    return wrap_(child).cast<c10::intrusive_ptr<Backend>>();
+  }
+  void shutdown() override {
+    py::gil_scoped_acquire gil;
+    py_.attr("shutdown")();
+  }
+  void abort() override {
+    py::gil_scoped_acquire gil;
+    py_.attr("abort")();
+  }
+
+  // The Python backend this one delegates to.
+  py::object python() const { return py_; }
+
+ private:
+  // Hands a call to the Python backend (which also checks what this file would not take).
+  template <typename... Args>
+  c10::intrusive_ptr<Work> delegate(const char* name, Args&... args) {
+    py::gil_scoped_acquire gil;
+    py::object w = py_.attr(name)(args...);
+    if (w.is_none()) return {};
+    return c10::make_intrusive<DelegatedWork>(std::move(w));
+  }
+
+  // Held point-to-point operations of the Python backend go before a collective of this file.
+  void flushHeld() {
+    if (!held_) return;
+    py::gil_scoped_acquire gil;
+    py_.attr("_flush_p2p")();
+    held_ = false;
+  }
+
+  static bool overlap(const at::Tensor& a, const at::Tensor& b) {
+    auto pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
+    return a.nbytes() && b.nbytes() && pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  }
+
+  // all_gather_into_tensor: separate, or in place as NCCL's (the input is this rank's block).
+  bool gatherCall(at::Tensor& output, at::Tensor& input, std::vector<Call>& calls) {
+    size_t n = size_t(getSize());
+    if (!plain(output) || !plain(input) || output.scalar_type() != input.scalar_type() ||
+        output.nbytes() != input.nbytes() * n)
+      return false;
+    auto* mine = static_cast<char*>(output.data_ptr()) + input.nbytes() * size_t(getRank());
+    if (overlap(output, input) && mine != input.data_ptr()) return false;
+    calls.push_back({Kind::AllGather, input.data_ptr(), output.data_ptr(), input.nbytes(), oxcclUint8, oxcclSum, 0});
+    return true;
+  }
+
+  // reduce_scatter_tensor: separate, or in place as NCCL's (the output is this rank's block).
+  bool scatterCall(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts,
+                   std::vector<Call>& calls) {
+    size_t n = size_t(getSize());
+    int op = opOf(opts.reduceOp), dt = dtypeOf(output);
+    if (op < 0 || dt < 0 || !plain(output) || !plain(input) || output.scalar_type() != input.scalar_type() ||
+        input.nbytes() != output.nbytes() * n)
+      return false;
+    auto* mine = static_cast<char*>(input.data_ptr()) + output.nbytes() * size_t(getRank());
+    if (overlap(output, input) && mine != output.data_ptr()) return false;
+    calls.push_back({Kind::ReduceScatter, input.data_ptr(), output.data_ptr(), size_t(output.numel()), dt, op, 0});
+    return true;
+  }
+
+  oxcclResult_t issue(const Call& c) {
+    switch (c.kind) {
+      case Kind::AllReduce:
+        return api_->all_reduce(c.send, c.recv, c.count, oxcclDataType_t(c.dtype), oxcclRedOp_t(c.op), comm_);
+      case Kind::Broadcast:
+        return api_->broadcast(c.send, c.recv, c.count, oxcclDataType_t(c.dtype), c.root, comm_);
+      case Kind::Reduce:
+        return api_->reduce(c.send, c.recv, c.count, oxcclDataType_t(c.dtype), oxcclRedOp_t(c.op), c.root, comm_);
+      case Kind::AllGather:
+        return api_->all_gather(c.send, c.recv, c.count, oxcclDataType_t(c.dtype), comm_);
+      case Kind::ReduceScatter:
+        return api_->reduce_scatter(c.send, c.recv, c.count, oxcclDataType_t(c.dtype), oxcclRedOp_t(c.op), comm_);
+      case Kind::AllToAll:
+        return api_->all_to_all(c.send, c.recv, c.count, oxcclDataType_t(c.dtype), comm_);
+      case Kind::Barrier:
+        return api_->barrier(comm_);
+    }
+    return oxcclInternalError;
+  }
+
+  void check(oxcclResult_t r) {
+    if (r != oxcclSuccess) raise(r, api_->get_last_error());
+  }
+
+  // Runs `calls` in order: inline when small, else queued as one group. `extra`: tensors the
+  // queued calls read besides `result` (inputs, temporaries), kept alive until they finish.
+  c10::intrusive_ptr<Work> run(const char* what, std::vector<Call>& calls, std::vector<at::Tensor>& result,
+                               OpType type, std::vector<at::Tensor>* extra = nullptr, bool forceInline = false) {
+    flushHeld();
+    size_t bytes = 0;
+    for (auto& t : result) bytes += t.nbytes();
+    if (extra)
+      for (auto& t : *extra) bytes = std::max(bytes, t.nbytes());
+    if (forceInline || bytes <= kInlineMaxBytes) {
+      for (auto& c : calls) check(issue(c));
+      return c10::make_intrusive<DoneWork>(result, type);
+    }
+    check(api_->group_start());
+    oxcclResult_t bad = oxcclSuccess;
+    std::string msg;
+    for (auto& c : calls) {
+      oxcclResult_t r = issue(c);
+      if (r != oxcclSuccess && bad == oxcclSuccess) {
+        bad = r;
+        msg = api_->get_last_error();
+      }
+    }
+    oxcclWork_t w = nullptr;
+    oxcclResult_t r = api_->group_end(&w);
+    if (bad != oxcclSuccess) {
+      // the calls accepted before run anyway (every rank makes the same checks)
+      if (w) {
+        api_->work_wait(w, timeout_s_);
+        api_->work_free(w);
+      }
+      raise(bad, msg);
+    }
+    check(r);
+    std::vector<at::Tensor> keep = result;
+    if (extra) keep.insert(keep.end(), extra->begin(), extra->end());
+    auto work = c10::make_intrusive<QueuedWork>(api_, w, std::move(keep), type, timeout_s_, getRank(), what);
+    return work;
+  }
+
+  py::object py_;
+  py::object wrap_;
+  const oxcclApi_t* api_;
+  oxcclComm_t comm_;
+  double timeout_s_;
+  bool held_ = false;
+};
+
+}  // namespace oxccl_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using oxccl_torch::BackendOxcclCpp;
+  m.doc() = "oxccl's torch backend in C++ (see oxccl/csrc/backend.cpp)";
+  py::class_<BackendOxcclCpp, c10d::Backend, c10::intrusive_ptr<BackendOxcclCpp>>(m, "BackendOxcclCpp")
+      .def(py::init([](py::object backend, uintptr_t comm, py::capsule api, double timeout_s, py::object wrap) {
+             auto* table = static_cast<const oxcclApi_t*>(api.get_pointer());
+             TORCH_CHECK(std::string(api.name()) == "oxccl._C_API", "oxccl: not the oxccl._C_API capsule");
+             TORCH_CHECK(table->version == OXCCL_API_VERSION && table->size >= sizeof(oxcclApi_t),
+                         "oxccl: the C++ torch backend was built for another oxccl (API version ",
+                         OXCCL_API_VERSION, ", library ", table->version, "): rebuild it");
+             if (!oxccl_torch::g_api) oxccl_torch::g_api = table;
+             return c10::make_intrusive<BackendOxcclCpp>(std::move(backend), comm, table, timeout_s, std::move(wrap));
+           }),
+           py::arg("backend"), py::arg("comm"), py::arg("api"), py::arg("timeout_s"), py::arg("wrap"),
+           "A C++ backend over `backend` (a BackendOxccl) and its communicator's C handle `comm`, "
+           "which it owns; `wrap(child)` wraps the Python backend of a split group.")
+      .def_property_readonly("python_backend", &BackendOxcclCpp::python);
+  m.attr("API_VERSION") = OXCCL_API_VERSION;
+}

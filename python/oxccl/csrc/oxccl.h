@@ -1,0 +1,1 @@
+../../../crates/oxccl-capi/include/oxccl.h
