@@ -7,14 +7,14 @@ use std::process::Command;
 #[test]
 fn c_example_runs() {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    // target/<profile>/deps/c_example-HASH -> target/<profile>, where the cdylib is.
+    // The test runs as target/<profile>/deps/c_example-HASH. `cargo test` alone leaves the
+    // cdylib beside it in deps/; `cargo build` also copies it up to target/<profile>.
     let exe = std::env::current_exe().unwrap();
-    let lib_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    assert!(
-        lib_dir.join("liboxccl_capi.so").exists(),
-        "no liboxccl_capi.so in {}",
-        lib_dir.display()
-    );
+    let deps = exe.parent().unwrap().to_path_buf();
+    let lib_dir = [deps.clone(), deps.parent().unwrap().to_path_buf()]
+        .into_iter()
+        .find(|d| d.join("liboxccl_capi.so").exists())
+        .unwrap_or_else(|| panic!("no liboxccl_capi.so in {} or its parent", deps.display()));
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("oxccl_c_example");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let build = Command::new(&cc)
