@@ -281,7 +281,8 @@ t_cut() {
   done
 }
 
-# cpu_oxccl NAME HOSTS PER SIZE ITERS: one unchecked in-place row; prints "time_us cpu_us algbw busbw".
+# cpu_oxccl NAME HOSTS PER SIZE ITERS: one unchecked in-place row; prints "time_us cpu_us algbw
+# busbw algo runq_wait_us" (-1: not measured).
 cpu_oxccl() {
   local name=$1 hosts=$2 per=$3 size=$4 iters=$5
   EXTRA_ENV=()
@@ -293,7 +294,8 @@ import json, sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
     if r["in_place"]:
-        print(r["time_us"], r["cpu_us"], r["algbw_gbps"], r["busbw_gbps"], r["algo"])' "$LOGS/$name.json"
+        print(r["time_us"], r["cpu_us"], r["algbw_gbps"], r["busbw_gbps"], r["algo"],
+              r.get("runq_wait_us", -1))' "$LOGS/$name.json"
 }
 
 # cpu_gloo NAME HOSTS PER SIZE ITERS: prints "time_us cpu_us" (scripts/gloo_cpu_bench.py).
@@ -316,14 +318,18 @@ cpu_gloo() {
 
 # cpu [SIZE]: CPU-seconds (user + system of all ranks) per GB all-reduced (SIZE bytes per
 # call), oxccl and gloo one after the other on the same cluster, for every rate and shape.
-# "link %" is busbw over the line rate (algbw for oxccl's hier on 2x2: each host sends SIZE
-# over its link per call).
+# "link %" is the time the link bound allows over the time measured, the same for both
+# libraries: an all_reduce of SIZE bytes among H hosts must send at least 2(H-1)/H x SIZE
+# over each host's link (each host's contribution must leave it and the result must come
+# back, whatever the algorithm), so link % = algbw x 2(H-1)/H / line rate. (For one rank
+# per host that is busbw over line rate; on 2x2 a flat ring, as gloo runs, sends 1.5 x SIZE
+# over each link and can reach at most 67%.)
 t_cpu() {
   local size=${1:-67108864} iters=${OXCCL_CPU_ITERS:-10} rate shape hosts per
   GLOO_PY=${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}
   [ -x "$GLOO_PY" ] || die "GLOO_PY=$GLOO_PY: not found (a python with torch)"
-  printf '#%7s %5s %6s %10s %10s %7s %10s %10s %7s %9s\n' rate shape algo "ox us" "ox cpu-s/GB" "ox link%" \
-    "gloo us" "gloo cpu-s/GB" "gloo %" "cpu ox/gl"
+  printf '#%7s %5s %6s %10s %10s %7s %10s %10s %7s %9s %8s\n' rate shape algo "ox us" "ox cpu-s/GB" "ox link%" \
+    "gloo us" "gloo cpu-s/GB" "gloo %" "cpu ox/gl" "ox wait%"
   for rate in ${OXCCL_CPU_RATES:-2500mbit 10gbit}; do
     RATE=$rate
     local gbps=${rate%mbit}
@@ -340,15 +346,20 @@ t_cpu() {
 import sys
 rate, shape, size, gbps, ox, gl = sys.argv[1:]
 size, line = int(size), float(gbps) / 8
-ot, oc, alg, bus, algo = ox.split()
+ot, oc, alg, bus, algo, wait = ox.split()
 gt, gc = map(float, gl.split())
-ot, oc, alg, bus = map(float, (ot, oc, alg, bus))
+ot, oc, alg, bus, wait = map(float, (ot, oc, alg, bus, wait))
 world = eval(shape.replace("x", "*"))
-gbus = size / gt / 1e3 * 2 * (world - 1) / world
-olink = (alg if algo == "hier" else bus) / line * 100
+# Share of the ranks' time spent runnable but waiting for a CPU (a shared machine).
+waits = f"{wait / (ot * world) * 100:.0f}%" if wait >= 0 else "-"
+hosts = int(shape.split("x")[0])
+# Bytes each host's link must carry per byte all-reduced (the link bound, see above).
+bound = 2 * (hosts - 1) / hosts
+link = lambda algbw: algbw * bound / line * 100
 per_gb = lambda cpu_us: cpu_us * 1e-6 / (size / 1e9)
-print(f" {rate:>7} {shape:>5} {algo:>6} {ot:>10.0f} {per_gb(oc):>10.3f} {olink:>7.0f}% "
-      f"{gt:>10.0f} {per_gb(gc):>10.3f} {gbus / line * 100:>6.0f}% {oc / gc:>9.2f}", flush=True)
+print(f" {rate:>7} {shape:>5} {algo:>6} {ot:>10.0f} {per_gb(oc):>10.3f} {link(alg):>7.0f}% "
+      f"{gt:>10.0f} {per_gb(gc):>10.3f} {link(size / gt / 1e3):>6.0f}% {oc / gc:>9.2f} {waits:>8}",
+      flush=True)
 PY
     done
   done

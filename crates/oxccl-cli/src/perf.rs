@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::launch::rank_or_launch;
 
 mod inject;
+mod runq;
 
 /// `oxccl perf` arguments (nccl-tests' names).
 #[derive(ClapArgs, Clone)]
@@ -269,6 +270,10 @@ struct Row<'a> {
     in_place: bool,
     time_us: f64,
     cpu_us: f64,
+    /// Time the ranks' threads waited for a CPU per call, summed over ranks (absent where
+    /// the kernel keeps no scheduler statistics).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    runq_wait_us: Option<f64>,
     algbw_gbps: f64,
     busbw_gbps: f64,
     wrong: Option<u64>,
@@ -284,6 +289,7 @@ const MAX_ITERS: usize = 100_000;
 struct Measured {
     time_us: f64,
     cpu_us: f64,
+    runq_wait_us: Option<f64>,
     wrong: Option<u64>,
     algo: &'static str,
 }
@@ -304,7 +310,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     let mut bufs = case.buffers((a.register == 1).then_some(comm))?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);
-    let (secs, algo, cpu) = time_calls_cpu(comm, case, send, recv, a.warmup, a.iters)?;
+    let t = time_calls_cpu(comm, case, send, recv, a.warmup, a.iters)?;
     let wrong = if a.check == 1 {
         case.fill(send, recv);
         case.call(comm, send, recv)?;
@@ -315,10 +321,11 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
         None
     };
     Ok(Measured {
-        time_us: secs * 1e6,
-        cpu_us: cpu * 1e6,
+        time_us: t.secs * 1e6,
+        cpu_us: t.cpu * 1e6,
+        runq_wait_us: t.runq_wait.map(|w| w * 1e6),
         wrong,
-        algo,
+        algo: t.algo,
     })
 }
 
@@ -333,7 +340,19 @@ pub(crate) fn time_calls(
     warmup: usize,
     iters: Option<usize>,
 ) -> oxccl::Result<(f64, &'static str)> {
-    time_calls_cpu(comm, case, send, recv, warmup, iters).map(|(t, algo, _)| (t, algo))
+    time_calls_cpu(comm, case, send, recv, warmup, iters).map(|t| (t.secs, t.algo))
+}
+
+/// What [`time_calls_cpu`] measures, per call.
+struct Timed {
+    /// The slowest rank's wall time.
+    secs: f64,
+    algo: &'static str,
+    /// CPU time, summed over ranks.
+    cpu: f64,
+    /// Time the ranks' threads waited for a CPU ([`runq`]), summed over ranks; `None` where
+    /// any rank cannot read it.
+    runq_wait: Option<f64>,
 }
 
 /// This process's CPU time so far (user + system, all threads), in seconds.
@@ -342,7 +361,8 @@ fn cpu_now() -> f64 {
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
-/// [`time_calls`], and the CPU seconds one call costs, summed over all ranks.
+/// [`time_calls`], and the CPU seconds one call costs and the seconds its ranks waited for a
+/// CPU, each summed over all ranks.
 fn time_calls_cpu(
     comm: &Communicator,
     case: &Case,
@@ -350,7 +370,7 @@ fn time_calls_cpu(
     recv: &mut [u8],
     warmup: usize,
     iters: Option<usize>,
-) -> oxccl::Result<(f64, &'static str, f64)> {
+) -> oxccl::Result<Timed> {
     for _ in 0..warmup {
         case.call(comm, send, recv)?;
     }
@@ -376,17 +396,28 @@ fn time_calls_cpu(
         }
     };
     comm.barrier()?;
-    let (t, cpu0) = (Instant::now(), cpu_now());
+    let (t, cpu0, wait0) = (Instant::now(), cpu_now(), runq::wait_secs());
     for _ in 0..iters {
         case.call(comm, send, recv)?;
     }
     let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
-    let mut cpu = [(cpu_now() - cpu0) / iters as f64];
+    let per_call = |x: f64| x / iters as f64;
+    // A rank without scheduler statistics sends NaN, which makes the sum NaN.
+    let wait = match (wait0, runq::wait_secs()) {
+        (Some(w0), Some(w1)) => per_call(w1 - w0),
+        _ => f64::NAN,
+    };
+    let mut sums = [per_call(cpu_now() - cpu0), wait];
     // Before the reductions below, which run an algorithm of their own.
     let algo = comm.last_algo();
     comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
-    comm.all_reduce_in_place(&mut cpu, ReduceOp::Sum)?;
-    Ok((secs[0], algo, cpu[0]))
+    comm.all_reduce_in_place(&mut sums, ReduceOp::Sum)?;
+    Ok(Timed {
+        secs: secs[0],
+        algo,
+        cpu: sums[0],
+        runq_wait: (!sums[1].is_nan()).then_some(sums[1]),
+    })
 }
 
 fn rank_main(a: &Args) -> Result<(), String> {
@@ -465,6 +496,8 @@ fn rank_main(a: &Args) -> Result<(), String> {
     }
     let factor = bus_factor(kind, n);
     let (mut bw_sum, mut rows, mut total_wrong) = (0.0, 0usize, 0u64);
+    // The largest share of the ranks' timed wall time they spent waiting for a CPU.
+    let mut most_waiting: Option<f64> = None;
     let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
     for dtype in dtypes(&a.datatype)? {
         for op in ops(&a.op, kind, dtype)? {
@@ -511,6 +544,10 @@ fn rank_main(a: &Args) -> Result<(), String> {
                     );
                     bw_sum += busbw;
                     rows += 1;
+                    if let Some(w) = m.runq_wait_us.filter(|_| m.time_us > 0.0) {
+                        let share = w / (m.time_us * n as f64);
+                        most_waiting = Some(most_waiting.map_or(share, |s: f64| s.max(share)));
+                    }
                     if let Some(f) = json.as_mut() {
                         let row = Row {
                             collective: name,
@@ -525,6 +562,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
                             in_place,
                             time_us: m.time_us,
                             cpu_us: m.cpu_us,
+                            runq_wait_us: m.runq_wait_us,
                             algbw_gbps: algbw,
                             busbw_gbps: busbw,
                             wrong: m.wrong,
@@ -554,6 +592,15 @@ fn rank_main(a: &Args) -> Result<(), String> {
             "# Avg bus bandwidth    : {:.3} ",
             if rows > 0 { bw_sum / rows as f64 } else { 0.0 }
         );
+        if let Some(w) = most_waiting {
+            // Above a few percent, the times measure the CPU share these ranks got on a
+            // shared or oversubscribed machine more than the library.
+            let _ = writeln!(
+                out,
+                "# Waiting for a CPU    : {:.0}% of the ranks' timed wall time (the worst row)",
+                w * 100.0
+            );
+        }
     }
     comm.barrier().map_err(|e| e.to_string())?;
     if total_wrong > 0 {

@@ -382,6 +382,11 @@ fn perf_prints_rows_and_json() {
             assert_eq!(r["wrong"], 0, "{r}");
             // Every call costs some CPU time: a zero means the column is not measured.
             assert!(r["cpu_us"].as_f64().is_some_and(|c| c > 0.0), "{r}");
+            // Waiting for a CPU: where the kernel keeps scheduler statistics (Linux with
+            // /proc/self/task/*/schedstat), never negative.
+            if std::path::Path::new("/proc/self/schedstat").exists() {
+                assert!(r["runq_wait_us"].as_f64().is_some_and(|w| w >= 0.0), "{r}");
+            }
             assert_eq!(r["ranks"], 3);
             assert_eq!(r["transport"], transport);
             assert!(r["in_place"].is_boolean());

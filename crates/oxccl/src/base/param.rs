@@ -45,9 +45,10 @@ pub struct Config {
     pub shm_ring_bytes: usize,
     /// `OXCCL_SPIN`: progress checks a waiting rank makes before it sleeps. Default 2000.
     pub spin: u32,
-    /// `OXCCL_TCP_SPIN`: progress checks before sleeping in `poll(2)` when every link a
-    /// waiting rank waits on is a socket (each check is a system call). Default 0: sleep at
-    /// once (on 2 shared cores spinning cost CPU and latency, README "CPU per byte").
+    /// `OXCCL_TCP_SPIN`: progress checks before sleeping in `poll(2)` while a transfer a
+    /// waiting rank waits on is a socket's, also in steps that mix sockets and shared memory
+    /// (each check is a system call). Default 0: sleep at once (on 2 shared cores spinning
+    /// cost CPU and latency, README "CPU per byte").
     pub tcp_spin: u32,
     /// `OXCCL_YIELD_EVERY`: progress checks between two yields of the core while spinning.
     /// Default (`None`): 1 where this host's ranks of the communicator outnumber the CPUs this

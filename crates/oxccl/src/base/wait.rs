@@ -162,7 +162,7 @@ impl Doorbell {
 pub struct Spin {
     /// Progress checks before sleeping ([`Config::spin`](crate::base::param::Config::spin)).
     pub budget: u32,
-    /// Progress checks before sleeping when every link waited on is a socket, where each
+    /// Progress checks before sleeping while a transfer waited on is a socket's, where each
     /// check is a system call ([`Config::tcp_spin`](crate::base::param::Config::tcp_spin)).
     pub socket_budget: u32,
     /// Checks between two yields of the core
@@ -198,7 +198,7 @@ impl Spin {
         }
     }
 
-    /// The policy for a wait on sockets only: [`socket_budget`](Self::socket_budget) rounds.
+    /// The policy while a socket transfer is pending: [`socket_budget`](Self::socket_budget) rounds.
     pub fn for_sockets(self) -> Spin {
         Spin {
             budget: self.socket_budget,

@@ -4,7 +4,7 @@
 //! receives consume what has arrived, storing or reducing it straight into the destination in
 //! whole elements (a partial element is carried over). When no transfer can progress, the
 //! executor spins for [`Config::spin`](crate::Config::spin) rounds
-//! ([`Config::tcp_spin`](crate::Config::tcp_spin) where it waits on sockets only), then
+//! ([`Config::tcp_spin`](crate::Config::tcp_spin) while a transfer it waits on is a socket's), then
 //! sleeps on the links' doorbells or sockets in slices, checking between slices the call's
 //! deadline and that the peers it waits for are alive.
 
@@ -243,20 +243,26 @@ impl Runner<'_, '_, '_> {
                 }
             }
         }
-        // Where every link of the step is a socket, a spin round is a system call per
-        // transfer: spin only `tcp_spin` rounds, then sleep in poll(), so that a slow link
-        // costs no CPU.
-        let spin = if self.sockets_only(step) {
+        // While a transfer of the step waits on a socket, a spin round costs a system call
+        // per socket transfer and the data trickles in at the link's pace, resetting the
+        // spin at every packet: spin only `tcp_spin` rounds, then sleep in poll(), so that a
+        // slow link costs no CPU. That holds for steps that also carry shared-memory
+        // transfers (hier's pipeline); once only those are left, the step spins as usual.
+        let mut on_sockets = self.socket_pending(step, &st);
+        let mut backoff = Backoff::new(if on_sockets {
             self.ctx.spin.for_sockets()
         } else {
             self.ctx.spin
-        };
-        let mut backoff = Backoff::new(spin);
+        });
         let mut last_check = Instant::now();
         loop {
             let (progressed, done) = self.progress(step, &mut st)?;
             if done {
                 break;
+            }
+            if on_sockets && !self.socket_pending(step, &st) {
+                on_sockets = false;
+                backoff = Backoff::new(self.ctx.spin);
             }
             if progressed {
                 backoff.reset();
@@ -396,17 +402,19 @@ impl Runner<'_, '_, '_> {
         Ok((progressed, all_done))
     }
 
-    /// Whether every transfer of `step` waits on a socket.
-    fn sockets_only(&self, step: &Step) -> bool {
-        step.xfers.iter().all(|x| {
-            self.ctx
-                .links
-                .get(x.peer())
-                .and_then(|l| l.as_ref())
-                .is_some_and(|l| match x {
-                    Xfer::Send { .. } => matches!(l.send_wait(), WaitSource::Fd(_)),
-                    Xfer::Recv { .. } => matches!(l.recv_wait(), WaitSource::Fd(_)),
-                })
+    /// Whether a transfer of `step` still pending waits on a socket.
+    fn socket_pending(&self, step: &Step, st: &[XState]) -> bool {
+        step.xfers.iter().zip(st).any(|(x, s)| {
+            s.done < x.len()
+                && self
+                    .ctx
+                    .links
+                    .get(x.peer())
+                    .and_then(|l| l.as_ref())
+                    .is_some_and(|l| match x {
+                        Xfer::Send { .. } => matches!(l.send_wait(), WaitSource::Fd(_)),
+                        Xfer::Recv { .. } => matches!(l.recv_wait(), WaitSource::Fd(_)),
+                    })
         })
     }
 
