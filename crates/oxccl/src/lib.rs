@@ -31,6 +31,8 @@
 //!
 //! The modules are private; this root re-exports the public API, and [`testing`] (hidden)
 //! the internals that integration tests, benchmarks and fuzz targets drive directly.
+//!
+//! The layers, the path of one call and where each concept lives: `docs/architecture.md`.
 
 #![warn(missing_docs)]
 #![warn(unreachable_pub)]

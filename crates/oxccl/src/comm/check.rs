@@ -121,7 +121,7 @@ pub struct Case {
     pub op: ReduceOp,
     /// Root of broadcast and reduce.
     pub root: usize,
-    /// Elements, with NCCL's meaning per collective (see [`Coll`]).
+    /// Elements, with NCCL's meaning per collective (as `Coll` in `sched/mod.rs`).
     pub count: usize,
     /// Whether the call runs in place.
     pub in_place: bool,

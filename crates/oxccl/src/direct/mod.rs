@@ -1,6 +1,8 @@
-//! The "direct" area: collectives that skip the schedule-over-links path. One-shot slots and
-//! single-copy (CMA) collectives over mapped shared buffers, their event records ([`link`],
-//! [`shm`]), their executor ([`exec`]) and the shared buffers themselves.
+//! The "direct" area: collectives on one host that skip the schedule-over-links path. Every
+//! rank publishes events in a small area its peers map ([`link`]: the interface, [`shm`]: over
+//! shared memory), through which run one-shot collectives (data in the slots, [`oneshot`]) and
+//! single-copy ones (straight between ranks' buffers, [`cma`]: `process_vm_readv`/`writev`, or
+//! loads and stores into peers' mapped [`shared_buffer`]s); [`exec`] publishes and waits.
 
 pub(crate) mod cma;
 pub(crate) mod exec;

@@ -1,6 +1,6 @@
 //! Buffers in shared memory, the CPU counterpart of NCCL's `ncclMemAlloc` + buffer
 //! registration: a [`SharedBuffer`] lives in a memfd that the other ranks of the host can map,
-//! so the single-copy algorithms ([`algo::cma`](crate::direct::cma)) reach a peer's buffer with
+//! so the single-copy algorithms (`cma`, in `direct/`) reach a peer's buffer with
 //! plain loads and stores instead of a kernel copy (`process_vm_readv`, about half of memcpy's
 //! speed on the machines measured, see `docs/perf`).
 //!

@@ -1,8 +1,12 @@
-//! Tuning: which algorithm runs a call.
+//! Tuning: which algorithm runs a call on one host ([`choose`]).
 //!
-//! Today each collective has one algorithm ([`default_algo`]); `OXCCL_ALGO` (or
-//! [`crate::Config::algo`]) forces one for every collective it implements. The cost model
-//! that picks among several per call sits here as algorithms are added.
+//! `OXCCL_ALGO` (or [`crate::Config::algo`]) wins where it can run the call. Otherwise, when
+//! every rank shares the host (a direct area), one-shot for small inputs and single-copy for
+//! large ones (thresholds: `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` where set, else what
+//! `oxccl tune` measured, else the defaults); under `OXCCL_DETERMINISTIC=1` reductions take
+//! a rank-ordered algorithm; else each collective's default schedule ([`default_algo`]).
+//! Across hosts the cost model ([`crate::plan::cost`]) picks the all_reduce and defers here
+//! for the rest.
 
 use crate::sched::{Algo, CollKind};
 

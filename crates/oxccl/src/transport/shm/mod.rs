@@ -1,11 +1,13 @@
 //! Shared-memory transport between ranks of one host.
 //!
-//! Each rank creates one segment that it owns, `/dev/shm/oxccl-<tag>-<rank>-<pid>` (mode
-//! 0600, memory reserved up front with `fallocate`), holding a header, the rank's
-//! [`Doorbell`](crate::base::wait::Doorbell) and one incoming single-producer/single-consumer byte ring per shared-memory
-//! peer (the owner reads, the peer writes). [`connect`] creates it, exchanges the paths,
-//! maps every peer's segment, waits until every rank has done so and then unlinks its own
-//! file: from then on nothing is left in `/dev/shm`, even if the process is killed.
+//! Each rank creates one segment that it owns (memory reserved up front with `fallocate`),
+//! holding a header, the rank's [`Doorbell`](crate::base::wait::Doorbell) and one incoming
+//! single-producer/single-consumer byte ring per shared-memory peer (the owner reads, the
+//! peer writes). [`connect`] creates it, hands it to the peers and maps every peer's: by
+//! default the segment is a memfd whose descriptor peers copy (`pidfd_getfd`), so no file
+//! exists at all; where they cannot, a named file in `/dev/shm` (mode 0600) that its owner
+//! unlinks once every rank has mapped it. Either way nothing is left in `/dev/shm` once
+//! `connect` returns, even if the process is killed (`handoff.rs`).
 //!
 //! A [`ShmLink`] to peer `p` writes into the ring for this rank in `p`'s segment and reads
 //! the ring from `p` in this rank's segment. Whoever makes progress another rank may wait for
@@ -34,7 +36,7 @@ use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// The name of the segment that `rank` creates for communicator `tag`: the memfd's name, or
 /// the start of its file name in `/dev/shm` where the ranks fall back to named files
-/// (`oxccl-<tag>-<rank>-<pidns>-<pid>`, see [`handoff`]).
+/// (`oxccl-<tag>-<rank>-<pidns>-<pid>`, see `handoff.rs`).
 pub fn segment_name(tag: u64, rank: usize) -> String {
     format!("{tag:016x}-{rank}")
 }
