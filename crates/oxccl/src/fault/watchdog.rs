@@ -324,6 +324,18 @@ pub(crate) fn report_frame(rank: usize, e: &Error) -> Option<Frame> {
     })
 }
 
+/// True when a call that failed with `e` (a lost link or a protocol error) should return
+/// the recorded `failure` instead: another rank's failure, or the loss of another peer than
+/// the one `e` names, is the cause (a rank that found a mismatch and exited closes its
+/// links before its report arrives).
+pub(crate) fn is_cause(failure: Option<&Failure>, e: &Error) -> bool {
+    match failure {
+        Some(Failure::Remote { .. }) => true,
+        Some(Failure::Lost { peer, .. }) => Some(*peer) != e.lost_peer(),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -590,5 +602,31 @@ mod tests {
             msg: "m".into(),
         };
         assert_eq!(report_frame(1, &remote), None);
+    }
+
+    #[test]
+    fn what_replaces_a_lost_link_error() {
+        let lost = |peer| Error::PeerLost {
+            rank: 1,
+            peer,
+            call: "all_reduce",
+            seq: 2,
+            reason: "closed".into(),
+        };
+        let gone = |peer| Failure::Lost {
+            peer,
+            reason: "r".into(),
+        };
+        let remote = Failure::Remote {
+            origin: 3,
+            kind: FailureKind::Mismatch,
+            msg: "m".into(),
+        };
+        assert!(is_cause(Some(&remote), &lost(2)));
+        assert!(is_cause(Some(&gone(3)), &lost(2)));
+        assert!(!is_cause(Some(&gone(2)), &lost(2)));
+        assert!(!is_cause(None, &lost(2)));
+        let local = Failure::Local { msg: "x".into() };
+        assert!(!is_cause(Some(&local), &lost(2)));
     }
 }
