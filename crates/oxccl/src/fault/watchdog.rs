@@ -12,6 +12,9 @@
 //! read ([`handle_data`](Watch::handle_data), [`handle_closed`](Watch::handle_closed),
 //! [`handle_error`](Watch::handle_error), then [`input_done`](Watch::input_done)), record
 //! [`end_round`](Watch::end_round)'s failures, send.
+//!
+//! Two decisions of a failed call live here too: what it tells the others ([`report_frame`])
+//! and whether its lost-link error gives way to the recorded cause ([`is_cause`]).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
