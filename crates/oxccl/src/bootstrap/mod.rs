@@ -26,6 +26,7 @@ use crate::base::error::{Error, Result};
 use crate::base::param::Config;
 use crate::net::accept;
 use crate::net::auth::{self, Deadlined, Hello, Purpose};
+use crate::net::dial::{Dial, GaveUp};
 use root_join::RootJoin;
 
 /// The most ranks a communicator may have; larger world sizes are an
@@ -490,35 +491,20 @@ impl Bootstrap {
         let mut join = vec![JOIN_VERSION];
         join.extend_from_slice(&(self.world_size as u32).to_le_bytes());
         me.encode(&mut join);
-        let mut last_err = String::from("no attempt made");
-        let mut pause = Duration::from_millis(20);
         let start = Instant::now();
         let mut next_report = cfg.startup_report.map(|p| start + p);
-        // Since when every attempt was refused (nothing listens at the address).
-        let mut refused_since: Option<Instant> = None;
         let refused_limit = cfg.rendezvous_refused.min(self.timeout);
-        let stream = loop {
-            let now = Instant::now();
-            let left = deadline.saturating_duration_since(now);
-            let refused_too_long = refused_since.is_some_and(|t| now - t >= refused_limit);
-            if left.is_zero() || refused_too_long {
-                let reason = if refused_too_long {
-                    format!(
-                        "{last_err} for {:.0?} (OXCCL_RENDEZVOUS_REFUSED_SECS): nothing listens there; rank 0 is not running (it died, or was never started) or the address is wrong",
-                        refused_limit
-                    )
-                } else {
-                    last_err
-                };
-                return Err(Error::Connect {
-                    rank: self.rank,
-                    peer: 0,
-                    addr,
-                    // Whole milliseconds: "3.203s", not "3.203556031s".
-                    timeout: Duration::from_millis((now - start).as_millis() as u64),
-                    reason,
-                });
-            }
+        let dial = Dial {
+            addr: self.root,
+            secret: &self.secret,
+            hello,
+            deadline,
+            first_pause: Duration::from_millis(20),
+            max_pause: Duration::from_millis(500),
+            refused_limit: Some(refused_limit),
+            connect: |a, t| TcpStream::connect_timeout(&a, t),
+        };
+        let report = |now: Instant, last_err: &str| {
             if let (Some(at), Some(every)) = (next_report, cfg.startup_report) {
                 if now >= at {
                     next_report = Some(now + every);
@@ -530,29 +516,26 @@ impl Bootstrap {
                     ));
                 }
             }
-            match TcpStream::connect_timeout(&self.root, left.min(Duration::from_secs(5))) {
-                Ok(s) => {
-                    refused_since = None;
-                    let mut d = Deadlined::new(&s, deadline);
-                    match auth::client_handshake(&mut d, &self.secret, &hello, self.rank, &addr) {
-                        Ok(()) => break s,
-                        // Wrong secret or refused: retrying cannot help.
-                        Err(e @ Error::Auth { .. }) => return Err(e),
-                        Err(e) => last_err = e.to_string(),
-                    }
-                }
-                Err(e) => {
-                    if e.kind() == io::ErrorKind::ConnectionRefused {
-                        refused_since.get_or_insert(now);
-                    } else {
-                        refused_since = None;
-                    }
-                    last_err = format!("connecting: {e}");
-                }
-            }
-            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-            pause = (pause * 2).min(Duration::from_millis(500));
         };
+        let give_up = |g: GaveUp| {
+            let reason = if g.refused_for.is_some() {
+                format!(
+                    "{} for {:.0?} (OXCCL_RENDEZVOUS_REFUSED_SECS): nothing listens there; rank 0 is not running (it died, or was never started) or the address is wrong",
+                    g.last_err, refused_limit
+                )
+            } else {
+                g.last_err
+            };
+            Error::Connect {
+                rank: self.rank,
+                peer: 0,
+                addr: addr.clone(),
+                // Whole milliseconds: "3.203s", not "3.203556031s".
+                timeout: Duration::from_millis((g.at - start).as_millis() as u64),
+                reason,
+            }
+        };
+        let stream = dial.run(report, give_up)?;
         let mut d = Deadlined::new(&stream, deadline);
         auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
         if let Some(every) = cfg.startup_report {

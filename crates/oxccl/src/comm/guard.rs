@@ -225,12 +225,7 @@ impl CommGuard {
             while !self.health.is_failed() && t.elapsed() < CAUSE_GRACE {
                 std::thread::sleep(Duration::from_millis(2));
             }
-            let cause = match self.health.failure() {
-                Some(Failure::Remote { .. }) => true,
-                Some(Failure::Lost { peer, .. }) => Some(peer) != e.lost_peer(),
-                _ => false,
-            };
-            if cause {
+            if crate::fault::watchdog::is_cause(self.health.failure().as_ref(), e) {
                 res = Err(self.health.error(self.rank, call, seq));
             }
         }

@@ -3,4 +3,6 @@
 
 pub mod control;
 pub mod fingerprint;
+pub(crate) mod frame;
 pub mod health;
+pub(crate) mod watchdog;

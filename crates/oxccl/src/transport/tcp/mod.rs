@@ -16,6 +16,7 @@ use crate::base::param::Config;
 use crate::bootstrap::{decode_ip, encode_ip, local_ip, Exchange};
 use crate::net::accept::{self, AcceptStop};
 use crate::net::auth::{self, Deadlined, Hello, Purpose, Verdict};
+use crate::net::dial::Dial;
 use crate::transport::tcp::striped::StripedLink;
 use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
@@ -306,6 +307,7 @@ fn listen(ip: IpAddr) -> io::Result<TcpListener> {
     Ok(s.into())
 }
 
+/// Opens a data connection with this transport's socket options.
 fn dial(addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
     let s = socket2::Socket::new(
         socket2::Domain::for_address(addr),
@@ -604,38 +606,26 @@ fn connect_lower(
     };
     let mut out = Vec::with_capacity(lower.len() * streams);
     for &(peer, addr) in lower.iter().flat_map(|p| std::iter::repeat_n(p, streams)) {
-        let addr_s = addr.to_string();
-        let mut last_err = String::from("no attempt made");
-        let mut pause = Duration::from_millis(10);
-        let stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Connect {
-                    rank: me,
-                    peer,
-                    addr: addr_s,
-                    timeout,
-                    reason: last_err,
-                });
-            }
-            match dial(addr, left.min(Duration::from_secs(5))) {
-                Ok(s) => match auth::client_handshake(
-                    &mut Deadlined::new(&s, deadline),
-                    secret,
-                    &hello,
-                    me,
-                    &addr_s,
-                ) {
-                    Ok(()) => break s,
-                    // The peer does not know our secret, or refused us: retrying cannot help.
-                    Err(e @ Error::Auth { .. }) => return Err(e),
-                    Err(e) => last_err = e.to_string(),
-                },
-                Err(e) => last_err = format!("connecting: {e}"),
-            }
-            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-            pause = (pause * 2).min(Duration::from_millis(200));
+        let dial = Dial {
+            addr,
+            secret,
+            hello,
+            deadline,
+            first_pause: Duration::from_millis(10),
+            max_pause: Duration::from_millis(200),
+            refused_limit: None,
+            connect: dial,
         };
+        let stream = dial.run(
+            |_, _| {},
+            |g| Error::Connect {
+                rank: me,
+                peer,
+                addr: addr.to_string(),
+                timeout,
+                reason: g.last_err,
+            },
+        )?;
         out.push((peer, stream));
     }
     Ok(out)

@@ -1,0 +1,635 @@
+//! The watchdog's decisions, apart from its I/O (the thread, the sockets and `poll(2)` are
+//! in [`crate::fault::control`]): when to send a heartbeat, when a peer is lost, what a
+//! received frame means, what rank 0 passes on, and what a local error tells the others.
+//!
+//! [`Watch`] is driven by events and a clock value given by its caller, and answers with
+//! frames to send ([`Watch::poll_transmit`], whose outcome the caller reports with
+//! [`Watch::sent`]) and failures to record ([`Watch::end_round`]); it never reads the clock,
+//! sleeps or touches a socket, so its tests run in memory. One round of the I/O loop:
+//! [`report`](Watch::report) the queued local failures (then, when stopping,
+//! [`goodbye`](Watch::goodbye), send, and return), [`handle_timeout`](Watch::handle_timeout),
+//! send, wait until [`poll_timeout`](Watch::poll_timeout), feed what each watched connection
+//! read ([`handle_data`](Watch::handle_data), [`handle_closed`](Watch::handle_closed),
+//! [`handle_error`](Watch::handle_error), then [`input_done`](Watch::input_done)), record
+//! [`end_round`](Watch::end_round)'s failures, send.
+//!
+//! Two decisions of a failed call live here too: what it tells the others ([`report_frame`])
+//! and whether its lost-link error gives way to the recorded cause ([`is_cause`]).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::base::error::{Error, FailureKind};
+use crate::fault::frame::Frame;
+use crate::fault::health::Failure;
+
+/// Settings of a watchdog.
+#[derive(Clone, Copy, Debug)]
+pub struct WatchSettings {
+    /// A peer silent this long is lost (`None`: heartbeats are sent but not required).
+    pub heartbeat: Option<Duration>,
+}
+
+impl WatchSettings {
+    /// How often heartbeats go out: an eighth of the heartbeat timeout (at least 10 ms), or
+    /// every 500 ms when heartbeats are not required.
+    pub(crate) fn period(&self) -> Duration {
+        self.heartbeat.map_or(Duration::from_millis(500), |h| {
+            (h / 8).max(Duration::from_millis(10))
+        })
+    }
+}
+
+/// What a failed send of a frame means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// This rank's own frame (a report, a heartbeat): the peer is lost.
+    Own,
+    /// A frame passed on by rank 0: the peer is no longer watched, nothing more.
+    Relay,
+    /// A goodbye: nothing (the watchdog is stopping).
+    Bye,
+}
+
+/// A frame to send on every watched connection but `skip`'s.
+#[derive(Debug)]
+struct Broadcast {
+    frame: Frame,
+    kind: Kind,
+    skip: Option<usize>,
+    /// The next connection to consider.
+    next: usize,
+}
+
+#[derive(Debug)]
+struct Peer {
+    peer: usize,
+    buf: Vec<u8>,
+    last_seen: Instant,
+    /// Closed, lost or said goodbye: no longer watched.
+    done: bool,
+}
+
+/// The watchdog's state; see the module documentation. Connections are named by their index
+/// in the `peers` given to [`Watch::new`].
+#[derive(Debug)]
+pub(crate) struct Watch {
+    is_root: bool,
+    heartbeat: Option<Duration>,
+    period: Duration,
+    next_beat: Instant,
+    peers: Vec<Peer>,
+    queue: VecDeque<Broadcast>,
+    /// The connection and kind of the frame last given by `poll_transmit`.
+    in_flight: Option<(usize, Kind)>,
+    /// Peers lost in this round, and why.
+    lost: Vec<(usize, String)>,
+    /// Failure frames received in this round, with the connection's peer.
+    received: Vec<(usize, Frame)>,
+}
+
+impl Watch {
+    /// The state of `rank`'s watchdog over connections to `peers` (for rank 0 one per other
+    /// rank, for the others rank 0), all seen alive at `now`; the first heartbeat is due at
+    /// `now`.
+    pub(crate) fn new(
+        rank: usize,
+        peers: &[usize],
+        settings: WatchSettings,
+        now: Instant,
+    ) -> Watch {
+        Watch {
+            is_root: rank == 0,
+            heartbeat: settings.heartbeat,
+            period: settings.period(),
+            next_beat: now,
+            peers: peers
+                .iter()
+                .map(|&peer| Peer {
+                    peer,
+                    buf: Vec::new(),
+                    last_seen: now,
+                    done: false,
+                })
+                .collect(),
+            queue: VecDeque::new(),
+            in_flight: None,
+            lost: Vec::new(),
+            received: Vec::new(),
+        }
+    }
+
+    /// True while connection `conn` is watched (read, polled, sent to).
+    pub(crate) fn is_watched(&self, conn: usize) -> bool {
+        !self.peers[conn].done
+    }
+
+    /// When the next heartbeat is due: the I/O loop waits at most until then.
+    pub(crate) fn poll_timeout(&self) -> Instant {
+        self.next_beat
+    }
+
+    /// Queues a heartbeat to every watched peer if one is due at `now`.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        if now >= self.next_beat {
+            self.next_beat = now + self.period;
+            self.broadcast(Frame::Heartbeat, Kind::Own, None);
+        }
+    }
+
+    /// Queues this rank's failure report (see [`report_frame`]) to every watched peer.
+    pub(crate) fn report(&mut self, f: Frame) {
+        self.broadcast(f, Kind::Own, None);
+    }
+
+    /// Queues a goodbye to every watched peer (this rank drops its communicator).
+    pub(crate) fn goodbye(&mut self) {
+        self.broadcast(Frame::Bye, Kind::Bye, None);
+    }
+
+    fn broadcast(&mut self, frame: Frame, kind: Kind, skip: Option<usize>) {
+        self.queue.push_back(Broadcast {
+            frame,
+            kind,
+            skip,
+            next: 0,
+        });
+    }
+
+    /// The next frame to send and its connection, in the order queued; the caller sends it
+    /// without blocking and tells [`Watch::sent`] whether the whole frame went out.
+    pub(crate) fn poll_transmit(&mut self) -> Option<(usize, &Frame)> {
+        loop {
+            let b = self.queue.front_mut()?;
+            let peers = &self.peers;
+            let found =
+                (b.next..peers.len()).find(|&i| !peers[i].done && Some(peers[i].peer) != b.skip);
+            match found {
+                Some(i) => {
+                    b.next = i + 1;
+                    self.in_flight = Some((i, b.kind));
+                    return self.queue.front().map(|b| (i, &b.frame));
+                }
+                None => {
+                    self.queue.pop_front();
+                }
+            }
+        }
+    }
+
+    /// The outcome of sending the frame [`Watch::poll_transmit`] gave last.
+    pub(crate) fn sent(&mut self, ok: bool) {
+        let Some((i, kind)) = self.in_flight.take() else {
+            return;
+        };
+        if ok || kind == Kind::Bye {
+            return;
+        }
+        let p = &mut self.peers[i];
+        p.done = true;
+        if kind == Kind::Own {
+            self.lost
+                .push((p.peer, "its control connection does not take data".into()));
+        }
+    }
+
+    /// Connection `conn` delivered `bytes` at `now`.
+    pub(crate) fn handle_data(&mut self, conn: usize, bytes: &[u8], now: Instant) {
+        let p = &mut self.peers[conn];
+        p.buf.extend_from_slice(bytes);
+        p.last_seen = now;
+    }
+
+    /// Connection `conn` was closed by the other side.
+    pub(crate) fn handle_closed(&mut self, conn: usize) {
+        self.lose(
+            conn,
+            "its process exited or its connection closed".to_string(),
+        );
+    }
+
+    /// Reading connection `conn` failed with `msg`.
+    pub(crate) fn handle_error(&mut self, conn: usize, msg: &str) {
+        self.lose(conn, format!("control connection: {msg}"));
+    }
+
+    fn lose(&mut self, conn: usize, reason: String) {
+        let p = &mut self.peers[conn];
+        p.done = true;
+        self.lost.push((p.peer, reason));
+    }
+
+    /// Everything connection `conn` had to read in this round was given: decodes its
+    /// frames, then checks at `now` that it was not silent for longer than the heartbeat.
+    pub(crate) fn input_done(&mut self, conn: usize, now: Instant) {
+        let p = &mut self.peers[conn];
+        let mut used = 0;
+        loop {
+            match Frame::decode(&p.buf[used..]) {
+                Ok(Some((f, n))) => {
+                    used += n;
+                    match f {
+                        Frame::Heartbeat => {}
+                        Frame::Bye => {
+                            // Gone on purpose: not watched any more, not reported.
+                            p.done = true;
+                            self.lost.retain(|(q, _)| *q != p.peer);
+                            break;
+                        }
+                        f @ Frame::Fail { .. } => self.received.push((p.peer, f)),
+                    }
+                }
+                Ok(None) => break,
+                Err(m) => {
+                    p.done = true;
+                    self.lost
+                        .push((p.peer, format!("malformed control data: {m}")));
+                    break;
+                }
+            }
+        }
+        p.buf.drain(..used.min(p.buf.len()));
+        if let Some(h) = self.heartbeat {
+            let silent = now.saturating_duration_since(p.last_seen);
+            if !p.done && silent > h {
+                p.done = true;
+                self.lost.push((
+                    p.peer,
+                    format!("no heartbeat for {silent:?} (host down, link cut or process stopped)"),
+                ));
+            }
+        }
+    }
+
+    /// Ends a round: the failures it found, in order (lost peers, then failures reported by
+    /// others), for the caller to record; on rank 0 it also queues them to the other peers.
+    pub(crate) fn end_round(&mut self) -> Vec<Failure> {
+        let mut out = Vec::new();
+        for (peer, reason) in std::mem::take(&mut self.lost) {
+            if self.is_root {
+                let msg = format!("rank 0 lost rank {peer}: {reason}");
+                self.broadcast(
+                    Frame::Fail {
+                        origin: 0,
+                        kind: FailureKind::PeerLost,
+                        peer: Some(peer as u32),
+                        msg,
+                    },
+                    Kind::Relay,
+                    Some(peer),
+                );
+            }
+            out.push(Failure::Lost { peer, reason });
+        }
+        for (from, f) in std::mem::take(&mut self.received) {
+            if let Frame::Fail {
+                origin,
+                kind,
+                peer,
+                ref msg,
+            } = f
+            {
+                out.push(match (kind, peer) {
+                    (FailureKind::PeerLost, Some(p)) => Failure::Lost {
+                        peer: p as usize,
+                        reason: format!("reported by rank {origin}: {msg}"),
+                    },
+                    _ => Failure::Remote {
+                        origin: origin as usize,
+                        kind,
+                        msg: msg.clone(),
+                    },
+                });
+                if self.is_root {
+                    self.broadcast(f, Kind::Relay, Some(from));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What `rank` tells the others when one of its calls fails with `e`; `None` for another
+/// rank's failure (it came from elsewhere: everyone knows).
+pub(crate) fn report_frame(rank: usize, e: &Error) -> Option<Frame> {
+    if matches!(e, Error::Remote { .. }) {
+        return None;
+    }
+    let peer = match e {
+        Error::PeerLost { peer, .. } => Some(*peer as u32),
+        _ => None,
+    };
+    Some(Frame::Fail {
+        origin: rank as u32,
+        kind: e.failure_kind(),
+        peer,
+        msg: e.to_string(),
+    })
+}
+
+/// True when a call that failed with `e` (a lost link or a protocol error) should return
+/// the recorded `failure` instead: another rank's failure, or the loss of another peer than
+/// the one `e` names, is the cause (a rank that found a mismatch and exited closes its
+/// links before its report arrives).
+pub(crate) fn is_cause(failure: Option<&Failure>, e: &Error) -> bool {
+    match failure {
+        Some(Failure::Remote { .. }) => true,
+        Some(Failure::Lost { peer, .. }) => Some(*peer) != e.lost_peer(),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HB: Duration = Duration::from_secs(8);
+
+    fn settings() -> WatchSettings {
+        WatchSettings {
+            heartbeat: Some(HB),
+        }
+    }
+
+    /// Every frame queued now, each sent with outcome `ok(conn)`.
+    fn flush(w: &mut Watch, ok: impl Fn(usize) -> bool) -> Vec<(usize, Frame)> {
+        let mut out = Vec::new();
+        while let Some((i, f)) = w.poll_transmit() {
+            out.push((i, f.clone()));
+            w.sent(ok(i));
+        }
+        out
+    }
+
+    fn fail_frame(origin: u32, kind: FailureKind, peer: Option<u32>, msg: &str) -> Frame {
+        Frame::Fail {
+            origin,
+            kind,
+            peer,
+            msg: msg.into(),
+        }
+    }
+
+    #[test]
+    fn heartbeats_go_out_every_period() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2], settings(), t0);
+        assert_eq!(w.poll_timeout(), t0);
+        w.handle_timeout(t0);
+        let sent = flush(&mut w, |_| true);
+        assert_eq!(sent, [(0, Frame::Heartbeat), (1, Frame::Heartbeat)]);
+        assert_eq!(w.poll_timeout(), t0 + HB / 8);
+        w.handle_timeout(t0 + HB / 8 - Duration::from_millis(1));
+        assert!(flush(&mut w, |_| true).is_empty());
+        w.handle_timeout(t0 + HB / 8);
+        assert_eq!(flush(&mut w, |_| true).len(), 2);
+        assert!(w.end_round().is_empty());
+        let lazy = WatchSettings { heartbeat: None };
+        assert_eq!(lazy.period(), Duration::from_millis(500));
+        let fast = WatchSettings {
+            heartbeat: Some(Duration::from_millis(1)),
+        };
+        assert_eq!(fast.period(), Duration::from_millis(10));
+    }
+
+    #[test]
+    fn a_silent_peer_is_lost_and_rank_0_tells_the_others() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2], settings(), t0);
+        // Peer 2 keeps talking; peer 1 says nothing after t0.
+        let late = t0 + HB + Duration::from_millis(1);
+        w.handle_data(1, &Frame::Heartbeat.encode(), late);
+        w.input_done(0, t0 + HB);
+        w.input_done(1, late);
+        assert!(
+            w.end_round().is_empty(),
+            "silent for exactly the heartbeat: not lost yet"
+        );
+        w.input_done(0, late);
+        w.input_done(1, late);
+        let f = w.end_round();
+        assert_eq!(
+            f,
+            [Failure::Lost {
+                peer: 1,
+                reason: format!(
+                    "no heartbeat for {:?} (host down, link cut or process stopped)",
+                    HB + Duration::from_millis(1)
+                ),
+            }]
+        );
+        assert!(!w.is_watched(0) && w.is_watched(1));
+        let Failure::Lost { reason, .. } = &f[0] else {
+            unreachable!()
+        };
+        let relayed = flush(&mut w, |_| true);
+        assert_eq!(
+            relayed,
+            [(
+                1,
+                fail_frame(
+                    0,
+                    FailureKind::PeerLost,
+                    Some(1),
+                    &format!("rank 0 lost rank 1: {reason}")
+                )
+            )]
+        );
+    }
+
+    #[test]
+    fn without_heartbeat_timeout_silence_is_fine() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(3, &[0], WatchSettings { heartbeat: None }, t0);
+        w.input_done(0, t0 + Duration::from_secs(3600));
+        assert!(w.end_round().is_empty());
+        assert!(w.is_watched(0));
+    }
+
+    #[test]
+    fn a_closed_connection_is_lost_unless_it_said_goodbye() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2, 3], settings(), t0);
+        w.handle_data(0, &Frame::Bye.encode(), t0);
+        w.handle_closed(0);
+        w.input_done(0, t0);
+        w.handle_closed(1);
+        w.input_done(1, t0);
+        w.handle_error(2, "Connection reset by peer");
+        w.input_done(2, t0);
+        assert_eq!(
+            w.end_round(),
+            [
+                Failure::Lost {
+                    peer: 2,
+                    reason: "its process exited or its connection closed".into()
+                },
+                Failure::Lost {
+                    peer: 3,
+                    reason: "control connection: Connection reset by peer".into()
+                },
+            ]
+        );
+        assert!((0..3).all(|i| !w.is_watched(i)));
+        // Nobody is left to tell.
+        assert!(flush(&mut w, |_| true).is_empty());
+    }
+
+    #[test]
+    fn rank_0_passes_failures_on_to_all_but_the_sender() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2, 3], settings(), t0);
+        let mismatch = fail_frame(2, FailureKind::Mismatch, None, "rank 2: mismatch");
+        let mut bytes = mismatch.encode();
+        // Split across two reads, with a heartbeat in front.
+        bytes.splice(0..0, Frame::Heartbeat.encode());
+        w.handle_data(1, &bytes[..7], t0);
+        w.input_done(1, t0);
+        assert!(w.end_round().is_empty());
+        w.handle_data(1, &bytes[7..], t0);
+        w.input_done(1, t0);
+        assert_eq!(
+            w.end_round(),
+            [Failure::Remote {
+                origin: 2,
+                kind: FailureKind::Mismatch,
+                msg: "rank 2: mismatch".into()
+            }]
+        );
+        assert_eq!(
+            flush(&mut w, |_| true),
+            [(0, mismatch.clone()), (2, mismatch)]
+        );
+    }
+
+    #[test]
+    fn a_reported_lost_peer_is_lost_here_and_members_do_not_relay() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(1, &[0], settings(), t0);
+        let f = fail_frame(
+            0,
+            FailureKind::PeerLost,
+            Some(3),
+            "rank 0 lost rank 3: gone",
+        );
+        w.handle_data(0, &f.encode(), t0);
+        w.input_done(0, t0);
+        assert_eq!(
+            w.end_round(),
+            [Failure::Lost {
+                peer: 3,
+                reason: "reported by rank 0: rank 0 lost rank 3: gone".into()
+            }]
+        );
+        assert!(flush(&mut w, |_| true).is_empty());
+    }
+
+    #[test]
+    fn malformed_data_loses_the_peer() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(1, &[0], settings(), t0);
+        w.handle_data(0, &[0, 0, 0, 0], t0);
+        w.input_done(0, t0);
+        let f = w.end_round();
+        assert_eq!(
+            f,
+            [Failure::Lost {
+                peer: 0,
+                reason: "malformed control data: control frame of 0 bytes (1 to 8192)".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn a_peer_that_takes_no_data_is_lost_but_a_failed_relay_only_stops_watching() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2], settings(), t0);
+        w.handle_timeout(t0);
+        let sent = flush(&mut w, |i| i != 1);
+        assert_eq!(sent.len(), 2);
+        let f = w.end_round();
+        let reason = "its control connection does not take data".to_string();
+        assert_eq!(f, [Failure::Lost { peer: 2, reason }]);
+        // Relay of that loss: no watched peer but 1, which refuses it: no new failure.
+        let relayed = flush(&mut w, |_| false);
+        assert_eq!(relayed.len(), 1);
+        assert_eq!(relayed[0].0, 0);
+        assert!(w.end_round().is_empty());
+        assert!(!w.is_watched(0));
+    }
+
+    #[test]
+    fn reports_go_out_before_the_goodbye() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(1, &[0], settings(), t0);
+        let e = Error::Aborted {
+            rank: 1,
+            msg: "rank 1 called abort()".into(),
+        };
+        let f = report_frame(1, &e).expect("a local failure is reported");
+        w.report(f.clone());
+        w.goodbye();
+        // A goodbye that does not go out changes nothing.
+        assert_eq!(flush(&mut w, |_| false), [(0, f)]);
+        assert!(!w.is_watched(0));
+        let mut w = Watch::new(1, &[0], settings(), t0);
+        w.goodbye();
+        assert_eq!(flush(&mut w, |_| false), [(0, Frame::Bye)]);
+        assert!(w.is_watched(0));
+    }
+
+    #[test]
+    fn what_a_failed_call_reports() {
+        let lost = Error::PeerLost {
+            rank: 1,
+            peer: 4,
+            call: "all_reduce",
+            seq: 9,
+            reason: "closed".into(),
+        };
+        assert_eq!(
+            report_frame(1, &lost),
+            Some(fail_frame(
+                1,
+                FailureKind::PeerLost,
+                Some(4),
+                &lost.to_string()
+            ))
+        );
+        let remote = Error::Remote {
+            rank: 1,
+            call: "all_reduce",
+            seq: 9,
+            origin: 2,
+            kind: FailureKind::Mismatch,
+            msg: "m".into(),
+        };
+        assert_eq!(report_frame(1, &remote), None);
+    }
+
+    #[test]
+    fn what_replaces_a_lost_link_error() {
+        let lost = |peer| Error::PeerLost {
+            rank: 1,
+            peer,
+            call: "all_reduce",
+            seq: 2,
+            reason: "closed".into(),
+        };
+        let gone = |peer| Failure::Lost {
+            peer,
+            reason: "r".into(),
+        };
+        let remote = Failure::Remote {
+            origin: 3,
+            kind: FailureKind::Mismatch,
+            msg: "m".into(),
+        };
+        assert!(is_cause(Some(&remote), &lost(2)));
+        assert!(is_cause(Some(&gone(3)), &lost(2)));
+        assert!(!is_cause(Some(&gone(2)), &lost(2)));
+        assert!(!is_cause(None, &lost(2)));
+        let local = Failure::Local { msg: "x".into() };
+        assert!(!is_cause(Some(&local), &lost(2)));
+    }
+}
