@@ -23,7 +23,7 @@ use crate::base::reduce;
 use crate::base::wait::{Backoff, Doorbell, Spin};
 use crate::fault::fingerprint::{CallPrint, HeaderFlags, HeaderState};
 use crate::fault::health::Health;
-use crate::sched::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
+use crate::sched::{Buf, BufRange, Combine, Local, Schedule, Step, Xfer};
 use crate::transport::{Link, LinkError, WaitSource};
 
 /// How long one sleep lasts before the executor re-checks deadline and liveness.
@@ -89,7 +89,7 @@ struct Mem {
 }
 
 impl Mem {
-    fn ptr(&self, r: Region) -> Result<*mut u8, String> {
+    fn ptr(&self, r: BufRange) -> Result<*mut u8, String> {
         let (base, len) = match r.buf {
             Buf::Input => self.input,
             Buf::Output => self.output,
