@@ -163,7 +163,7 @@ impl Communicator {
                     timeout: self.guard.timeout(),
                     call: name,
                     seq,
-                    guard: exec::Guard {
+                    guard: exec::FaultHooks {
                         print: Some(&print),
                         health: Some(self.guard.health()),
                         step_ends: timing.as_mut().map(|t| &mut t.1),

@@ -50,12 +50,12 @@ pub(crate) struct Ctx<'a> {
     /// The call's sequence number, for errors.
     pub seq: u64,
     /// Failure handling: fingerprints, health, step timing (all off by default).
-    pub guard: Guard<'a>,
+    pub guard: FaultHooks<'a>,
 }
 
 /// The executor's failure-handling hooks ([`crate::fault::fingerprint`], [`crate::fault::health`]).
 #[derive(Default)]
-pub(crate) struct Guard<'a> {
+pub(crate) struct FaultHooks<'a> {
     /// This call's fingerprint: a header goes before the first data to each peer, and each
     /// peer's header is checked before any of its data is used.
     pub print: Option<&'a CallPrint>,
