@@ -59,7 +59,7 @@ pub use base::op::ReduceOp;
 pub use base::param::{parse_bytes, Config, TransportChoice, Tuning};
 pub use bootstrap::{default_ip, local_host_id, UniqueId};
 pub use comm::check;
-pub use comm::stream::{RawBufs, Work};
+pub use comm::nonblocking::{RawBufs, Work};
 pub use comm::{ByteBufs, Communicator};
 pub use direct::shared_buffer::SharedBuffer;
 pub use exec::p2p::P2pOp;

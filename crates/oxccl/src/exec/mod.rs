@@ -23,7 +23,7 @@ use crate::base::reduce;
 use crate::base::wait::{Backoff, Doorbell, Spin};
 use crate::fault::fingerprint::{CallPrint, HeaderFlags, HeaderState};
 use crate::fault::health::Health;
-use crate::sched::{Buf, Combine, Local, Region, Schedule, Step, Xfer};
+use crate::sched::{Buf, BufRange, Combine, Local, Schedule, Step, Xfer};
 use crate::transport::{Link, LinkError, WaitSource};
 
 /// How long one sleep lasts before the executor re-checks deadline and liveness.
@@ -50,12 +50,12 @@ pub(crate) struct Ctx<'a> {
     /// The call's sequence number, for errors.
     pub seq: u64,
     /// Failure handling: fingerprints, health, step timing (all off by default).
-    pub guard: Guard<'a>,
+    pub guard: FaultHooks<'a>,
 }
 
 /// The executor's failure-handling hooks ([`crate::fault::fingerprint`], [`crate::fault::health`]).
 #[derive(Default)]
-pub(crate) struct Guard<'a> {
+pub(crate) struct FaultHooks<'a> {
     /// This call's fingerprint: a header goes before the first data to each peer, and each
     /// peer's header is checked before any of its data is used.
     pub print: Option<&'a CallPrint>,
@@ -89,7 +89,7 @@ struct Mem {
 }
 
 impl Mem {
-    fn ptr(&self, r: Region) -> Result<*mut u8, String> {
+    fn ptr(&self, r: BufRange) -> Result<*mut u8, String> {
         let (base, len) = match r.buf {
             Buf::Input => self.input,
             Buf::Output => self.output,

@@ -91,7 +91,7 @@ struct Stashed {
 }
 
 impl Stash {
-    /// The headers held per peer (see [`crate::exec::Guard::held`]).
+    /// The headers held per peer (see [`crate::exec::FaultHooks::held`]).
     pub(crate) fn held_mut(&mut self) -> &mut [Option<[u8; HEADER_BYTES]>] {
         &mut self.held
     }

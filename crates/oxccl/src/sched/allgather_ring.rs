@@ -6,16 +6,16 @@
 //! known ([`Ring`]): position `p` forwards the block of the rank `s` places to its left.
 
 use super::placement::Ring;
-use super::{Buf, Coll, Combine, Local, Region, Schedule, Xfer};
+use super::{Buf, BufRange, Coll, Combine, Local, Schedule, Xfer};
 
 /// The ring all-gather schedule for `c` (`c.count` = elements per rank).
 pub(crate) fn schedule(c: &Coll) -> Schedule {
     let (n, r) = (c.nranks, c.rank);
     let bytes = c.count * c.dtype.size();
-    let blk = |i: usize| Region::new(Buf::Output, i * bytes, bytes);
+    let blk = |i: usize| BufRange::new(Buf::Output, i * bytes, bytes);
     let mut s = Schedule::new("ring");
     s.push_local(Local::Copy {
-        src: Region::new(Buf::Input, 0, bytes),
+        src: BufRange::new(Buf::Input, 0, bytes),
         dst: blk(r),
     });
     let ring = Ring::of(c);

@@ -41,15 +41,15 @@
 //! hierarchical all-reduce's.
 
 use super::placement::{self, Ring};
-use super::{block, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
+use super::{block, Buf, BufRange, Coll, Combine, Local, ReduceOp, Schedule, Xfer};
 
 /// The halving-doubling all-reduce schedule for `c`.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
     let ring: Ring = placement::Ring::of(c);
     let (n, pos, es) = (c.nranks, ring.pos, c.dtype.size());
     let all = c.count * es;
-    let input = Region::new(Buf::Input, 0, all);
-    let out = Region::new(Buf::Output, 0, all);
+    let input = BufRange::new(Buf::Input, 0, all);
+    let out = BufRange::new(Buf::Output, 0, all);
     let mut s = Schedule::new("hd");
     let p = if n == 0 { 1 } else { 1 << n.ilog2() };
     let extra = n - p;
@@ -79,7 +79,7 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
     // Blocks `lo .. hi` of `P` as a region of `buf`.
     let blocks = |buf, lo: usize, hi: usize| {
         let (start, end) = (block(c.count, p, lo).0, block(c.count, p, hi).0);
-        Region::new(buf, start * es, (end - start) * es)
+        BufRange::new(buf, start * es, (end - start) * es)
     };
     let partner_extra = (pos < 2 * extra).then(|| ring.rank_at(pos + 1));
 

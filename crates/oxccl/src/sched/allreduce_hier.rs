@@ -19,7 +19,7 @@
 
 use super::placement::levels;
 use super::{
-    allreduce_ring, block, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Step, Xfer,
+    allreduce_ring, block, Buf, BufRange, Coll, Combine, Local, ReduceOp, Schedule, Step, Xfer,
 };
 use crate::bootstrap::topo::Topology;
 
@@ -100,7 +100,7 @@ fn phases(
         let (st, len) = block(count, l, i % l);
         (first + st, len)
     };
-    let region = |buf, (start, len): (usize, usize)| Region::new(buf, start * es, len * es);
+    let region = |buf, (start, len): (usize, usize)| BufRange::new(buf, start * es, len * es);
 
     // 1. Reduce-scatter inside the host (ring over local indices).
     let mut rs = Schedule::new("hier");
@@ -133,7 +133,7 @@ fn phases(
     let mut net = Schedule::new("hier");
     let sub = |i: usize| {
         let (st, len) = block(mine_len, hn, i % hn);
-        Region::new(Buf::Output, (mine_start + st) * es, len * es)
+        BufRange::new(Buf::Output, (mine_start + st) * es, len * es)
     };
     let (hleft, hright) = (
         topo.hosts[(hi + hn - 1) % hn][j],

@@ -10,7 +10,7 @@
 //! known ([`placement::Ring`]): the ring then crosses each host boundary once.
 
 use super::placement::{self, Ring};
-use super::{block, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
+use super::{block, sub_mod, Buf, BufRange, Coll, Combine, Local, ReduceOp, Schedule, Xfer};
 
 /// The ring all-reduce schedule for `c`.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -19,13 +19,13 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
     let mut s = Schedule::new("ring");
     let blk = |buf, i| {
         let (start, len) = block(c.count, n, i);
-        Region::new(buf, start * es, len * es)
+        BufRange::new(buf, start * es, len * es)
     };
     let all = c.count * es;
     if n == 1 {
         s.push_local(Local::Copy {
-            src: Region::new(Buf::Input, 0, all),
-            dst: Region::new(Buf::Output, 0, all),
+            src: BufRange::new(Buf::Input, 0, all),
+            dst: BufRange::new(Buf::Output, 0, all),
         });
         return s;
     }

@@ -16,16 +16,16 @@
 //! Without a topology every rank counts as one host (a binomial reduce and broadcast).
 
 use super::placement::levels;
-use super::{Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
+use super::{Buf, BufRange, Coll, Combine, Local, ReduceOp, Schedule, Xfer};
 
 /// The tree all-reduce schedule for `c`.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
     let all = c.count * c.dtype.size();
-    let out = Region::new(Buf::Output, 0, all);
-    let scr = Region::new(Buf::Scratch, 0, all);
+    let out = BufRange::new(Buf::Output, 0, all);
+    let scr = BufRange::new(Buf::Scratch, 0, all);
     let mut s = Schedule::new("tree");
     s.push_local(Local::Copy {
-        src: Region::new(Buf::Input, 0, all),
+        src: BufRange::new(Buf::Input, 0, all),
         dst: out,
     });
     // Local ranks and host leaders.

@@ -2,7 +2,7 @@
 //! for one from `r-2^k`; after `ceil(log2 n)` rounds every rank has heard, directly or not,
 //! from every other.
 
-use super::{sub_mod, Buf, Coll, Combine, Region, Schedule, Xfer};
+use super::{sub_mod, Buf, BufRange, Coll, Combine, Schedule, Xfer};
 
 /// The dissemination barrier schedule for `c`.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -14,11 +14,11 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
         s.push_xfers([
             Xfer::Send {
                 peer: (r + dist) % n,
-                src: Region::new(Buf::Scratch, 0, 1),
+                src: BufRange::new(Buf::Scratch, 0, 1),
             },
             Xfer::Recv {
                 peer: sub_mod(r, dist, n),
-                dst: Region::new(Buf::Scratch, 1, 1),
+                dst: BufRange::new(Buf::Scratch, 1, 1),
                 combine: Combine::Store,
             },
         ]);

@@ -6,7 +6,7 @@
 //! but the last sends the whole buffer once; `K + n - 2` segment times in all for `K` segments.
 
 use super::placement::{root_pos, Ring};
-use super::{segments, sub_mod, Buf, Coll, Combine, Local, Region, Schedule, Xfer};
+use super::{segments, sub_mod, Buf, BufRange, Coll, Combine, Local, Schedule, Xfer};
 
 /// The chain broadcast schedule for `c`.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -17,22 +17,22 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
     let pos = sub_mod(ring.pos, root_pos(&ring, c.root), n);
     if pos == 0 {
         s.push_local(Local::Copy {
-            src: Region::new(Buf::Input, 0, all),
-            dst: Region::new(Buf::Output, 0, all),
+            src: BufRange::new(Buf::Input, 0, all),
+            dst: BufRange::new(Buf::Output, 0, all),
         });
     }
     if n == 1 {
         return s;
     }
     let (prev, next) = (ring.left(), ring.right());
-    let segs: Vec<Region> = segments(c.count, es, c.chunk_bytes)
-        .map(|(st, len)| Region::new(Buf::Output, st * es, len * es))
+    let segs: Vec<BufRange> = segments(c.count, es, c.chunk_bytes)
+        .map(|(st, len)| BufRange::new(Buf::Output, st * es, len * es))
         .collect();
     if pos == 0 {
         for seg in &segs {
             s.push_xfers([Xfer::Send {
                 peer: next,
-                src: Region {
+                src: BufRange {
                     buf: Buf::Input,
                     ..*seg
                 },

@@ -177,7 +177,7 @@ pub enum Buf {
 
 /// A byte range of one buffer.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Region {
+pub struct BufRange {
     /// Which buffer.
     pub buf: Buf,
     /// Offset in bytes.
@@ -186,10 +186,10 @@ pub struct Region {
     pub len: usize,
 }
 
-impl Region {
+impl BufRange {
     /// A region of `buf`.
     pub const fn new(buf: Buf, off: usize, len: usize) -> Self {
-        Region { buf, off, len }
+        BufRange { buf, off, len }
     }
 }
 
@@ -201,7 +201,7 @@ pub enum Combine {
     /// `dst = with ⊕ incoming` (`with` may be `dst` itself).
     Reduce {
         /// The local operand, same length as the destination.
-        with: Region,
+        with: BufRange,
     },
 }
 
@@ -213,14 +213,14 @@ pub enum Xfer {
         /// The receiving rank.
         peer: usize,
         /// What to send.
-        src: Region,
+        src: BufRange,
     },
     /// Receive into a region from a peer.
     Recv {
         /// The sending rank.
         peer: usize,
         /// Where the bytes go.
-        dst: Region,
+        dst: BufRange,
         /// How they are combined.
         combine: Combine,
     },
@@ -232,18 +232,18 @@ pub enum Local {
     /// Copy `src` to `dst` (same length; skipped when they are the same memory).
     Copy {
         /// Source.
-        src: Region,
+        src: BufRange,
         /// Destination.
-        dst: Region,
+        dst: BufRange,
     },
     /// Divide every element of a region by the number of ranks (the end of an average).
-    DivideByRanks(Region),
+    DivideByRanks(BufRange),
     /// `dst = dst ⊕ src` element-wise (same length, no overlap).
     Reduce {
         /// The accumulator.
-        dst: Region,
+        dst: BufRange,
         /// The operand.
-        src: Region,
+        src: BufRange,
     },
 }
 
@@ -323,8 +323,8 @@ impl Schedule {
         for (i, step) in self.steps.iter().enumerate() {
             let mut sends = Vec::new();
             let mut recvs = Vec::new();
-            let mut reads: Vec<Region> = Vec::new();
-            let mut writes: Vec<Region> = Vec::new();
+            let mut reads: Vec<BufRange> = Vec::new();
+            let mut writes: Vec<BufRange> = Vec::new();
             for x in &step.xfers {
                 match *x {
                     Xfer::Send { peer, src } => {
@@ -368,7 +368,7 @@ impl Schedule {
     }
 }
 
-fn overlaps(a: &Region, b: &Region) -> bool {
+fn overlaps(a: &BufRange, b: &BufRange) -> bool {
     a.buf == b.buf && a.len > 0 && b.len > 0 && a.off < b.off + b.len && b.off < a.off + a.len
 }
 

@@ -13,7 +13,7 @@
 //! - reduce_scatter: nothing more.
 
 use super::{
-    block, sub_mod, Buf, Coll, CollKind, Combine, Local, ReduceOp, Region, Schedule, Xfer,
+    block, sub_mod, Buf, BufRange, Coll, CollKind, Combine, Local, ReduceOp, Schedule, Xfer,
 };
 
 /// The rank-ordered schedule for `c` (all_reduce, reduce_scatter or reduce).
@@ -28,15 +28,15 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
             (s * es, l * es)
         }
     };
-    let input = |i: usize| Region::new(Buf::Input, blk(i).0, blk(i).1);
+    let input = |i: usize| BufRange::new(Buf::Input, blk(i).0, blk(i).1);
     let slot_len = blk(0).1; // block 0 is the largest
-    let slot = |p: usize, len: usize| Region::new(Buf::Scratch, p * slot_len, len);
+    let slot = |p: usize, len: usize| BufRange::new(Buf::Scratch, p * slot_len, len);
     let my_len = blk(r).1;
     // Where this rank's fully reduced block goes.
     let result = match c.kind {
-        CollKind::AllReduce => Region::new(Buf::Output, blk(r).0, my_len),
-        CollKind::ReduceScatter => Region::new(Buf::Output, 0, my_len),
-        _ if r == c.root => Region::new(Buf::Output, blk(r).0, my_len),
+        CollKind::AllReduce => BufRange::new(Buf::Output, blk(r).0, my_len),
+        CollKind::ReduceScatter => BufRange::new(Buf::Output, 0, my_len),
+        _ if r == c.root => BufRange::new(Buf::Output, blk(r).0, my_len),
         _ => slot(n, my_len),
     };
     let mut s = Schedule::new("ordered");
@@ -74,7 +74,7 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
     if c.op == ReduceOp::Avg {
         s.push_local(Local::DivideByRanks(result));
     }
-    let out = |i: usize| Region::new(Buf::Output, blk(i).0, blk(i).1);
+    let out = |i: usize| BufRange::new(Buf::Output, blk(i).0, blk(i).1);
     match c.kind {
         CollKind::AllReduce => {
             let (left, right) = ((r + n - 1) % n, (r + 1) % n);

@@ -6,7 +6,7 @@
 //! into the output. Each non-root rank sends the whole buffer once.
 
 use super::placement::{root_pos, Ring};
-use super::{segments, sub_mod, Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
+use super::{segments, sub_mod, Buf, BufRange, Coll, Combine, Local, ReduceOp, Schedule, Xfer};
 
 /// The chain reduce schedule for `c`.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -15,8 +15,8 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
     let mut s = Schedule::new("chain");
     if n == 1 {
         s.push_local(Local::Copy {
-            src: Region::new(Buf::Input, 0, all),
-            dst: Region::new(Buf::Output, 0, all),
+            src: BufRange::new(Buf::Input, 0, all),
+            dst: BufRange::new(Buf::Output, 0, all),
         });
         return s;
     }
@@ -26,7 +26,7 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
     let segs: Vec<(usize, usize)> = segments(c.count, es, c.chunk_bytes)
         .map(|(st, l)| (st * es, l * es))
         .collect();
-    let input = |(off, len): (usize, usize)| Region::new(Buf::Input, off, len);
+    let input = |(off, len): (usize, usize)| BufRange::new(Buf::Input, off, len);
     if pos == 0 {
         for &seg in &segs {
             s.push_xfers([Xfer::Send {
@@ -38,16 +38,16 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
         for &seg in &segs {
             s.push_xfers([Xfer::Recv {
                 peer: prev,
-                dst: Region::new(Buf::Output, seg.0, seg.1),
+                dst: BufRange::new(Buf::Output, seg.0, seg.1),
                 combine: Combine::Reduce { with: input(seg) },
             }]);
         }
         if c.op == ReduceOp::Avg {
-            s.push_local(Local::DivideByRanks(Region::new(Buf::Output, 0, all)));
+            s.push_local(Local::DivideByRanks(BufRange::new(Buf::Output, 0, all)));
         }
     } else {
         s.scratch_bytes = all;
-        let acc = |(off, len): (usize, usize)| Region::new(Buf::Scratch, off, len);
+        let acc = |(off, len): (usize, usize)| BufRange::new(Buf::Scratch, off, len);
         for k in 0..=segs.len() {
             let mut xfers = Vec::new();
             if let Some(&seg) = segs.get(k) {

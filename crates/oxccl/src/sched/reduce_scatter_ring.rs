@@ -8,14 +8,14 @@
 //! the left.
 
 use super::placement::Ring;
-use super::{Buf, Coll, Combine, Local, ReduceOp, Region, Schedule, Xfer};
+use super::{Buf, BufRange, Coll, Combine, Local, ReduceOp, Schedule, Xfer};
 
 /// The ring reduce-scatter schedule for `c` (`c.count` = elements per rank's block).
 pub(crate) fn schedule(c: &Coll) -> Schedule {
     let n = c.nranks;
     let bytes = c.count * c.dtype.size();
-    let input = |i: usize| Region::new(Buf::Input, i * bytes, bytes);
-    let out = Region::new(Buf::Output, 0, bytes);
+    let input = |i: usize| BufRange::new(Buf::Input, i * bytes, bytes);
+    let out = BufRange::new(Buf::Output, 0, bytes);
     let mut s = Schedule::new("ring");
     if n == 1 {
         s.push_local(Local::Copy {
@@ -25,7 +25,7 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
         return s;
     }
     s.scratch_bytes = if n > 2 { 2 * bytes } else { 0 };
-    let scratch = |i: usize| Region::new(Buf::Scratch, (i % 2) * bytes, bytes);
+    let scratch = |i: usize| BufRange::new(Buf::Scratch, (i % 2) * bytes, bytes);
     let ring = Ring::of(c);
     let (left, right) = (ring.left(), ring.right());
     for step in 0..n - 1 {

@@ -1,13 +1,13 @@
 //! Point-to-point: send, receive, or both at once (a one-step schedule). A rank that sends to
 //! and receives from itself copies locally.
 
-use super::{Buf, Coll, CollKind, Combine, Local, Region, Schedule, Xfer};
+use super::{Buf, BufRange, Coll, CollKind, Combine, Local, Schedule, Xfer};
 
 /// The direct schedule for a send, a receive or a sendrecv.
 pub(crate) fn schedule(c: &Coll) -> Schedule {
     let bytes = c.count * c.dtype.size();
-    let input = Region::new(Buf::Input, 0, bytes);
-    let output = Region::new(Buf::Output, 0, bytes);
+    let input = BufRange::new(Buf::Input, 0, bytes);
+    let output = BufRange::new(Buf::Output, 0, bytes);
     let mut s = Schedule::new("direct");
     match c.kind {
         CollKind::SendRecv { to, from } if to == c.rank && from == c.rank => {

@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::base::dtype::DataType;
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
-use crate::sched::{Algo, Buf, Coll, CollKind, Combine, Local, Region, Schedule, Xfer};
+use crate::sched::{Algo, Buf, BufRange, Coll, CollKind, Combine, Local, Schedule, Xfer};
 
 /// One rank's buffers.
 #[derive(Clone, Debug, Default)]
@@ -24,7 +24,7 @@ pub(crate) struct Bufs {
 }
 
 impl Bufs {
-    fn get(&self, r: Region) -> &[u8] {
+    fn get(&self, r: BufRange) -> &[u8] {
         let b = match r.buf {
             Buf::Input => &self.input,
             Buf::Output => &self.output,
@@ -32,7 +32,7 @@ impl Bufs {
         };
         &b[r.off..r.off + r.len]
     }
-    fn get_mut(&mut self, r: Region) -> &mut [u8] {
+    fn get_mut(&mut self, r: BufRange) -> &mut [u8] {
         let b = match r.buf {
             Buf::Input => &mut self.input,
             Buf::Output => &mut self.output,

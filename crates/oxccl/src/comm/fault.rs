@@ -4,8 +4,8 @@
 //! [`Communicator::abort`], [`Communicator::shrink`], [`Communicator::check`],
 //! [`Communicator::set_timeout`].
 //!
-//! `comm.rs` holds one [`CommGuard`] and calls [`CommGuard::begin`] / [`CommGuard::end`]
-//! around every call.
+//! The [`Communicator`] holds one [`Supervisor`]; the path of a call
+//! ([`crate::comm::collectives`]) calls [`Supervisor::begin`] / [`Supervisor::end`] around it.
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,9 +39,10 @@ struct ShrinkPlan {
 /// How long a call that lost a link waits for another rank's report of the cause.
 pub(crate) const CAUSE_GRACE: Duration = Duration::from_millis(300);
 
-/// A communicator's failure-handling state; see the module documentation.
+/// A communicator's failure-handling state: it oversees every call (begin, end, failure),
+/// keeps the health, watchdog, recorder and timeout; see the module documentation.
 #[derive(Debug)]
-pub(crate) struct CommGuard {
+pub(crate) struct Supervisor {
     rank: usize,
     health: Arc<Health>,
     recorder: Arc<Recorder>,
@@ -54,11 +55,11 @@ pub(crate) struct CommGuard {
     watchdog: Option<Watchdog>,
 }
 
-impl CommGuard {
+impl Supervisor {
     /// Without a rendezvous (links made elsewhere, e.g. threads of one process): failures
     /// are seen only where they happen; no watchdog, no shrink.
-    pub(crate) fn local(rank: usize, nranks: usize, cfg: &Config) -> CommGuard {
-        CommGuard {
+    pub(crate) fn local(rank: usize, nranks: usize, cfg: &Config) -> Supervisor {
+        Supervisor {
             rank,
             health: Arc::new(Health::new()),
             recorder: Recorder::new(
@@ -81,9 +82,9 @@ impl CommGuard {
     /// For a communicator made by a rendezvous. Collective (one exchange): opens this rank's
     /// listener for a later [`Communicator::shrink`] and tells the others where, then hands
     /// the rendezvous connections to a new watchdog.
-    pub(crate) fn with_bootstrap(boot: &mut Bootstrap, cfg: &Config) -> Result<CommGuard> {
+    pub(crate) fn with_bootstrap(boot: &mut Bootstrap, cfg: &Config) -> Result<Supervisor> {
         let (rank, nranks) = (boot.rank(), boot.world_size());
-        let mut g = CommGuard::local(rank, nranks, cfg);
+        let mut g = Supervisor::local(rank, nranks, cfg);
         g.recorder = Recorder::new(
             rank,
             nranks,
@@ -301,7 +302,7 @@ fn torch_dump(cfg: &Config) -> Option<TorchDump> {
     })
 }
 
-impl Drop for CommGuard {
+impl Drop for Supervisor {
     fn drop(&mut self) {
         // At exit (the communicator is dropped): the torch-format record, if asked for and
         // there is something to say (not for the placeholder guard `Communicator::init`
@@ -336,7 +337,7 @@ impl Communicator {
     /// this rank). Returns promptly in any state; the communicator can then only be dropped
     /// (or [`shrink`](Self::shrink)ed by the others).
     pub fn abort(&self) {
-        let g = self.guard();
+        let g = self.supervisor();
         let msg = format!("rank {} called abort()", self.rank());
         if g.health.fail(Failure::Aborted { msg: msg.clone() }) {
             if let Some(w) = &g.watchdog {
@@ -353,12 +354,12 @@ impl Communicator {
     /// (a lost peer, another rank's failure, an abort), without making a call (as NCCL's
     /// `ncclCommGetAsyncError`). The watchdog keeps this up to date between calls.
     pub fn check(&self) -> Result<()> {
-        self.guard().check("check", 0)
+        self.supervisor().check("check", 0)
     }
 
     /// Sets the timeout of this communicator's calls (instead of `OXCCL_TIMEOUT`).
     pub fn set_timeout(&self, timeout: Duration) {
-        self.guard().timeout_ns.store(
+        self.supervisor().timeout_ns.store(
             timeout.as_nanos().clamp(1, u64::MAX as u128) as u64,
             Ordering::Relaxed,
         );
@@ -366,17 +367,17 @@ impl Communicator {
 
     /// The timeout in force for calls.
     pub fn timeout(&self) -> Duration {
-        self.guard().timeout()
+        self.supervisor().timeout()
     }
 
     /// Where this rank's status agent (`OXCCL_STATUS`, [`crate::observe::status`]) listens, if it runs.
     pub fn status_addr(&self) -> Option<SocketAddr> {
-        self.guard().status.as_ref().map(|a| a.addr())
+        self.supervisor().status.as_ref().map(|a| a.addr())
     }
 
     /// The flight recorder as JSON (what `OXCCL_FLIGHT_RECORDER` writes).
     pub fn flight_record(&self) -> String {
-        self.guard().recorder.to_json("requested")
+        self.supervisor().recorder.to_json("requested")
     }
 
     /// Builds a communicator of the ranks not in `exclude` (typically lost ones), so that
@@ -402,7 +403,7 @@ impl Communicator {
         if ex.contains(&rank) {
             return Err(bad(format!("rank {rank} excludes itself")));
         }
-        let plan = self.guard().shrink.as_ref().ok_or_else(|| {
+        let plan = self.supervisor().shrink.as_ref().ok_or_else(|| {
             bad(
                 "this communicator was not made by a rendezvous (from_links): it cannot shrink"
                     .into(),

@@ -1,0 +1,761 @@
+//! The blocking calls: the typed collectives and point-to-point calls, their argument
+//! checks, and the path of one call (`run`: sequence number, algorithm choice, execution).
+
+use std::sync::MutexGuard;
+
+use tracing::debug;
+
+use crate::base::dtype::{DataType, Element};
+use crate::base::error::{Error, Result};
+use crate::base::op::ReduceOp;
+use crate::comm::{Communicator, State};
+use crate::direct::exec::DirectCtx;
+use crate::direct::link::Direct;
+use crate::direct::{cma, oneshot};
+use crate::exec::p2p::{self, P2pOp};
+use crate::exec::{self, Buffers, Ctx};
+use crate::fault::fingerprint::{CallPrint, Fingerprint};
+use crate::plan::tune;
+use crate::sched::{Algo, Coll, CollKind};
+
+/// One call's arguments, before buffers.
+struct Call {
+    kind: CollKind,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    root: usize,
+}
+
+impl Communicator {
+    fn cost_model(&self) -> crate::plan::cost::CostModel {
+        crate::plan::cost::CostModel::default().with_net(self.cfg.net_gbps, self.cfg.net_lat_us)
+    }
+
+    fn bad(&self, call: &'static str, seq: u64, msg: String) -> Error {
+        Error::InvalidArgument {
+            rank: self.rank,
+            call,
+            seq,
+            msg,
+        }
+    }
+
+    fn check_root(&self, call: &'static str, seq: u64, root: usize) -> Result<()> {
+        if root >= self.nranks {
+            return Err(self.bad(
+                call,
+                seq,
+                format!("root {root} is out of range (world size {})", self.nranks),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, call: &'static str, seq: u64, peer: usize) -> Result<()> {
+        if peer >= self.nranks {
+            return Err(self.bad(
+                call,
+                seq,
+                format!("peer {peer} is out of range (world size {})", self.nranks),
+            ));
+        }
+        if peer == self.rank {
+            return Err(self.bad(
+                call,
+                seq,
+                format!("rank {peer} cannot {call} to or from itself"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs one call: sequence number, validation (by `validate`, which sees the sequence
+    /// number), algorithm choice, execution. A fatal error leaves the communicator unusable.
+    fn run<'b>(
+        &self,
+        name: &'static str,
+        validate: impl FnOnce(u64) -> Result<Call>,
+        mut bufs: Buffers<'b>,
+    ) -> Result<()> {
+        let (mut st, seq) = self.begin_call(name)?;
+        let call = validate(seq)?;
+        // The topology joins the call only for schedules (below): the direct algorithms do not
+        // use it, and cloning the Arc twice a call was a measurable part of an 8-byte call.
+        let mut coll = Coll {
+            kind: call.kind,
+            rank: self.rank,
+            nranks: self.nranks,
+            count: call.count,
+            dtype: call.dtype,
+            op: call.op.kernel(),
+            root: call.root,
+            chunk_bytes: self.cfg.chunk_bytes,
+            topo: None,
+        };
+        let situation = tune::Situation {
+            kind: call.kind,
+            input_bytes: Coll {
+                rank: call.root,
+                ..coll.clone()
+            }
+            .input_bytes(),
+            direct: st.direct.is_some(),
+            cma: st.direct.as_ref().is_some_and(|d| d.can_read_peers()),
+            slot_bytes: st.direct.as_ref().map_or(0, |d| d.slot_bytes()),
+            nranks: self.nranks,
+            oneshot_max: self.cfg.oneshot_max,
+            cma_min: self.cfg.cma_min,
+            deterministic: self.cfg.deterministic,
+        };
+        let algo = self
+            .cost_model()
+            .choose(&situation, self.topo.as_deref(), self.forced_algo);
+        debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");
+        st.last_algo = algo.name();
+        let fp = Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root);
+        let print = st.seqr.next(self.rank, seq, call.kind, fp);
+        let mut timing = self.guard.begin(seq, name, &print, algo.name());
+        let State {
+            links,
+            scratch,
+            direct,
+            stash,
+            ..
+        } = &mut *st;
+        let res = match direct.as_deref_mut().filter(|_| algo.is_direct()) {
+            Some(direct) => {
+                let mut cx = DirectCtx {
+                    direct,
+                    rank: self.rank,
+                    nranks: self.nranks,
+                    spin: self.spin,
+                    timeout: self.guard.timeout(),
+                    call: name,
+                    seq,
+                    start: None,
+                    print: Some(&print),
+                    health: Some(self.guard.health()),
+                    links: Some(&mut links[..]),
+                    step_ends: timing.as_mut().map(|t| &mut t.1),
+                    nt_bytes: self.cfg.nt_bytes,
+                };
+                match algo {
+                    Algo::OneShot => oneshot::run(&mut cx, &coll, &mut bufs),
+                    _ => cma::run(&mut cx, &coll, &mut bufs, scratch),
+                }
+            }
+            None => {
+                coll.topo = self.topo.clone();
+                let sched = algo.schedule(&coll);
+                debug_assert!(
+                    sched.validate(self.rank).is_ok(),
+                    "{:?}",
+                    sched.validate(self.rank)
+                );
+                let mut ctx = Ctx {
+                    rank: self.rank,
+                    links,
+                    dtype: call.dtype,
+                    op: call.op.kernel(),
+                    nranks: self.nranks,
+                    spin: self.spin,
+                    timeout: self.guard.timeout(),
+                    call: name,
+                    seq,
+                    guard: exec::FaultHooks {
+                        print: Some(&print),
+                        health: Some(self.guard.health()),
+                        step_ends: timing.as_mut().map(|t| &mut t.1),
+                        direct: direct.as_deref().map(|d| d as &dyn Direct),
+                        held: Some(stash.held_mut()),
+                    },
+                };
+                exec::execute(&mut ctx, &sched, &mut bufs, scratch)
+            }
+        };
+        let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
+        Self::end_call(&mut st, res)
+    }
+
+    /// A call's start: its turn after queued calls, its sequence number, and the checks that
+    /// the communicator still works.
+    fn begin_call(&self, name: &'static str) -> Result<(MutexGuard<'_, State>, u64)> {
+        self.stream.wait_turn(); // after the calls queued before this one (crate::comm::nonblocking)
+        let mut st = self.lock();
+        st.seq += 1;
+        let seq = st.seq;
+        if let Some(why) = &st.broken {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                msg: format!("{name} (call #{seq}) after an earlier failure: {why}"),
+            });
+        }
+        if let Err(e) = self.guard.check(name, seq) {
+            // A peer was lost before this call began: this call fails as the one that
+            // noticed it, and every later one is Aborted (as after a failure inside a call).
+            st.broken = Some(e.to_string());
+            return Err(e);
+        }
+        Ok((st, seq))
+    }
+
+    /// A call's end: a fatal error leaves the communicator unusable.
+    fn end_call(st: &mut State, res: Result<()>) -> Result<()> {
+        if let Err(e) = &res {
+            if e.is_fatal() {
+                st.broken = Some(e.to_string());
+            }
+        }
+        res
+    }
+
+    /// Runs a point-to-point group ([`crate::exec::p2p`]) as one call.
+    fn run_p2p(
+        &self,
+        name: &'static str,
+        validate: impl FnOnce(u64) -> Result<Call>,
+        ops: &mut [P2pOp<'_>],
+    ) -> Result<()> {
+        let (mut st, seq) = self.begin_call(name)?;
+        let call = validate(seq)?;
+        let print = CallPrint {
+            fp: Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root),
+            send_seq: 0,
+            recv_seq: 0,
+            call_seq: seq,
+        };
+        st.last_algo = "p2p";
+        let timing = self.guard.begin(seq, name, &print, "p2p");
+        let State {
+            links,
+            seqr,
+            stash,
+            direct,
+            ..
+        } = &mut *st;
+        let res = p2p::Ctx {
+            direct: direct.as_deref().map(|d| (d as &dyn Direct, &print)),
+            rank: self.rank,
+            links,
+            seqr,
+            stash,
+            stash_limit: self.cfg.p2p_stash_bytes,
+            spin: self.spin,
+            timeout: self.guard.timeout(),
+            health: Some(self.guard.health()),
+            call: name,
+            seq,
+        }
+        .run(ops);
+        let res = self.guard.end(seq, name, &print, "p2p", timing, res);
+        Self::end_call(&mut st, res)
+    }
+
+    /// Runs sends and receives together, as NCCL's `ncclGroupStart`/`ncclGroupEnd` around
+    /// `ncclSend`/`ncclRecv`: all progress at once, so any mix completes at any size (two
+    /// ranks that both send first included), and the call returns when every send has been
+    /// taken by its link and every receive filled. Any rank may be in a group with any
+    /// others; ranks not in it need not call. Sends to one peer arrive in order; a receive
+    /// takes the first message of its source and tag (see [`crate::exec::p2p`]); a receive with
+    /// `peer: None` takes one from any rank and records it in `from`. Sends and receives to
+    /// and from this rank itself are matched with each other.
+    pub fn group_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        let first = ops.first().map(|op| match op {
+            P2pOp::Send {
+                peer, dtype, buf, ..
+            } => (CollKind::Send { peer: *peer }, *dtype, buf.len()),
+            P2pOp::Recv {
+                peer, dtype, buf, ..
+            } => (
+                CollKind::Recv {
+                    peer: peer.unwrap_or(self.rank),
+                },
+                *dtype,
+                buf.len(),
+            ),
+        });
+        let (kind, dtype, len) = first.unwrap_or((CollKind::Send { peer: 0 }, DataType::U8, 0));
+        let validate = |_seq| {
+            Ok(Call {
+                kind,
+                count: len / dtype.size(),
+                dtype,
+                op: ReduceOp::Sum,
+                root: 0,
+            })
+        };
+        self.run_p2p("group_p2p", validate, ops)
+    }
+
+    /// Sends `buf` to `peer` with `tag`; the peer receives it with [`recv_tagged`]
+    /// (Self::recv_tagged) (or [`recv_any`](Self::recv_any)) naming the same tag, in any
+    /// order relative to its other tags. Tag 0 is [`send`](Self::send)'s.
+    pub fn send_tagged<T: Element>(&self, buf: &[T], peer: usize, tag: u32) -> Result<()> {
+        self.group_p2p(&mut [P2pOp::Send {
+            peer,
+            tag,
+            dtype: T::DTYPE,
+            buf: bytemuck::cast_slice(buf),
+        }])
+    }
+
+    /// Receives `buf.len()` elements sent by `peer` with `tag`: the first such message,
+    /// whether or not messages with other tags came before it (those are kept for later
+    /// receives, up to [`Config::p2p_stash_bytes`](crate::Config::p2p_stash_bytes)).
+    pub fn recv_tagged<T: Element>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
+        self.group_p2p(&mut [P2pOp::Recv {
+            peer: Some(peer),
+            tag,
+            dtype: T::DTYPE,
+            buf: bytemuck::cast_slice_mut(buf),
+            from: None,
+        }])
+    }
+
+    /// Receives `buf.len()` elements sent with `tag` by any other rank (gloo's
+    /// `recvFromAny`) and returns that rank. The message must have `buf`'s length and type.
+    /// While it waits, this rank reads the next message of every peer (keeping the others
+    /// for later receives): no peer may begin a collective with this rank meanwhile.
+    pub fn recv_any<T: Element>(&self, buf: &mut [T], tag: u32) -> Result<usize> {
+        let mut ops = [P2pOp::Recv {
+            peer: None,
+            tag,
+            dtype: T::DTYPE,
+            buf: bytemuck::cast_slice_mut(buf),
+            from: None,
+        }];
+        self.group_p2p(&mut ops)?;
+        match ops[0] {
+            P2pOp::Recv { from: Some(f), .. } => Ok(f),
+            _ => Err(Error::Aborted {
+                rank: self.rank,
+                msg: "internal error in recv_any: completed without a source".into(),
+            }),
+        }
+    }
+
+    /// The byte-level entry behind every collective: `kind` on buffers of `dtype` elements,
+    /// for callers that know the type only at run time (the benchmark, the Python package).
+    /// Lengths are in bytes and must be multiples of the element size, and the buffers aligned
+    /// for it; what each buffer holds follows the typed methods ([`all_reduce`](Self::all_reduce)
+    /// and friends, and their `_in_place` forms).
+    pub fn call_bytes(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        if let ReduceOp::PreMulSum(scalar) = op {
+            if kind.reduces() && op.check(dtype).is_ok() {
+                return self.premul_sum(kind, dtype, scalar, root, bufs);
+            }
+        }
+        self.call_checked(kind, dtype, op, root, bufs)
+    }
+
+    /// [`ReduceOp::PreMulSum`]: the input scaled into a copy (the caller's input is left as
+    /// it was), then a sum; the call keeps the op for the fingerprint check. Plain sums never
+    /// come here.
+    fn premul_sum(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        scalar: f64,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        let op = ReduceOp::PreMulSum(scalar);
+        let (n, es) = (self.nranks, dtype.size());
+        let (input, recv): (&[u8], &mut [u8]) = match bufs {
+            ByteBufs::Separate { send, recv } => (send, recv),
+            ByteBufs::InPlace(buf) => {
+                let len = buf.len();
+                if kind == CollKind::ReduceScatter && (len % (n * es) != 0) {
+                    // Let validation name the bad length.
+                    return self.call_checked(kind, dtype, op, root, ByteBufs::InPlace(buf));
+                }
+                let scaled = Self::scaled(dtype, scalar, buf);
+                let recv = match kind {
+                    CollKind::ReduceScatter => {
+                        let b = len / n;
+                        &mut buf[self.rank * b..(self.rank + 1) * b]
+                    }
+                    _ => buf,
+                };
+                let send = &bytemuck::cast_slice::<u64, u8>(&scaled)[..len];
+                return self.call_checked(kind, dtype, op, root, ByteBufs::Separate { send, recv });
+            }
+        };
+        let scaled = Self::scaled(dtype, scalar, input);
+        let send = &bytemuck::cast_slice::<u64, u8>(&scaled)[..input.len()];
+        self.call_checked(kind, dtype, op, root, ByteBufs::Separate { send, recv })
+    }
+
+    /// `input` times `scalar`, in an aligned copy.
+    fn scaled(dtype: DataType, scalar: f64, input: &[u8]) -> Vec<u64> {
+        let mut words = vec![0u64; input.len().div_ceil(8)];
+        let copy = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..input.len()];
+        copy.copy_from_slice(input);
+        crate::base::reduce::scale_by(dtype, copy, scalar);
+        words
+    }
+
+    fn call_checked(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        bufs: ByteBufs<'_>,
+    ) -> Result<()> {
+        let name = kind.name();
+        let (n, r, es) = (self.nranks, self.rank, dtype.size());
+        let (in_len, out_len, in_place, ptrs) = match &bufs {
+            ByteBufs::Separate { send, recv } => (
+                send.len(),
+                recv.len(),
+                false,
+                [send.as_ptr() as usize, recv.as_ptr() as usize],
+            ),
+            ByteBufs::InPlace(b) => (b.len(), b.len(), true, [b.as_ptr() as usize; 2]),
+        };
+        let is_root = root == r;
+        // Validation needs the call's sequence number: it runs inside `run`.
+        let validate = |seq: u64| -> Result<Call> {
+            let bad = |msg: String| Err(self.bad(name, seq, msg));
+            if in_len % es != 0 || out_len % es != 0 {
+                return bad(format!("buffer lengths {in_len} and {out_len} bytes are not multiples of the {dtype} size {es}"));
+            }
+            let ignored = (kind == CollKind::Broadcast || kind == CollKind::Reduce) && !is_root;
+            if !in_place && !ignored && in_len > 0 && out_len > 0 {
+                let (s, r) = (ptrs[0], ptrs[1]);
+                if s < r + out_len && r < s + in_len {
+                    return bad(format!("send ({in_len} bytes at {s:#x}) and recv ({out_len} bytes at {r:#x}) overlap: use the in-place form"));
+                }
+            }
+            if ptrs.iter().any(|p| p % es != 0) {
+                return bad(format!("buffers are not aligned for {dtype}"));
+            }
+            if kind.reduces() {
+                if let Err(msg) = op.check(dtype) {
+                    return bad(msg);
+                }
+            }
+            let (ic, oc) = (in_len / es, out_len / es);
+            let call = |kind, count| {
+                Ok(Call {
+                    kind,
+                    count,
+                    dtype,
+                    op,
+                    root,
+                })
+            };
+            match kind {
+                CollKind::AllReduce => {
+                    if ic != oc {
+                        return bad(format!("send has {ic} elements, recv {oc}"));
+                    }
+                    call(kind, oc)
+                }
+                CollKind::Broadcast | CollKind::Reduce => {
+                    self.check_root(name, seq, root)?;
+                    if is_root && ic != oc {
+                        return bad(format!("the root's send has {ic} elements, recv {oc}"));
+                    }
+                    call(kind, if kind == CollKind::Broadcast { oc } else { ic })
+                }
+                CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll if in_place => {
+                    if oc % n != 0 {
+                        return bad(format!("{oc} elements do not divide among {n} ranks"));
+                    }
+                    call(kind, oc / n)
+                }
+                CollKind::AllGather => {
+                    if Some(oc) != ic.checked_mul(n) {
+                        return bad(format!(
+                            "recv has {oc} elements; expected world size {n} x send {ic}"
+                        ));
+                    }
+                    call(kind, ic)
+                }
+                CollKind::ReduceScatter => {
+                    if Some(ic) != oc.checked_mul(n) {
+                        return bad(format!(
+                            "send has {ic} elements; expected world size {n} x recv {oc}"
+                        ));
+                    }
+                    call(kind, oc)
+                }
+                CollKind::AllToAll => {
+                    if ic != oc || ic % n != 0 {
+                        return bad(format!("send ({ic}) and recv ({oc}) must have one length, divisible by the world size {n}"));
+                    }
+                    call(kind, ic / n)
+                }
+                CollKind::Send { peer } | CollKind::Recv { peer } => {
+                    self.check_peer(name, seq, peer)?;
+                    if in_place {
+                        return bad(format!("{name} has no in-place form"));
+                    }
+                    call(
+                        kind,
+                        if matches!(kind, CollKind::Send { .. }) {
+                            ic
+                        } else {
+                            oc
+                        },
+                    )
+                }
+                CollKind::SendRecv { to, from } => {
+                    if ic != oc {
+                        return bad(format!("send has {ic} elements, recv {oc}"));
+                    }
+                    if !(to == r && from == r) {
+                        self.check_peer(name, seq, to)?;
+                        self.check_peer(name, seq, from)?;
+                    }
+                    call(kind, ic)
+                }
+                CollKind::Barrier => call(kind, 0),
+            }
+        };
+        match bufs {
+            // Point-to-point goes through its engine (tags, the stash of early messages).
+            ByteBufs::Separate { send, recv } if kind.is_p2p() => {
+                let (to, from) = match kind {
+                    CollKind::SendRecv { to, from } => (Some(to), Some(from)),
+                    CollKind::Recv { peer } => (None, Some(peer)),
+                    CollKind::Send { peer } => (Some(peer), None),
+                    _ => (None, None),
+                };
+                let send = to.map(|peer| P2pOp::Send {
+                    peer,
+                    tag: 0,
+                    dtype,
+                    buf: send,
+                });
+                let recv = from.map(|peer| P2pOp::Recv {
+                    peer: Some(peer),
+                    tag: 0,
+                    dtype,
+                    buf: recv,
+                    from: None,
+                });
+                let mut ops: Vec<P2pOp<'_>> = send.into_iter().chain(recv).collect();
+                self.run_p2p(name, validate, &mut ops)
+            }
+            ByteBufs::Separate { send, recv } => {
+                let send: &[u8] = if kind == CollKind::Broadcast && !is_root {
+                    &[]
+                } else {
+                    send
+                };
+                let recv: &mut [u8] = if kind == CollKind::Reduce && !is_root {
+                    &mut []
+                } else {
+                    recv
+                };
+                self.run(name, validate, Buffers::new(send, recv))
+            }
+            ByteBufs::InPlace(buf) => {
+                let len = buf.len();
+                let blk = |count: usize| r * count * es..(r + 1) * count * es;
+                let (input, output) = match kind {
+                    CollKind::Broadcast if !is_root => (0..0, 0..len),
+                    CollKind::Reduce if !is_root => (0..len, 0..0),
+                    CollKind::AllGather => (blk(len / es / n), 0..len),
+                    CollKind::ReduceScatter => (0..len, blk(len / es / n)),
+                    CollKind::AllToAll | CollKind::SendRecv { .. } => {
+                        // Every byte is both sent and overwritten: send from an aligned copy
+                        // (as MPI_Sendrecv_replace; a Vec<u8> need not be aligned).
+                        let mut words = vec![0u64; len.div_ceil(8)];
+                        let copy = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len];
+                        copy.copy_from_slice(buf);
+                        return self.call_bytes(
+                            kind,
+                            dtype,
+                            op,
+                            root,
+                            ByteBufs::Separate {
+                                send: copy,
+                                recv: buf,
+                            },
+                        );
+                    }
+                    _ => (0..len, 0..len),
+                };
+                self.run(name, validate, Buffers::in_place(buf, input, output))
+            }
+        }
+    }
+
+    fn typed<T: Element>(
+        &self,
+        kind: CollKind,
+        op: ReduceOp,
+        root: usize,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<()> {
+        let bufs = ByteBufs::Separate {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.call_bytes(kind, T::DTYPE, op, root, bufs)
+    }
+
+    fn typed_in_place<T: Element>(
+        &self,
+        kind: CollKind,
+        op: ReduceOp,
+        root: usize,
+        buf: &mut [T],
+    ) -> Result<()> {
+        self.call_bytes(
+            kind,
+            T::DTYPE,
+            op,
+            root,
+            ByteBufs::InPlace(bytemuck::cast_slice_mut(buf)),
+        )
+    }
+
+    /// Every rank gets the element-wise reduction of every rank's `send` in `recv`
+    /// (same length as `send`).
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.typed(CollKind::AllReduce, op, 0, send, recv)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) in place.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.typed_in_place(CollKind::AllReduce, op, 0, buf)
+    }
+
+    /// Every rank gets `root`'s `send` in `recv`. `send` is read on the root only (other
+    /// ranks may pass an empty slice); on the root it must have `recv`'s length.
+    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.typed(CollKind::Broadcast, ReduceOp::Sum, root, send, recv)
+    }
+
+    /// [`broadcast`](Self::broadcast) in place: `buf` is the source on the root and the
+    /// destination elsewhere.
+    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.typed_in_place(CollKind::Broadcast, ReduceOp::Sum, root, buf)
+    }
+
+    /// `root` gets the element-wise reduction of every rank's `send` in `recv`. `recv` is
+    /// written on the root only (other ranks may pass an empty slice); on the root it must have
+    /// `send`'s length.
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.typed(CollKind::Reduce, op, root, send, recv)
+    }
+
+    /// [`reduce`](Self::reduce) in place: on the root `buf` is replaced by the result; other
+    /// ranks' `buf` is only read.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.typed_in_place(CollKind::Reduce, op, root, buf)
+    }
+
+    /// Every rank gets every rank's `send`, concatenated in rank order, in `recv`
+    /// (`recv.len() == world_size * send.len()`).
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.typed(CollKind::AllGather, ReduceOp::Sum, 0, send, recv)
+    }
+
+    /// [`all_gather`](Self::all_gather) in place: this rank's contribution is already in its
+    /// block of `buf` (`buf[rank * len / world_size..]`).
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.typed_in_place(CollKind::AllGather, ReduceOp::Sum, 0, buf)
+    }
+
+    /// Rank r gets block r of the element-wise reduction of every rank's `send`
+    /// (`send.len() == world_size * recv.len()`).
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.typed(CollKind::ReduceScatter, op, 0, send, recv)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) in place: the result lands in this rank's
+    /// block of `buf` (`buf[rank * len / world_size..][..len / world_size]`); the other blocks
+    /// are left as they were.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.typed_in_place(CollKind::ReduceScatter, op, 0, buf)
+    }
+
+    /// Block p of this rank's `send` goes to rank p, which stores it as block r of its `recv`
+    /// (both `world_size` equal blocks, same length).
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.typed(CollKind::AllToAll, ReduceOp::Sum, 0, send, recv)
+    }
+
+    /// [`all_to_all`](Self::all_to_all) in place (through a temporary copy of `buf`).
+    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.typed_in_place(CollKind::AllToAll, ReduceOp::Sum, 0, buf)
+    }
+
+    /// Sends `buf` to `peer`, which must call [`recv`](Self::recv) with the same length.
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.typed::<T>(CollKind::Send { peer }, ReduceOp::Sum, 0, buf, &mut [])
+    }
+
+    /// Receives `buf.len()` elements from `peer`'s [`send`](Self::send).
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.typed::<T>(CollKind::Recv { peer }, ReduceOp::Sum, 0, &[], buf)
+    }
+
+    /// Sends `send` to `to` while receiving `recv` from `from`, as `MPI_Sendrecv` (both of one
+    /// length; `to == from == rank` copies locally).
+    pub fn sendrecv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        self.typed(
+            CollKind::SendRecv { to, from },
+            ReduceOp::Sum,
+            0,
+            send,
+            recv,
+        )
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        self.typed::<u8>(CollKind::Barrier, ReduceOp::Sum, 0, &[], &mut [])
+    }
+}
+
+/// The buffers of a byte-level call ([`Communicator::call_bytes`]).
+#[derive(Debug)]
+pub enum ByteBufs<'a> {
+    /// Separate input and output.
+    Separate {
+        /// The input.
+        send: &'a [u8],
+        /// The output.
+        recv: &'a mut [u8],
+    },
+    /// One buffer, used in place.
+    InPlace(&'a mut [u8]),
+}
