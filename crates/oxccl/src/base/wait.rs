@@ -429,6 +429,70 @@ mod tests {
     }
 
     #[test]
+    fn waiter_checks_after_a_slice_and_times_out_naming_the_awaited_peers() {
+        let id = CallId {
+            rank: 3,
+            call: "all_reduce",
+            seq: 7,
+        };
+        let mut w = Waiter::new(id, Spin::new(2), Duration::ZERO, false);
+        assert!(w.spin() && w.spin(), "spins its budget first");
+        assert!(!w.spin(), "then sleeps");
+        let mut probed = 0;
+        // Within the first slice: neither the probe nor the deadline.
+        w.check(
+            || vec![1],
+            |_| {
+                probed += 1;
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(probed, 0);
+        std::thread::sleep(SLEEP_SLICE);
+        let err = w
+            .check(
+                || vec![5, 1, 5],
+                |peers| {
+                    assert_eq!(peers, &[5, 1, 5]);
+                    probed += 1;
+                    Ok(())
+                },
+            )
+            .unwrap_err();
+        assert_eq!(probed, 1);
+        match err {
+            Error::Timeout {
+                rank,
+                call,
+                seq,
+                waiting_on,
+                ..
+            } => assert_eq!(
+                (rank, call, seq, waiting_on),
+                (3, "all_reduce", 7, vec![1, 5])
+            ),
+            e => panic!("expected a timeout, got {e}"),
+        }
+        // A probe's error ends the wait before the deadline is looked at.
+        w.rearm();
+        assert!(w.spin() && w.spin() && !w.spin());
+        std::thread::sleep(SLEEP_SLICE);
+        let err = w
+            .check(
+                || vec![2],
+                |_| {
+                    Err(Error::Aborted {
+                        rank: 3,
+                        msg: "peer 2 lost".into(),
+                    })
+                },
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("peer 2 lost"), "{err}");
+    }
+
+    #[test]
     fn ring_wakes_sleeper() {
         let bell = Arc::new(Doorbell::new());
         let flag = Arc::new(AtomicBool::new(false));
