@@ -384,7 +384,7 @@ impl Communicator {
     ) -> Result<()> {
         let (mut st, seq) = self.begin_call(name)?;
         let call = validate(seq)?;
-        // The topology joins the call only for schedules (below): the direct algorithms do not
+        // The topology joins the call only for schedules (exec::Call): the direct algorithms do not
         // use it, and cloning the Arc twice a call was a measurable part of an 8-byte call.
         let coll = Coll {
             kind: call.kind,
