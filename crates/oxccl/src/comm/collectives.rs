@@ -8,15 +8,14 @@ use tracing::debug;
 use crate::base::dtype::{DataType, Element};
 use crate::base::error::{Error, Result};
 use crate::base::op::ReduceOp;
+use crate::base::wait::CallId;
 use crate::comm::{Communicator, State};
-use crate::direct::exec::DirectCtx;
 use crate::direct::link::Direct;
-use crate::direct::{cma, oneshot};
 use crate::exec::p2p::{self, P2pOp};
-use crate::exec::{self, Buffers, Ctx};
+use crate::exec::{self, Buffers};
 use crate::fault::fingerprint::{CallPrint, Fingerprint};
 use crate::plan::tune;
-use crate::sched::{Algo, Coll, CollKind};
+use crate::sched::{Coll, CollKind};
 
 /// One call's arguments, before buffers.
 struct Call {
@@ -82,7 +81,7 @@ impl Communicator {
         let call = validate(seq)?;
         // The topology joins the call only for schedules (below): the direct algorithms do not
         // use it, and cloning the Arc twice a call was a measurable part of an 8-byte call.
-        let mut coll = Coll {
+        let coll = Coll {
             kind: call.kind,
             rank: self.rank,
             nranks: self.nranks,
@@ -123,57 +122,25 @@ impl Communicator {
             stash,
             ..
         } = &mut *st;
-        let res = match direct.as_deref_mut().filter(|_| algo.is_direct()) {
-            Some(direct) => {
-                let mut cx = DirectCtx {
-                    direct,
-                    rank: self.rank,
-                    nranks: self.nranks,
-                    spin: self.spin,
-                    timeout: self.guard.timeout(),
-                    call: name,
-                    seq,
-                    start: None,
-                    print: Some(&print),
-                    health: Some(self.guard.health()),
-                    links: Some(&mut links[..]),
-                    step_ends: timing.as_mut().map(|t| &mut t.1),
-                    nt_bytes: self.cfg.nt_bytes,
-                };
-                match algo {
-                    Algo::OneShot => oneshot::run(&mut cx, &coll, &mut bufs),
-                    _ => cma::run(&mut cx, &coll, &mut bufs, scratch),
-                }
-            }
-            None => {
-                coll.topo = self.topo.clone();
-                let sched = algo.schedule(&coll);
-                debug_assert!(
-                    sched.validate(self.rank).is_ok(),
-                    "{:?}",
-                    sched.validate(self.rank)
-                );
-                let mut ctx = Ctx {
-                    rank: self.rank,
-                    links,
-                    dtype: call.dtype,
-                    op: call.op.kernel(),
-                    nranks: self.nranks,
-                    spin: self.spin,
-                    timeout: self.guard.timeout(),
-                    call: name,
-                    seq,
-                    guard: exec::FaultHooks {
-                        print: Some(&print),
-                        health: Some(self.guard.health()),
-                        step_ends: timing.as_mut().map(|t| &mut t.1),
-                        direct: direct.as_deref().map(|d| d as &dyn Direct),
-                        held: Some(stash.held_mut()),
-                    },
-                };
-                exec::execute(&mut ctx, &sched, &mut bufs, scratch)
-            }
-        };
+        let res = exec::Call {
+            id: CallId {
+                rank: self.rank,
+                call: name,
+                seq,
+            },
+            nranks: self.nranks,
+            spin: self.spin,
+            timeout: self.guard.timeout(),
+            print: &print,
+            health: self.guard.health(),
+            step_ends: timing.as_mut().map(|t| &mut t.1),
+            links,
+            direct: direct.as_deref_mut(),
+            scratch,
+            held: stash.held_mut(),
+            nt_bytes: self.cfg.nt_bytes,
+        }
+        .collective(algo, coll, self.topo.as_ref(), &mut bufs);
         let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
         Self::end_call(&mut st, res)
     }

@@ -1,18 +1,16 @@
 //! Running the intra-host direct algorithms ([`crate::direct::oneshot`], [`crate::direct::cma`]):
-//! publishing events and waiting for peers, with the executor's waiting discipline (spin,
-//! then sleep on this rank's doorbell in slices, checking the deadline and that the awaited
-//! peers are alive between slices).
+//! publishing events and waiting for peers, with the executors' waiting discipline
+//! ([`Waiter`]: spin, then sleep on this rank's doorbell in slices, checking the deadline and
+//! that the awaited peers are alive between slices).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::base::error::{Error, Result};
-use crate::base::wait::{Backoff, Spin};
+use crate::base::wait::{CallId, Waiter, SLEEP_SLICE};
 use crate::direct::link::{Direct, ADDRS};
 use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
 use crate::fault::health::Health;
 use crate::transport::{Link, LinkError};
-
-const SLEEP_SLICE: Duration = Duration::from_millis(50);
 
 /// One call's view of the direct area.
 pub(crate) struct DirectCtx<'a> {
@@ -22,17 +20,13 @@ pub(crate) struct DirectCtx<'a> {
     pub rank: usize,
     /// Number of ranks (all on this host).
     pub nranks: usize,
-    /// How to spin before sleeping.
-    pub spin: Spin,
-    /// How long the call may take.
-    pub timeout: Duration,
     /// The call's name, for errors.
     pub call: &'static str,
     /// The call's sequence number, for errors.
     pub seq: u64,
-    /// When the call started, for its timeout; `None`: from the first time it sleeps (a call
-    /// done within its spin budget never reads the clock).
-    pub start: Option<Instant>,
+    /// How the call waits: spin, sleep slices, and its deadline, from the first time it
+    /// sleeps (a call done within its spin budget never reads the clock).
+    pub wait: Waiter,
     /// The call's fingerprint, published with its first event and checked against every
     /// peer's (`None`: unchecked).
     pub print: Option<&'a CallPrint>,
@@ -101,6 +95,36 @@ pub(crate) fn direct_mismatch(
         peer,
         seq,
     ))
+}
+
+/// For the direct executor: a peer among `waiting` that has sent bytes over its link is
+/// running a link call while this rank runs a direct one (no call leaves bytes unread): a
+/// mismatch, described by the header those bytes begin with.
+fn link_mismatch(
+    print: &CallPrint,
+    links: Option<&mut [Option<Box<dyn Link>>]>,
+    waiting: &[usize],
+    id: CallId,
+) -> Option<Error> {
+    let links = links?;
+    for &p in waiting {
+        let Some(link) = links.get_mut(p).and_then(|l| l.as_mut()) else {
+            continue;
+        };
+        let mut head = [0u8; HEADER_BYTES];
+        let mut have = 0;
+        // Peek: copy what has arrived but take nothing.
+        let _ = link.try_recv(&mut |b: &[u8]| {
+            let k = b.len().min(HEADER_BYTES - have);
+            head[have..have + k].copy_from_slice(&b[..k]);
+            have += k;
+            0
+        });
+        if have == HEADER_BYTES {
+            return Some(mismatch(print, &head, id.rank, p, id.seq));
+        }
+    }
+    None
 }
 
 impl DirectCtx<'_> {
@@ -177,40 +201,12 @@ impl DirectCtx<'_> {
         }
     }
 
-    /// A peer among `waiting` that has sent bytes over its link is running a link call while
-    /// this rank runs a direct one (no call leaves bytes unread): a mismatch, described by the
-    /// header those bytes begin with.
-    fn link_mismatch(&mut self, waiting: &[usize]) -> Option<Error> {
-        let print = self.print?;
-        let links = self.links.as_deref_mut()?;
-        for &p in waiting {
-            let Some(link) = links.get_mut(p).and_then(|l| l.as_mut()) else {
-                continue;
-            };
-            let mut head = [0u8; HEADER_BYTES];
-            let mut have = 0;
-            // Peek: copy what has arrived but take nothing.
-            let _ = link.try_recv(&mut |b: &[u8]| {
-                let k = b.len().min(HEADER_BYTES - have);
-                head[have..have + k].copy_from_slice(&b[..k]);
-                have += k;
-                0
-            });
-            if have == HEADER_BYTES {
-                return Some(mismatch(print, &head, self.rank, p, self.seq));
-            }
-        }
-        None
-    }
-
     /// Waits until every peer has published event `e`.
     pub(crate) fn wait_all(&mut self, e: u64) -> Result<()> {
         let n = self.nranks;
         let me = self.rank;
         let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));
-        let mut backoff = Backoff::new(self.spin);
-        // Read the clock only once spinning is over: the fast path never does.
-        let mut last_check: Option<Instant> = None;
+        self.wait.rearm();
         loop {
             let Some(_) = pending(&*self.direct) else {
                 if let Some(v) = self.step_ends.as_mut() {
@@ -218,11 +214,9 @@ impl DirectCtx<'_> {
                 }
                 return Ok(());
             };
-            if !backoff.should_sleep() {
+            if self.wait.spin() {
                 continue;
             }
-            let start = *self.start.get_or_insert_with(Instant::now);
-            let last = *last_check.get_or_insert(start);
             {
                 let bell = self.direct.doorbell();
                 // A failure elsewhere (abort, a lost rank, a mismatch) rings this doorbell.
@@ -248,30 +242,31 @@ impl DirectCtx<'_> {
                     );
                 }
             }
-            if last.elapsed() >= SLEEP_SLICE {
-                last_check = Some(Instant::now());
-                let waiting: Vec<usize> = (0..n)
-                    .filter(|&p| p != me && !self.direct.reached(p, e))
-                    .collect();
-                if let Some(err) = self.link_mismatch(&waiting) {
-                    return Err(err);
-                }
-                for &p in &waiting {
-                    if let Err(err) = self.direct.check_alive(p) {
-                        return Err(self.lost(p, err));
-                    }
-                }
-                let elapsed = start.elapsed();
-                if elapsed > self.timeout && !waiting.is_empty() {
-                    return Err(Error::Timeout {
-                        rank: me,
-                        call: self.call,
-                        seq: self.seq,
-                        waiting_on: waiting,
-                        elapsed,
-                    });
-                }
+            if pending(&*self.direct).is_none() {
+                continue; // (every peer is there: nothing to check)
             }
+            let id = self.wait.id();
+            let (direct, print, links) = (&*self.direct, self.print, self.links.as_deref_mut());
+            self.wait.check(
+                || {
+                    (0..n)
+                        .filter(|&p| p != me && !direct.reached(p, e))
+                        .collect()
+                },
+                |waiting| {
+                    if let Some(err) =
+                        print.and_then(|print| link_mismatch(print, links, waiting, id))
+                    {
+                        return Err(err);
+                    }
+                    for &p in waiting {
+                        if let Err(err) = direct.check_alive(p) {
+                            return Err(err.into_error(id.rank, p, id.call, id.seq));
+                        }
+                    }
+                    Ok(())
+                },
+            )?;
         }
     }
 }

@@ -8,7 +8,10 @@
 //! sleeps on the links' doorbells or sockets in slices, checking between slices the call's
 //! deadline and that the peers it waits for are alive.
 
+mod call;
 pub(crate) mod p2p;
+
+pub(crate) use call::Call;
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
@@ -20,14 +23,11 @@ use crate::base::dtype::DataType;
 use crate::base::error::{Error, Result};
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
-use crate::base::wait::{Backoff, Doorbell, Spin};
+use crate::base::wait::{CallId, Doorbell, Spin, Waiter, NAP, SLEEP_SLICE};
 use crate::fault::fingerprint::{CallPrint, HeaderFlags, HeaderState};
 use crate::fault::health::Health;
 use crate::sched::{Buf, BufRange, Combine, Local, Schedule, Step, Xfer};
 use crate::transport::{Link, LinkError, WaitSource};
-
-/// How long one sleep lasts before the executor re-checks deadline and liveness.
-const SLEEP_SLICE: Duration = Duration::from_millis(50);
 
 /// Everything the executor needs besides the schedule and the buffers.
 pub(crate) struct Ctx<'a> {
@@ -125,12 +125,16 @@ pub(crate) fn execute(
         output: bufs.output_raw(),
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
     };
-    let start = Instant::now();
     let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
+    let id = CallId {
+        rank: ctx.rank,
+        call: ctx.call,
+        seq: ctx.seq,
+    };
     let mut run = Runner {
+        wait: Waiter::new(id, ctx.spin, ctx.timeout, true),
         ctx,
         mem: &mem,
-        start,
         headers,
         failed_seen: None,
     };
@@ -146,7 +150,8 @@ pub(crate) fn execute(
 struct Runner<'c, 'a, 'm> {
     ctx: &'c mut Ctx<'a>,
     mem: &'m Mem,
-    start: Instant,
+    /// The call's waiting: spin, sleep slices, deadline.
+    wait: Waiter,
     /// Which peers got this call's header and sent theirs.
     headers: HeaderFlags,
     /// When this call first saw the communicator failed.
@@ -249,12 +254,11 @@ impl Runner<'_, '_, '_> {
         // slow link costs no CPU. That holds for steps that also carry shared-memory
         // transfers (hier's pipeline); once only those are left, the step spins as usual.
         let mut on_sockets = self.socket_pending(step, &st);
-        let mut backoff = Backoff::new(if on_sockets {
+        self.wait.rearm_spinning(if on_sockets {
             self.ctx.spin.for_sockets()
         } else {
             self.ctx.spin
         });
-        let mut last_check = Instant::now();
         loop {
             let (progressed, done) = self.progress(step, &mut st)?;
             if done {
@@ -262,29 +266,26 @@ impl Runner<'_, '_, '_> {
             }
             if on_sockets && !self.socket_pending(step, &st) {
                 on_sockets = false;
-                backoff = Backoff::new(self.ctx.spin);
+                self.wait.rearm_spinning(self.ctx.spin);
             }
             if progressed {
-                backoff.reset();
+                self.wait.progressed();
                 continue;
             }
-            if !backoff.should_sleep() {
+            if self.wait.spin() {
                 continue;
             }
             if self.check_health()? {
                 // Failed elsewhere, within the grace: keep taking what arrives.
-                std::thread::sleep(Duration::from_micros(200));
-                backoff.reset();
+                std::thread::sleep(NAP);
+                self.wait.progressed();
                 continue;
             }
             if self.sleep(step, &mut st)? {
-                backoff.reset();
+                self.wait.progressed();
                 continue;
             }
-            if last_check.elapsed() >= SLEEP_SLICE {
-                last_check = Instant::now();
-                self.check(step, &st)?;
-            }
+            self.check(step, &st)?;
         }
         for l in &step.after {
             self.local(l)?;
@@ -466,11 +467,7 @@ impl Runner<'_, '_, '_> {
             return Ok(false);
         }
         // Sockets (maybe mixed with a doorbell: then poll briefly and come back to spin).
-        let timeout = if bell.is_some() {
-            Duration::from_micros(200)
-        } else {
-            SLEEP_SLICE
-        };
+        let timeout = if bell.is_some() { NAP } else { SLEEP_SLICE };
         if let Some(fd) = self.ctx.guard.health.and_then(|h| h.poll_fd()) {
             fds.push((fd.as_raw_fd(), PollFlags::IN));
         }
@@ -502,47 +499,35 @@ impl Runner<'_, '_, '_> {
         }
     }
 
-    /// Between sleeps: the deadline, and the liveness of the peers still awaited.
+    /// Between sleeps, once a slice has passed: the liveness of the peers still awaited, that
+    /// none of them is in a direct-area call instead, and the deadline.
     fn check(&mut self, step: &Step, st: &[XState]) -> Result<()> {
-        let pending: Vec<usize> = step
-            .xfers
-            .iter()
-            .zip(st)
-            .filter(|(x, s)| s.done < x.len())
-            .map(|(x, _)| x.peer())
-            .collect();
-        for &peer in &pending {
-            if let Some(link) = self.ctx.links.get_mut(peer).and_then(|l| l.as_mut()) {
-                if let Err(e) = link.check_alive() {
-                    return Err(self.link_err(peer, e));
+        let Runner { ctx, wait, .. } = self;
+        let id = wait.id();
+        let pending = || {
+            step.xfers
+                .iter()
+                .zip(st)
+                .filter(|(x, s)| s.done < x.len())
+                .map(|(x, _)| x.peer())
+                .collect()
+        };
+        wait.check(pending, |pending| {
+            for &peer in pending {
+                if let Some(link) = ctx.links.get_mut(peer).and_then(|l| l.as_mut()) {
+                    link.check_alive()
+                        .map_err(|e| e.into_error(id.rank, peer, id.call, id.seq))?;
                 }
             }
-        }
-        if let (Some(d), Some(print)) = (self.ctx.guard.direct, self.ctx.guard.print) {
-            if let Some(e) = crate::direct::exec::direct_mismatch(
-                d,
-                &pending,
-                print,
-                self.ctx.rank,
-                self.ctx.seq,
-            ) {
-                return Err(e);
+            if let (Some(d), Some(print)) = (ctx.guard.direct, ctx.guard.print) {
+                if let Some(e) =
+                    crate::direct::exec::direct_mismatch(d, pending, print, id.rank, id.seq)
+                {
+                    return Err(e);
+                }
             }
-        }
-        let elapsed = self.start.elapsed();
-        if elapsed > self.ctx.timeout {
-            let mut waiting_on = pending;
-            waiting_on.sort_unstable();
-            waiting_on.dedup();
-            return Err(Error::Timeout {
-                rank: self.ctx.rank,
-                call: self.ctx.call,
-                seq: self.ctx.seq,
-                waiting_on,
-                elapsed,
-            });
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }
 

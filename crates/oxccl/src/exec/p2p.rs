@@ -19,13 +19,13 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, RawFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::event::PollFlags;
 
 use crate::base::dtype::DataType;
 use crate::base::error::{Error, Result};
-use crate::base::wait::{Backoff, Doorbell, Spin};
+use crate::base::wait::{CallId, Doorbell, Spin, Waiter, NAP, SLEEP_SLICE};
 use crate::fault::fingerprint::{CallPrint, Fingerprint, Header, Sequencer, HEADER_BYTES};
 use crate::fault::health::Health;
 use crate::transport::{Link, WaitSource};
@@ -34,11 +34,6 @@ use crate::transport::{Link, WaitSource};
 const TAG_BYTES: usize = 8;
 /// Data sent in the same write as the header.
 const WITH_HEADER: usize = 4096 - HEADER_BYTES - TAG_BYTES;
-/// How long one sleep lasts when a doorbell and sockets are both awaited (or none).
-const NAP: Duration = Duration::from_micros(200);
-/// How long one sleep lasts at most; also how often a waiting group checks the deadline and
-/// that its peers are alive.
-const CHECK_EVERY: Duration = Duration::from_millis(50);
 
 /// One operation of a point-to-point group. Buffers are bytes of `dtype` elements (their
 /// length a multiple of its size).
@@ -215,58 +210,55 @@ impl Ctx<'_> {
             out: (0..n).map(|_| None).collect(),
             inc: (0..n).map(|_| None).collect(),
         };
-        let start = Instant::now();
-        let mut last_check = Instant::now();
-        let mut backoff = Backoff::new(self.spin);
+        let id = CallId {
+            rank: self.rank,
+            call: self.call,
+            seq: self.seq,
+        };
+        let mut wait = Waiter::new(id, self.spin, self.timeout, true);
         loop {
             let progressed = self.pass(ops, &mut st)?;
             if st.finished() {
                 return Ok(());
             }
             if progressed {
-                backoff.reset();
+                wait.progressed();
                 continue;
             }
-            if !backoff.should_sleep() {
+            if wait.spin() {
                 continue;
             }
             if let Some(h) = self.health.filter(|h| h.is_failed()) {
                 return Err(h.error(self.rank, self.call, self.seq));
             }
             if self.sleep(ops, &mut st)? {
-                backoff.reset();
+                wait.progressed();
                 continue;
             }
-            if last_check.elapsed() >= CHECK_EVERY {
-                last_check = Instant::now();
-                let waiting = waiting_on(ops, &st.done, &st.inc, self.rank, true);
-                for &p in &waiting {
-                    if let Some(l) = self.links.get_mut(p).and_then(|l| l.as_mut()) {
-                        l.check_alive()
-                            .map_err(|e| e.into_error(self.rank, p, self.call, self.seq))?;
+            let me = self.rank;
+            let (links, direct) = (&mut *self.links, self.direct);
+            wait.check(
+                || waiting_on(ops, &st.done, &st.inc, me, true),
+                |waiting| {
+                    for &p in waiting {
+                        if let Some(l) = links.get_mut(p).and_then(|l| l.as_mut()) {
+                            l.check_alive()
+                                .map_err(|e| e.into_error(id.rank, p, id.call, id.seq))?;
+                        }
                     }
-                }
-                if let Some((d, print)) = self.direct {
-                    // Not the peers only a receive from any source waits for: those may
-                    // rightly be in a collective meanwhile.
-                    let named = waiting_on(ops, &st.done, &st.inc, self.rank, false);
-                    if let Some(e) =
-                        crate::direct::exec::direct_mismatch(d, &named, print, self.rank, self.seq)
-                    {
-                        return Err(e);
+                    if let Some((d, print)) = direct {
+                        // Not the peers only a receive from any source waits for: those may
+                        // rightly be in a collective meanwhile.
+                        let named = waiting_on(ops, &st.done, &st.inc, me, false);
+                        if let Some(e) =
+                            crate::direct::exec::direct_mismatch(d, &named, print, id.rank, id.seq)
+                        {
+                            return Err(e);
+                        }
                     }
-                }
-                let elapsed = start.elapsed();
-                if elapsed > self.timeout {
-                    return Err(Error::Timeout {
-                        rank: self.rank,
-                        call: self.call,
-                        seq: self.seq,
-                        waiting_on: waiting,
-                        elapsed,
-                    });
-                }
-            }
+                    Ok(())
+                },
+            )?;
         }
     }
 
@@ -365,10 +357,10 @@ impl Ctx<'_> {
                     return Err(e);
                 }
             }
-            bell.wait(token, CHECK_EVERY);
+            bell.wait(token, SLEEP_SLICE);
             return Ok(false);
         }
-        let timeout = if bell.is_some() { NAP } else { CHECK_EVERY };
+        let timeout = if bell.is_some() { NAP } else { SLEEP_SLICE };
         if let Some(fd) = self.health.and_then(|h| h.poll_fd()) {
             fds.push((fd.as_raw_fd(), PollFlags::IN));
         }

@@ -1,0 +1,126 @@
+//! One call as the executors see it: which call, how it waits, its fingerprint and failure
+//! hooks, and the communicator state it runs over. The communicator builds one [`Call`] per
+//! collective; [`Call::collective`] hands it to the direct-area executor or to the schedule
+//! executor, whichever the chosen algorithm runs on.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::base::error::Result;
+use crate::base::wait::{CallId, Spin, Waiter};
+use crate::bootstrap::topo::Topology;
+use crate::direct::exec::DirectCtx;
+use crate::direct::link::Direct;
+use crate::direct::{cma, oneshot};
+use crate::exec::{execute, Buffers, Ctx, FaultHooks};
+use crate::fault::fingerprint::{CallPrint, HEADER_BYTES};
+use crate::fault::health::Health;
+use crate::sched::{Algo, Coll};
+use crate::transport::Link;
+
+/// One collective call: everything either executor needs besides the algorithm, the
+/// collective and the buffers.
+pub(crate) struct Call<'a> {
+    /// This rank, the call's name and sequence number (for errors).
+    pub id: CallId,
+    /// Number of ranks.
+    pub nranks: usize,
+    /// How to spin before sleeping.
+    pub spin: Spin,
+    /// How long the whole call may take.
+    pub timeout: Duration,
+    /// The call's fingerprint, checked against every peer's.
+    pub print: &'a CallPrint,
+    /// The communicator's health: a failure elsewhere wakes and fails a waiting call.
+    pub health: &'a Health,
+    /// When set, receives the end time of each step or event (the timeline, `OXCCL_TRACE`).
+    pub step_ends: Option<&'a mut Vec<Instant>>,
+    /// Links indexed by peer rank (`None` for this rank).
+    pub links: &'a mut [Option<Box<dyn Link>>],
+    /// The host's direct area, when the communicator has one.
+    pub direct: Option<&'a mut (dyn Direct + 'static)>,
+    /// Scratch memory, grown to a schedule's need and reused across calls.
+    pub scratch: &'a mut Vec<u64>,
+    /// Call headers a point-to-point receive from any source read off peers' links before
+    /// this call ([`FaultHooks::held`]).
+    pub held: &'a mut [Option<[u8; HEADER_BYTES]>],
+    /// Out-of-place results are written with streaming stores from this footprint on
+    /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
+    pub nt_bytes: usize,
+}
+
+impl Call<'_> {
+    /// Runs `coll` by `algo`: in the direct area for a direct algorithm (when there is one),
+    /// else as the algorithm's schedule over the links (`topo` joins `coll` for that).
+    pub(crate) fn collective(
+        self,
+        algo: Algo,
+        mut coll: Coll,
+        topo: Option<&Arc<Topology>>,
+        bufs: &mut Buffers<'_>,
+    ) -> Result<()> {
+        let Call {
+            id,
+            nranks,
+            spin,
+            timeout,
+            print,
+            health,
+            step_ends,
+            links,
+            direct,
+            scratch,
+            held,
+            nt_bytes,
+        } = self;
+        match direct {
+            Some(direct) if algo.is_direct() => {
+                let mut cx = DirectCtx {
+                    direct,
+                    rank: id.rank,
+                    nranks,
+                    call: id.call,
+                    seq: id.seq,
+                    wait: Waiter::new(id, spin, timeout, false),
+                    print: Some(print),
+                    health: Some(health),
+                    links: Some(links),
+                    step_ends,
+                    nt_bytes,
+                };
+                match algo {
+                    Algo::OneShot => oneshot::run(&mut cx, &coll, bufs),
+                    _ => cma::run(&mut cx, &coll, bufs, scratch),
+                }
+            }
+            direct => {
+                coll.topo = topo.cloned();
+                let sched = algo.schedule(&coll);
+                debug_assert!(
+                    sched.validate(id.rank).is_ok(),
+                    "{:?}",
+                    sched.validate(id.rank)
+                );
+                let mut ctx = Ctx {
+                    rank: id.rank,
+                    links,
+                    dtype: coll.dtype,
+                    op: coll.op,
+                    nranks,
+                    spin,
+                    timeout,
+                    call: id.call,
+                    seq: id.seq,
+                    guard: FaultHooks {
+                        print: Some(print),
+                        health: Some(health),
+                        step_ends,
+                        direct: direct.map(|d| &*d as &dyn Direct),
+                        held: Some(held),
+                    },
+                };
+                execute(&mut ctx, &sched, bufs, scratch)
+            }
+        }
+    }
+}
