@@ -429,7 +429,7 @@ impl Communicator {
             stash,
             ..
         } = &mut *st;
-        let res = match direct.as_deref_mut().filter(|_| algo.is_direct()) {
+        let res = match direct.as_deref_mut().filter(|_| algo.on_direct_area()) {
             Some(direct) => {
                 let mut cx = DirectCtx {
                     direct,
