@@ -315,3 +315,48 @@ impl Drop for MemDirect {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_record_round_trips_through_its_words() {
+        let r = EventRecord {
+            input: 0x1122_3344_5566_7788,
+            output: 0x99aa_bbcc_ddee_ff00,
+            input_len: 3,
+            output_len: 1 << 40,
+            header: std::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(1)),
+        };
+        let w = r.encode();
+        assert_eq!(
+            &w[..EventRecord::BUFFER_WORDS],
+            &[r.input, r.output, 3, 1 << 40]
+        );
+        // The header's words are its bytes, little-endian: what a peer that reads only those
+        // two words (ShmDirect::peer_header) decodes.
+        assert_eq!(w[4].to_le_bytes(), r.header[..8]);
+        assert_eq!(w[5].to_le_bytes(), r.header[8..]);
+        assert_eq!(EventRecord::header_of_words([w[4], w[5]]), r.header);
+        assert_eq!(EventRecord::decode(w), r);
+        assert_eq!(
+            EventRecord::decode([0; EventRecord::WORDS]),
+            EventRecord::default()
+        );
+    }
+
+    #[test]
+    fn mem_direct_hands_peers_the_published_record() {
+        let mut g = mem_group(2);
+        let r = EventRecord {
+            header: [7; HEADER_BYTES],
+            ..EventRecord::buffers(16 as *const u8, 8, 64 as *const u8, 24)
+        };
+        let e = g[0].publish(b"abc", &r);
+        assert!(g[1].reached(0, e));
+        assert_eq!(g[1].peer_record(0, e), r);
+        assert_eq!(g[1].peer_header(0, e), [7; HEADER_BYTES]);
+        assert_eq!(g[1].peer_slot(0, e, 3), b"abc");
+    }
+}
