@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::base::error::{Error, Result};
 use crate::base::wait::{CallId, Waiter, SLEEP_SLICE};
-use crate::direct::link::{Direct, ADDRS};
+use crate::direct::link::{Direct, EventRecord};
 use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
 use crate::fault::health::Health;
 use crate::transport::{Link, LinkError};
@@ -40,13 +40,6 @@ pub(crate) struct DirectCtx<'a> {
     /// Out-of-place results are written with streaming stores from this footprint on
     /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
     pub nt_bytes: usize,
-}
-
-fn header_of(w: &[u64]) -> [u8; HEADER_BYTES] {
-    let mut b = [0u8; HEADER_BYTES];
-    b[..8].copy_from_slice(&w[4].to_le_bytes());
-    b[8..].copy_from_slice(&w[5].to_le_bytes());
-    b
 }
 
 fn mismatch(
@@ -88,13 +81,7 @@ pub(crate) fn direct_mismatch(
     let next = d.event() + 1;
     let peer = *waiting.iter().find(|&&p| d.reached(p, next))?;
     // The peer's call starts at `next` (its header travels with its first event).
-    Some(mismatch(
-        print,
-        &header_of(&d.peer_addrs(peer, next)),
-        rank,
-        peer,
-        seq,
-    ))
+    Some(mismatch(print, &d.peer_header(peer, next), rank, peer, seq))
 }
 
 /// For the direct executor: a peer among `waiting` that has sent bytes over its link is
@@ -128,32 +115,24 @@ fn link_mismatch(
 }
 
 impl DirectCtx<'_> {
-    /// Publishes the next event (see [`Direct::publish`]) with four algorithm words.
-    pub(crate) fn publish(&mut self, data: &[u8], words: [u64; 4]) -> u64 {
-        let mut all = [0u64; ADDRS];
-        all[..4].copy_from_slice(&words);
-        self.direct.publish(data, all)
+    /// Publishes the next event (see [`Direct::publish`]); the record carries no header.
+    pub(crate) fn publish(&mut self, data: &[u8], record: &EventRecord) -> u64 {
+        self.direct.publish(data, record)
     }
 
     /// Publishes the call's first event, carrying its header, waits for every peer's, and
     /// checks that every peer called the same collective: a mismatch is an error on every
     /// rank (each reads every other's header) before any data is combined.
-    pub(crate) fn begin(&mut self, data: &[u8], words: [u64; 4]) -> Result<u64> {
-        let mut all = [0u64; ADDRS];
-        all[..4].copy_from_slice(&words);
-        if let Some(p) = self.print {
-            let h = p.header();
-            all[4] = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
-            all[5] = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
-        }
-        let e = self.direct.publish(data, all);
+    pub(crate) fn begin(&mut self, data: &[u8], record: EventRecord) -> Result<u64> {
+        let record = EventRecord {
+            header: self.print.map_or([0; HEADER_BYTES], |p| p.header()),
+            ..record
+        };
+        let e = self.direct.publish(data, &record);
         self.wait_all(e)?;
         if let Some(p) = self.print {
             for peer in (0..self.nranks).filter(|&q| q != self.rank) {
-                let w = self.direct.peer_header_words(peer, e);
-                let mut b = [0u8; HEADER_BYTES];
-                b[..8].copy_from_slice(&w[0].to_le_bytes());
-                b[8..].copy_from_slice(&w[1].to_le_bytes());
+                let b = self.direct.peer_header(peer, e);
                 if p.matches(&b) {
                     continue;
                 }

@@ -2,7 +2,7 @@
 //! that do not stream bytes through links (one-shot all-reduce, single-copy all-reduce).
 //!
 //! Each rank owns a small published area that every other rank of the host can read: an
-//! event counter, two data slots and two address records (slot `e % 2` belongs to event `e`).
+//! event counter, two data slots and two [`EventRecord`]s (slot `e % 2` belongs to event `e`).
 //! A rank [`publish`](Direct::publish)es event `e` (its data and/or the addresses of its
 //! buffers), then waits until every peer has published `e` too, then reads what they
 //! published, and may copy straight out of their buffers ([`read_peer`](Direct::read_peer),
@@ -23,12 +23,94 @@ use std::sync::Arc;
 
 use crate::base::wait::Doorbell;
 use crate::direct::shared_buffer::Region;
+use crate::fault::fingerprint::HEADER_BYTES;
 use crate::transport::LinkError;
 
-/// Number of words a rank publishes with an event: four for the algorithm (buffer addresses
-/// and lengths), two for the call's header (its fingerprint and sequence number, see
-/// [`crate::fault::fingerprint`]), checked by every peer before any data is combined.
-pub const ADDRS: usize = 6;
+/// What a rank publishes with an event besides its data: where its buffers lie (for the
+/// single-copy algorithms) and, with a call's first event, the call's header (its fingerprint
+/// and sequence number, see [`crate::fault::fingerprint`]), checked by every peer before any
+/// data is combined. Fields a call does not use are zero.
+///
+/// In shared memory it travels as [`WORDS`](Self::WORDS) words ([`encode`](Self::encode),
+/// [`decode`](Self::decode)): the four buffer words, then the two header words.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventRecord {
+    /// Address of the publisher's input, in its address space.
+    pub input: u64,
+    /// Address of the publisher's output.
+    pub output: u64,
+    /// Length of the input in bytes.
+    pub input_len: u64,
+    /// Length of the output in bytes.
+    pub output_len: u64,
+    /// The call's header (all zero: none).
+    pub header: [u8; HEADER_BYTES],
+}
+
+impl EventRecord {
+    /// Number of words of an encoded record.
+    pub const WORDS: usize = Self::BUFFER_WORDS + 2;
+    /// Number of leading words that describe the buffers (the rest carry the header).
+    pub const BUFFER_WORDS: usize = 4;
+
+    /// A record of the publisher's input and output buffers, without a header.
+    pub fn buffers(
+        input: *const u8,
+        input_len: usize,
+        output: *const u8,
+        output_len: usize,
+    ) -> Self {
+        EventRecord {
+            input: input as u64,
+            output: output as u64,
+            input_len: input_len as u64,
+            output_len: output_len as u64,
+            header: [0; HEADER_BYTES],
+        }
+    }
+
+    /// The record as words: input, output, input length, output length, then the header as
+    /// two little-endian words.
+    pub fn encode(&self) -> [u64; Self::WORDS] {
+        let [h0, h1] = Self::header_words(&self.header);
+        [
+            self.input,
+            self.output,
+            self.input_len,
+            self.output_len,
+            h0,
+            h1,
+        ]
+    }
+
+    /// The record that [`encode`](Self::encode) made these words of.
+    pub fn decode(w: [u64; Self::WORDS]) -> Self {
+        EventRecord {
+            input: w[0],
+            output: w[1],
+            input_len: w[2],
+            output_len: w[3],
+            header: Self::header_of_words([w[4], w[5]]),
+        }
+    }
+
+    /// The header's two words (the last two of [`encode`](Self::encode)).
+    pub fn header_words(header: &[u8; HEADER_BYTES]) -> [u64; 2] {
+        let (a, b) = header.split_at(8);
+        [
+            u64::from_le_bytes(a.try_into().expect("8 bytes")),
+            u64::from_le_bytes(b.try_into().expect("8 bytes")),
+        ]
+    }
+
+    /// The header of its two words (see [`header_words`](Self::header_words)).
+    pub fn header_of_words(w: [u64; 2]) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[..8].copy_from_slice(&w[0].to_le_bytes());
+        b[8..].copy_from_slice(&w[1].to_le_bytes());
+        b
+    }
+}
 
 /// Direct access to the published areas and memory of the other ranks of one host.
 pub trait Direct: Send {
@@ -36,9 +118,9 @@ pub trait Direct: Send {
     fn slot_bytes(&self) -> usize;
 
     /// Publishes the next event: copies `data` (at most [`slot_bytes`](Self::slot_bytes)) into
-    /// this rank's slot for it, records `addrs`, advances this rank's counter and wakes
+    /// this rank's slot for it, records `record`, advances this rank's counter and wakes
     /// sleeping peers. Returns the event number.
-    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64;
+    fn publish(&mut self, data: &[u8], record: &EventRecord) -> u64;
 
     /// Whether `peer` has published event `e`.
     fn reached(&self, peer: usize, e: u64) -> bool;
@@ -50,14 +132,13 @@ pub trait Direct: Send {
     /// `e + 1` (see the module's reuse rule); the caller has seen [`reached`](Self::reached).
     fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8];
 
-    /// The addresses `peer` published with event `e`.
-    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS];
+    /// The record `peer` published with event `e`.
+    fn peer_record(&self, peer: usize, e: u64) -> EventRecord;
 
-    /// Words 4 and 5 of what `peer` published with event `e` (the call's header): what every
-    /// call checks, so an implementation may keep them where they are cheapest to read.
-    fn peer_header_words(&self, peer: usize, e: u64) -> [u64; 2] {
-        let a = self.peer_addrs(peer, e);
-        [a[4], a[5]]
+    /// The header of the record `peer` published with event `e`: what every call checks, so
+    /// an implementation may keep it where it is cheapest to read.
+    fn peer_header(&self, peer: usize, e: u64) -> [u8; HEADER_BYTES] {
+        self.peer_record(peer, e).header
     }
 
     /// Copies `dst.len()` bytes at `addr` in `peer`'s address space into `dst`.
@@ -97,7 +178,7 @@ const MEM_SLOT: usize = 64 << 10;
 struct MemArea {
     progress: AtomicU64,
     slots: [std::sync::Mutex<Vec<u8>>; 2],
-    addrs: [[AtomicU64; ADDRS]; 2],
+    records: [[AtomicU64; EventRecord::WORDS]; 2],
     bell: Doorbell,
     closed: std::sync::atomic::AtomicBool,
 }
@@ -119,7 +200,7 @@ pub fn mem_group(n: usize) -> Vec<MemDirect> {
                     std::sync::Mutex::new(vec![0; MEM_SLOT]),
                     std::sync::Mutex::new(vec![0; MEM_SLOT]),
                 ],
-                addrs: Default::default(),
+                records: Default::default(),
                 bell: Doorbell::new(),
                 closed: Default::default(),
             })
@@ -139,13 +220,13 @@ impl Direct for MemDirect {
         MEM_SLOT
     }
 
-    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64 {
+    fn publish(&mut self, data: &[u8], record: &EventRecord) -> u64 {
         self.event += 1;
         let e = self.event;
         let me = &self.areas[self.rank];
         let p = (e % 2) as usize;
         me.slots[p].lock().unwrap_or_else(|e| e.into_inner())[..data.len()].copy_from_slice(data);
-        for (a, v) in me.addrs[p].iter().zip(addrs) {
+        for (a, v) in me.records[p].iter().zip(record.encode()) {
             a.store(v, Ordering::Relaxed);
         }
         me.progress.store(e, Ordering::Release);
@@ -175,9 +256,9 @@ impl Direct for MemDirect {
         unsafe { std::slice::from_raw_parts(slot.as_ptr(), len) }
     }
 
-    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS] {
-        let a = &self.areas[peer].addrs[(e % 2) as usize];
-        std::array::from_fn(|i| a[i].load(Ordering::Relaxed))
+    fn peer_record(&self, peer: usize, e: u64) -> EventRecord {
+        let a = &self.areas[peer].records[(e % 2) as usize];
+        EventRecord::decode(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)))
     }
 
     fn read_peer(&self, _peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
@@ -232,5 +313,50 @@ impl Drop for MemDirect {
                 a.bell.ring();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_record_round_trips_through_its_words() {
+        let r = EventRecord {
+            input: 0x1122_3344_5566_7788,
+            output: 0x99aa_bbcc_ddee_ff00,
+            input_len: 3,
+            output_len: 1 << 40,
+            header: std::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(1)),
+        };
+        let w = r.encode();
+        assert_eq!(
+            &w[..EventRecord::BUFFER_WORDS],
+            &[r.input, r.output, 3, 1 << 40]
+        );
+        // The header's words are its bytes, little-endian: what a peer that reads only those
+        // two words (ShmDirect::peer_header) decodes.
+        assert_eq!(w[4].to_le_bytes(), r.header[..8]);
+        assert_eq!(w[5].to_le_bytes(), r.header[8..]);
+        assert_eq!(EventRecord::header_of_words([w[4], w[5]]), r.header);
+        assert_eq!(EventRecord::decode(w), r);
+        assert_eq!(
+            EventRecord::decode([0; EventRecord::WORDS]),
+            EventRecord::default()
+        );
+    }
+
+    #[test]
+    fn mem_direct_hands_peers_the_published_record() {
+        let mut g = mem_group(2);
+        let r = EventRecord {
+            header: [7; HEADER_BYTES],
+            ..EventRecord::buffers(16 as *const u8, 8, 64 as *const u8, 24)
+        };
+        let e = g[0].publish(b"abc", &r);
+        assert!(g[1].reached(0, e));
+        assert_eq!(g[1].peer_record(0, e), r);
+        assert_eq!(g[1].peer_header(0, e), [7; HEADER_BYTES]);
+        assert_eq!(g[1].peer_slot(0, e, 3), b"abc");
     }
 }

@@ -13,6 +13,7 @@ use crate::base::error::Result;
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
 use crate::direct::exec::DirectCtx;
+use crate::direct::link::EventRecord;
 use crate::sched::{Coll, CollKind};
 
 /// Runs `c` one-shot.
@@ -28,7 +29,7 @@ pub(crate) fn run(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>) -> R
         CollKind::Broadcast if me != c.root => &input[..0],
         _ => input,
     };
-    let e = cx.begin(publish, [0; 4])?;
+    let e = cx.begin(publish, EventRecord::default())?;
     // From here the input is no longer needed (it is in this rank's own slot), so writing the
     // output is fine even when it aliases the input.
     // SAFETY: valid for out_len bytes; no other reference to the output is live.

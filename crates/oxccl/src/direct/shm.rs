@@ -30,8 +30,9 @@ use rustix::fs::FallocateFlags;
 use crate::base::error::Result;
 use crate::base::wait::Doorbell;
 use crate::bootstrap::Exchange;
-use crate::direct::link::{Direct, ADDRS};
+use crate::direct::link::{Direct, EventRecord};
 use crate::direct::shared_buffer::{PeerMapping, Region, PEER_MAPPINGS};
+use crate::fault::fingerprint::HEADER_BYTES;
 use crate::transport::shm::handoff;
 use crate::transport::shm::segment::{io_msg, map};
 use crate::transport::LinkError;
@@ -57,7 +58,8 @@ const WORDS_OFF: usize = EVENT_OFF + 8;
 const _: () = assert!(
     EVENT_OFF + 8 == 3 * 64
         && WORDS_OFF + 4 * 8 <= RECORD
-        && ADDRS == 6
+        && EventRecord::WORDS == 6
+        && EventRecord::BUFFER_WORDS == 4
         && RECORDS_OFF % 64 == 0
         && RECORDS_OFF + 2 * RECORD <= SLOTS_OFF
 );
@@ -112,11 +114,13 @@ impl Area {
     fn len_of(&self, parity: usize) -> &AtomicU64 {
         self.at(RECORDS_OFF + parity * RECORD + LEN_OFF)
     }
-    fn addr(&self, parity: usize, i: usize) -> &AtomicU64 {
-        let off = if i < 4 {
+    /// Word `i` of the encoded [`EventRecord`] in the record of `parity`: the buffer words in
+    /// the fourth line, the header words in the third.
+    fn word(&self, parity: usize, i: usize) -> &AtomicU64 {
+        let off = if i < EventRecord::BUFFER_WORDS {
             WORDS_OFF + i * 8
         } else {
-            HEADER_WORDS_OFF + (i - 4) * 8
+            HEADER_WORDS_OFF + (i - EventRecord::BUFFER_WORDS) * 8
         };
         self.at(RECORDS_OFF + parity * RECORD + off)
     }
@@ -350,7 +354,7 @@ impl Direct for ShmDirect {
         SLOT_BYTES
     }
 
-    fn publish(&mut self, data: &[u8], addrs: [u64; ADDRS]) -> u64 {
+    fn publish(&mut self, data: &[u8], record: &EventRecord) -> u64 {
         assert!(data.len() <= SLOT_BYTES, "direct slot overflow");
         self.event += 1;
         let e = self.event;
@@ -374,12 +378,12 @@ impl Direct for ShmDirect {
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), me.slot(p), data.len()) };
         }
         me.len_of(p).store(data.len() as u64, Ordering::Relaxed);
-        for (i, a) in addrs.iter().enumerate() {
-            let w = me.addr(p, i);
-            // Words 0-3 sit in a line of their own, which small calls leave at zero: writing
-            // only changed values keeps that line out of the peers' way.
-            if i >= 4 || w.load(Ordering::Relaxed) != *a {
-                w.store(*a, Ordering::Relaxed);
+        for (i, a) in record.encode().into_iter().enumerate() {
+            let w = me.word(p, i);
+            // The buffer words sit in a line of their own, which small calls leave at zero:
+            // writing only changed values keeps that line out of the peers' way.
+            if i >= EventRecord::BUFFER_WORDS || w.load(Ordering::Relaxed) != a {
+                w.store(a, Ordering::Relaxed);
             }
         }
         // SeqCst: the store is a full barrier, which orders the publish before the reads of
@@ -428,15 +432,21 @@ impl Direct for ShmDirect {
         unsafe { std::slice::from_raw_parts(at, len) }
     }
 
-    fn peer_header_words(&self, peer: usize, e: u64) -> [u64; 2] {
-        // Both in the line `reached` polled: no further transfer between cores.
+    fn peer_header(&self, peer: usize, e: u64) -> [u8; HEADER_BYTES] {
+        // Both words in the line `reached` polled: no further transfer between cores.
         let a = self.area(peer);
-        [4, 5].map(|i| a.addr((e % 2) as usize, i).load(Ordering::Relaxed))
+        let w = [0, 1].map(|i| {
+            a.word((e % 2) as usize, EventRecord::BUFFER_WORDS + i)
+                .load(Ordering::Relaxed)
+        });
+        EventRecord::header_of_words(w)
     }
 
-    fn peer_addrs(&self, peer: usize, e: u64) -> [u64; ADDRS] {
+    fn peer_record(&self, peer: usize, e: u64) -> EventRecord {
         let a = self.area(peer);
-        std::array::from_fn(|i| a.addr((e % 2) as usize, i).load(Ordering::Relaxed))
+        EventRecord::decode(std::array::from_fn(|i| {
+            a.word((e % 2) as usize, i).load(Ordering::Relaxed)
+        }))
     }
 
     fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {

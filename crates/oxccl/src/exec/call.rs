@@ -74,7 +74,7 @@ impl Call<'_> {
             nt_bytes,
         } = self;
         match direct {
-            Some(direct) if algo.is_direct() => {
+            Some(direct) if algo.on_direct_area() => {
                 let mut cx = DirectCtx {
                     direct,
                     rank: id.rank,

@@ -17,7 +17,9 @@ pub(crate) fn default_algo(kind: CollKind) -> Algo {
         CollKind::Broadcast | CollKind::Reduce => Algo::Chain,
         CollKind::AllToAll => Algo::Pairwise,
         CollKind::Barrier => Algo::Dissemination,
-        CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. } => Algo::Direct,
+        CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. } => {
+            Algo::PointToPoint
+        }
     }
 }
 

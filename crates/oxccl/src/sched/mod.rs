@@ -446,8 +446,10 @@ pub enum Algo {
     Pairwise,
     /// Dissemination (barrier).
     Dissemination,
-    /// Direct transfer (send, recv).
-    Direct,
+    /// Point-to-point transfer over the links (send, recv). Named `direct` (`OXCCL_ALGO`,
+    /// perf `-a`, traces): the bytes go straight from sender to receiver, not through the
+    /// direct area ([`on_direct_area`](Self::on_direct_area) is false).
+    PointToPoint,
     /// One-shot through shared slots (one host, small messages; not a schedule).
     OneShot,
     /// Single copy between ranks' buffers with `process_vm_readv`/`writev` (one host; not a
@@ -473,7 +475,7 @@ impl Algo {
         Algo::Chain,
         Algo::Pairwise,
         Algo::Dissemination,
-        Algo::Direct,
+        Algo::PointToPoint,
         Algo::OneShot,
         Algo::Cma,
         Algo::Ordered,
@@ -489,7 +491,7 @@ impl Algo {
             Algo::Chain => "chain",
             Algo::Pairwise => "pairwise",
             Algo::Dissemination => "dissemination",
-            Algo::Direct => "direct",
+            Algo::PointToPoint => "direct",
             Algo::OneShot => "oneshot",
             Algo::Cma => "cma",
             Algo::Ordered => "ordered",
@@ -506,9 +508,9 @@ impl Algo {
         matches!(self, Algo::OneShot | Algo::Cma | Algo::Ordered)
     }
 
-    /// True for the algorithms that work on the direct area of one host
-    /// (`direct::link`) instead of a schedule over links.
-    pub fn is_direct(self) -> bool {
+    /// True for the algorithms that work on the direct area of one host (one-shot slots and
+    /// single-copy, `direct/`) instead of a schedule over links.
+    pub fn on_direct_area(self) -> bool {
         matches!(self, Algo::OneShot | Algo::Cma)
     }
 
@@ -550,14 +552,14 @@ impl Algo {
                         | CollKind::Broadcast
                 )
                 | (
-                    Algo::Direct,
+                    Algo::PointToPoint,
                     CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. }
                 )
         )
     }
 
     /// Builds this algorithm's schedule for `coll`. Panics if it does not
-    /// [`support`](Self::supports) the collective or [`is_direct`](Self::is_direct) (the
+    /// [`support`](Self::supports) the collective or [`on_direct_area`](Self::on_direct_area) (the
     /// tuner never asks for that).
     pub fn schedule(self, coll: &Coll) -> Schedule {
         match (self, coll.kind) {
@@ -574,7 +576,7 @@ impl Algo {
             (Algo::Pairwise, CollKind::AllToAll) => alltoall_pairwise::schedule(coll),
             (Algo::Dissemination, CollKind::Barrier) => barrier_dissemination::schedule(coll),
             (Algo::Ordered, _) if self.supports(coll.kind) => ordered::schedule(coll),
-            (Algo::Direct, _) if self.supports(coll.kind) => sendrecv::schedule(coll),
+            (Algo::PointToPoint, _) if self.supports(coll.kind) => sendrecv::schedule(coll),
             (a, k) => panic!("algorithm {} does not implement {}", a.name(), k.name()),
         }
     }

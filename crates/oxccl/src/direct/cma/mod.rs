@@ -1,0 +1,172 @@
+//! Single-copy collectives for large messages between the ranks of one host: every rank
+//! publishes the addresses of its buffers and moves what it needs straight between its own
+//! memory and its peers' with `process_vm_readv` / `process_vm_writev` (cross-memory attach, as
+//! Open MPI's CMA path), instead of streaming everything through shared-memory rings (two
+//! copies).
+//!
+//! - all_reduce: rank `r` owns block `r`. For each chunk of it, it reads the chunk of every
+//!   rank's input (in rank order, so that every element is combined the same way whoever owns
+//!   it: identical bits on every rank) into cache-resident buffers, folds them, and writes the
+//!   result straight into every rank's output. One pass over memory: per rank `S` read and `S`
+//!   written whatever the rank count (a reduce-scatter followed by an all-gather reads and
+//!   writes the owned blocks twice). Two events.
+//! - reduce_scatter: the same with the result written to the owner's output only.
+//! - reduce: the same with the result written to the root's output only, so every rank
+//!   reduces `1/n` of the data in parallel.
+//! - all_gather, all_to_all: each rank reads its peers' inputs into its output, two events;
+//!   all_gather into outputs that are shared buffers is pushed instead: each rank reads each
+//!   chunk of its input once and writes it into every output.
+//! - broadcast: every rank reads the root's input while the root writes part of each peer's
+//!   output itself: block `p` into peer `p` when it is in place (it has nothing of its own to
+//!   copy), the last `1/(2n)` when it also copies its input to its output. Two events.
+//!
+//! Each collective's part is in a file of its own ([`reductions`], [`all_gather`],
+//! [`all_to_all`], [`broadcast`]); this one sets up the call (the first event, each peer's
+//! buffers, [`PeerBuf`]) and ends it (the last event).
+//!
+//! Only the owner of a block touches that block of any buffer in a call, so a rank's in-place
+//! buffer is read before it is overwritten, by the same rank. The last event of each call tells
+//! every rank that nobody reads or writes its buffers any more, so it may return.
+
+use crate::base::buffers::Buffers;
+use crate::base::error::Result;
+use crate::direct::exec::DirectCtx;
+use crate::direct::hugepages;
+use crate::direct::link::EventRecord;
+use crate::direct::shared_buffer::{region_of, Region};
+use crate::sched::{Coll, CollKind};
+
+mod all_gather;
+mod all_to_all;
+mod broadcast;
+mod peer_buf;
+mod reductions;
+
+use peer_buf::{copy, PeerBuf};
+
+/// Bytes reduced or pushed at a time (the temporary stays in the core's cache).
+const CHUNK: usize = 256 << 10;
+
+/// One single-copy call as its parts see it: the collective, this rank's buffers and every
+/// rank's buffers as this rank reaches them.
+struct Call<'c> {
+    c: &'c Coll,
+    /// Each rank's input (`[0]`) and output (`[1]`), mapped where the rank has them in shared
+    /// buffers.
+    peers: Vec<[PeerBuf; 2]>,
+    /// This rank's input and its length.
+    inp: *const u8,
+    in_len: usize,
+    /// This rank's output and its length.
+    outp: *mut u8,
+    out_len: usize,
+    /// Bytes of one rank's block (`count` elements).
+    bytes: usize,
+    /// Whether results are written with streaming stores.
+    nt: bool,
+}
+
+impl Call<'_> {
+    /// Copies `dst.len()` bytes at `off` of this rank's own input into `dst`.
+    fn read_own(&self, off: usize, dst: &mut [u8]) {
+        debug_assert!(off + dst.len() <= self.in_len, "outside the input");
+        if self.nt {
+            // SAFETY: `off + dst.len() <= in_len` (callers stay within the input), and the
+            // input does not overlap the output, where `dst` lies.
+            copy(true, dst, unsafe {
+                std::slice::from_raw_parts(self.inp.add(off), dst.len())
+            });
+        } else {
+            // SAFETY: `off + dst.len() <= in_len` and `dst` is a separate buffer or the very
+            // same bytes (copy allows overlap).
+            unsafe { std::ptr::copy(self.inp.add(off), dst.as_mut_ptr(), dst.len()) }
+        }
+    }
+}
+
+/// Runs `c` single-copy. `tmp` is reused across calls.
+pub(crate) fn run(
+    cx: &mut DirectCtx<'_>,
+    c: &Coll,
+    bufs: &mut Buffers<'_>,
+    tmp: &mut Vec<u64>,
+) -> Result<()> {
+    let (n, me) = (c.nranks, c.rank);
+    let (inp, in_len) = bufs.input_raw();
+    let (outp, out_len) = bufs.output_raw();
+    // The first event carries the call's header: every rank checks that its peers called the
+    // same collective on the same count before touching their memory. Its data: where this
+    // rank's buffers lie in shared buffers, if they do, for peers to map.
+    let mut regions = [0u64; 8];
+    for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
+        .into_iter()
+        .enumerate()
+    {
+        match region_of(p, l) {
+            Some(r) => regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words()),
+            // Private: the peers' cross-memory copies walk its pages (huge ones, once
+            // registered).
+            None => hugepages::register(p, l),
+        }
+    }
+    let e1 = cx.begin(
+        bytemuck::bytes_of(&regions),
+        EventRecord::buffers(inp, in_len, outp, out_len),
+    )?;
+    // Each peer's input and output, mapped where the peer has them in shared buffers.
+    let mut peers: Vec<[PeerBuf; 2]> = Vec::with_capacity(n);
+    for p in 0..n {
+        let rec = cx.direct.peer_record(p, e1);
+        let bufs = [(rec.input, rec.input_len), (rec.output, rec.output_len)];
+        let mut w = regions;
+        if p != me {
+            bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
+        }
+        peers.push([0, 1].map(|i| {
+            let (addr, len) = bufs[i];
+            let region = Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"));
+            let local = region
+                .filter(|r| p != me && r.covers(addr, len))
+                .and_then(|r| match cx.direct.map_peer(p, &r) {
+                    // SAFETY: `addr - r.base < r.len`, inside the mapping.
+                    Ok(l) => l.map(|l| unsafe { l.add((addr - r.base) as usize) }),
+                    Err(e) => {
+                        tracing::debug!(rank = me, peer = p, "cannot map a shared buffer: {e}");
+                        None
+                    }
+                });
+            PeerBuf {
+                peer: p,
+                addr,
+                local,
+                published: region.is_some(),
+            }
+        }));
+    }
+    // Streaming stores for results too large for the cache; never in place, where a result
+    // overwrites the very lines just read (in the cache: nothing to save).
+    let disjoint =
+        inp as usize + in_len <= outp as usize || outp as usize + out_len <= inp as usize;
+    let call = Call {
+        c,
+        peers,
+        inp,
+        in_len,
+        outp,
+        out_len,
+        bytes: c.count * c.dtype.size(),
+        nt: disjoint && n.saturating_mul(in_len + out_len) >= cx.nt_bytes,
+    };
+    let cx_ = &*cx;
+    match c.kind {
+        CollKind::AllReduce => reductions::all_reduce(cx_, &call, tmp)?,
+        CollKind::ReduceScatter => reductions::reduce_scatter(cx_, &call, tmp)?,
+        CollKind::Reduce => reductions::reduce(cx_, &call, tmp)?,
+        CollKind::AllGather => all_gather::run(cx_, &call)?,
+        CollKind::AllToAll => all_to_all::run(cx_, &call)?,
+        CollKind::Broadcast => broadcast::run(cx_, &call)?,
+        _ => unreachable!("cma::run called for {}", c.kind.name()),
+    }
+    let done = cx.publish(&[], &EventRecord::default());
+    cx.wait_all(done)
+}
