@@ -26,8 +26,8 @@
 //! 8. `observe`: flight recorder, timeline, metrics, status agent.
 //! 9. `direct`: one-shot and single-copy collectives over mapped shared buffers.
 //! 10. `exec`: the executor that runs a schedule over links, and the point-to-point engine.
-//! 11. `comm`: the [`Communicator`] (init, collectives, streams, fault guard, split, grow) and
-//!     the collective [`check`]er.
+//! 11. `comm`: the [`Communicator`] (init, collectives, streams, the supervisor: abort, check,
+//!     shrink; split, grow) and the collective [`check`]er.
 //!
 //! The modules are private; this root re-exports the public API, and [`testing`] (hidden)
 //! the internals that integration tests, benchmarks and fuzz targets drive directly.
