@@ -32,10 +32,10 @@ fi
 echo "== python: fmt, clippy"
 cargo fmt --manifest-path python/Cargo.toml -- --check
 cargo clippy --manifest-path python/Cargo.toml --all-targets -- -D warnings
-echo "== python: venv with torch, numpy, pytest, maturin"
+echo "== python: venv with torch, numpy, pytest, maturin, setuptools (for the C++ torch backend)"
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, maturin" 2>/dev/null; then
-  .venv/bin/pip install -q torch numpy pytest maturin
+if ! .venv/bin/python -c "import torch, numpy, pytest, maturin, setuptools" 2>/dev/null; then
+  .venv/bin/pip install -q torch numpy pytest maturin setuptools
 fi
 echo "== python: build (maturin develop --release)"
 VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" maturin develop --release -q -m python/Cargo.toml
