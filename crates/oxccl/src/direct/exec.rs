@@ -16,16 +16,11 @@ use crate::transport::{Link, LinkError};
 pub(crate) struct DirectCtx<'a> {
     /// The direct area of this rank.
     pub direct: &'a mut dyn Direct,
-    /// This rank.
-    pub rank: usize,
     /// Number of ranks (all on this host).
     pub nranks: usize,
-    /// The call's name, for errors.
-    pub call: &'static str,
-    /// The call's sequence number, for errors.
-    pub seq: u64,
     /// How the call waits: spin, sleep slices, and its deadline, from the first time it
-    /// sleeps (a call done within its spin budget never reads the clock).
+    /// sleeps (a call done within its spin budget never reads the clock). Its
+    /// [`CallId`] (this rank, the call's name and sequence number) names the call in errors.
     pub wait: Waiter,
     /// The call's fingerprint, published with its first event and checked against every
     /// peer's (`None`: unchecked).
@@ -131,7 +126,8 @@ impl DirectCtx<'_> {
         let e = self.direct.publish(data, &record);
         self.wait_all(e)?;
         if let Some(p) = self.print {
-            for peer in (0..self.nranks).filter(|&q| q != self.rank) {
+            let id = self.wait.id();
+            for peer in (0..self.nranks).filter(|&q| q != id.rank) {
                 let b = self.direct.peer_header(peer, e);
                 if p.matches(&b) {
                     continue;
@@ -141,9 +137,9 @@ impl DirectCtx<'_> {
                     Err(msg) => (p.fp.to_string(), format!("an unreadable header ({msg})")),
                 };
                 return Err(Error::Mismatch {
-                    rank: self.rank,
+                    rank: id.rank,
                     peer,
-                    seq: self.seq,
+                    seq: id.seq,
                     mine,
                     theirs,
                 });
@@ -153,7 +149,8 @@ impl DirectCtx<'_> {
     }
 
     fn lost(&self, peer: usize, e: LinkError) -> Error {
-        e.into_error(self.rank, peer, self.call, self.seq)
+        let id = self.wait.id();
+        e.into_error(id.rank, peer, id.call, id.seq)
     }
 
     /// An error for a failed read of a peer's memory.
@@ -170,11 +167,12 @@ impl DirectCtx<'_> {
         if self.direct.check_alive(peer).is_err() {
             return self.lost(peer, LinkError::Io(e));
         }
+        let id = self.wait.id();
         Error::Io {
-            rank: self.rank,
+            rank: id.rank,
             context: format!(
                 "{} (call #{}): {what} rank {peer}'s buffer",
-                self.call, self.seq
+                id.call, id.seq
             ),
             source: e,
         }
@@ -183,7 +181,8 @@ impl DirectCtx<'_> {
     /// Waits until every peer has published event `e`.
     pub(crate) fn wait_all(&mut self, e: u64) -> Result<()> {
         let n = self.nranks;
-        let me = self.rank;
+        let id = self.wait.id();
+        let me = id.rank;
         let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));
         self.wait.rearm();
         loop {
@@ -201,7 +200,7 @@ impl DirectCtx<'_> {
                 // A failure elsewhere (abort, a lost rank, a mismatch) rings this doorbell.
                 let _registered = self.health.map(|h| h.sleeping_on(bell));
                 if let Some(h) = self.health.filter(|h| h.is_failed()) {
-                    return Err(h.error(me, self.call, self.seq));
+                    return Err(h.error(me, id.call, id.seq));
                 }
                 let token = bell.prepare();
                 if pending(&*self.direct).is_none() {
@@ -215,8 +214,8 @@ impl DirectCtx<'_> {
                     // (never expected; the doorbell's protocol is in crate::base::wait).
                     tracing::warn!(
                         rank = me,
-                        call = self.call,
-                        seq = self.seq,
+                        call = id.call,
+                        seq = id.seq,
                         "no ring within the sleep slice although every peer had published: a lost wake-up (or a publish just as the slice ended)"
                     );
                 }
@@ -224,7 +223,6 @@ impl DirectCtx<'_> {
             if pending(&*self.direct).is_none() {
                 continue; // (every peer is there: nothing to check)
             }
-            let id = self.wait.id();
             let (direct, print, links) = (&*self.direct, self.print, self.links.as_deref_mut());
             self.wait.check(
                 || {

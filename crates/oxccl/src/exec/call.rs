@@ -77,10 +77,7 @@ impl Call<'_> {
             Some(direct) if algo.on_direct_area() => {
                 let mut cx = DirectCtx {
                     direct,
-                    rank: id.rank,
                     nranks,
-                    call: id.call,
-                    seq: id.seq,
                     wait: Waiter::new(id, spin, timeout, false),
                     print: Some(print),
                     health: Some(health),
