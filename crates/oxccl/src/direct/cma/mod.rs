@@ -40,6 +40,7 @@ mod all_gather;
 mod all_to_all;
 mod broadcast;
 mod peer_buf;
+mod placement;
 mod reductions;
 
 use peer_buf::{copy, PeerBuf};

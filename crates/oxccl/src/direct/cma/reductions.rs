@@ -7,6 +7,10 @@
 //!   written whatever the rank count);
 //! - reduce_scatter: into the owner's output only;
 //! - reduce: into the root's output only, so every rank reduces `1/n` of the data in parallel.
+//!
+//! The temporaries that the kernel's copies fill or drain start at the page offset of the
+//! peer buffer they copy from or to ([`placement`](super::placement): some relative offsets
+//! make those copies several times slower).
 
 use std::ops::Range;
 
@@ -16,6 +20,7 @@ use crate::base::reduce;
 use crate::direct::exec::DirectCtx;
 use crate::sched::block;
 
+use super::placement::{aligned_to, aligned_to_all, PAGE};
 use super::{copy, Call, CHUNK};
 
 /// all_reduce: this rank's block of the inputs, reduced into the same block of every output.
@@ -62,14 +67,22 @@ fn reduce_block(
 ) -> Result<()> {
     let (c, peers, nt) = (call.c, &call.peers, call.nt);
     let (n, me, es) = (c.nranks, c.rank, c.dtype.size());
-    let words = (3 * CHUNK).div_ceil(8);
+    // Three temporaries, each a chunk plus a page so that it can start at any page offset.
+    let region = CHUNK + PAGE;
+    let words = (3 * region).div_ceil(8);
     if tmp.len() < words {
         tmp.resize(words, 0);
     }
-    let (acc, rest) = bytemuck::cast_slice_mut::<u64, u8>(tmp)[..3 * CHUNK].split_at_mut(CHUNK);
-    let (ta, tb) = rest.split_at_mut(CHUNK);
+    let (ra, rest) = bytemuck::cast_slice_mut::<u64, u8>(tmp)[..3 * region].split_at_mut(region);
+    let (rb, rc) = rest.split_at_mut(region);
     let chunk = CHUNK / es * es;
     let (start, len) = (block.start, block.len());
+    // The outputs that the kernel writes `acc` into (peers' outputs not mapped here).
+    let written: Vec<usize> = dests
+        .clone()
+        .filter(|&p| p != me && peers[p][1].local.is_none())
+        .collect();
+    let mut targets = Vec::with_capacity(written.len());
     let mut off = 0;
     while off < len {
         let k = chunk.min(len - off);
@@ -77,7 +90,14 @@ fn reduce_block(
         // SAFETY: `at_in + k <= in_len`; the input stays valid and, in this phase, only this
         // rank writes this block of it (after the last use of `own`).
         let own = unsafe { std::slice::from_raw_parts(call.inp.add(at_in), k) };
-        let acc = &mut acc[..k];
+        targets.clear();
+        targets.extend(
+            written
+                .iter()
+                .map(|&p| peers[p][1].addr + (at + off) as u64),
+        );
+        let o = aligned_to_all(ra.as_ptr() as usize, &targets);
+        let acc = &mut ra[o..o + k];
         // Rank order: acc = ((x0 ⊕ x1) ⊕ x2) ...
         if n == 1 {
             acc.copy_from_slice(own);
@@ -85,7 +105,7 @@ fn reduce_block(
             let x0: &[u8] = if me == 0 {
                 own
             } else {
-                peers[0][0].view(cx, at_in, k, ta)?
+                peers[0][0].view(cx, at_in, k, placed(rb, peers[0][0].addr, at_in))?
             };
             #[allow(clippy::needless_range_loop)]
             // p is a rank, used for more than indexing
@@ -93,7 +113,7 @@ fn reduce_block(
                 let xp: &[u8] = if p == me {
                     own
                 } else {
-                    peers[p][0].view(cx, at_in, k, tb)?
+                    peers[p][0].view(cx, at_in, k, placed(rc, peers[p][0].addr, at_in))?
                 };
                 if p == 1 {
                     reduce::reduce_into(c.dtype, c.op, acc, x0, xp);
@@ -119,4 +139,11 @@ fn reduce_block(
         off += k;
     }
     Ok(())
+}
+
+/// The part of `region` (a chunk plus a page) that starts at the page offset of the peer
+/// address `addr + off`, for the kernel to read into.
+fn placed(region: &mut [u8], addr: u64, off: usize) -> &mut [u8] {
+    let o = aligned_to(region.as_ptr() as usize, addr + off as u64);
+    &mut region[o..]
 }
