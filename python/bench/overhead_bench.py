@@ -11,6 +11,11 @@ communicator of the first, the plain API. For each size (4 B, 16 KB,
 4 MB of float32) the paths take turns in rounds; every call is timed on its own and rank 0
 prints the median (and 10th/90th percentiles) in microseconds per call.
 
+The Python backend's group has a communicator of its own; the other oxccl columns share the
+C++ backend's. (Each communicator has its own single-copy temporaries: before the library
+placed them by the peer buffer's page offset, that alone made one communicator's 4 MB calls
+3x slower than the other's; see docs/algorithms.md.)
+
 Paths:
   gloo            dist.all_reduce(x, group=gloo)
   oxccl C++       dist.all_reduce(x, group=oxccl)   (the C++ backend: calls up to 1 MiB inline)
