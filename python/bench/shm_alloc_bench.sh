@@ -27,12 +27,12 @@ run() { # ALLOC(0|1) SCRIPT ARGS...: n ranks of a torch script
 for i in $(seq "$rounds"); do
   echo "# round $i/$rounds" >&2
   if [ -x "$mpi" ]; then
-    mpirun --oversubscribe -n "$n" "$mpi" all_reduce 32M 128M | awk '$1 ~ /^[0-9]+$/ {
+    mpirun --oversubscribe -n "$n" "$mpi" all_reduce 33554432 134217728 | awk '$1 ~ /^[0-9]+$/ {
       printf "{\"backend\": \"mpi\", \"alloc\": \"-\", \"bytes\": %d, \"time_us\": %s, \"busbw_gbps\": %s}\n", $1, $2, $4}' >> "$tmp/ar.jsonl"
   fi
   for a in 1 0; do run $a "$here/shm_alloc_worker.py" 32M 128M >> "$tmp/ar.jsonl"; done
   for a in 1 0; do
-    run $a "$here/ddp_bench.py" --steps 5 --warmup 2 | awk -v a=$a '($1 == "oxccl" || $1 == "gloo") && $2 ~ /^[0-9.]+$/ {
+    run $a "$here/ddp_bench.py" --steps 3 --warmup 1 | awk -v a=$a '($1 == "oxccl" || $1 == "gloo") && $2 ~ /^[0-9.]+$/ {
       printf "{\"backend\": \"%s\", \"alloc\": \"%s\", \"step_s\": %s, \"ar_s\": %s}\n", $1, (a ? "on" : "off"), $2, $3}' >> "$tmp/ddp.jsonl"
   done
 done
@@ -44,18 +44,19 @@ def med(key, f):
     v = [r[key] for r in rows if f(r)]
     return (statistics.median(v), min(v), max(v)) if v else (float("nan"),) * 3
 print(f"## all_reduce, {n} ranks, fp32 sum in place, {rounds} rounds: median busbw GB/s (min-max), ratio to Open MPI's median")
-print(f"| {'bytes':>10} | {'what':<28} | {'busbw GB/s':>20} | {'x Open MPI':>10} |")
-print(f"|{'-'*12}|{'-'*30}|{'-'*22}|{'-'*12}|")
+print(f"| {'bytes':>10} | {'what':<38} | {'busbw GB/s':>20} | {'x Open MPI':>10} |")
+print(f"|{'-'*12}|{'-'*40}|{'-'*22}|{'-'*12}|")
 for b in sorted({r["bytes"] for r in rows}):
     m = med("busbw_gbps", lambda r: r["bytes"] == b and r["backend"] == "mpi")[0]
     for label, f in (("torch oxccl, allocator on", lambda r: r["backend"] == "oxccl" and r["alloc"] == "on"),
                      ("torch oxccl, allocator off", lambda r: r["backend"] == "oxccl" and r["alloc"] == "off"),
-                     ("torch gloo", lambda r: r["backend"] == "gloo"),
+                     ("torch gloo, allocator on", lambda r: r["backend"] == "gloo" and r["alloc"] == "on"),
+                     ("torch gloo, allocator off", lambda r: r["backend"] == "gloo" and r["alloc"] == "off"),
                      ("Open MPI (mpi_coll_bench)", lambda r: r["backend"] == "mpi")):
         v, lo, hi = med("busbw_gbps", lambda r: r["bytes"] == b and f(r))
         shm = {r.get("shm") for r in rows if r["bytes"] == b and f(r)} - {None}
         tag = f" (shm={'/'.join(map(str, sorted(shm)))})" if shm else ""
-        print(f"| {b:>10} | {label + tag:<28} | {v:7.2f} ({lo:.2f}-{hi:.2f}) | {v / m:10.2f} |")
+        print(f"| {b:>10} | {label + tag:<38} | {v:7.2f} ({lo:.2f}-{hi:.2f}) | {v / m:10.2f} |")
 ddp = [json.loads(l) for l in open(os.path.join(tmp, "ddp.jsonl"))] if os.path.exists(os.path.join(tmp, "ddp.jsonl")) else []
 if ddp:
     print(f"\n## python/bench/ddp_bench.py (100M parameters, 25 MB buckets), {rounds} rounds: median (min-max) seconds")
