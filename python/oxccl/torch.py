@@ -991,10 +991,44 @@ def _wrap(backend: Optional[BackendOxccl]) -> Any:
     return _CPP.BackendOxcclCpp(backend, backend.comm.c_comm(), _oxccl._C_API, timeout, _wrap)
 
 
+def _shm_allocator_settings() -> Optional[int]:
+    """The threshold of the shared-memory CPU allocator in bytes (``OXCCL_TORCH_SHM_MIN``,
+    default 1 MiB; a number with an optional K/M/G suffix), or None when
+    ``OXCCL_TORCH_ALLOCATOR=0`` turns it off."""
+    on = os.environ.get("OXCCL_TORCH_ALLOCATOR", "1").strip().lower()
+    if on in ("0", "false", "off", "no"):
+        return None
+    if on not in ("1", "true", "on", "yes"):
+        raise InvalidArgumentError(f"OXCCL_TORCH_ALLOCATOR={on!r}: expected 0 or 1")
+    text = os.environ.get("OXCCL_TORCH_SHM_MIN", "1M").strip()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
+    try:
+        return int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise InvalidArgumentError(f"OXCCL_TORCH_SHM_MIN={text!r}: expected bytes, e.g. 1M") from None
+
+
+def _install_shm_allocator() -> None:
+    """Makes large CPU tensors come from oxccl's pool of shared buffers (with the C++ backend,
+    once per process, unless turned off): DDP's buckets and FSDP's flat buffers, made after
+    ``init_process_group``, then take the shared-buffer path."""
+    min_bytes = _shm_allocator_settings()
+    if _CPP is not None and min_bytes is not None:
+        _CPP.install_shm_allocator(_oxccl._C_API, min_bytes)
+
+
+def _shm_allocator_min_bytes() -> Optional[int]:
+    """The threshold of the shared-memory CPU allocator if it serves torch's CPU allocations,
+    else None (a hidden query for tests)."""
+    return None if _CPP is None else _CPP.shm_allocator_min_bytes()
+
+
 def _create(dist_opts: Any, backend_options: Any = None) -> Any:
-    return _wrap(
+    backend = _wrap(
         _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, dist_opts.group_id)
     )
+    _install_shm_allocator()
+    return backend
 
 
 dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])

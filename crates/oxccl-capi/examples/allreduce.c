@@ -1,5 +1,5 @@
 /* Two ranks in two processes (fork): all-reduce, then all-gather queued in a group with a
- * completion callback. Prints "oxccl C example ok" from each rank, or the error. Built and
+ * completion callback, then all-reduce on oxcclMemAlloc'd shared memory. Prints "oxccl C example ok" from each rank, or the error. Built and
  * run by tests/c_example.rs:  cc allreduce.c -I../include -L<dir> -loxccl_capi */
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,6 +51,22 @@ static int run(const oxcclUniqueId* id, int rank) {
     }
   while (called < 0) usleep(100); /* the callback runs just after waiters wake */
   if (!done || called != oxcclSuccess) { fprintf(stderr, "done %d callback %d\n", done, called); return 1; }
+
+  /* buffers in shared memory (oxcclMemAlloc): the same sums; a freed block comes back */
+  size_t count = 1 << 18;
+  float* y = NULL;
+  for (int round = 0; round < 2; round++) {
+    float* prev = y;
+    CHECK(oxcclMemAlloc((void**)&y, count * sizeof(float)));
+    if (round == 1 && y != prev) { fprintf(stderr, "a freed block was not reused\n"); return 1; }
+    for (size_t i = 0; i < count; i++) y[i] = (float)((i % 1000) * (rank + 1) + round);
+    CHECK(oxcclAllReduce(y, y, count, oxcclFloat32, oxcclSum, comm));
+    for (size_t i = 0; i < count; i++)
+      if (y[i] != (float)(3 * (i % 1000) + 2 * round)) { fprintf(stderr, "y[%zu] = %g\n", i, y[i]); return 1; }
+    CHECK(oxcclMemFree(y));
+  }
+  if (oxcclMemFree(y) != oxcclInvalidArgument) { fprintf(stderr, "a double free was accepted\n"); return 1; }
+  CHECK(oxcclMemFree(NULL));
 
   /* a wrong argument is an error code with a text, not a crash */
   if (oxcclAllReduce(x, x, 10, (oxcclDataType_t)99, oxcclSum, comm) != oxcclInvalidArgument) return 1;

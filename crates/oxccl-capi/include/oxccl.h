@@ -104,8 +104,17 @@ oxcclResult_t oxcclWorkOnComplete(const oxcclWork_t work, oxcclWorkCallback cb, 
 /* Frees the handle; the work still runs to its end. */
 oxcclResult_t oxcclWorkFree(oxcclWork_t work);
 
+/* Memory in shared memory, as ncclMemAlloc/ncclMemFree: collectives on it (from any
+ * communicator) reach it on every rank of the host with loads and stores instead of
+ * cross-memory copies. Page-aligned, contents undefined; freed blocks are cached (at most
+ * OXCCL_SHM_POOL_CACHE bytes) and handed out again. oxcclMemFree(NULL) does nothing; any
+ * pointer not from oxcclMemAlloc, or freed already, is oxcclInvalidArgument. After fork() a
+ * block is shared between parent and child (MAP_SHARED). */
+oxcclResult_t oxcclMemAlloc(void** ptr, size_t size);
+oxcclResult_t oxcclMemFree(void* ptr);
+
 /* The function table (the capsule's contents). */
-#define OXCCL_API_VERSION 1
+#define OXCCL_API_VERSION 2
 typedef struct {
   uint32_t version; /* OXCCL_API_VERSION */
   uint32_t size;    /* sizeof(oxcclApi_t) */
@@ -128,6 +137,8 @@ typedef struct {
   oxcclResult_t (*work_test)(const oxcclWork_t, int*);
   oxcclResult_t (*work_on_complete)(const oxcclWork_t, oxcclWorkCallback, void*);
   oxcclResult_t (*work_free)(oxcclWork_t);
+  oxcclResult_t (*mem_alloc)(void**, size_t);  /* since version 2 */
+  oxcclResult_t (*mem_free)(void*);            /* since version 2 */
 } oxcclApi_t;
 
 const oxcclApi_t* oxcclGetApi(void);

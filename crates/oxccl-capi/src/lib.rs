@@ -6,6 +6,7 @@
 //! - [`group`]: `oxcclGroupStart`/`oxcclGroupEnd`, which queue calls as one nonblocking
 //!   [`work::oxcclWork`];
 //! - [`work`]: waiting on, testing, and completion callbacks of queued work;
+//! - [`mem`]: `oxcclMemAlloc`/`oxcclMemFree`, memory in shared memory for collectives;
 //! - [`table`]: every function in one table ([`API`]), which the Python module exports as a
 //!   capsule so that C++ code in the same process (the torch backend) calls the same library
 //!   instance.
@@ -22,6 +23,7 @@
 
 pub mod comm;
 pub mod group;
+pub mod mem;
 pub mod result;
 pub mod table;
 pub mod types;

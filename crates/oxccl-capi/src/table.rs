@@ -7,13 +7,14 @@ use std::ffi::{c_char, c_int, c_void};
 
 use crate::comm::*;
 use crate::group::*;
+use crate::mem::*;
 use crate::result::*;
 use crate::types::{oxcclDataType_t, oxcclRedOp_t};
 use crate::work::*;
 
 /// The table's layout version (`OXCCL_API_VERSION` in `oxccl.h`); raised whenever an entry is
 /// added, removed or changed.
-pub const API_VERSION: u32 = 1;
+pub const API_VERSION: u32 = 2;
 
 type Coll = extern "C" fn(
     *const u8,
@@ -89,6 +90,10 @@ pub struct oxcclApi {
         extern "C" fn(*const oxcclWork, oxcclWorkCallback, *mut c_void) -> oxcclResult_t,
     /// [`oxcclWorkFree`].
     pub work_free: extern "C" fn(*mut oxcclWork) -> oxcclResult_t,
+    /// [`oxcclMemAlloc`] (since version 2).
+    pub mem_alloc: extern "C" fn(*mut *mut c_void, usize) -> oxcclResult_t,
+    /// [`oxcclMemFree`] (since version 2).
+    pub mem_free: extern "C" fn(*mut c_void) -> oxcclResult_t,
 }
 
 /// The table of this library instance.
@@ -114,6 +119,8 @@ pub static API: oxcclApi = oxcclApi {
     work_test: oxcclWorkTest,
     work_on_complete: oxcclWorkOnComplete,
     work_free: oxcclWorkFree,
+    mem_alloc: oxcclMemAlloc,
+    mem_free: oxcclMemFree,
 };
 
 /// `oxcclGetApi`: this library's function table.

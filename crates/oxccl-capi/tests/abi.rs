@@ -213,3 +213,45 @@ fn group_misuse_is_an_error() {
     ok(oxcclGroupEnd(&mut w));
     assert!(w.is_null());
 }
+
+#[test]
+fn all_reduce_on_mem_alloc_buffers_matches_a_reference() {
+    use oxccl_capi::mem::*;
+    two_ranks(|rank, comm| {
+        let n = 100_000usize; // 400 KB: the single-copy path, peers map the block
+                              // Both ranks share this process's pool: a block one frees may go to the other (the
+                              // C example, one process per rank, checks that a freed block comes back).
+        for round in 0..3 {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            ok(oxcclMemAlloc(&mut p, n * 4));
+            assert!(!p.is_null() && p as usize % 4096 == 0);
+            // SAFETY: a fresh block of n f32s, this thread's alone until freed.
+            let x = unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) };
+            let val = |r: usize, i: usize| (i % 97 + r * 1000 + round) as f32;
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = val(rank, i);
+            }
+            ok(oxcclAllReduce(p.cast(), p.cast(), n, FLOAT32, 0, comm));
+            for (i, v) in x.iter().enumerate() {
+                assert_eq!(*v, val(0, i) + val(1, i), "element {i}, round {round}");
+            }
+            ok(oxcclBarrier(comm)); // the peer has read this rank's block before it is freed
+            ok(oxcclMemFree(p));
+        }
+        if rank == 0 {
+            // A pointer not from oxcclMemAlloc (or freed twice, if the peer's is cached).
+            let v = [0u8; 8];
+            assert_eq!(
+                oxcclMemFree(v.as_ptr() as *mut c_void),
+                oxcclInvalidArgument
+            );
+            assert!(
+                last_error().contains("not a live block"),
+                "{}",
+                last_error()
+            );
+            assert_eq!(oxcclMemAlloc(std::ptr::null_mut(), 8), oxcclInvalidArgument);
+            ok(oxcclMemFree(std::ptr::null_mut()));
+        }
+    });
+}

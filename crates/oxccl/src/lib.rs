@@ -62,6 +62,7 @@ pub use comm::check;
 pub use comm::nonblocking::{RawBufs, Work};
 pub use comm::{ByteBufs, Communicator};
 pub use direct::shared_buffer::SharedBuffer;
+pub use direct::shared_pool::{PoolStats, SharedPool};
 pub use exec::p2p::P2pOp;
 pub use half::{bf16, f16};
 pub use observe::status;

@@ -13,6 +13,7 @@
 // the library's stream thread, so a then() callback may itself run collectives.
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/utils/pybind.h>  // tensor and intrusive_ptr casters (not torch/extension.h: compiles in half the time)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -30,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include "oxccl.h"
@@ -729,6 +731,69 @@ class BackendOxcclCpp : public c10d::Backend {
   bool held_ = false;
 };
 
+// ------------------------------------------------------------------------------------------
+// The shared-memory CPU allocator: CPU tensors of at least min_bytes come from the library's
+// pool of shared buffers (oxcclMemAlloc), so that collectives on them (DDP's buckets, FSDP's
+// flat buffers, made after init_process_group) take the shared-buffer path; smaller ones, and
+// any allocation in a forked child, come from the allocator it replaced. Each DataPtr carries
+// the deleter of the allocator that made it. Installed once per process and never removed
+// or destroyed: storages keep a pointer to their allocator.
+// ------------------------------------------------------------------------------------------
+class ShmAllocator final : public c10::Allocator {
+ public:
+  ShmAllocator(c10::Allocator* prev, const oxcclApi_t* api, size_t min_bytes)
+      : prev_(prev), prev_raw_(prev->raw_deleter()), api_(api), min_(min_bytes), pid_(getpid()) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n >= min_ && getpid() == pid_) {
+      void* p = nullptr;
+      if (api_->mem_alloc(&p, n) == oxcclSuccess) {
+        return {p, p, &ShmAllocator::freeShared, c10::Device(c10::DeviceType::CPU)};
+      }
+      // The pool could not allocate (out of memory for memfds): private memory serves.
+    }
+    return prev_->allocate(n);
+  }
+
+  // raw_allocate/raw_deallocate: a pointer of either allocator.
+  c10::DeleterFnPtr raw_deleter() const override { return prev_raw_ ? &ShmAllocator::freeAny : nullptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  size_t minBytes() const { return min_; }
+
+  static ShmAllocator* installed;
+
+ private:
+  static void freeShared(void* p) { installed->api_->mem_free(p); }
+  static void freeAny(void* p) {
+    if (installed->api_->mem_free(p) != oxcclSuccess) installed->prev_raw_(p);
+  }
+
+  c10::Allocator* prev_;
+  c10::DeleterFnPtr prev_raw_;
+  const oxcclApi_t* api_;
+  size_t min_;
+  pid_t pid_;
+};
+
+ShmAllocator* ShmAllocator::installed = nullptr;
+
+// Installs the allocator (once; later calls change nothing) unless another one of a higher
+// priority is set; returns whether it serves torch's CPU allocations.
+bool installShmAllocator(const oxcclApi_t* api, size_t min_bytes) {
+  static std::mutex m;
+  std::lock_guard<std::mutex> lock(m);
+  if (!ShmAllocator::installed) {
+    auto* a = new ShmAllocator(c10::GetCPUAllocator(), api, min_bytes);  // never freed
+    ShmAllocator::installed = a;
+    c10::SetCPUAllocator(a, /*priority=*/0);
+  }
+  return c10::GetCPUAllocator() == ShmAllocator::installed;
+}
+
 }  // namespace oxccl_torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -748,5 +813,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "A C++ backend over `backend` (a BackendOxccl) and its communicator's C handle `comm`, "
            "which it owns; `wrap(child)` wraps the Python backend of a split group.")
       .def_property_readonly("python_backend", &BackendOxcclCpp::python);
+  m.def(
+      "install_shm_allocator",
+      [](py::capsule api, size_t min_bytes) {
+        TORCH_CHECK(std::string(api.name()) == "oxccl._C_API", "oxccl: not the oxccl._C_API capsule");
+        auto* table = static_cast<const oxcclApi_t*>(api.get_pointer());
+        TORCH_CHECK(table->version == OXCCL_API_VERSION, "oxccl: the C++ torch backend was built for another oxccl: rebuild it");
+        return oxccl_torch::installShmAllocator(table, min_bytes);
+      },
+      py::arg("api"), py::arg("min_bytes"),
+      "Makes CPU tensors of at least min_bytes come from oxccl's pool of shared buffers (once per "
+      "process); returns whether it is torch's CPU allocator now.");
+  m.def(
+      "shm_allocator_min_bytes",
+      []() -> py::object {
+        auto* a = oxccl_torch::ShmAllocator::installed;
+        if (!a || c10::GetCPUAllocator() != a) return py::none();
+        return py::int_(a->minBytes());
+      },
+      "The threshold of the installed shared-memory allocator, or None if it does not serve.");
   m.attr("API_VERSION") = OXCCL_API_VERSION;
 }

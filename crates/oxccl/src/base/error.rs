@@ -114,6 +114,13 @@ pub enum Error {
         /// What went wrong and what to do about it.
         msg: String,
     },
+    /// The process's pool of shared buffers (`SharedPool`, `oxcclMemAlloc`) could not
+    /// allocate, or was handed a pointer it does not own.
+    #[error("shared-memory pool: {msg}")]
+    SharedPool {
+        /// What went wrong.
+        msg: String,
+    },
     /// Ranks called different collectives, or the same one with different arguments.
     #[error(
         "rank {rank}: call #{seq} mismatch: this rank called {mine}, rank {peer} called {theirs}"

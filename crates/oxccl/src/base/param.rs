@@ -196,6 +196,16 @@ pub(crate) fn hugepages_allowed() -> bool {
     })
 }
 
+/// `OXCCL_SHM_POOL_CACHE`: how many bytes of freed blocks the process's pool of shared
+/// buffers (`direct::shared_pool`, `oxcclMemAlloc`, the torch allocator) keeps for reuse;
+/// default 1 GiB (so is an unreadable value). Read once per process.
+pub(crate) fn shm_pool_cache_bytes() -> usize {
+    std::env::var("OXCCL_SHM_POOL_CACHE")
+        .ok()
+        .and_then(|v| parse_bytes(v.trim()).ok())
+        .unwrap_or(1 << 30)
+}
+
 /// The size of the largest data cache of CPU 0 (sysfs), in bytes; read once per process
 /// (every `Config::default()` asks).
 fn last_level_cache() -> Option<usize> {

@@ -2,7 +2,8 @@
 //! rank publishes events in a small area its peers map ([`link`]: the interface, [`shm`]: over
 //! shared memory), through which run one-shot collectives (data in the slots, [`oneshot`]) and
 //! single-copy ones (straight between ranks' buffers, [`cma`]: `process_vm_readv`/`writev`, or
-//! loads and stores into peers' mapped [`shared_buffer`]s); [`exec`] publishes and waits.
+//! loads and stores into peers' mapped [`shared_buffer`]s, which [`shared_pool`] caches for
+//! allocations without a communicator); [`exec`] publishes and waits.
 
 pub(crate) mod cma;
 pub(crate) mod exec;
@@ -10,4 +11,5 @@ pub(crate) mod hugepages;
 pub mod link;
 pub(crate) mod oneshot;
 pub mod shared_buffer;
+pub(crate) mod shared_pool;
 pub(crate) mod shm;

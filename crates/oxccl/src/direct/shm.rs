@@ -3,7 +3,8 @@
 //! every other rank of the host; peers' buffers are read and written with `process_vm_readv` /
 //! `process_vm_writev` (single copy, as Open MPI's CMA path) where the kernel allows it, and
 //! peers' shared buffers ([`crate::direct::shared_buffer`]) are mapped here once (`pidfd_getfd` of
-//! their memfd, at most [`PEER_MAPPINGS`] per peer) and reached with loads and stores.
+//! their memfd, at most [`PEER_MAPPINGS`] and [`PEER_MAPPED_BYTES`] per peer) and reached with
+//! loads and stores.
 //!
 //! Layout: header (magic `"OXCCLDIR"`, version, owner pid and rank, slot size) at 0, the
 //! owner's [`Doorbell`] at 128, the closed flag at 320, the event records of the two parities
@@ -31,7 +32,7 @@ use crate::base::error::Result;
 use crate::base::wait::Doorbell;
 use crate::bootstrap::Exchange;
 use crate::direct::link::{Direct, EventRecord};
-use crate::direct::shared_buffer::{PeerMapping, Region, PEER_MAPPINGS};
+use crate::direct::shared_buffer::{PeerMapping, Region, PEER_MAPPED_BYTES, PEER_MAPPINGS};
 use crate::fault::fingerprint::HEADER_BYTES;
 use crate::transport::shm::handoff;
 use crate::transport::shm::segment::{io_msg, map};
@@ -481,15 +482,19 @@ impl Direct for ShmDirect {
             )?);
         }
         let m = PeerMapping::map(pidfd.as_ref().expect("opened above"), region, now)?;
-        if maps.len() >= PEER_MAPPINGS {
-            // The least recently used: not one of this event's (those carry `now`, and a call
-            // maps at most two buffers per peer).
-            let (i, _) = maps
+        let mut bytes: usize = maps.iter().map(|m| m.len).sum::<usize>() + m.len;
+        while maps.len() >= PEER_MAPPINGS || bytes > PEER_MAPPED_BYTES {
+            // The least recently used, but not one of this event's (those carry `now`, and a
+            // call maps at most two buffers per peer).
+            let Some((i, _)) = maps
                 .iter()
                 .enumerate()
+                .filter(|(_, m)| m.used < now)
                 .min_by_key(|(_, m)| m.used)
-                .expect("not empty");
-            maps.swap_remove(i);
+            else {
+                break;
+            };
+            bytes -= maps.swap_remove(i).len;
         }
         let local = m.local;
         maps.push(m);
