@@ -16,7 +16,8 @@
 #   scripts/cluster.sh cpu [SIZE]      CPU-seconds per GB all-reduced, oxccl and gloo side by
 #                                      side in one run, at 2.5 and 10 Gbit/s (OXCCL_CPU_RATES),
 #                                      on 2x1, 2x2 and 4x1 (OXCCL_CPU_SHAPES), in-place float
-#                                      sum of SIZE bytes (default 64 MiB)
+#                                      sum of SIZE bytes (default 64 MiB), and the system
+#                                      (kernel) share of each library's CPU
 #   scripts/cluster.sh iperf           iperf3 between two hosts (the link's TCP ceiling)
 #   scripts/cluster.sh perf H L ARGS   one checked `oxccl perf ARGS` on H hosts x L ranks
 #   scripts/cluster.sh cut H L         only the link-cut check
@@ -282,7 +283,7 @@ t_cut() {
 }
 
 # cpu_oxccl NAME HOSTS PER SIZE ITERS: one unchecked in-place row; prints "time_us cpu_us algbw
-# busbw algo runq_wait_us" (-1: not measured).
+# busbw algo runq_wait_us sys_us" (-1: not measured).
 cpu_oxccl() {
   local name=$1 hosts=$2 per=$3 size=$4 iters=$5
   EXTRA_ENV=()
@@ -295,10 +296,10 @@ for l in open(sys.argv[1]):
     r = json.loads(l)
     if r["in_place"]:
         print(r["time_us"], r["cpu_us"], r["algbw_gbps"], r["busbw_gbps"], r["algo"],
-              r.get("runq_wait_us", -1))' "$LOGS/$name.json"
+              r.get("runq_wait_us", -1), r.get("sys_us", -1))' "$LOGS/$name.json"
 }
 
-# cpu_gloo NAME HOSTS PER SIZE ITERS: prints "time_us cpu_us" (scripts/gloo_cpu_bench.py).
+# cpu_gloo NAME HOSTS PER SIZE ITERS: prints "time_us cpu_us sys_us" (scripts/gloo_cpu_bench.py).
 cpu_gloo() {
   local name=$1 hosts=$2 per=$3 size=$4 iters=$5 world=$(($2 * $3)) r
   LOGDIR="$LOGS/$name"
@@ -313,7 +314,7 @@ cpu_gloo() {
     PIDS+=($!)
   done
   wait_ok
-  awk '$1 == "gloo" { print $3, $4 }' "$LOGDIR/rank0.log"
+  awk '$1 == "gloo" { print $3, $4, $5 }' "$LOGDIR/rank0.log"
 }
 
 # cpu [SIZE]: CPU-seconds (user + system of all ranks) per GB all-reduced (SIZE bytes per
@@ -328,8 +329,8 @@ t_cpu() {
   local size=${1:-67108864} iters=${OXCCL_CPU_ITERS:-10} rate shape hosts per
   GLOO_PY=${GLOO_PY:-$HOME/.cache/oxccl-anchors/venv/bin/python}
   [ -x "$GLOO_PY" ] || die "GLOO_PY=$GLOO_PY: not found (a python with torch)"
-  printf '#%7s %5s %6s %10s %10s %7s %10s %10s %7s %9s %8s\n' rate shape algo "ox us" "ox cpu-s/GB" "ox link%" \
-    "gloo us" "gloo cpu-s/GB" "gloo %" "cpu ox/gl" "ox wait%"
+  printf '#%7s %5s %6s %10s %10s %7s %10s %10s %7s %9s %8s %7s %7s\n' rate shape algo "ox us" "ox cpu-s/GB" "ox link%" \
+    "gloo us" "gloo cpu-s/GB" "gloo %" "cpu ox/gl" "ox wait%" "ox sys%" "gl sys%"
   for rate in ${OXCCL_CPU_RATES:-2500mbit 10gbit}; do
     RATE=$rate
     local gbps=${rate%mbit}
@@ -346,9 +347,11 @@ t_cpu() {
 import sys
 rate, shape, size, gbps, ox, gl = sys.argv[1:]
 size, line = int(size), float(gbps) / 8
-ot, oc, alg, bus, algo, wait = ox.split()
-gt, gc = map(float, gl.split())
-ot, oc, alg, bus, wait = map(float, (ot, oc, alg, bus, wait))
+ot, oc, alg, bus, algo, wait, osys = ox.split()
+gt, gc, gsys = map(float, gl.split())
+ot, oc, alg, bus, wait, osys = map(float, (ot, oc, alg, bus, wait, osys))
+# The kernel's (system) share of each library's CPU time.
+sys_share = lambda s, c: f"{s / c * 100:.0f}%" if s >= 0 and c > 0 else "-"
 world = eval(shape.replace("x", "*"))
 # Share of the ranks' time spent runnable but waiting for a CPU (a shared machine).
 waits = f"{wait / (ot * world) * 100:.0f}%" if wait >= 0 else "-"
@@ -358,7 +361,8 @@ bound = 2 * (hosts - 1) / hosts
 link = lambda algbw: algbw * bound / line * 100
 per_gb = lambda cpu_us: cpu_us * 1e-6 / (size / 1e9)
 print(f" {rate:>7} {shape:>5} {algo:>6} {ot:>10.0f} {per_gb(oc):>10.3f} {link(alg):>7.0f}% "
-      f"{gt:>10.0f} {per_gb(gc):>10.3f} {link(size / gt / 1e3):>6.0f}% {oc / gc:>9.2f} {waits:>8}",
+      f"{gt:>10.0f} {per_gb(gc):>10.3f} {link(size / gt / 1e3):>6.0f}% {oc / gc:>9.2f} {waits:>8} "
+      f"{sys_share(osys, oc):>7} {sys_share(gsys, gc):>7}",
       flush=True)
 PY
     done

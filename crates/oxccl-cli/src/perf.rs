@@ -270,6 +270,8 @@ struct Row<'a> {
     in_place: bool,
     time_us: f64,
     cpu_us: f64,
+    /// The part of `cpu_us` spent in the kernel (system time), summed over ranks.
+    sys_us: f64,
     /// Time the ranks' threads waited for a CPU per call, summed over ranks (absent where
     /// the kernel keeps no scheduler statistics).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -289,6 +291,7 @@ const MAX_ITERS: usize = 100_000;
 struct Measured {
     time_us: f64,
     cpu_us: f64,
+    sys_us: f64,
     runq_wait_us: Option<f64>,
     wrong: Option<u64>,
     algo: &'static str,
@@ -323,6 +326,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     Ok(Measured {
         time_us: t.secs * 1e6,
         cpu_us: t.cpu * 1e6,
+        sys_us: t.sys * 1e6,
         runq_wait_us: t.runq_wait.map(|w| w * 1e6),
         wrong,
         algo: t.algo,
@@ -350,6 +354,8 @@ struct Timed {
     algo: &'static str,
     /// CPU time, summed over ranks.
     cpu: f64,
+    /// The part of `cpu` spent in the kernel, summed over ranks.
+    sys: f64,
     /// Time the ranks' threads waited for a CPU ([`runq`]), summed over ranks; `None` where
     /// any rank cannot read it.
     runq_wait: Option<f64>,
@@ -359,6 +365,17 @@ struct Timed {
 fn cpu_now() -> f64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// This process's system (kernel) CPU seconds so far, all threads; NaN if unreadable.
+fn sys_now() -> f64 {
+    // SAFETY: `rusage` is plain old data, valid when zeroed.
+    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a `rusage`, which getrusage fills.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut r) } != 0 {
+        return f64::NAN;
+    }
+    r.ru_stime.tv_sec as f64 + r.ru_stime.tv_usec as f64 * 1e-6
 }
 
 /// [`time_calls`], and the CPU seconds one call costs and the seconds its ranks waited for a
@@ -396,7 +413,7 @@ fn time_calls_cpu(
         }
     };
     comm.barrier()?;
-    let (t, cpu0, wait0) = (Instant::now(), cpu_now(), runq::wait_secs());
+    let (t, cpu0, sys0, wait0) = (Instant::now(), cpu_now(), sys_now(), runq::wait_secs());
     for _ in 0..iters {
         case.call(comm, send, recv)?;
     }
@@ -407,7 +424,7 @@ fn time_calls_cpu(
         (Some(w0), Some(w1)) => per_call(w1 - w0),
         _ => f64::NAN,
     };
-    let mut sums = [per_call(cpu_now() - cpu0), wait];
+    let mut sums = [per_call(cpu_now() - cpu0), wait, per_call(sys_now() - sys0)];
     // Before the reductions below, which run an algorithm of their own.
     let algo = comm.last_algo();
     comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
@@ -416,6 +433,7 @@ fn time_calls_cpu(
         secs: secs[0],
         algo,
         cpu: sums[0],
+        sys: sums[2],
         runq_wait: (!sums[1].is_nan()).then_some(sums[1]),
     })
 }
@@ -562,6 +580,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
                             in_place,
                             time_us: m.time_us,
                             cpu_us: m.cpu_us,
+                            sys_us: m.sys_us,
                             runq_wait_us: m.runq_wait_us,
                             algbw_gbps: algbw,
                             busbw_gbps: busbw,

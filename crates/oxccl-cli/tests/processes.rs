@@ -373,6 +373,7 @@ fn perf_prints_rows_and_json() {
                 "in_place",
                 "time_us",
                 "cpu_us",
+                "sys_us",
                 "algbw_gbps",
                 "busbw_gbps",
                 "wrong",
@@ -382,6 +383,9 @@ fn perf_prints_rows_and_json() {
             assert_eq!(r["wrong"], 0, "{r}");
             // Every call costs some CPU time: a zero means the column is not measured.
             assert!(r["cpu_us"].as_f64().is_some_and(|c| c > 0.0), "{r}");
+            // The kernel's part of it: within the CPU time (read a few µs apart from it).
+            let (cpu, sys) = (r["cpu_us"].as_f64().unwrap(), r["sys_us"].as_f64());
+            assert!(sys.is_some_and(|s| s >= 0.0 && s <= cpu + 100.0), "{r}");
             // Waiting for a CPU: where the kernel keeps scheduler statistics (Linux with
             // /proc/self/task/*/schedstat), never negative.
             if std::path::Path::new("/proc/self/schedstat").exists() {
