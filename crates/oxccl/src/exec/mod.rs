@@ -144,6 +144,9 @@ pub(crate) fn execute(
             stage,
         ),
     };
+    if ctx.single_copy {
+        single_copy::register(ctx.links, &mem);
+    }
     let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
     let id = CallId {
         rank: ctx.rank,

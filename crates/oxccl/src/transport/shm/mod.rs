@@ -639,4 +639,92 @@ mod tests {
             }
         }
     }
+
+    /// A large message lent over a link: the receiver copies it out of the sender's memory in
+    /// pieces, the sender's loan completes only after the last piece, the next bytes on the
+    /// link are the sender's next message, and a receiver expecting another length gets a
+    /// protocol error. With `cma` off no link lends.
+    #[test]
+    fn lent_messages_are_copied_out_of_the_senders_memory() {
+        for cma in [true, false] {
+            let mut tag_bytes = [0u8; 8];
+            getrandom::fill(&mut tag_bytes).unwrap();
+            let tag = u64::from_le_bytes(tag_bytes);
+            let pid = std::process::id();
+            let len = lend::LEND_MIN + 12_345;
+            let cfg = Config {
+                cma,
+                ..Config::default()
+            };
+            let ts: Vec<_> = LocalExchange::group(2)
+                .into_iter()
+                .map(|mut ex| {
+                    let cfg = cfg.clone();
+                    std::thread::spawn(move || {
+                        let rank = ex.rank();
+                        let mut links = connect(&mut ex, &[(1 - rank, pid)], tag, &cfg).unwrap();
+                        let link = &mut links[0].1;
+                        let single = [true, false].map(|send| link.single_copy(send, len));
+                        assert_eq!(single, [cma, cma]);
+                        assert!(!link.single_copy(true, lend::LEND_MIN - 1));
+                        if !cma {
+                            return;
+                        }
+                        if rank == 0 {
+                            let msg: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                            while !link.try_lend(&msg).unwrap() {
+                                std::thread::yield_now();
+                            }
+                            // The receiver has finished with `msg`: it may change now.
+                            ex.barrier().unwrap();
+                            let mut sent = 0;
+                            while sent < 8 {
+                                sent += link.try_send(&[7u8; 8][sent..]).unwrap();
+                            }
+                            // Read as the wrong length: the receiver fails and closes.
+                            while let Ok(done) = link.try_lend(&msg[..lend::LEND_MIN]) {
+                                assert!(!done, "a refused loan completed");
+                                std::thread::yield_now();
+                            }
+                        } else {
+                            let mut got = vec![0u8; len];
+                            let mut off = 0;
+                            for piece in [100_000, 100_000, len - 200_000] {
+                                while !link
+                                    .try_copy_lent(len, off, &mut got[off..off + piece])
+                                    .unwrap()
+                                {
+                                    std::thread::yield_now();
+                                }
+                                off += piece;
+                            }
+                            let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                            assert!(got == want, "lent bytes differ");
+                            ex.barrier().unwrap();
+                            let mut next = [0u8; 8];
+                            let mut k = 0;
+                            while k < 8 {
+                                k += link.try_recv_into(&mut next[k..]).unwrap();
+                            }
+                            assert_eq!(next, [7u8; 8]);
+                            let err = loop {
+                                match link.try_copy_lent(len, 0, &mut got[..10]) {
+                                    Ok(false) => std::thread::yield_now(),
+                                    r => break r.unwrap_err(),
+                                }
+                            };
+                            assert!(
+                                matches!(&err, LinkError::Protocol(m) if m.contains(&format!("lent message of {len} bytes"))),
+                                "{err}"
+                            );
+                            drop(links);
+                        }
+                    })
+                })
+                .collect();
+            for t in ts {
+                t.join().unwrap();
+            }
+        }
+    }
 }
