@@ -67,6 +67,9 @@ pub(crate) fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
     run_schedules(&scheds, colls, bufs)
 }
 
+/// A message in flight: its number and bytes.
+type Msg = (u64, Vec<u8>);
+
 /// Runs `scheds[r]` for every rank `r` (calls `colls`, buffers `bufs`). Panics on deadlock.
 fn run_schedules(scheds: &[Schedule], colls: &[Coll], bufs: &mut [Bufs]) {
     let n = colls.len();
@@ -75,7 +78,7 @@ fn run_schedules(scheds: &[Schedule], colls: &[Coll], bufs: &mut [Bufs]) {
         bufs[r].scratch = vec![0; s.scratch_bytes];
     }
     // Messages in flight, each with its number; the numbers of those taken.
-    let mut queues: HashMap<(usize, usize), VecDeque<(u64, Vec<u8>)>> = HashMap::new();
+    let mut queues: HashMap<(usize, usize), VecDeque<Msg>> = HashMap::new();
     let mut taken: HashSet<u64> = HashSet::new();
     let mut sent = 0u64;
     let mut pc = vec![0usize; n];
