@@ -72,7 +72,8 @@ pub struct Config {
     /// `OXCCL_CMA_MIN`: inputs from this many bytes on are copied straight from peers' buffers
     /// (`process_vm_readv`) when every rank shares a host. Default 64 KiB.
     pub cma_min: usize,
-    /// `OXCCL_CMA=0` forbids reading peers' memory (`process_vm_readv`); default allowed.
+    /// `OXCCL_CMA=0` forbids reading peers' memory (`process_vm_readv`: the single-copy
+    /// algorithms, and single-copy shared-memory transfers in schedules); default allowed.
     pub cma: bool,
     /// `OXCCL_NT_BYTES`: the single-copy algorithms write out-of-place results with streaming
     /// (non-temporal) stores when the call's footprint on the host (ranks × (input + output))

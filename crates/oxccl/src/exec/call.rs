@@ -108,6 +108,8 @@ impl Call<'_> {
                     timeout,
                     call: id.call,
                     seq: id.seq,
+                    // Point-to-point peers may run the p2p engine, which copies through links.
+                    single_copy: algo != Algo::PointToPoint,
                     guard: FaultHooks {
                         print: Some(print),
                         health: Some(health),

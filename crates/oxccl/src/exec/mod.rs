@@ -10,6 +10,7 @@
 
 mod call;
 pub(crate) mod p2p;
+mod single_copy;
 
 pub(crate) use call::Call;
 
@@ -49,6 +50,9 @@ pub(crate) struct Ctx<'a> {
     pub call: &'static str,
     /// The call's sequence number, for errors.
     pub seq: u64,
+    /// Whether large transfers may go single-copy where a link offers it
+    /// ([`Link::single_copy`]): for collectives, whose peers run schedules too.
+    pub single_copy: bool,
     /// Failure handling: fingerprints, health, step timing (all off by default).
     pub guard: FaultHooks<'a>,
 }
@@ -79,6 +83,8 @@ struct XState {
     carry_len: usize,
     /// The call header still to send or receive before the data.
     hdr: HeaderState,
+    /// Whether the data goes single-copy ([`single_copy`]).
+    single: bool,
 }
 
 /// Resolved memory of a schedule's buffers.
@@ -86,6 +92,8 @@ struct Mem {
     input: (*mut u8, usize),
     output: (*mut u8, usize),
     scratch: (*mut u8, usize),
+    /// The staging chunk of single-copy reductions (not a schedule buffer).
+    stage: (*mut u8, usize),
 }
 
 impl Mem {
@@ -111,7 +119,13 @@ pub(crate) fn execute(
     bufs: &mut Buffers<'_>,
     scratch: &mut Vec<u64>,
 ) -> Result<()> {
-    let words = sched.scratch_bytes.div_ceil(8);
+    // Past the schedule's scratch: the staging chunk of single-copy reductions.
+    let stage = if ctx.single_copy {
+        single_copy::CHUNK
+    } else {
+        0
+    };
+    let words = (sched.scratch_bytes + stage).div_ceil(8);
     if scratch.len() < words {
         *scratch = Vec::with_capacity(words);
         crate::direct::hugepages::advise_fresh(scratch.as_ptr().cast(), words * 8);
@@ -124,7 +138,15 @@ pub(crate) fn execute(
         },
         output: bufs.output_raw(),
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
+        // SAFETY: `scratch` holds at least `scratch_bytes + stage` bytes (grown above).
+        stage: (
+            unsafe { (scratch.as_mut_ptr() as *mut u8).add(sched.scratch_bytes) },
+            stage,
+        ),
     };
+    if ctx.single_copy {
+        single_copy::register(ctx.links, &mem);
+    }
     let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
     let id = CallId {
         rank: ctx.rank,
@@ -228,6 +250,16 @@ impl Runner<'_, '_, '_> {
             self.local(l)?;
         }
         let mut st = vec![XState::default(); step.xfers.len()];
+        if self.ctx.single_copy {
+            for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
+                s.single = self
+                    .ctx
+                    .links
+                    .get(x.peer())
+                    .and_then(|l| l.as_ref())
+                    .is_some_and(|l| l.single_copy(matches!(x, Xfer::Send { .. }), x.len()));
+            }
+        }
         if let Some(p) = self.ctx.guard.print {
             for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
                 s.hdr = self
@@ -309,6 +341,7 @@ impl Runner<'_, '_, '_> {
                 return Err(self.internal(format!("no link to rank {peer}")));
             }
             match *x {
+                _ if s.single => progressed |= self.progress_single(x, s)?,
                 Xfer::Send { src, .. } => {
                     let p = self.mem.ptr(src).map_err(|m| self.internal(m))?;
                     // SAFETY: in bounds (checked by `ptr`); the schedule's validation ensures
@@ -358,23 +391,10 @@ impl Runner<'_, '_, '_> {
                             Some(self.mem.ptr(with).map_err(|m| self.internal(m))?)
                         }
                     };
-                    let apply = |off: usize, bytes: &[u8]| {
-                        // SAFETY: `off + bytes.len() <= len` (the consumer never takes more
-                        // than the transfer's remaining length), and the destination range is
-                        // in bounds and written by nobody else in this step (validated).
-                        let out =
-                            unsafe { std::slice::from_raw_parts_mut(d.add(off), bytes.len()) };
-                        match with {
-                            None => out.copy_from_slice(bytes),
-                            Some(w) if w == d => reduce::reduce_inplace(dtype, op, out, bytes),
-                            Some(w) => {
-                                // SAFETY: the operand has the destination's length (validated)
-                                // and is only read in this step.
-                                let a =
-                                    unsafe { std::slice::from_raw_parts(w.add(off), bytes.len()) };
-                                reduce::reduce_into(dtype, op, out, a, bytes)
-                            }
-                        }
+                    // SAFETY: `off + bytes.len() <= len` (the consumer never takes more than the
+                    // transfer's remaining length).
+                    let apply = |off: usize, bytes: &[u8]| unsafe {
+                        apply_recv(dtype, op, d, with, off, bytes)
                     };
                     let print = self.ctx.guard.print;
                     let mut fault = None;
@@ -528,6 +548,34 @@ impl Runner<'_, '_, '_> {
             }
             Ok(())
         })
+    }
+}
+
+/// Stores `bytes` (whole elements) at `off` of a receive's destination `d`, or reduces them
+/// there with the operand `with` (which may be `d` itself).
+///
+/// # Safety
+/// `d` (and `with`) point to in-bounds destination (operand) ranges of at least
+/// `off + bytes.len()` bytes; nothing else in the step writes the destination, and the
+/// operand has the destination's length and is only read (the schedule's validation).
+unsafe fn apply_recv(
+    dtype: DataType,
+    op: ReduceOp,
+    d: *mut u8,
+    with: Option<*mut u8>,
+    off: usize,
+    bytes: &[u8],
+) {
+    // SAFETY: the caller's contract.
+    let out = unsafe { std::slice::from_raw_parts_mut(d.add(off), bytes.len()) };
+    match with {
+        None => out.copy_from_slice(bytes),
+        Some(w) if w == d => reduce::reduce_inplace(dtype, op, out, bytes),
+        Some(w) => {
+            // SAFETY: the caller's contract.
+            let a = unsafe { std::slice::from_raw_parts(w.add(off), bytes.len()) };
+            reduce::reduce_into(dtype, op, out, a, bytes)
+        }
     }
 }
 

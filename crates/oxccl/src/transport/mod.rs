@@ -141,6 +141,38 @@ pub trait Link: Send {
         })
     }
 
+    /// Whether a transfer of `len` bytes goes single-copy (`send`: from this rank): the
+    /// sender lends its memory ([`try_lend`](Self::try_lend)) and the receiver copies out of
+    /// it ([`try_copy_lent`](Self::try_copy_lent)) instead of both copying through the link.
+    /// Both ends of a link answer alike for a transfer. The default: never.
+    fn single_copy(&self, _send: bool, _len: usize) -> bool {
+        false
+    }
+
+    /// Lends `src` to the peer (the first call announces it); true once the peer has copied
+    /// all of it. `src` must not change until then. Only where [`single_copy`](Self::single_copy).
+    fn try_lend(&mut self, _src: &[u8]) -> Result<bool, LinkError> {
+        Err(LinkError::Protocol(format!(
+            "{} links cannot lend memory",
+            self.kind()
+        )))
+    }
+
+    /// Copies `dst.len()` bytes at `off` of the message of `len` bytes the peer lends; false
+    /// while its loan has not arrived. The copy that reaches `len` ends the loan. Only where
+    /// [`single_copy`](Self::single_copy).
+    fn try_copy_lent(
+        &mut self,
+        _len: usize,
+        _off: usize,
+        _dst: &mut [u8],
+    ) -> Result<bool, LinkError> {
+        Err(LinkError::Protocol(format!(
+            "{} links cannot borrow memory",
+            self.kind()
+        )))
+    }
+
     /// What to sleep on until [`try_send`](Self::try_send) may accept more bytes.
     fn send_wait(&self) -> WaitSource<'_>;
 

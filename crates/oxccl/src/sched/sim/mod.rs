@@ -1,11 +1,16 @@
-//! A deterministic, single-threaded simulator that runs every rank's schedule over unbounded
-//! in-memory queues, whole messages at a time. It checks what each algorithm computes, with no
+//! A deterministic, single-threaded simulator that runs every rank's schedule over in-memory
+//! queues, whole messages at a time. It checks what each algorithm computes, with no
 //! transport and no threads (the executor's streaming and flow control are tested with the
 //! in-memory transport instead).
+//!
+//! A send completes only once the receiver has taken its message (a rendezvous, no
+//! buffering): what the executor does for single-copy transfers, which lend the sender's
+//! memory (`exec/single_copy.rs`), and the worst case of rings smaller than the messages. An
+//! algorithm that relied on buffering would deadlock here.
 
 mod hosts;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::base::dtype::DataType;
 use crate::base::op::ReduceOp;
@@ -58,15 +63,28 @@ fn local(b: &mut Bufs, l: &Local, dtype: DataType, op: ReduceOp, n: usize) {
 
 /// Runs the schedules of every rank (`colls[r]`, `bufs[r]`) to completion. Panics on deadlock.
 pub(crate) fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
-    let n = colls.len();
     let scheds: Vec<Schedule> = colls.iter().map(|c| algo.schedule(c)).collect();
+    run_schedules(&scheds, colls, bufs)
+}
+
+/// A message in flight: its number and bytes.
+type Msg = (u64, Vec<u8>);
+
+/// Runs `scheds[r]` for every rank `r` (calls `colls`, buffers `bufs`). Panics on deadlock.
+fn run_schedules(scheds: &[Schedule], colls: &[Coll], bufs: &mut [Bufs]) {
+    let n = colls.len();
     for (r, s) in scheds.iter().enumerate() {
         s.validate(r).unwrap();
         bufs[r].scratch = vec![0; s.scratch_bytes];
     }
-    let mut queues: HashMap<(usize, usize), VecDeque<Vec<u8>>> = HashMap::new();
+    // Messages in flight, each with its number; the numbers of those taken.
+    let mut queues: HashMap<(usize, usize), VecDeque<Msg>> = HashMap::new();
+    let mut taken: HashSet<u64> = HashSet::new();
+    let mut sent = 0u64;
     let mut pc = vec![0usize; n];
     let mut done: Vec<Vec<bool>> = vec![Vec::new(); n];
+    // The number of each send's message once posted.
+    let mut posted: Vec<Vec<Option<u64>>> = vec![Vec::new(); n];
     loop {
         let mut progress = false;
         for r in 0..n {
@@ -79,6 +97,7 @@ pub(crate) fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
                     local(&mut bufs[r], l, dtype, op, n);
                 }
                 done[r] = vec![false; step.xfers.len()];
+                posted[r] = vec![None; step.xfers.len()];
                 progress = true;
             }
             for (i, x) in step.xfers.iter().enumerate() {
@@ -86,18 +105,28 @@ pub(crate) fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
                     continue;
                 }
                 match *x {
-                    Xfer::Send { peer, src } => {
-                        queues
-                            .entry((r, peer))
-                            .or_default()
-                            .push_back(bufs[r].get(src).to_vec());
-                        done[r][i] = true;
-                        progress = true;
-                    }
+                    Xfer::Send { peer, src } => match posted[r][i] {
+                        None => {
+                            queues
+                                .entry((r, peer))
+                                .or_default()
+                                .push_back((sent, bufs[r].get(src).to_vec()));
+                            posted[r][i] = Some(sent);
+                            sent += 1;
+                            progress = true;
+                        }
+                        Some(id) if taken.contains(&id) => {
+                            done[r][i] = true;
+                            progress = true;
+                        }
+                        Some(_) => {}
+                    },
                     Xfer::Recv { peer, dst, combine } => {
-                        let Some(msg) = queues.entry((peer, r)).or_default().pop_front() else {
+                        let Some((id, msg)) = queues.entry((peer, r)).or_default().pop_front()
+                        else {
                             continue;
                         };
+                        taken.insert(id);
                         assert_eq!(
                             msg.len(),
                             dst.len,
@@ -125,7 +154,7 @@ pub(crate) fn run(algo: Algo, colls: &[Coll], bufs: &mut [Bufs]) {
                 progress = true;
             }
         }
-        if pc.iter().zip(&scheds).all(|(p, s)| *p == s.steps.len()) {
+        if pc.iter().zip(scheds).all(|(p, s)| *p == s.steps.len()) {
             assert!(queues.values().all(|q| q.is_empty()), "messages left over");
             return;
         }
@@ -310,4 +339,36 @@ fn bytes_on_the_wire() {
         0,
         "the last rank of the chain only receives"
     );
+}
+
+/// A send completes only once its message is taken: two ranks that each send before they
+/// receive, in separate steps, deadlock (over rings, they would only for messages larger than
+/// a ring).
+#[test]
+#[should_panic(expected = "deadlock")]
+fn sends_wait_for_their_receivers() {
+    let colls: Vec<Coll> = (0..2)
+        .map(|r| coll(CollKind::AllGather, r, 2, 1, ReduceOp::Sum, 0))
+        .collect();
+    let scheds: Vec<Schedule> = (0..2)
+        .map(|r| {
+            let mut s = Schedule::new("send-first");
+            s.push_xfers([Xfer::Send {
+                peer: 1 - r,
+                src: BufRange::new(Buf::Input, 0, 8),
+            }]);
+            s.push_xfers([Xfer::Recv {
+                peer: 1 - r,
+                dst: BufRange::new(Buf::Output, 8 * (1 - r), 8),
+                combine: Combine::Store,
+            }]);
+            s
+        })
+        .collect();
+    let mut bufs = vec![Bufs::default(); 2];
+    for b in &mut bufs {
+        b.input = vec![1; 8];
+        b.output = vec![0; 16];
+    }
+    run_schedules(&scheds, &colls, &mut bufs);
 }

@@ -19,6 +19,7 @@
 //! described in `ring.rs`, the segment layout in `segment.rs`.
 
 pub(crate) mod handoff;
+pub(crate) mod lend;
 mod ring;
 pub(crate) mod segment;
 
@@ -162,23 +163,35 @@ pub fn connect(
     tag: u64,
     cfg: &Config,
 ) -> Result<Vec<(usize, Box<dyn Link>)>> {
-    if let Some(links) = connect_as(ex, peers, tag, cfg, Sharing::Memfd)? {
-        return Ok(links);
+    let mut links = match connect_as(ex, peers, tag, cfg, Sharing::Memfd)? {
+        Some(links) => links,
+        None => {
+            tracing::info!(
+                rank = ex.rank(),
+                "a rank may not copy its peers' memfds: shared-memory segments go through named files in /dev/shm"
+            );
+            connect_as(ex, peers, tag, cfg, Sharing::Named)?.ok_or_else(|| {
+                shm_err(
+                    ex.rank(),
+                    "named shared-memory segments refused too (internal error)",
+                )
+            })?
+        }
+    };
+    // Which links may carry large messages single-copy (collective, like everything above).
+    let lending = lend::agree(ex, peers, tag, cfg.cma)?;
+    for ((_, link), (borrow, lend)) in links.iter_mut().zip(lending) {
+        link.may_borrow = borrow;
+        link.may_lend = lend;
     }
-    tracing::info!(
-        rank = ex.rank(),
-        "a rank may not copy its peers' memfds: shared-memory segments go through named files in /dev/shm"
-    );
-    connect_as(ex, peers, tag, cfg, Sharing::Named)?.ok_or_else(|| {
-        shm_err(
-            ex.rank(),
-            "named shared-memory segments refused too (internal error)",
-        )
-    })
+    Ok(links
+        .into_iter()
+        .map(|(p, l)| (p, Box::new(l) as Box<dyn Link>))
+        .collect())
 }
 
 /// Links by peer rank.
-type Links = Vec<(usize, Box<dyn Link>)>;
+type Links = Vec<(usize, ShmLink)>;
 
 /// [`connect`] with segments shared as `sharing` says; `Ok(None)` when some rank may not
 /// open a peer's memfd (every rank then returns `None`: the decision is collective).
@@ -319,7 +332,7 @@ fn connect_as(
         Some(o) => o,
         None => return Ok(Some(Vec::new())),
     };
-    let mut links: Vec<(usize, Box<dyn Link>)> = Vec::with_capacity(peers.len());
+    let mut links: Links = Vec::with_capacity(peers.len());
     for (i, (&(p, ppid), (remote, ring_idx, same_ns))) in peers.iter().zip(opened).enumerate() {
         let (rc, rd, rcap) = own.ring(i as u32);
         let (tc, td, tcap) = remote.ring(ring_idx);
@@ -337,12 +350,17 @@ fn connect_as(
             } else {
                 rustix::process::Pid::from_raw(ppid as i32)
             },
+            read_pid: ppid,
+            may_lend: false,
+            may_borrow: false,
+            lending: None,
+            borrowed: None,
             tx,
             rx,
             own: own.clone(),
             remote,
         };
-        links.push((p, Box::new(link)));
+        links.push((p, link));
     }
     tracing::debug!(rank, npeers = peers.len(), path = %own.path().display(), "shm links ready");
     Ok(Some(links))
@@ -358,6 +376,16 @@ pub struct ShmLink {
     /// The peer's pid, for liveness checks; `None` when it is this process (threads) or
     /// lives in another pid namespace.
     peer_pid: Option<rustix::process::Pid>,
+    /// The peer's pid for cross-memory reads (this process's own for threads).
+    read_pid: u32,
+    /// Whether the peer may read this rank's memory: large sends are lent ([`lend`]).
+    may_lend: bool,
+    /// Whether this rank may read the peer's memory: large receives are borrowed.
+    may_borrow: bool,
+    /// The message lent now: its address and the ring position the peer's `tail` must pass.
+    lending: Option<(u64, u64)>,
+    /// The message borrowed now: its address in the peer (its descriptor is still in the ring).
+    borrowed: Option<u64>,
     tx: Producer,
     rx: Consumer,
     // Declared after the ring ends: the mappings outlive every use of them.
@@ -373,6 +401,14 @@ impl ShmLink {
 
     fn closed(&self, what: &str) -> LinkError {
         LinkError::Closed(format!("rank {} {what}", self.peer))
+    }
+
+    /// `Closed` if the peer closed its end and nothing it sent is left to read.
+    fn drained_closed(&mut self, closed: bool) -> std::result::Result<(), LinkError> {
+        if closed && self.rx.pending()? == 0 {
+            return Err(self.closed("closed its end of the shared-memory link"));
+        }
+        Ok(())
     }
 }
 
@@ -401,10 +437,79 @@ impl Link for ShmLink {
         let n = self.rx.read(consume)?;
         if n > 0 {
             self.remote.doorbell().ring();
-        } else if closed && self.rx.pending()? == 0 {
-            return Err(self.closed("closed its end of the shared-memory link"));
+        } else {
+            self.drained_closed(closed)?;
         }
         Ok(n)
+    }
+
+    fn single_copy(&self, send: bool, len: usize) -> bool {
+        len >= lend::LEND_MIN && if send { self.may_lend } else { self.may_borrow }
+    }
+
+    fn try_lend(&mut self, src: &[u8]) -> std::result::Result<bool, LinkError> {
+        if self.tx.consumer_closed() {
+            return Err(self.closed("closed its end of the shared-memory link"));
+        }
+        let addr = src.as_ptr() as u64;
+        let pos = match self.lending {
+            Some((a, pos)) if a == addr => pos,
+            // Another message is still lent: it goes first (stream order).
+            Some(_) => return Ok(false),
+            None => {
+                if !self
+                    .tx
+                    .write_whole(&lend::descriptor(addr, src.len() as u64))?
+                {
+                    return Ok(false);
+                }
+                self.remote.doorbell().ring();
+                let pos = self.tx.head();
+                self.lending = Some((addr, pos));
+                pos
+            }
+        };
+        if !self.tx.consumed_to(pos)? {
+            return Ok(false);
+        }
+        self.lending = None;
+        Ok(true)
+    }
+
+    fn try_copy_lent(
+        &mut self,
+        len: usize,
+        off: usize,
+        dst: &mut [u8],
+    ) -> std::result::Result<bool, LinkError> {
+        let addr = match self.borrowed {
+            Some(a) => a,
+            None => {
+                let closed = self.rx.producer_closed();
+                let mut d = [0u8; lend::DESC_BYTES];
+                if !self.rx.peek(&mut d)? {
+                    self.drained_closed(closed)?;
+                    return Ok(false);
+                }
+                let (addr, _) = lend::parse(&d, len)?;
+                self.borrowed = Some(addr);
+                addr
+            }
+        };
+        if off + dst.len() > len {
+            return Err(LinkError::Protocol(format!(
+                "copy of {} bytes at {off} of a lent message of {len}",
+                dst.len()
+            )));
+        }
+        lend::read_remote(self.read_pid, addr + off as u64, dst)?;
+        if off + dst.len() == len {
+            // Done with the peer's memory: consuming the descriptor ends the loan.
+            self.rx.skip(lend::DESC_BYTES as u64);
+            self.borrowed = None;
+            self.remote.doorbell().ring();
+        }
+        Ok(true)
     }
 
     fn send_wait(&self) -> WaitSource<'_> {
@@ -531,6 +636,94 @@ mod tests {
                 let (left, got) = t.join().unwrap();
                 assert!(left.is_empty(), "{sharing:?}: left {left:?}");
                 assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
+            }
+        }
+    }
+
+    /// A large message lent over a link: the receiver copies it out of the sender's memory in
+    /// pieces, the sender's loan completes only after the last piece, the next bytes on the
+    /// link are the sender's next message, and a receiver expecting another length gets a
+    /// protocol error. With `cma` off no link lends.
+    #[test]
+    fn lent_messages_are_copied_out_of_the_senders_memory() {
+        for cma in [true, false] {
+            let mut tag_bytes = [0u8; 8];
+            getrandom::fill(&mut tag_bytes).unwrap();
+            let tag = u64::from_le_bytes(tag_bytes);
+            let pid = std::process::id();
+            let len = lend::LEND_MIN + 12_345;
+            let cfg = Config {
+                cma,
+                ..Config::default()
+            };
+            let ts: Vec<_> = LocalExchange::group(2)
+                .into_iter()
+                .map(|mut ex| {
+                    let cfg = cfg.clone();
+                    std::thread::spawn(move || {
+                        let rank = ex.rank();
+                        let mut links = connect(&mut ex, &[(1 - rank, pid)], tag, &cfg).unwrap();
+                        let link = &mut links[0].1;
+                        let single = [true, false].map(|send| link.single_copy(send, len));
+                        assert_eq!(single, [cma, cma]);
+                        assert!(!link.single_copy(true, lend::LEND_MIN - 1));
+                        if !cma {
+                            return;
+                        }
+                        if rank == 0 {
+                            let msg: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                            while !link.try_lend(&msg).unwrap() {
+                                std::thread::yield_now();
+                            }
+                            // The receiver has finished with `msg`: it may change now.
+                            ex.barrier().unwrap();
+                            let mut sent = 0;
+                            while sent < 8 {
+                                sent += link.try_send(&[7u8; 8][sent..]).unwrap();
+                            }
+                            // Read as the wrong length: the receiver fails and closes.
+                            while let Ok(done) = link.try_lend(&msg[..lend::LEND_MIN]) {
+                                assert!(!done, "a refused loan completed");
+                                std::thread::yield_now();
+                            }
+                        } else {
+                            let mut got = vec![0u8; len];
+                            let mut off = 0;
+                            for piece in [100_000, 100_000, len - 200_000] {
+                                while !link
+                                    .try_copy_lent(len, off, &mut got[off..off + piece])
+                                    .unwrap()
+                                {
+                                    std::thread::yield_now();
+                                }
+                                off += piece;
+                            }
+                            let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                            assert!(got == want, "lent bytes differ");
+                            ex.barrier().unwrap();
+                            let mut next = [0u8; 8];
+                            let mut k = 0;
+                            while k < 8 {
+                                k += link.try_recv_into(&mut next[k..]).unwrap();
+                            }
+                            assert_eq!(next, [7u8; 8]);
+                            let err = loop {
+                                match link.try_copy_lent(len, 0, &mut got[..10]) {
+                                    Ok(false) => std::thread::yield_now(),
+                                    r => break r.unwrap_err(),
+                                }
+                            };
+                            assert!(
+                                matches!(&err, LinkError::Protocol(m) if m.contains(&format!("lent message of {len} bytes"))),
+                                "{err}"
+                            );
+                            drop(links);
+                        }
+                    })
+                })
+                .collect();
+            for t in ts {
+                t.join().unwrap();
             }
         }
     }

@@ -245,6 +245,33 @@ impl Producer {
         Ok(n as usize)
     }
 
+    /// Writes all of `src` or nothing (false: not enough room now).
+    pub(crate) fn write_whole(&mut self, src: &[u8]) -> Result<bool, LinkError> {
+        let len = src.len() as u64;
+        if self.cap - (self.head - self.cached_tail) < len {
+            self.reload_tail()?;
+            if self.cap - (self.head - self.cached_tail) < len {
+                return Ok(false);
+            }
+        }
+        let n = self.write(src)?;
+        debug_assert_eq!(n, src.len(), "room was checked");
+        Ok(true)
+    }
+
+    /// Bytes ever written (the position after the last byte written).
+    pub(crate) fn head(&self) -> u64 {
+        self.head
+    }
+
+    /// Whether the consumer has consumed every byte before position `pos`.
+    pub(crate) fn consumed_to(&mut self, pos: u64) -> Result<bool, LinkError> {
+        if self.cached_tail < pos {
+            self.reload_tail()?;
+        }
+        Ok(self.cached_tail >= pos)
+    }
+
     /// Bytes written and not yet consumed, as of a fresh load of `tail`.
     #[cfg(all(test, not(loom)))]
     pub(crate) fn in_flight(&mut self) -> Result<u64, LinkError> {
@@ -316,6 +343,42 @@ impl Consumer {
     pub(crate) fn pending(&mut self) -> Result<u64, LinkError> {
         self.reload_head()?;
         Ok(self.cached_head - self.tail)
+    }
+
+    /// Copies the next `dst.len()` bytes into `dst` without consuming them; false (and `dst`
+    /// untouched) while fewer have arrived.
+    pub(crate) fn peek(&mut self, dst: &mut [u8]) -> Result<bool, LinkError> {
+        let want = dst.len() as u64;
+        if self.cached_head - self.tail < want {
+            self.reload_head()?;
+            if self.cached_head - self.tail < want {
+                return Ok(false);
+            }
+        }
+        let mut got = 0u64;
+        while got < want {
+            let off = (self.tail + got) & (self.cap - 1);
+            let len = (want - got).min(self.cap - off);
+            let to = &mut dst[got as usize..(got + len) as usize];
+            // SAFETY: as in `read`: `[off, off + len)` is inside the data area and holds
+            // published bytes (`tail + want <= head`), not written again before `tail` passes
+            // them.
+            unsafe {
+                offer(self.data, off, len, &mut |b| {
+                    to.copy_from_slice(b);
+                    0
+                })
+            };
+            got += len;
+        }
+        Ok(true)
+    }
+
+    /// Consumes `n` bytes that [`peek`](Self::peek) saw (`n` at most what it saw).
+    pub(crate) fn skip(&mut self, n: u64) {
+        debug_assert!(self.tail + n <= self.cached_head, "skipping bytes not seen");
+        self.tail += n;
+        self.ctrl().tail.tail.store(self.tail, Ordering::Release);
     }
 
     /// Offers the readable bytes to `consume` (the part before the wrap, then the part after,
