@@ -23,7 +23,7 @@ const NEAR: usize = 64;
 /// Whether copies between `a` and `b` have their page offsets close but not equal.
 fn near(a: usize, b: usize) -> bool {
     let d = a.wrapping_sub(b) % PAGE;
-    d != 0 && (d < NEAR || d > PAGE - NEAR)
+    d != 0 && !(NEAR..=PAGE - NEAR).contains(&d)
 }
 
 /// The offset in `[0, PAGE)` from `region` at which a temporary shares its page offset with
