@@ -16,7 +16,7 @@
 #include <sys/mman.h>
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 int main(int argc,char**argv){
-  size_t chunk=256<<10, total=2<<20; int reps=atoi(argv[1]);
+  size_t chunk=256<<10, total=2<<20; int reps=argc>1?atoi(argv[1]):10;
   char*a=mmap(0,total+16384,PROT_READ|PROT_WRITE,MAP_PRIVATE|MAP_ANONYMOUS,-1,0);
   char*b=mmap(0,total+16384,PROT_READ|PROT_WRITE,MAP_PRIVATE|MAP_ANONYMOUS,-1,0);
   memset(a,1,total+16384); memset(b,2,total+16384);
