@@ -6,7 +6,8 @@
 //! relative to each other within a page. Measured on an AMD EPYC VM (kernel 6.18): a 2 MiB
 //! `process_vm_writev` in 256 KiB calls takes about 0.25-0.3 ms at every `(dst - src) mod 4096`
 //! except 8, 16 and 24, where it takes 1.0-1.6 ms (3.5-5x), whatever the absolute alignment
-//! (`(dst - src) mod 64` alone does not decide it: 72 and 80 are fast). A library temporary,
+//! (`(dst - src) mod 64` alone does not decide it: 72 and 80 are fast; `scripts/cma_offsets.c`
+//! measures it). A library temporary,
 //! wherever the allocator put it, lands in that window for some user buffers: a torch tensor
 //! starts 64 bytes into a page, and a temporary starting 48 bytes into one made every write of
 //! a 4 MB all_reduce 4x slower, on one communicator and not on another of the same process.
