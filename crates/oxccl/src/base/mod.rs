@@ -3,6 +3,7 @@
 //! else of the crate.
 
 pub(crate) mod buffers;
+pub(crate) mod cross_memory;
 pub(crate) mod debug;
 pub(crate) mod dtype;
 pub(crate) mod error;

@@ -18,16 +18,14 @@
 //! together as in NCCL's LL protocol, instead of one line for a counter, one for the words and
 //! one for the data. Larger data goes to the slot.
 
-use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
-use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
-use nix::unistd::Pid as NixPid;
 use rustix::fs::FallocateFlags;
 
+use crate::base::cross_memory::{read_remote, write_remote};
 use crate::base::error::Result;
 use crate::base::wait::Doorbell;
 use crate::bootstrap::Exchange;
@@ -292,54 +290,6 @@ pub(crate) fn connect(
         cma,
         mapped: (0..n).map(|_| (None, Vec::new())).collect(),
     }))
-}
-
-/// Repeats `step(done)` (which moves bytes from offset `done` on and returns how many it
-/// moved) until `len` bytes have moved: the kernel may move fewer than asked.
-fn until_done(
-    len: usize,
-    what: &str,
-    mut step: impl FnMut(usize) -> nix::Result<usize>,
-) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < len {
-        let k = step(done).map_err(std::io::Error::from)?;
-        if k == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!("{what} moved nothing"),
-            ));
-        }
-        done += k;
-    }
-    Ok(())
-}
-
-fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
-    let len = dst.len();
-    until_done(len, "process_vm_readv", |done| {
-        let remote = [RemoteIoVec {
-            base: addr as usize + done,
-            len: len - done,
-        }];
-        let mut local = [IoSliceMut::new(&mut dst[done..])];
-        process_vm_readv(NixPid::from_raw(pid as i32), &mut local, &remote)
-    })
-}
-
-fn write_remote(pid: u32, addr: u64, src: &[u8]) -> std::io::Result<()> {
-    let len = src.len();
-    until_done(len, "process_vm_writev", |done| {
-        let remote = [RemoteIoVec {
-            base: addr as usize + done,
-            len: len - done,
-        }];
-        process_vm_writev(
-            NixPid::from_raw(pid as i32),
-            &[IoSlice::new(&src[done..])],
-            &remote,
-        )
-    })
 }
 
 impl ShmDirect {

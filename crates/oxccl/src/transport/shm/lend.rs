@@ -11,6 +11,7 @@
 //! the sender's memory (the kernel's ptrace rules, `OXCCL_CMA`): both ends of a link learn
 //! that alike at connection time ([`agree`]), so both decide alike for every transfer.
 
+use crate::base::cross_memory::read_remote;
 use crate::base::error::Result;
 use crate::bootstrap::Exchange;
 use crate::transport::LinkError;
@@ -44,30 +45,6 @@ pub(crate) fn parse(d: &[u8; DESC_BYTES], want: usize) -> Result<(u64, u64), Lin
         )));
     }
     Ok((addr, len))
-}
-
-/// Copies `dst.len()` bytes at `addr` of process `pid` into `dst`.
-pub(crate) fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
-    use nix::sys::uio::{process_vm_readv, RemoteIoVec};
-    let len = dst.len();
-    let mut done = 0;
-    while done < len {
-        let remote = [RemoteIoVec {
-            base: addr as usize + done,
-            len: len - done,
-        }];
-        let mut local = [std::io::IoSliceMut::new(&mut dst[done..])];
-        let k = process_vm_readv(nix::unistd::Pid::from_raw(pid as i32), &mut local, &remote)
-            .map_err(std::io::Error::from)?;
-        if k == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "process_vm_readv moved nothing",
-            ));
-        }
-        done += k;
-    }
-    Ok(())
 }
 
 /// Which shared-memory peers may lend to this rank and borrow from it: for each of `peers`

@@ -502,7 +502,7 @@ impl Link for ShmLink {
                 dst.len()
             )));
         }
-        lend::read_remote(self.read_pid, addr + off as u64, dst)?;
+        crate::base::cross_memory::read_remote(self.read_pid, addr + off as u64, dst)?;
         if off + dst.len() == len {
             // Done with the peer's memory: consuming the descriptor ends the loan.
             self.rx.skip(lend::DESC_BYTES as u64);
