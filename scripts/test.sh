@@ -9,6 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Disk: a clean run needs about 10 GB (the Rust build ~3 GB, torch from PyPI with its CUDA
+# libraries ~6 GB installed). No incremental build artefacts (a clean clone never reuses them).
+export CARGO_INCREMENTAL=0
+free_gb() { df -Pk . | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
+echo "== disk: $(free_gb) GB free on $(df -P . | awk 'NR==2 {print $6}')"
+
 if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
   if command -v rustup >/dev/null; then rustup component add rustfmt clippy; fi
 fi
@@ -32,10 +38,23 @@ fi
 echo "== python: fmt, clippy"
 cargo fmt --manifest-path python/Cargo.toml -- --check
 cargo clippy --manifest-path python/Cargo.toml --all-targets -- -D warnings
-echo "== python: venv with torch, numpy, pytest, maturin, setuptools (for the C++ torch backend)"
+echo "== python: venv with torch, numpy, pytest, maturin, setuptools (for the C++ torch backend), expecttest (torch's test suite)"
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, maturin, setuptools" 2>/dev/null; then
-  .venv/bin/pip install -q torch numpy pytest maturin setuptools
+if ! .venv/bin/python -c "import torch, numpy, pytest, maturin, setuptools, expecttest" 2>/dev/null; then
+  # torch with its CUDA libraries takes ~6 GB installed, and pip unpacks the wheels first: on
+  # a machine short of disk, drop the Rust debug build (its tests have run) before installing.
+  if [ "$(free_gb)" -lt 14 ] && [ -d target/debug ]; then
+    echo "== disk: $(free_gb) GB free: removing target/debug (the Rust tests are done) to make room for torch"
+    rm -rf target/debug
+  fi
+  echo "== disk: $(free_gb) GB free before pip install"
+  # pip unpacks into TMPDIR: keep it on this disk (a small /tmp must not fail the install).
+  mkdir -p target/pip-tmp
+  if ! TMPDIR="$PWD/target/pip-tmp" .venv/bin/pip install -q --no-cache-dir torch numpy pytest maturin setuptools expecttest; then
+    echo "pip install failed; disk now: $(free_gb) GB free on $(df -P . | awk 'NR==2 {print $6}') (torch needs ~6 GB installed + ~3.5 GB while unpacking)" >&2
+    exit 1
+  fi
+  rm -rf target/pip-tmp
 fi
 echo "== python: build (maturin develop --release)"
 VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" maturin develop --release -q -m python/Cargo.toml
