@@ -48,7 +48,18 @@ all_to_all, gather, scatter, send/recv: sent as bytes); reductions on float32, f
 float16, bfloat16, int8, uint8, uint16, int32, int64, uint32, uint64 and bool (SUM and MAX
 an or, PRODUCT and MIN an and). Ops: SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR (integers
 and bool) and PREMUL_SUM (the library's op: each rank's input times its own factor, summed;
-an integer factor for integer tensors). Anything else is a clear ``oxccl.InvalidArgumentError``.
+an integer factor for integer tensors); int16 reduces in int32 (wrapping as int16), complex
+tensors as their real view (SUM, AVG, PREMUL_SUM with a real factor). Anything else is a clear
+``oxccl.InvalidArgumentError``, raised before any data moves.
+
+Call forms, as gloo's: several tensors in one ``allreduce`` are reduced together (locally
+too) and each gets the result; several in one ``broadcast`` get the root's
+``tensors[rootTensor]``; ``allgather_coalesced`` takes torch's ``[rank][tensor]`` outputs;
+several ``allgather`` inputs land at ``r * k + j`` of every output list; a tensor repeated
+(or overlapping) in ``allreduce_coalesced`` is reduced once per position; ``reduce_scatter``
+blocks may differ in size per rank; sparse COO tensors all_reduce (SUM); non-contiguous and
+lazily conjugated views go through contiguous temporaries, copied back. Empty lists and roots
+outside the group raise at call time.
 """
 
 from __future__ import annotations
@@ -773,7 +784,9 @@ class BackendOxccl(_C10dBackend):
         op = _op(opts)
         backs: list = []
         calls = []
-        aliased = set(_overlapping([t for t in tensors if isinstance(t, torch.Tensor)])) if len(tensors) > 1 else ()
+        for t in tensors:
+            _check_tensor(t, "allreduce_coalesced")
+        aliased = set(_overlapping(tensors)) if len(tensors) > 1 else ()
         for i, t in enumerate(tensors):
             if i in aliased:
                 c = t.clone(memory_format=torch.contiguous_format)

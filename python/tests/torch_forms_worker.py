@@ -166,6 +166,9 @@ def non_contiguous(g, be):
     y = val((12,))
     _nc(be, y[::3], lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g))
     out["all_reduce_strided"] = y
+    q = val((600, 700))  # 1.6 MB: queued, not inline; copied back once it has finished
+    _nc(be, q.t(), lambda t: dist.all_reduce(t, group=g))
+    out["all_reduce_t_queued"] = q
     z = val((4, 3))
     _nc(be, z[:, 1], lambda t: dist.broadcast(t, src=0, group=g))
     out["broadcast"] = z

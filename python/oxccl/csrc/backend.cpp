@@ -2,9 +2,11 @@
 // library through its C ABI (oxccl.h), taken from the capsule oxccl._oxccl._C_API, so it is
 // the library instance and the communicator that the Python backend (oxccl/torch.py,
 // BackendOxccl) already made. Every other call, and every call these paths do not take
-// (PREMUL_SUM, non-contiguous or overlapping tensors, uneven all-to-all, ...), is delegated
-// to that Python backend, with the GIL, in call order: held point-to-point operations are
-// flushed before a collective of this file.
+// (PREMUL_SUM, non-contiguous or overlapping tensors, uneven all-to-all, several tensors in
+// one allreduce/broadcast, sparse, complex or int16 reductions, empty lists, ...), is
+// delegated to that Python backend, which does what gloo does or raises before any data
+// moves; with the GIL, in call order: held point-to-point operations are flushed before a
+// collective of this file.
 //
 // Small calls (<= kInlineMaxBytes in all) run on the calling thread and return a completed
 // Work. Larger ones are queued on the communicator's stream (oxcclGroupStart/End) and return
