@@ -192,8 +192,14 @@ def non_contiguous(g, be):
     out["all_gather_into_tensor"] = ob
     rs_out_base = torch.zeros(3, 2)
     rs_ins = [val((2, 3), k=r + 1).t() for r in range(N)]
-    _nc(be, rs_out_base[:, 1], lambda t: dist.reduce_scatter(t, [i[:, 0].contiguous() if be == "gloo" else i[:, 0] for i in rs_ins], group=g))
+    rs_blocks = [i[:, 0].contiguous() if be == "gloo" else i[:, 0] for i in rs_ins]
+    _nc(be, rs_out_base[:, 1], lambda t: dist.reduce_scatter(t, rs_blocks, group=g))
     out["reduce_scatter"] = rs_out_base
+    a2a_base = torch.zeros(3, 2 * N)
+    a2a_in = val((2 * N, 3)).t()  # (3, 2N) viewed as the input (2N, 3) below
+    a2a_src = a2a_in.t().contiguous() if be == "gloo" else a2a_in.t()
+    _nc(be, a2a_base.t(), lambda t: dist.all_to_all_single(t, a2a_src, group=g))
+    out["all_to_all_single"] = a2a_base
     # gather / scatter with non-contiguous input and outputs
     gi = val((2, 3)).t()
     gbases = [torch.zeros(3, 4) for _ in range(N)]
@@ -218,6 +224,33 @@ def non_contiguous(g, be):
         dist.scatter(sout, sins, src=0, group=g)
     out["scatter"] = sbase
     return out
+
+
+@check
+def lazy_conj(g, be):
+    """Conjugated and negated views (torch's lazy bits) handed to the backend itself (through a
+    ProcessGroup, torch's dispatcher hands any backend a resolved copy): reduced and moved as
+    their values."""
+    b = g._get_backend(CPU)
+    bo = dist.BroadcastOptions()
+    bo.rootRank = N - 1
+    x = torch.complex(val((4,)), val((4,), k=-2.0))
+    _nc_conj(be, x.conj(), lambda t: b.allreduce([t]).wait())
+    y = torch.complex(val((3,)), val((3,), k=3.0))
+    _nc_conj(be, y.conj(), lambda t: b.broadcast([t], bo).wait())
+    z = val((5,))
+    _nc_conj(be, torch._neg_view(z), lambda t: b.allreduce([t]).wait())
+    return {"conj_all_reduce": torch.view_as_real(x), "conj_broadcast": torch.view_as_real(y), "neg_all_reduce": z}
+
+
+def _nc_conj(be, view, fn):
+    """`fn(view)`; for gloo on a resolved copy written back."""
+    if be == "gloo":
+        tmp = view.resolve_conj().resolve_neg()
+        fn(tmp)
+        view.copy_(tmp)
+    else:
+        fn(view)
 
 
 # --- 6. missing forms ----------------------------------------------------------------------------
