@@ -48,7 +48,18 @@ all_to_all, gather, scatter, send/recv: sent as bytes); reductions on float32, f
 float16, bfloat16, int8, uint8, uint16, int32, int64, uint32, uint64 and bool (SUM and MAX
 an or, PRODUCT and MIN an and). Ops: SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR (integers
 and bool) and PREMUL_SUM (the library's op: each rank's input times its own factor, summed;
-an integer factor for integer tensors). Anything else is a clear ``oxccl.InvalidArgumentError``.
+an integer factor for integer tensors); int16 reduces in int32 (wrapping as int16), complex
+tensors as their real view (SUM, AVG, PREMUL_SUM with a real factor). Anything else is a clear
+``oxccl.InvalidArgumentError``, raised before any data moves.
+
+Call forms, as gloo's: several tensors in one ``allreduce`` are reduced together (locally
+too) and each gets the result; several in one ``broadcast`` get the root's
+``tensors[rootTensor]``; ``allgather_coalesced`` takes torch's ``[rank][tensor]`` outputs;
+several ``allgather`` inputs land at ``r * k + j`` of every output list; a tensor repeated
+(or overlapping) in ``allreduce_coalesced`` is reduced once per position; ``reduce_scatter``
+blocks may differ in size per rank; sparse COO tensors all_reduce (SUM); non-contiguous and
+lazily conjugated views go through contiguous temporaries, copied back. Empty lists and roots
+outside the group raise at call time.
 """
 
 from __future__ import annotations
@@ -196,9 +207,103 @@ class _Call:
         return max(self.send.nbytes if self.send is not None else 0, self.recv.nbytes if self.recv is not None else 0)
 
 
-def _coll(kind: str, send: Any, recv: Any, *, op: str = "sum", root: int = 0, raw_bytes: bool = False) -> _Call:
+#: Ops that act on a complex tensor as on its real and imaginary parts (gloo: SUM only).
+_COMPLEX_OPS = ("sum", "avg")
+
+
+#: Local reductions of several tensors of one rank (gloo's allreduce of a tensor list).
+_LOCAL_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": torch.add,
+    "prod": torch.mul,
+    "min": torch.minimum,
+    "max": torch.maximum,
+    "band": torch.bitwise_and,
+    "bor": torch.bitwise_or,
+    "bxor": torch.bitwise_xor,
+}
+
+
+def _check_tensor(t: Any, what: str) -> None:
+    """A clear error for what no call can take: not a tensor, not on the CPU, not strided."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if not t.is_cpu:
+        raise InvalidArgumentError(f"{what}: the tensor is on {t.device}; oxccl works on CPU tensors")
+    if t.layout != _STRIDED:
+        raise InvalidArgumentError(f"{what}: {t.layout} tensors are not supported here")
+
+
+def _dense(t: Any, what: str, op: Optional[str], backs: Optional[list], read: bool = True) -> torch.Tensor:
+    """`t` as the library can take it: itself when it is a contiguous tensor of a dtype the
+    call takes, else a contiguous temporary (a copy of `t` when `read`) that is copied back
+    into `t` after the call when `backs` is a list (pairs appended to it). `op` None: the call
+    only moves data (any dtype, as bytes); else the reduction's name: complex tensors reduce
+    as their real and imaginary parts (SUM, AVG only), int16 in int32."""
+    _check_tensor(t, what)
+    tmp = t
+    if t.is_conj() or t.is_neg():
+        tmp = t.resolve_conj().resolve_neg()
+    if not tmp.is_contiguous():
+        tmp = tmp.contiguous() if read else torch.empty(t.shape, dtype=t.dtype)
+    lib = tmp
+    if op is not None and t.dtype not in _DTYPES:
+        if t.is_complex():
+            if op.split(":")[0] not in _COMPLEX_OPS and not op.startswith("premul_sum"):
+                raise InvalidArgumentError(
+                    f"{what}: {op.upper()} is not defined on complex tensors ({t.dtype}): "
+                    "only SUM, AVG and PREMUL_SUM (a real factor)"
+                )
+            lib = torch.view_as_real(tmp)
+        elif t.dtype == torch.int16:
+            tmp = tmp.to(torch.int32)
+            lib = tmp
+        else:
+            raise InvalidArgumentError(
+                f"{what}: unsupported dtype {t.dtype} for a reduction "
+                f"(supported: {', '.join(sorted(set(_DTYPES.values())))}, int16, complex)"
+            )
+    if tmp is not t and backs is not None:
+        backs.append((t, tmp))
+    return lib
+
+
+def _copy_back(backs: list) -> None:
+    """Writes temporaries back into the caller's tensors, in call order."""
+    for dst, src in backs:
+        dst.copy_(src)
+
+
+def _overlapping(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """Indices of the tensors whose bytes overlap those of an earlier one in the list."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        lo = t.data_ptr()
+        hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        spans.append((lo, hi, i))
+    spans.sort()
+    out, end = [], None
+    for lo, hi, i in spans:
+        if end is not None and lo < end:
+            out.append(i)
+        end = hi if end is None else max(end, hi)
+    return out
+
+
+def _coll(
+    kind: str, send: Any, recv: Any, *, op: str = "sum", root: int = 0, raw_bytes: bool = False,
+    backs: Optional[list] = None,
+) -> _Call:
     """A collective on tensors: `send` None means in place on `recv`. Input and output views
-    of one storage that overlap without being the same go through a copy of the input."""
+    of one storage that overlap without being the same go through a copy of the input.
+    `backs`: a list for temporaries (non-contiguous tensors, complex or int16 reductions) to
+    copy back after the call; without it such tensors raise."""
+    red = None if raw_bytes else op
+    if backs is not None:
+        recv = _dense(recv, f"{kind} output", red, backs, read=send is None)
+        if send is not None:
+            send = _dense(send, f"{kind} input", red, None)
     r = _buf(recv, f"{kind} output", True, raw_bytes)
     if send is None:
         return _Call(kind, None, r, op=op, root=root, in_place=True)
@@ -494,6 +599,7 @@ class BackendOxccl(_C10dBackend):
         self._held: List[tuple] = []  # (kind, peer or None, tag, _Buf)
         self._held_jobs: List[_Job] = []
         self._barriers = 0
+        self._seq = 0  # collectives called (see _get_sequence_number_for_group)
         _BACKENDS.add(self)
 
     # -- identity -----------------------------------------------------------------------------
@@ -534,9 +640,19 @@ class BackendOxccl(_C10dBackend):
         result: Any,
         post: Optional[Callable[[], None]] = None,
         inline: Optional[bool] = None,
+        backs: Optional[list] = None,
     ) -> Any:
         """Runs `calls` in order: inline when small (or `inline`), else queued. The Work
-        returns `result` once the last has finished and `post` has run."""
+        returns `result` once the last has finished, `backs` (temporaries, see `_dense`)
+        have been copied back and `post` has run."""
+        if backs:
+            then = post
+
+            def post() -> None:
+                _copy_back(backs)
+                if then is not None:
+                    then()
+
         if self._held:
             self._flush_p2p()
         if inline is None:
@@ -558,48 +674,181 @@ class BackendOxccl(_C10dBackend):
         return _JobWork(_Job(self, what, handles, result, post))
 
     # -- collectives --------------------------------------------------------------------------
-    def _reduce_calls(self, kind: str, tensors: List[torch.Tensor], opts: Any, root: int = 0) -> List[_Call]:
-        op = _op(opts)
-        return [_coll(kind, None, t, op=op, root=root) for t in tensors]
+    def _invalid(self, msg: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"oxccl: rank {self.rank()}: {msg}")
+
+    def _check_root(self, what: str, root: int) -> None:
+        n = self.size()
+        if not 0 <= root < n:
+            raise self._invalid(f"{what}: root rank {root} is not in this group of {n} (ranks 0 .. {n - 1})")
+
+    def _nonempty(self, what: str, tensors: Sequence[Any]) -> None:
+        if len(tensors) == 0:
+            raise self._invalid(f"{what}: requires a non-empty tensor list")
+
+    def _same_kind(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
+        """gloo's rule for several tensors in one allreduce or broadcast: one dtype, one shape."""
+        first = tensors[0]
+        for t in tensors:
+            _check_tensor(t, what)
+            if t.dtype != first.dtype or t.shape != first.shape:
+                raise self._invalid(
+                    f"{what}: every tensor of the list must have one dtype and shape "
+                    f"({first.dtype} {tuple(first.shape)} and {t.dtype} {tuple(t.shape)})"
+                )
+
+    # -- sequence numbers (gloo's: every collective call counts, from 0 on every rank) -----------
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives this backend has been called for (the same on every rank of
+        a group that makes the same calls; TORCH_DISTRIBUTED_DEBUG=DETAIL checks it)."""
+        return self._seq
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Nothing to agree on: the numbers start at 0 on every rank (as torch's own backends)."""
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        self._seq += 1
         if len(tensors) == 1 and not self._held and (opts is None or opts.reduceOp == _SUM):
             # fast path (a tensor-parallel step's small sums): the checks of _buf, inline
             t = tensors[0]
             dt = _DTYPES.get(t.dtype)
-            n = t.nbytes
-            if dt is not None and n <= INLINE_MAX_BYTES and t.is_cpu and t.layout == _STRIDED and t.is_contiguous():
+            if dt is not None and t.layout == _STRIDED and t.is_cpu and t.nbytes <= INLINE_MAX_BYTES and t.is_contiguous():
+                n = t.nbytes
                 try:
                     self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
                     return _DoneWork(tensors)
                 except InvalidArgumentError:
                     pass  # the general path below says which call failed
-        return self._run("all_reduce", self._reduce_calls("all_reduce", tensors, opts), list(tensors))
+        self._nonempty("allreduce", tensors)
+        if any(isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, opts)
+        op = _op(opts)
+        backs: list = []
+        if len(tensors) == 1:
+            calls = [_coll("all_reduce", None, tensors[0], op=op, backs=backs)]
+            return self._run("all_reduce", calls, list(tensors), backs=backs)
+        # gloo's form: the tensors of every rank reduced together, the result in each of them
+        self._same_kind("allreduce", tensors)
+        combine = _LOCAL_OPS.get(op)
+        if combine is None:
+            raise self._invalid(f"allreduce: {op.upper()} of several tensors in one call is not supported (gloo: neither)")
+        if tensors[0].is_complex() and op != "sum":
+            raise self._invalid(f"allreduce: {op.upper()} is not defined on complex tensors ({tensors[0].dtype})")
+        acc = tensors[0].resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+        for t in tensors[1:]:
+            acc = combine(acc, t)
+        calls = [_coll("all_reduce", None, acc, op=op, backs=backs)]
+
+        def post() -> None:
+            for t in tensors:
+                t.copy_(acc)
+
+        return self._run("all_reduce", calls, list(tensors), post, backs=backs)
+
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], opts: Any) -> Any:
+        """gloo's sparse all_reduce: every rank's (coalesced) indices and values gathered,
+        summed by coalescing; the result written into the tensor. SUM only."""
+        if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
+            raise self._invalid("allreduce: a sparse tensor must be the only tensor of the call")
+        op = _op(opts)
+        if op != "sum":
+            raise self._invalid(f"allreduce: sparse tensors support only SUM, not {op.upper()}")
+        t, n = tensors[0], self.size()
+        s = t.coalesce()
+        idx, val = s.indices().contiguous(), s.values().contiguous()
+        nnz = idx.shape[1]
+        counts = torch.empty(n, dtype=torch.int64)
+        self._run("all_reduce (sparse)", [_coll("all_gather", torch.tensor([nnz]), counts, raw_bytes=True)], None, inline=True)
+        m = int(counts.max())
+        if m > 0:
+            pi = torch.zeros((idx.shape[0], m), dtype=idx.dtype)
+            pi[:, :nnz] = idx
+            pv = torch.zeros((m,) + tuple(val.shape[1:]), dtype=val.dtype)
+            pv[:nnz] = val
+            gi = torch.empty((n,) + tuple(pi.shape), dtype=pi.dtype)
+            gv = torch.empty((n,) + tuple(pv.shape), dtype=pv.dtype)
+            calls = [_coll("all_gather", pi, gi, raw_bytes=True), _coll("all_gather", pv, gv, raw_bytes=True)]
+            self._run("all_reduce (sparse)", calls, None, inline=True)
+            c = counts.tolist()
+            i_all = torch.cat([gi[r][:, : c[r]] for r in range(n)], 1)
+            v_all = torch.cat([gv[r][: c[r]] for r in range(n)])
+            t.copy_(torch.sparse_coo_tensor(i_all, v_all, t.shape).coalesce())
+        return _DoneWork([t])
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        return self.allreduce(tensors, opts)
+        """Each tensor reduced across ranks on its own. A tensor that shares memory with an
+        earlier one of the list is reduced from a copy taken before the call (gloo's result:
+        as if every position were reduced once)."""
+        self._seq += 1
+        self._nonempty("allreduce_coalesced", tensors)
+        op = _op(opts)
+        backs: list = []
+        calls = []
+        for t in tensors:
+            _check_tensor(t, "allreduce_coalesced")
+        aliased = set(_overlapping(tensors)) if len(tensors) > 1 else ()
+        for i, t in enumerate(tensors):
+            if i in aliased:
+                c = t.clone(memory_format=torch.contiguous_format)
+                calls.append(_coll("all_reduce", None, c, op=op, backs=backs))
+                backs.append((t, c))
+            else:
+                calls.append(_coll("all_reduce", None, t, op=op, backs=backs))
+        return self._run("all_reduce", calls, list(tensors), backs=backs)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        self._seq += 1
         root = opts.rootRank if opts is not None else 0
-        calls = [_coll("broadcast", None, t, root=root, raw_bytes=True) for t in tensors]
-        return self._run("broadcast", calls, list(tensors))
+        root_tensor = opts.rootTensor if opts is not None else 0
+        self._check_root("broadcast", root)
+        self._nonempty("broadcast", tensors)
+        if not 0 <= root_tensor < len(tensors):
+            raise self._invalid(f"broadcast: root tensor {root_tensor} is not in the list of {len(tensors)} tensors")
+        if len(tensors) > 1:
+            self._same_kind("broadcast", tensors)
+        backs: list = []
+        src = tensors[root_tensor]
+        calls = [_coll("broadcast", None, src, root=root, raw_bytes=True, backs=backs)]
+        post = None
+        if len(tensors) > 1:  # gloo's form: tensors[rootTensor] of the root, into every tensor
+
+            def post() -> None:
+                for i, t in enumerate(tensors):
+                    if i != root_tensor:
+                        t.copy_(src)
+
+        return self._run("broadcast", calls, list(tensors), post, backs=backs)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        self._seq += 1
         root = opts.rootRank if opts is not None else 0
-        return self._run("reduce", self._reduce_calls("reduce", tensors, opts, root), list(tensors))
+        self._check_root("reduce", root)
+        if len(tensors) != 1:
+            raise self._invalid(f"reduce: requires exactly one tensor, got {len(tensors)}")
+        if opts is not None and opts.rootTensor != 0:
+            raise self._invalid(f"reduce: root tensor {opts.rootTensor} is not in the list of 1 tensor")
+        backs: list = []
+        calls = [_coll("reduce", None, tensors[0], op=_op(opts), root=root, backs=backs)]
+        return self._run("reduce", calls, list(tensors), backs=backs)
 
-    def allgather(
-        self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None
-    ) -> Any:
+    def _gather_each(self, what: str, output_lists: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Any:
+        """inputs[i] of every rank into output_lists[i] (one tensor per rank), each through a
+        flat buffer."""
         n = self.size()
         calls, posts = [], []
-        for outs, inp in zip(output_tensors, input_tensors):
+        for outs, inp in zip(output_lists, inputs):
             if len(outs) != n:
-                raise InvalidArgumentError(f"allgather: {len(outs)} output tensors for a group of {n}")
-            if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
-                raise InvalidArgumentError("allgather: every output tensor must have the input's size and dtype")
+                raise self._invalid(f"{what}: {len(outs)} output tensors for a group of {n}")
+            _check_tensor(inp, f"{what} input")
+            for o in outs:
+                _check_tensor(o, f"{what} output")
+                if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                    raise self._invalid(
+                        f"{what}: every output tensor must have the input's size and dtype "
+                        f"({inp.numel()} x {inp.dtype}, got {o.numel()} x {o.dtype})"
+                    )
             flat = torch.empty((n, inp.numel()), dtype=inp.dtype)
-            calls.append(_coll("all_gather", inp.contiguous(), flat, raw_bytes=True))
+            calls.append(_coll("all_gather", _dense(inp, f"{what} input", None, None), flat, raw_bytes=True))
             posts.append((flat, outs))
 
         def post() -> None:
@@ -607,53 +856,132 @@ class BackendOxccl(_C10dBackend):
                 for i, o in enumerate(outs):
                     o.copy_(flat[i].view(o.shape))
 
+        return self._run(what, calls, [o for outs in output_lists for o in outs], post)
+
+    def allgather(
+        self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None
+    ) -> Any:
+        self._seq += 1
+        n, k = self.size(), len(input_tensors)
+        self._nonempty("allgather", input_tensors)
+        if len(output_tensors) != k:
+            raise self._invalid(f"allgather: {len(output_tensors)} output lists for {k} input tensors")
+        if k == 1:
+            return self._gather_each("all_gather", output_tensors, input_tensors)
+        # gloo's form: several inputs per rank; every output list gets input j of rank r at r*k + j
+        self._same_kind("allgather", input_tensors)
+        first = input_tensors[0]
+        for outs in output_tensors:
+            if len(outs) != k * n:
+                raise self._invalid(f"allgather: {len(outs)} tensors in an output list, expected {k} inputs x {n} ranks")
+            for o in outs:
+                _check_tensor(o, "allgather output")
+                if o.numel() != first.numel() or o.dtype != first.dtype:
+                    raise self._invalid("allgather: every output tensor must have the inputs' size and dtype")
+        send = torch.stack([t.reshape(-1) for t in input_tensors])
+        flat = torch.empty((n * k, first.numel()), dtype=first.dtype)
+
+        def post() -> None:
+            for outs in output_tensors:
+                for i, o in enumerate(outs):
+                    o.copy_(flat[i].view(o.shape))
+
+        calls = [_coll("all_gather", _dense(send, "allgather input", None, None), flat, raw_bytes=True)]
         return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post)
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
-        return self.allgather(output_lists, input_list, opts)
+        """torch's form: output_lists[rank][i] receives input_list[i] of that rank."""
+        self._seq += 1
+        n, k = self.size(), len(input_list)
+        self._nonempty("allgather_coalesced", input_list)
+        if len(output_lists) != n:
+            raise self._invalid(f"allgather_coalesced: {len(output_lists)} output lists for a group of {n} (one per rank)")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != k:
+                raise self._invalid(f"allgather_coalesced: output list {r} has {len(outs)} tensors for {k} inputs")
+        per_input = [[output_lists[r][i] for r in range(n)] for i in range(k)]
+        return self._gather_each("all_gather_coalesced", per_input, input_list)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        return self._run("all_gather_into_tensor", [_coll("all_gather", input, output, raw_bytes=True)], [output])
+        self._seq += 1
+        backs: list = []
+        calls = [_coll("all_gather", input, output, raw_bytes=True, backs=backs)]
+        return self._run("all_gather_into_tensor", calls, [output], backs=backs)
 
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        calls = [_coll("all_gather", i, o, raw_bytes=True) for o, i in zip(outputs, inputs)]
-        return self._run("all_gather_into_tensor", calls, list(outputs))
+        self._seq += 1
+        backs: list = []
+        calls = [_coll("all_gather", i, o, raw_bytes=True, backs=backs) for o, i in zip(outputs, inputs)]
+        return self._run("all_gather_into_tensor", calls, list(outputs), backs=backs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(
         self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None
     ) -> Any:
-        n = self.size()
+        """input_tensors[i][r] of every rank reduced into output_tensors[i] of rank r; the
+        blocks may differ in size per rank (gloo's uneven form: through blocks padded to the
+        largest)."""
+        self._seq += 1
+        n, me = self.size(), self.rank()
         op = _op(opts)
-        calls = []
+        self._nonempty("reduce_scatter", output_tensors)
+        if len(input_tensors) != len(output_tensors):
+            raise self._invalid(f"reduce_scatter: {len(input_tensors)} input lists for {len(output_tensors)} outputs")
+        calls, backs, posts = [], [], []
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != n:
-                raise InvalidArgumentError(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
-            if any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
-                raise InvalidArgumentError("reduce_scatter: every input tensor must have the output's size and dtype")
-            flat = torch.stack([i.reshape(-1) for i in ins])
-            calls.append(_coll("reduce_scatter", flat, out, op=op))
-        return self._run("reduce_scatter", calls, list(output_tensors))
+                raise self._invalid(f"reduce_scatter: {len(ins)} input tensors for a group of {n}")
+            _check_tensor(out, "reduce_scatter output")
+            for i in ins:
+                _check_tensor(i, "reduce_scatter input")
+                if i.dtype != out.dtype:
+                    raise self._invalid(f"reduce_scatter: input {i.dtype} and output {out.dtype} differ")
+            if ins[me].numel() != out.numel():
+                raise self._invalid(
+                    f"reduce_scatter: this rank's block has {ins[me].numel()} elements but the output {out.numel()}"
+                )
+            m = max(i.numel() for i in ins)
+            if all(i.numel() == m for i in ins):
+                flat = torch.stack([i.reshape(-1) for i in ins])
+                calls.append(_coll("reduce_scatter", flat, out, op=op, backs=backs))
+            else:
+                flat = torch.zeros((n, m), dtype=out.dtype)
+                for r, i in enumerate(ins):
+                    flat[r, : i.numel()] = i.reshape(-1)
+                block = torch.empty(m, dtype=out.dtype)
+                calls.append(_coll("reduce_scatter", flat, block, op=op, backs=backs))
+                posts.append((out, block))
+
+        def post() -> None:
+            for out, block in posts:
+                out.copy_(block[: out.numel()].view(out.shape))
+
+        return self._run("reduce_scatter", calls, list(output_tensors), post if posts else None, backs=backs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        op = _op(opts)
-        return self._run("reduce_scatter_tensor", [_coll("reduce_scatter", input, output, op=op)], [output])
+        self._seq += 1
+        backs: list = []
+        calls = [_coll("reduce_scatter", input, output, op=_op(opts), backs=backs)]
+        return self._run("reduce_scatter_tensor", calls, [output], backs=backs)
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        self._seq += 1
         op = _op(opts)
-        calls = [_coll("reduce_scatter", i, o, op=op) for o, i in zip(outputs, inputs)]
-        return self._run("reduce_scatter_tensor", calls, list(outputs))
+        backs: list = []
+        calls = [_coll("reduce_scatter", i, o, op=op, backs=backs) for o, i in zip(outputs, inputs)]
+        return self._run("reduce_scatter_tensor", calls, list(outputs), backs=backs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def alltoall(
         self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any = None
     ) -> Any:
+        self._seq += 1
         n = self.size()
         if len(output_tensors) != n or len(input_tensors) != n:
             raise InvalidArgumentError(f"alltoall: expected {n} input and {n} output tensors")
@@ -680,6 +1008,7 @@ class BackendOxccl(_C10dBackend):
         input_split_sizes: List[int],
         opts: Any = None,
     ) -> Any:
+        self._seq += 1
         n = self.size()
         row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
         row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
@@ -689,7 +1018,11 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError(f"all_to_all_single: split sizes must have {n} entries")
         if sum(out_counts) != output.numel() or sum(in_counts) != input.numel():
             raise InvalidArgumentError("all_to_all_single: split sizes do not add up to the tensors' first dimension")
-        return self._alltoallv("all_to_all_single", input, output, out_counts, in_counts, [output])
+        backs: list = []
+        send = _dense(input, "all_to_all_single input", None, None)
+        recv = _dense(output, "all_to_all_single output", None, backs, read=False)
+        post = (lambda: _copy_back(backs)) if backs else None
+        return self._alltoallv("all_to_all_single", send, recv, out_counts, in_counts, [output], post)
 
     all_to_all_single = alltoall_base
 
@@ -742,10 +1075,12 @@ class BackendOxccl(_C10dBackend):
         return _JobWork(_Job(self, what, [handle], result, finish))
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        self._seq += 1
         root, me, n = opts.rootRank, self.rank(), self.size()
+        self._check_root("gather", root)
         if len(input_tensors) != 1:
-            raise InvalidArgumentError("gather: exactly one input tensor")
-        inp = input_tensors[0]
+            raise self._invalid(f"gather: requires exactly one input tensor, got {len(input_tensors)}")
+        inp = _dense(input_tensors[0], "gather input", None, None)
         if me != root:
             return self._p2p_group("gather", [("send", root, inp)], [])
         outs = output_tensors[0] if output_tensors else []
@@ -753,25 +1088,33 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError(f"gather: {len(outs)} output tensors on the root for a group of {n}")
         if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
             raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
-        ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(outs)]
-        return self._p2p_group("gather", ops, list(outs))
+        backs: list = []
+        tmps = [_dense(o, "gather output", None, backs, read=False) for o in outs]
+        ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(tmps)]
+        return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs))
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        self._seq += 1
         root, me, n = opts.rootRank, self.rank(), self.size()
+        self._check_root("scatter", root)
         if len(output_tensors) != 1:
-            raise InvalidArgumentError("scatter: exactly one output tensor")
-        out = output_tensors[0]
+            raise self._invalid(f"scatter: requires exactly one output tensor, got {len(output_tensors)}")
+        backs: list = []
+        user_out = output_tensors[0]
+        out = _dense(user_out, "scatter output", None, backs, read=False)
         if me != root:
-            return self._p2p_group("scatter", [("recv", root, out)], [out])
+            return self._p2p_group("scatter", [("recv", root, out)], [user_out], lambda: _copy_back(backs))
         ins = input_tensors[0] if input_tensors else []
         if len(ins) != n:
             raise InvalidArgumentError(f"scatter: {len(ins)} input tensors on the root for a group of {n}")
         if any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
             raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
+        ins = [_dense(i, "scatter input", None, None) for i in ins]
         ops = [("copy", i, out) if p == me else ("send", p, i) for p, i in enumerate(ins)]
-        return self._p2p_group("scatter", ops, [out])
+        return self._p2p_group("scatter", ops, [user_out], lambda: _copy_back(backs))
 
     def barrier(self, opts: Any = None) -> Any:
+        self._seq += 1
         return self._run("barrier", [_Call("barrier", None, None)], [], inline=True)
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
@@ -874,6 +1217,7 @@ class BackendOxccl(_C10dBackend):
     def shutdown(self) -> None:
         self._flush_p2p()
         self.comm.synchronize()
+        _WRAPPED_BY_TORCH.discard(self)
 
     def abort(self) -> None:
         pass
@@ -1023,10 +1367,17 @@ def _shm_allocator_min_bytes() -> Optional[int]:
     return None if _CPP is None else _CPP.shm_allocator_min_bytes()
 
 
+#: Python backends that only C++ holds (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps them in torch's
+#: ProcessGroupWrapper): without a Python reference their methods would no longer be found.
+_WRAPPED_BY_TORCH: "set[BackendOxccl]" = set()
+
+
 def _create(dist_opts: Any, backend_options: Any = None) -> Any:
     backend = _wrap(
         _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, dist_opts.group_id)
     )
+    if isinstance(backend, BackendOxccl) and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        _WRAPPED_BY_TORCH.add(backend)
     _install_shm_allocator()
     return backend
 

@@ -2,9 +2,11 @@
 // library through its C ABI (oxccl.h), taken from the capsule oxccl._oxccl._C_API, so it is
 // the library instance and the communicator that the Python backend (oxccl/torch.py,
 // BackendOxccl) already made. Every other call, and every call these paths do not take
-// (PREMUL_SUM, non-contiguous or overlapping tensors, uneven all-to-all, ...), is delegated
-// to that Python backend, with the GIL, in call order: held point-to-point operations are
-// flushed before a collective of this file.
+// (PREMUL_SUM, non-contiguous or overlapping tensors, uneven all-to-all, several tensors in
+// one allreduce/broadcast, sparse, complex or int16 reductions, empty lists, ...), is
+// delegated to that Python backend, which does what gloo does or raises before any data
+// moves; with the GIL, in call order: held point-to-point operations are flushed before a
+// collective of this file.
 //
 // Small calls (<= kInlineMaxBytes in all) run on the calling thread and return a completed
 // Work. Larger ones are queued on the communicator's stream (oxcclGroupStart/End) and return
@@ -23,6 +25,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -397,48 +400,71 @@ class BackendOxcclCpp : public c10d::Backend {
     return py_.attr("options").cast<c10::intrusive_ptr<Options>>();
   }
 
+  // Sequence numbers, as gloo's: every collective call counts, from 0 on every rank (torch's
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL compares them across ranks). Point-to-point calls do not.
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
+  void setSequenceNumberForGroup() override {}  // nothing to agree on: 0 everywhere
+
   // -- hot calls -------------------------------------------------------------------------
+  // One dense tensor of a library dtype and op; every other form (several tensors, gloo's
+  // local reduction of them; sparse, non-contiguous, complex, int16; an empty list, an error)
+  // is the Python backend's.
   c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) override {
+    seq_++;
     int op = opOf(opts.reduceOp);
-    std::vector<Call> calls;
-    if (op < 0 || !plain(tensors)) return delegate("allreduce", tensors, opts);
-    for (auto& t : tensors) {
-      int dt = dtypeOf(t);
-      if (dt < 0) return delegate("allreduce", tensors, opts);
-      calls.push_back({Kind::AllReduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, 0});
-    }
+    if (tensors.size() != 1 || op < 0 || !plain(tensors[0])) return delegate("allreduce", tensors, opts);
+    auto& t = tensors[0];
+    int dt = dtypeOf(t);
+    if (dt < 0) return delegate("allreduce", tensors, opts);
+    std::vector<Call> calls{{Kind::AllReduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, 0}};
     return run("all_reduce", calls, tensors, OpType::ALLREDUCE);
   }
 
+  // Each tensor reduced on its own; tensors sharing memory (reduced as gloo does, once per
+  // position) and the rest of the forms above go to the Python backend.
   c10::intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                const c10d::AllreduceCoalescedOptions& opts) override {
-    return allreduce(tensors, opts);
+    seq_++;
+    int op = opOf(opts.reduceOp);
+    if (tensors.empty() || op < 0 || !plain(tensors) || anyOverlap(tensors))
+      return delegate("allreduce_coalesced", tensors, opts);
+    std::vector<Call> calls;
+    for (auto& t : tensors) {
+      int dt = dtypeOf(t);
+      if (dt < 0) return delegate("allreduce_coalesced", tensors, opts);
+      calls.push_back({Kind::AllReduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, 0});
+    }
+    return run("all_reduce", calls, tensors, OpType::ALLREDUCE_COALESCED);
   }
 
+  // One tensor (several: gloo's tensors[rootTensor] into every one, in Python).
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
-    if (!plain(tensors)) return delegate("broadcast", tensors, opts);
-    std::vector<Call> calls;
-    for (auto& t : tensors)
-      calls.push_back({Kind::Broadcast, t.data_ptr(), t.data_ptr(), t.nbytes(), oxcclUint8, oxcclSum,
-                       int(opts.rootRank)});
+    seq_++;
+    checkRoot("broadcast", opts.rootRank);
+    if (tensors.size() != 1 || opts.rootTensor != 0 || !plain(tensors[0])) return delegate("broadcast", tensors, opts);
+    auto& t = tensors[0];
+    std::vector<Call> calls{{Kind::Broadcast, t.data_ptr(), t.data_ptr(), t.nbytes(), oxcclUint8, oxcclSum,
+                             int(opts.rootRank)}};
     return run("broadcast", calls, tensors, OpType::BROADCAST);
   }
 
   c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    seq_++;
+    checkRoot("reduce", opts.rootRank);
     int op = opOf(opts.reduceOp);
-    if (op < 0 || !plain(tensors)) return delegate("reduce", tensors, opts);
-    std::vector<Call> calls;
-    for (auto& t : tensors) {
-      int dt = dtypeOf(t);
-      if (dt < 0) return delegate("reduce", tensors, opts);
-      calls.push_back({Kind::Reduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, int(opts.rootRank)});
-    }
+    if (tensors.size() != 1 || opts.rootTensor != 0 || op < 0 || !plain(tensors[0]))
+      return delegate("reduce", tensors, opts);
+    auto& t = tensors[0];
+    int dt = dtypeOf(t);
+    if (dt < 0) return delegate("reduce", tensors, opts);
+    std::vector<Call> calls{{Kind::Reduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, int(opts.rootRank)}};
     return run("reduce", calls, tensors, OpType::REDUCE);
   }
 
   c10::intrusive_ptr<Work> all_gather_single(at::Tensor& output, at::Tensor& input,
                                              const c10d::AllgatherOptions& opts) override {
+    seq_++;
     std::vector<at::Tensor> outs{output}, ins{input};
     std::vector<Call> calls;
     if (!gatherCall(output, input, calls)) return delegate("_allgather_base", output, input, opts);
@@ -448,6 +474,7 @@ class BackendOxcclCpp : public c10d::Backend {
   c10::intrusive_ptr<Work> all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) override {
+    seq_++;
     std::vector<Call> calls;
     for (size_t i = 0; i < outputs.size() && i < inputs.size(); i++)
       if (!gatherCall(outputs[i], inputs[i], calls))
@@ -456,36 +483,37 @@ class BackendOxcclCpp : public c10d::Backend {
     return run("all_gather_into_tensor", calls, outputs, OpType::COALESCED, &inputs);
   }
 
+  // One input (several: gloo's form, every input of every rank in each output list, in
+  // Python).
   c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                      const c10d::AllgatherOptions& opts) override {
-    // Into one flat buffer per input, then copied out: inline only (a queued call would need
-    // the copies after it).
-    size_t n = size_t(getSize()), total = 0;
-    bool ok = outputs.size() == inputs.size() && plain(inputs);
-    for (size_t i = 0; ok && i < inputs.size(); i++) {
-      ok = outputs[i].size() == n;
-      for (auto& o : outputs[i])
-        ok = ok && o.numel() == inputs[i].numel() && o.scalar_type() == inputs[i].scalar_type();
-      total += inputs[i].nbytes() * n;
+    seq_++;
+    if (inputs.size() != 1 || outputs.size() != 1) return delegate("allgather", outputs, inputs, opts);
+    auto w = gatherEach(outputs, inputs);
+    return w ? w : delegate("allgather", outputs, inputs, opts);
+  }
+
+  // torch's form: outputs[rank][i] receives inputs[i] of that rank.
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts) override {
+    seq_++;
+    size_t n = size_t(getSize()), k = inputs.size();
+    bool ok = k > 0 && outputs.size() == n;
+    for (size_t r = 0; ok && r < n; r++) ok = outputs[r].size() == k;
+    c10::intrusive_ptr<Work> w;
+    if (ok) {
+      std::vector<std::vector<at::Tensor>> perInput(k);
+      for (size_t i = 0; i < k; i++)
+        for (size_t r = 0; r < n; r++) perInput[i].push_back(outputs[r][i]);
+      w = gatherEach(perInput, inputs);
     }
-    if (!ok || total > kInlineMaxBytes) return delegate("allgather", outputs, inputs, opts);
-    flushHeld();
-    std::vector<at::Tensor> flat, result;
-    for (size_t i = 0; i < inputs.size(); i++) {
-      flat.push_back(at::empty({int64_t(n), inputs[i].numel()}, inputs[i].options()));
-      check(issue({Kind::AllGather, inputs[i].data_ptr(), flat.back().data_ptr(), inputs[i].nbytes(), oxcclUint8,
-                   oxcclSum, 0}));
-    }
-    for (size_t i = 0; i < inputs.size(); i++)
-      for (size_t r = 0; r < n; r++) {
-        outputs[i][r].copy_(flat[i][int64_t(r)].view(outputs[i][r].sizes()));
-        result.push_back(outputs[i][r]);
-      }
-    return c10::make_intrusive<DoneWork>(std::move(result), OpType::ALLGATHER);
+    return w ? w : delegate("allgather_coalesced", outputs, inputs, opts);
   }
 
   c10::intrusive_ptr<Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
                                                  const c10d::ReduceScatterOptions& opts) override {
+    seq_++;
     std::vector<Call> calls;
     std::vector<at::Tensor> outs{output}, ins{input};
     if (!scatterCall(output, input, opts, calls)) return delegate("_reduce_scatter_base", output, input, opts);
@@ -495,6 +523,7 @@ class BackendOxcclCpp : public c10d::Backend {
   c10::intrusive_ptr<Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
                                                            std::vector<at::Tensor>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) override {
+    seq_++;
     std::vector<Call> calls;
     bool ok = outputs.size() == inputs.size();
     for (size_t i = 0; ok && i < outputs.size(); i++) ok = scatterCall(outputs[i], inputs[i], opts, calls);
@@ -505,10 +534,11 @@ class BackendOxcclCpp : public c10d::Backend {
   c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                           std::vector<std::vector<at::Tensor>>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
+    seq_++;
     // The inputs stacked into one buffer per output (a copy), then one call each.
     size_t n = size_t(getSize());
     int op = opOf(opts.reduceOp);
-    bool ok = op >= 0 && outputs.size() == inputs.size() && plain(outputs);
+    bool ok = op >= 0 && !outputs.empty() && outputs.size() == inputs.size() && plain(outputs);
     for (size_t i = 0; ok && i < inputs.size(); i++) {
       ok = inputs[i].size() == n && dtypeOf(outputs[i]) >= 0;
       for (auto& t : inputs[i])
@@ -531,6 +561,7 @@ class BackendOxcclCpp : public c10d::Backend {
   c10::intrusive_ptr<Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
                                              std::vector<int64_t>& outSplits, std::vector<int64_t>& inSplits,
                                              const c10d::AllToAllOptions& opts) override {
+    seq_++;
     // Equal blocks only (no split sizes, or all equal); the rest is the Python backend's
     // point-to-point group.
     int64_t n = getSize();
@@ -552,27 +583,26 @@ class BackendOxcclCpp : public c10d::Backend {
   }
 
   c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions&) override {
+    seq_++;
     std::vector<Call> calls{{Kind::Barrier, nullptr, nullptr, 0, oxcclUint8, oxcclSum, 0}};
     std::vector<at::Tensor> none;
     return run("barrier", calls, none, OpType::BARRIER, nullptr, /*forceInline=*/true);
   }
 
-  // -- delegated -------------------------------------------------------------------------
-  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                               std::vector<at::Tensor>& inputs,
-                                               const c10d::AllgatherOptions& opts) override {
-    return allgather(outputs, inputs, opts);
-  }
+  // -- delegated (the Python backend checks the root and the tensors before any data moves)
   c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                   const c10d::GatherOptions& opts) override {
+    seq_++;
     return delegate("gather", outputs, inputs, opts);
   }
   c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                                    const c10d::ScatterOptions& opts) override {
+    seq_++;
     return delegate("scatter", outputs, inputs, opts);
   }
   c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                     const c10d::AllToAllOptions& opts) override {
+    seq_++;
     return delegate("alltoall", outputs, inputs, opts);
   }
   c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
@@ -626,6 +656,59 @@ class BackendOxcclCpp : public c10d::Backend {
     py::gil_scoped_acquire gil;
     py_.attr("_flush_p2p")();
     held_ = false;
+  }
+
+  // inputs[i] of every rank into outputs[i] (one tensor per rank), each through a flat
+  // buffer, then copied out: inline only (a queued call would need the copies after it).
+  // Null when the form is not this file's (the Python backend takes it, or says why not).
+  c10::intrusive_ptr<Work> gatherEach(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs) {
+    size_t n = size_t(getSize()), total = 0;
+    bool ok = outputs.size() == inputs.size() && plain(inputs);
+    for (size_t i = 0; ok && i < inputs.size(); i++) {
+      ok = outputs[i].size() == n;
+      for (auto& o : outputs[i])
+        ok = ok && o.defined() && o.device().is_cpu() && o.layout() == at::kStrided &&
+             o.numel() == inputs[i].numel() && o.scalar_type() == inputs[i].scalar_type();
+      total += inputs[i].nbytes() * n;
+    }
+    if (!ok || total > kInlineMaxBytes) return {};
+    flushHeld();
+    std::vector<at::Tensor> flat, result;
+    for (size_t i = 0; i < inputs.size(); i++) {
+      flat.push_back(at::empty({int64_t(n), inputs[i].numel()}, inputs[i].options()));
+      check(issue({Kind::AllGather, inputs[i].data_ptr(), flat.back().data_ptr(), inputs[i].nbytes(), oxcclUint8,
+                   oxcclSum, 0}));
+    }
+    for (size_t i = 0; i < inputs.size(); i++)
+      for (size_t r = 0; r < n; r++) {
+        outputs[i][r].copy_(flat[i][int64_t(r)].view(outputs[i][r].sizes()));
+        result.push_back(outputs[i][r]);
+      }
+    return c10::make_intrusive<DoneWork>(std::move(result), OpType::ALLGATHER);
+  }
+
+  // A clear error, before any data moves, for a root outside the group.
+  void checkRoot(const char* what, int64_t root) {
+    if (root < 0 || root >= getSize())
+      raise(oxcclInvalidArgument, "oxccl: rank " + std::to_string(getRank()) + ": " + what + ": root rank " +
+                                      std::to_string(root) + " is not in this group of " + std::to_string(getSize()) +
+                                      " (ranks 0 .. " + std::to_string(getSize() - 1) + ")");
+  }
+
+  // Whether any two of `ts` (contiguous) share a byte.
+  static bool anyOverlap(const std::vector<at::Tensor>& ts) {
+    if (ts.size() < 2) return false;
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+    spans.reserve(ts.size());
+    for (auto& t : ts)
+      if (t.nbytes()) {
+        auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+        spans.emplace_back(p, p + t.nbytes());
+      }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); i++)
+      if (spans[i].first < spans[i - 1].second) return true;
+    return false;
   }
 
   static bool overlap(const at::Tensor& a, const at::Tensor& b) {
@@ -729,6 +812,7 @@ class BackendOxcclCpp : public c10d::Backend {
   oxcclComm_t comm_;
   double timeout_s_;
   bool held_ = false;
+  uint64_t seq_ = 0;  // collectives called (getSequenceNumberForGroup)
 };
 
 // ------------------------------------------------------------------------------------------
