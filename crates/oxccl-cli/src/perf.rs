@@ -54,10 +54,10 @@ pub struct Args {
     #[arg(short = 'c', long = "check", default_value_t = 1, value_parser = args::count(0, 1))]
     check: usize,
     /// Buffers: private memory (0), or shared buffers from `Communicator::alloc_shared` (1),
-    /// which peers on this host map (nccl-tests' `-R`, registered buffers).
-    #[arg(short = 'R', long = "register", default_value_t = 0, env = "OXCCL_PERF_REGISTER",
-          value_parser = args::count(0, 1))]
-    register: usize,
+    /// which peers on this host map (nccl-tests' `-R`, registered buffers). Default:
+    /// OXCCL_PERF_REGISTER, else 0.
+    #[arg(short = 'R', long = "register", value_parser = args::count(0, 1))]
+    register: Option<usize>,
     /// Data type (float, half, bfloat16, int32, ...) or `all`.
     #[arg(short = 'd', long = "datatype", default_value = "float")]
     datatype: String,
@@ -101,11 +101,13 @@ pub struct Args {
     /// the original size, re-run the same size and check (see perf/inject.rs).
     #[arg(long, requires = "kill_rank")]
     grow: bool,
-    /// Internal (set by this command's launcher): the rank whose SIGKILL it expects.
-    #[arg(long, hide = true, env = crate::launch::EXPECT_KILL_ENV, value_parser = args::count(0, MAX_RANK))]
+    /// Internal (OXCCL_LAUNCH_EXPECTS_KILL, set by this command's launcher): the rank whose
+    /// SIGKILL it expects.
+    #[arg(skip)]
     launcher_expects_kill: Option<usize>,
-    /// Internal (set by --grow for the replacement it starts): `RANK/SIZE/UNIQUE_ID` to join.
-    #[arg(long, hide = true, env = oxccl::params::PERF_GROW_JOIN.name, value_parser = args::text(1024))]
+    /// Internal (OXCCL_PERF_GROW_JOIN, set by --grow for the replacement it starts):
+    /// `RANK/SIZE/UNIQUE_ID` to join.
+    #[arg(skip)]
     grow_join: Option<String>,
 }
 
@@ -116,7 +118,21 @@ pub(crate) fn under_launcher() -> bool {
 }
 
 /// Entry point: start ranks, or be one.
-pub fn main(a: Args) -> i32 {
+pub fn main(mut a: Args) -> i32 {
+    // The variables some flags default to, through the table (checked at start-up, main.rs).
+    use oxccl::params::{LAUNCH_EXPECTS_KILL, PERF_GROW_JOIN, PERF_REGISTER};
+    let from_env = (|| -> oxccl::Result<()> {
+        if a.register.is_none() {
+            a.register = PERF_REGISTER.count()?.map(|n| n as usize);
+        }
+        a.launcher_expects_kill = LAUNCH_EXPECTS_KILL.count()?.map(|n| n as usize);
+        a.grow_join = PERF_GROW_JOIN.text()?;
+        Ok(())
+    })();
+    if let Err(e) = from_env {
+        eprintln!("oxccl perf: {e}");
+        return 2;
+    }
     if let Err(e) = validate(&a) {
         eprintln!("oxccl perf: {e}");
         return 2;
@@ -187,8 +203,9 @@ fn ops(s: &str, kind: CollKind, dtype: DataType) -> Result<Vec<ReduceOp>, String
 
 fn validate(a: &Args) -> Result<(), String> {
     let kind = kind_of(&a.collective)?;
-    for dtype in dtypes(&a.datatype)? {
-        ops(&a.op, kind, dtype)?;
+    let shown = oxccl::params::shown;
+    for dtype in dtypes(&a.datatype).map_err(|e| format!("-d {}: {e}", shown(&a.datatype)))? {
+        ops(&a.op, kind, dtype).map_err(|e| format!("-o {}: {e}", shown(&a.op)))?;
     }
     if a.minbytes > a.maxbytes {
         return Err(format!(
@@ -337,7 +354,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
         seq: 0,
         msg,
     })?;
-    let mut bufs = case.buffers((a.register == 1).then_some(comm))?;
+    let mut bufs = case.buffers((a.register == Some(1)).then_some(comm))?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);
     let t = time_calls_cpu(comm, case, send, recv, a.warmup, a.iters)?;
@@ -506,7 +523,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
             "#  iters {iters} warmup {} check {} buffers {}",
             a.warmup,
             a.check,
-            if a.register == 1 {
+            if a.register == Some(1) {
                 "shared (-R 1)"
             } else {
                 "private"
