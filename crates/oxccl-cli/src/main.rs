@@ -53,7 +53,10 @@ fn main() {
     // anything runs (also before clap reads the variables some flags default to): a refused
     // value is one line naming it, the value and the range.
     let sub = std::env::args_os().nth(1);
-    if ["perf", "run", "tune"].iter().any(|c| sub.as_deref() == Some(c.as_ref())) {
+    if ["perf", "run", "tune"]
+        .iter()
+        .any(|c| sub.as_deref() == Some(c.as_ref()))
+    {
         use oxccl::params::Scope;
         if let Err(e) = oxccl::params::check_env(&[Scope::Comm, Scope::Process, Scope::Cli]) {
             eprintln!("oxccl: {e}");

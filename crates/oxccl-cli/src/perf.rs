@@ -234,8 +234,16 @@ fn validate(a: &Args) -> Result<(), String> {
                     nranks: a.ranks,
                 };
                 let (s, r) = case.sizes();
-                let total = (s as u64).saturating_add(r as u64).saturating_mul(a.ranks as u64);
-                oxccl::check_fits(total, &format!("-e {max}: {} rank(s) with {s} + {r} bytes of buffers each", a.ranks))?;
+                let total = (s as u64)
+                    .saturating_add(r as u64)
+                    .saturating_mul(a.ranks as u64);
+                oxccl::check_fits(
+                    total,
+                    &format!(
+                        "-e {max}: {} rank(s) with {s} + {r} bytes of buffers each",
+                        a.ranks
+                    ),
+                )?;
             }
         }
     }

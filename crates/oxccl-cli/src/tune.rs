@@ -6,8 +6,8 @@ use std::io::Write;
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxccl::check::Case;
-use oxccl::Algo;
 use oxccl::params::{TUNE_FILE, USER_TUNE_FILE};
+use oxccl::Algo;
 use oxccl::Tuning;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 

@@ -23,7 +23,18 @@ const HOSTILE: &[&str] = &[
 ];
 
 /// A small, quick benchmark run.
-const PERF: &[&str] = &["perf", "all_reduce", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1"];
+const PERF: &[&str] = &[
+    "perf",
+    "all_reduce",
+    "-b",
+    "1K",
+    "-e",
+    "1K",
+    "-n",
+    "2",
+    "-w",
+    "1",
+];
 
 struct Ran {
     code: Option<i32>,
@@ -47,7 +58,13 @@ fn run(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Ran {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    for v in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"] {
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+    ] {
         cmd.env_remove(v);
     }
     for (k, v) in env {
@@ -118,7 +135,10 @@ fn assert_ran(r: &Ran, ctx: &str) {
 
 /// The variables a process of this crate or the library reads.
 fn read_here(scope: Scope) -> bool {
-    matches!(scope, Scope::Comm | Scope::Process | Scope::Cli | Scope::Launch)
+    matches!(
+        scope,
+        Scope::Comm | Scope::Process | Scope::Cli | Scope::Launch
+    )
 }
 
 #[test]
@@ -155,7 +175,10 @@ fn every_variable_refused_or_run() {
             }
         }
     }
-    assert!(refused > 100 && ran > 20, "only {refused} refusals and {ran} runs");
+    assert!(
+        refused > 100 && ran > 20,
+        "only {refused} refusals and {ran} runs"
+    );
     eprintln!("{refused} values refused, {ran} accepted ones ran");
     // Every variable set empty at once: all count as unset, and the run works.
     let empty: Vec<(&str, &str)> = PARAMS
@@ -177,23 +200,75 @@ fn flags() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {
     vec![
         (perf(&["-e", "1K", "-n", "2"]), "--minbytes", "-b"),
         (perf(&["-b", "0", "-n", "2"]), "--maxbytes", "-e"),
-        (perf(&["-b", "1K", "-e", "4K", "-n", "2"]), "--stepfactor", "-f"),
-        (perf(&["-b", "1K", "-e", "4K", "-n", "2"]), "--stepbytes", "-i"),
+        (
+            perf(&["-b", "1K", "-e", "4K", "-n", "2"]),
+            "--stepfactor",
+            "-f",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "4K", "-n", "2"]),
+            "--stepbytes",
+            "-i",
+        ),
         (perf(&["-b", "1K", "-e", "1K"]), "--iters", "-n"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--warmup_iters", "-w"),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--warmup_iters",
+            "-w",
+        ),
         (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--check", "-c"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--register", "-R"),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--register",
+            "-R",
+        ),
         (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--root", "-r"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--datatype", "-d"),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--datatype",
+            "-d",
+        ),
         (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--op", "-o"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--ranks", "--ranks"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--transport", "--transport"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--algo", "--algo"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--kill-rank", "--kill-rank"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--stall-rank", "--stall-rank"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2"]), "--cut-rank", "--cut-rank"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2", "--kill-rank", "1"]), "--at-iter", "--at-iter"),
-        (perf(&["-b", "1K", "-e", "1K", "-n", "2", "--stall-rank", "1"]), "--stall-secs", "--stall-secs"),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--ranks",
+            "--ranks",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--transport",
+            "--transport",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--algo",
+            "--algo",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--kill-rank",
+            "--kill-rank",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--stall-rank",
+            "--stall-rank",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2"]),
+            "--cut-rank",
+            "--cut-rank",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2", "--kill-rank", "1"]),
+            "--at-iter",
+            "--at-iter",
+        ),
+        (
+            perf(&["-b", "1K", "-e", "1K", "-n", "2", "--stall-rank", "1"]),
+            "--stall-secs",
+            "--stall-secs",
+        ),
         (vec!["run"], "--nproc", "-n"),
         (vec!["run"], "--expect-kill", "--expect-kill"),
         (vec!["tune", "--dry-run"], "--ranks", "--ranks"),
@@ -255,14 +330,22 @@ fn perf_sizes_bounded() {
     assert_refused(&r, "--minbytes", "-b = -e = 2^64-1");
     let r = run(&["perf", "all_reduce", "-e", max], &[], limit);
     assert_refused(&r, "--maxbytes", "-e 2^64-1");
-    let r = run(&["perf", "all_reduce", "-b", "1", "-e", "1G", "-i", "1"], &[], limit);
+    let r = run(
+        &["perf", "all_reduce", "-b", "1", "-e", "1G", "-i", "1"],
+        &[],
+        limit,
+    );
     assert!(
         r.code == Some(2) && r.stderr.contains("rows"),
         "a million rows: {}",
         what(&r)
     );
     // 1 TiB per buffer on 2 ranks: more than any test machine has.
-    let r = run(&["perf", "all_reduce", "-b", "1024G", "-e", "1024G"], &[], limit);
+    let r = run(
+        &["perf", "all_reduce", "-b", "1024G", "-e", "1024G"],
+        &[],
+        limit,
+    );
     assert!(
         r.code == Some(2) && r.stderr.contains("MemAvailable"),
         "1 TiB: {}",

@@ -145,7 +145,12 @@ impl FromStr for ReduceOp {
                 .trim()
                 .parse::<f64>()
                 .map(ReduceOp::PreMulSum)
-                .map_err(|e| format!("premul_sum scalar '{}': {e}", crate::base::param::table::shown(scalar)));
+                .map_err(|e| {
+                    format!(
+                        "premul_sum scalar '{}': {e}",
+                        crate::base::param::table::shown(scalar)
+                    )
+                });
         }
         Ok(match lower.as_str() {
             "sum" => ReduceOp::Sum,

@@ -251,7 +251,9 @@ impl LaunchEnv {
             .to_socket_addrs()
             .map_err(|e| Error::Env(format!("{name}: cannot resolve '{}': {e}", shown(&text))))?
             .next()
-            .ok_or_else(|| Error::Env(format!("{name}: '{}' resolves to no address", shown(&text))))?;
+            .ok_or_else(|| {
+                Error::Env(format!("{name}: '{}' resolves to no address", shown(&text)))
+            })?;
         if addr.port() == 0 {
             return Err(Error::Env(format!(
                 "{name}: '{text}' has port 0; rank 0 must listen on a known port"

@@ -201,7 +201,11 @@ pub(crate) fn hugepages_allowed() -> bool {
 /// default 1 GiB. Read once per process. A value the table refuses counts as the default
 /// here; [`Config::from_env`] reports it.
 pub(crate) fn shm_pool_cache_bytes() -> usize {
-    table::SHM_POOL_CACHE.bytes().ok().flatten().unwrap_or(1 << 30)
+    table::SHM_POOL_CACHE
+        .bytes()
+        .ok()
+        .flatten()
+        .unwrap_or(1 << 30)
 }
 
 /// The size of the largest data cache of CPU 0 (sysfs), in bytes; read once per process
@@ -285,7 +289,11 @@ impl Tuning {
                 Ok(table::Value::Bytes(b)) => usize::try_from(b).map_err(|e| e.to_string())?,
                 Ok(_) => return Err(format!("{key}: not a size")),
                 Err(why) => {
-                    return Err(format!("{key}={}: {why}; expected {}", table::shown(v.trim()), param.range()))
+                    return Err(format!(
+                        "{key}={}: {why}; expected {}",
+                        table::shown(v.trim()),
+                        param.range()
+                    ))
                 }
             };
             match key {
