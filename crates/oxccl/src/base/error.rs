@@ -295,3 +295,25 @@ pub(crate) fn describe_io(e: &std::io::Error) -> String {
         None => e.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_lists_are_bounded() {
+        assert_eq!(rank_list(&[]), "[]");
+        assert_eq!(rank_list(&[1, 2]), "[1, 2]");
+        let all: Vec<usize> = (1..65536).collect();
+        assert_eq!(rank_list(&all), "[1, 2, 3, 4, 5, 6, 7, 8] and 65527 more");
+        let e = Error::Timeout {
+            rank: 0,
+            call: "init",
+            seq: 0,
+            waiting_on: all,
+            elapsed: Duration::from_secs(1),
+        };
+        let m = e.to_string();
+        assert!(m.len() < 200 && m.ends_with("and 65527 more"), "{m}");
+    }
+}

@@ -89,7 +89,7 @@ impl RootJoin {
                 rank: 0,
                 addr: self.root.to_string(),
                 msg: format!(
-                    "{} joined and then {gone} before every rank had joined (still waiting on rank(s) {:?}); it died or was stopped",
+                    "{} joined and then {gone} before every rank had joined (still waiting on rank(s) {}); it died or was stopped",
                     self.who(*r),
                     crate::base::error::rank_list(&self.missing())
                 ),
