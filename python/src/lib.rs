@@ -612,7 +612,13 @@ impl Drop for Inflight {
 #[pyfunction]
 fn wait_inflight(py: Python<'_>, timeout_s: f64) -> usize {
     py.detach(|| {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout_s.max(0.0));
+        // NaN and negative: no wait; huge: capped (from_secs_f64 panics past ~1.8e19 s).
+        let secs = if timeout_s > 0.0 {
+            timeout_s.min(1e7)
+        } else {
+            0.0
+        };
+        let deadline = Instant::now() + Duration::from_secs_f64(secs);
         let mut n = INFLIGHT.0.lock().unwrap_or_else(|e| e.into_inner());
         while *n > 0 {
             let left = deadline.saturating_duration_since(Instant::now());

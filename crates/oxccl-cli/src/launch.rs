@@ -22,14 +22,15 @@ use clap::Args;
 #[derive(Args)]
 pub struct RunArgs {
     /// Number of ranks to start on this host.
-    #[arg(short = 'n', long = "nproc", default_value_t = 2)]
+    #[arg(short = 'n', long = "nproc", default_value_t = 2,
+          value_parser = crate::args::count(1, crate::args::MAX_LOCAL_RANKS))]
     nproc: usize,
     /// Do not prefix output lines with the rank.
     #[arg(long)]
     no_prefix: bool,
     /// Failure drills: this rank's death by SIGKILL is expected and does not stop the other
     /// ranks (any other failure still does; the ranks get OXCCL_LAUNCH_EXPECTS_KILL=RANK).
-    #[arg(long, value_name = "RANK")]
+    #[arg(long, value_name = "RANK", value_parser = crate::args::count(0, crate::args::MAX_RANK))]
     expect_kill: Option<usize>,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
@@ -38,7 +39,7 @@ pub struct RunArgs {
 
 /// Set by the launcher for every rank when one rank's death by SIGKILL is expected: that
 /// rank's number.
-pub const EXPECT_KILL_ENV: &str = "OXCCL_LAUNCH_EXPECTS_KILL";
+pub const EXPECT_KILL_ENV: &str = oxccl::params::LAUNCH_EXPECTS_KILL.name;
 
 /// How the launcher treats the ranks' output.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -192,7 +193,8 @@ impl Binding {
             cpus: Vec::new(),
             saved: None,
         };
-        if std::env::var("OXCCL_BIND").is_ok_and(|v| v.trim() == "none") {
+        // Checked at start-up (main.rs): a refused value never gets here.
+        if oxccl::params::BIND.choice().ok().flatten() == Some("none") {
             return off;
         }
         let Ok(mask) = rustix::thread::sched_getaffinity(None) else {
@@ -263,7 +265,7 @@ pub fn launch(
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            .env("OXCCL_SECRET", &secret)
+            .env(oxccl::params::SECRET.name, &secret)
             .stdin(Stdio::null())
             // Each rank leads its own process group, so that stopping a rank stops whatever it
             // started too; the launcher forwards SIGINT/SIGTERM/SIGHUP to every group.

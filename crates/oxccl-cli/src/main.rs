@@ -6,6 +6,7 @@
 //! - `oxccl trace FILES...`: merges flight recorder files (see `trace.rs`).
 //! - `oxccl status ADDR`: asks a running job where every rank is (see `status.rs`).
 
+mod args;
 mod info;
 mod launch;
 mod perf;
@@ -48,6 +49,20 @@ enum Cmd {
 }
 
 fn main() {
+    // Commands that start ranks check every variable they and the library read, once, before
+    // anything runs (also before clap reads the variables some flags default to): a refused
+    // value is one line naming it, the value and the range.
+    let sub = std::env::args_os().nth(1);
+    if ["perf", "run", "tune"]
+        .iter()
+        .any(|c| sub.as_deref() == Some(c.as_ref()))
+    {
+        use oxccl::params::Scope;
+        if let Err(e) = oxccl::params::check_env(&[Scope::Comm, Scope::Process, Scope::Cli]) {
+            eprintln!("oxccl: {e}");
+            std::process::exit(2);
+        }
+    }
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Perf(a) => perf::main(*a),

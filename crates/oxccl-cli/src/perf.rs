@@ -15,10 +15,12 @@ use std::time::Instant;
 
 use clap::Args as ClapArgs;
 use oxccl::check::Case;
-use oxccl::parse_bytes;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 use serde::Serialize;
 
+use oxccl::params::{ALGO, TRANSPORT};
+
+use crate::args::{self, MAX_ITERS as MAX_ITER_ARG, MAX_LOCAL_RANKS, MAX_PERF_BYTES, MAX_RANK};
 use crate::launch::rank_or_launch;
 
 mod inject;
@@ -29,33 +31,33 @@ mod runq;
 pub struct Args {
     /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv.
     collective: String,
-    /// Smallest size in bytes (K, M, G suffixes).
-    #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = parse_bytes)]
+    /// Smallest size in bytes (K, M, G suffixes; at most 1024G).
+    #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = args::bytes(0, MAX_PERF_BYTES))]
     minbytes: usize,
-    /// Largest size in bytes.
-    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = parse_bytes)]
+    /// Largest size in bytes (at most 1024G, and what this host's memory holds).
+    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = args::bytes(0, MAX_PERF_BYTES))]
     maxbytes: usize,
-    /// Multiply the size by this factor between rows.
-    #[arg(short = 'f', long = "stepfactor")]
+    /// Multiply the size by this factor between rows (2 to 1024; 1 where -b equals -e).
+    #[arg(short = 'f', long = "stepfactor", value_parser = args::count(1, 1024))]
     stepfactor: Option<usize>,
     /// Add this many bytes between rows (instead of -f).
-    #[arg(short = 'i', long = "stepbytes", value_parser = parse_bytes)]
+    #[arg(short = 'i', long = "stepbytes", value_parser = args::bytes(1, MAX_PERF_BYTES))]
     stepbytes: Option<usize>,
     /// Timed iterations per size. Default: at least 20, more for small sizes, so that each
     /// row times about 20 ms of calls (fewer hiccups of a shared machine in the average).
-    #[arg(short = 'n', long = "iters")]
+    #[arg(short = 'n', long = "iters", value_parser = args::count(1, MAX_ITER_ARG))]
     iters: Option<usize>,
     /// Warm-up iterations per size.
-    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5, value_parser = args::count(0, MAX_ITER_ARG))]
     warmup: usize,
     /// Check results (1) and count wrong elements, or not (0).
-    #[arg(short = 'c', long = "check", default_value_t = 1)]
-    check: u8,
+    #[arg(short = 'c', long = "check", default_value_t = 1, value_parser = args::count(0, 1))]
+    check: usize,
     /// Buffers: private memory (0), or shared buffers from `Communicator::alloc_shared` (1),
-    /// which peers on this host map (nccl-tests' `-R`, registered buffers).
-    #[arg(short = 'R', long = "register", default_value_t = 0, env = "OXCCL_PERF_REGISTER",
-          value_parser = clap::value_parser!(u8).range(0..=1))]
-    register: u8,
+    /// which peers on this host map (nccl-tests' `-R`, registered buffers). Default:
+    /// OXCCL_PERF_REGISTER, else 0.
+    #[arg(short = 'R', long = "register", value_parser = args::count(0, 1))]
+    register: Option<usize>,
     /// Data type (float, half, bfloat16, int32, ...) or `all`.
     #[arg(short = 'd', long = "datatype", default_value = "float")]
     datatype: String,
@@ -63,47 +65,49 @@ pub struct Args {
     #[arg(short = 'o', long = "op", default_value = "sum")]
     op: String,
     /// Root of broadcast and reduce.
-    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    #[arg(short = 'r', long = "root", default_value_t = 0, value_parser = args::count(0, MAX_RANK))]
     root: usize,
-    /// Ranks to start on this host (ignored under a launcher, which says how many).
-    #[arg(long, default_value_t = 2)]
+    /// Ranks to start on this host, 1 to 1024 (ignored under a launcher, which says how many).
+    #[arg(long, default_value_t = 2, value_parser = args::count(1, MAX_LOCAL_RANKS))]
     ranks: usize,
     /// Transport: auto, shm or tcp (sets OXCCL_TRANSPORT for the ranks).
-    #[arg(long)]
+    #[arg(long, value_parser = args::word(&["auto", "shm", "tcp", "socket"]))]
     transport: Option<String>,
     /// Force an algorithm (sets OXCCL_ALGO for the ranks).
-    #[arg(long)]
+    #[arg(long, value_parser = args::algo)]
     algo: Option<String>,
     /// Also write one JSON object per row and placement to this file.
-    #[arg(long)]
+    #[arg(long, value_parser = args::text(4096))]
     json: Option<String>,
     /// Failure injection: this rank is killed (SIGKILL; under a launcher other than this
     /// command's own, an abrupt exit with status 0) at --at-iter; the survivors report the
     /// time to detect, shrink, re-run and check (see perf/inject.rs).
-    #[arg(long, value_name = "RANK", conflicts_with = "stall_rank")]
+    #[arg(long, value_name = "RANK", conflicts_with = "stall_rank", value_parser = args::count(0, MAX_RANK))]
     kill_rank: Option<usize>,
     /// Failure injection: this rank stops itself (SIGSTOP) at --at-iter for --stall-secs.
-    #[arg(long, value_name = "RANK")]
+    #[arg(long, value_name = "RANK", value_parser = args::count(0, MAX_RANK))]
     stall_rank: Option<usize>,
     /// Failure injection (TCP only): this rank is cut off the network at --at-iter, as a
     /// silent partition (every packet to its TCP sockets dropped; no FIN, no RST).
-    #[arg(long, value_name = "RANK", conflicts_with_all = ["kill_rank", "stall_rank"])]
+    #[arg(long, value_name = "RANK", conflicts_with_all = ["kill_rank", "stall_rank"], value_parser = args::count(0, MAX_RANK))]
     cut_rank: Option<usize>,
     /// The iteration at which the injected failure happens.
-    #[arg(long, value_name = "I", default_value_t = 10)]
+    #[arg(long, value_name = "I", default_value_t = 10, value_parser = args::count(0, MAX_ITER_ARG))]
     at_iter: usize,
-    /// How long a stalled rank stays stopped before it resumes and leaves.
-    #[arg(long, value_name = "SECS", default_value_t = 8.0)]
+    /// How long a stalled rank stays stopped before it resumes and leaves (at most an hour).
+    #[arg(long, value_name = "SECS", default_value_t = 8.0, value_parser = args::seconds(3600.0))]
     stall_secs: f64,
     /// With --kill-rank: after the survivors' re-run, start a replacement rank, `grow` back to
     /// the original size, re-run the same size and check (see perf/inject.rs).
     #[arg(long, requires = "kill_rank")]
     grow: bool,
-    /// Internal (set by this command's launcher): the rank whose SIGKILL it expects.
-    #[arg(long, hide = true, env = crate::launch::EXPECT_KILL_ENV)]
+    /// Internal (OXCCL_LAUNCH_EXPECTS_KILL, set by this command's launcher): the rank whose
+    /// SIGKILL it expects.
+    #[arg(skip)]
     launcher_expects_kill: Option<usize>,
-    /// Internal (set by --grow for the replacement it starts): `RANK/SIZE/UNIQUE_ID` to join.
-    #[arg(long, hide = true, env = "OXCCL_PERF_GROW_JOIN")]
+    /// Internal (OXCCL_PERF_GROW_JOIN, set by --grow for the replacement it starts):
+    /// `RANK/SIZE/UNIQUE_ID` to join.
+    #[arg(skip)]
     grow_join: Option<String>,
 }
 
@@ -114,7 +118,21 @@ pub(crate) fn under_launcher() -> bool {
 }
 
 /// Entry point: start ranks, or be one.
-pub fn main(a: Args) -> i32 {
+pub fn main(mut a: Args) -> i32 {
+    // The variables some flags default to, through the table (checked at start-up, main.rs).
+    use oxccl::params::{LAUNCH_EXPECTS_KILL, PERF_GROW_JOIN, PERF_REGISTER};
+    let from_env = (|| -> oxccl::Result<()> {
+        if a.register.is_none() {
+            a.register = PERF_REGISTER.count()?.map(|n| n as usize);
+        }
+        a.launcher_expects_kill = LAUNCH_EXPECTS_KILL.count()?.map(|n| n as usize);
+        a.grow_join = PERF_GROW_JOIN.text()?;
+        Ok(())
+    })();
+    if let Err(e) = from_env {
+        eprintln!("oxccl perf: {e}");
+        return 2;
+    }
     if let Err(e) = validate(&a) {
         eprintln!("oxccl perf: {e}");
         return 2;
@@ -124,18 +142,18 @@ pub fn main(a: Args) -> i32 {
         // One rank of a launched job: --transport and --algo apply to this process.
         // Set before any thread starts.
         if let Some(t) = &a.transport {
-            std::env::set_var("OXCCL_TRANSPORT", t);
+            std::env::set_var(TRANSPORT.name, t);
         }
         if let Some(al) = &a.algo {
-            std::env::set_var("OXCCL_ALGO", al);
+            std::env::set_var(ALGO.name, al);
         }
     }
     let mut env = Vec::new();
     if let Some(t) = &a.transport {
-        env.push(("OXCCL_TRANSPORT", t.clone()));
+        env.push((TRANSPORT.name, t.clone()));
     }
     if let Some(al) = &a.algo {
-        env.push(("OXCCL_ALGO", al.clone()));
+        env.push((ALGO.name, al.clone()));
     }
     rank_or_launch("perf", rank, a.ranks, &env, a.kill_rank, || rank_main(&a))
 }
@@ -151,7 +169,8 @@ fn kind_of(name: &str) -> Result<CollKind, String> {
         "sendrecv" => CollKind::SendRecv { to: 0, from: 0 },
         _ => {
             return Err(format!(
-                "unknown collective '{name}' (expected all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv)"
+                "unknown collective '{}' (expected all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv)",
+                oxccl::params::shown(name)
             ))
         }
     })
@@ -184,8 +203,9 @@ fn ops(s: &str, kind: CollKind, dtype: DataType) -> Result<Vec<ReduceOp>, String
 
 fn validate(a: &Args) -> Result<(), String> {
     let kind = kind_of(&a.collective)?;
-    for dtype in dtypes(&a.datatype)? {
-        ops(&a.op, kind, dtype)?;
+    let shown = oxccl::params::shown;
+    for dtype in dtypes(&a.datatype).map_err(|e| format!("-d {}: {e}", shown(&a.datatype)))? {
+        ops(&a.op, kind, dtype).map_err(|e| format!("-o {}: {e}", shown(&a.op)))?;
     }
     if a.minbytes > a.maxbytes {
         return Err(format!(
@@ -193,17 +213,39 @@ fn validate(a: &Args) -> Result<(), String> {
             a.minbytes, a.maxbytes
         ));
     }
-    if a.stepfactor == Some(0) || a.stepfactor == Some(1) && a.minbytes != a.maxbytes {
+    if a.stepfactor == Some(1) && a.minbytes != a.maxbytes {
         return Err("-f must be at least 2".into());
     }
-    if a.stepbytes == Some(0) {
-        return Err("-i must be positive".into());
-    }
-    if a.iters == Some(0) {
-        return Err("-n must be at least 1".into());
-    }
-    if a.check > 1 {
-        return Err("-c takes 0 or 1".into());
+    let sizes = sizes(a)?;
+    // What the largest row needs, before any rank starts (each rank checks again, with the
+    // launcher's rank count, before it allocates).
+    if !under_launcher() {
+        if let Some(&max) = sizes.last() {
+            for dtype in dtypes(&a.datatype)? {
+                let (count, _, _) = shape(kind, max, dtype.size(), a.ranks);
+                let case = Case {
+                    kind,
+                    dtype,
+                    op: ReduceOp::Sum,
+                    root: 0,
+                    count,
+                    in_place: false,
+                    rank: 0,
+                    nranks: a.ranks,
+                };
+                let (s, r) = case.sizes();
+                let total = (s as u64)
+                    .saturating_add(r as u64)
+                    .saturating_mul(a.ranks as u64);
+                oxccl::check_fits(
+                    total,
+                    &format!(
+                        "-e {max}: {} rank(s) with {s} + {r} bytes of buffers each",
+                        a.ranks
+                    ),
+                )?;
+            }
+        }
     }
     if a.cut_rank.is_some() {
         // --transport, else OXCCL_TRANSPORT.
@@ -218,21 +260,31 @@ fn validate(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-fn sizes(a: &Args) -> Vec<usize> {
+/// The most rows (sizes) one run measures.
+const MAX_ROWS: usize = 4096;
+
+/// The sizes of the rows, from -b to -e by -f or -i; more than [`MAX_ROWS`] is an error.
+fn sizes(a: &Args) -> Result<Vec<usize>, String> {
     let mut v = Vec::new();
     let mut s = a.minbytes;
     loop {
+        if v.len() == MAX_ROWS {
+            return Err(format!(
+                "-b {} to -e {} makes more than {MAX_ROWS} rows: use a larger -f or -i",
+                a.minbytes, a.maxbytes
+            ));
+        }
         v.push(s);
         let next = match (a.stepbytes, a.stepfactor) {
-            (Some(i), None) => s + i,
-            (_, f) => s.saturating_mul(f.unwrap_or(2)).max(s + 1),
+            (Some(i), None) => s.checked_add(i),
+            (_, f) => s.checked_mul(f.unwrap_or(2)).map(|n| n.max(s + 1)),
         };
-        if next > a.maxbytes {
-            break;
+        match next {
+            Some(n) if n <= a.maxbytes => s = n,
+            _ => break,
         }
-        s = next;
     }
-    v
+    Ok(v)
 }
 
 fn bus_factor(kind: CollKind, n: usize) -> f64 {
@@ -310,7 +362,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
         seq: 0,
         msg,
     })?;
-    let mut bufs = case.buffers((a.register == 1).then_some(comm))?;
+    let mut bufs = case.buffers((a.register == Some(1)).then_some(comm))?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);
     let t = time_calls_cpu(comm, case, send, recv, a.warmup, a.iters)?;
@@ -479,7 +531,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
             "#  iters {iters} warmup {} check {} buffers {}",
             a.warmup,
             a.check,
-            if a.register == 1 {
+            if a.register == Some(1) {
                 "shared (-R 1)"
             } else {
                 "private"
@@ -519,7 +571,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
     for dtype in dtypes(&a.datatype)? {
         for op in ops(&a.op, kind, dtype)? {
-            for size in sizes(a) {
+            for size in sizes(a)? {
                 let (count, elems, bytes) = shape(kind, size, dtype.size(), n);
                 let mut line = format!(
                     " {:>11} {:>12} {:>8} {:>6} {:>6}",

@@ -6,21 +6,23 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Args as ClapArgs;
+use oxccl::params::MAX_SECS;
 use serde_json::Value;
 
 /// `oxccl status` arguments.
 #[derive(ClapArgs)]
 pub struct Args {
     /// The agent: rank 0's OXCCL_STATUS (`PORT` on this host, or `HOST:PORT`).
+    #[arg(value_parser = crate::args::text(300))]
     addr: String,
     /// Print the agent's JSON instead of a table.
     #[arg(long)]
     json: bool,
     /// Ask again every SECS seconds, printing only changes (Ctrl-C to stop).
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = crate::args::seconds(MAX_SECS))]
     watch: Option<f64>,
     /// How long to wait for the agent, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = crate::args::seconds(MAX_SECS))]
     timeout: f64,
 }
 
@@ -126,11 +128,6 @@ pub fn main(a: Args) -> i32 {
             return 2;
         }
     };
-    let positive = |x: f64| x > 0.0 && x.is_finite();
-    if !positive(a.timeout) || a.watch.is_some_and(|w| !positive(w)) {
-        eprintln!("oxccl status: --timeout and --watch take a positive number of seconds");
-        return 2;
-    }
     let timeout = Duration::from_secs_f64(a.timeout);
     let mut last = String::new();
     loop {

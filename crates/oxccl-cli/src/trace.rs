@@ -2,6 +2,7 @@
 //! and says which rank stopped where, and which ranks disagreed on a call; with
 //! `--timeline`, merges the per-rank Chrome traces of `OXCCL_TRACE` into one file.
 
+use oxccl::rank_list;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -233,16 +234,18 @@ pub fn analyze(comm: &str, ranks: &[&Value]) -> String {
         let (expected, same) = &groups[0];
         let odd: Vec<String> = groups[1..]
             .iter()
-            .map(|(f, rs)| format!("rank(s) {rs:?} called {f}"))
+            .map(|(f, rs)| format!("rank(s) {} called {f}", rank_list(rs)))
             .collect();
         out.push_str(&format!(
-            "MISMATCH at collective #{m}: rank(s) {same:?} called {expected}; {}\n",
+            "MISMATCH at collective #{m}: rank(s) {} called {expected}; {}\n",
+            rank_list(same),
             odd.join("; ")
         ));
     }
     if !missing.is_empty() {
         out.push_str(&format!(
-            "NO RECORD from rank(s) {missing:?}: dead, or never wrote one (it is the likely culprit)\n"
+            "NO RECORD from rank(s) {}: dead, or never wrote one (it is the likely culprit)\n",
+            rank_list(&missing)
         ));
     }
     // Ranks waiting in a collective that others have not started.
@@ -276,7 +279,9 @@ pub fn analyze(comm: &str, ranks: &[&Value]) -> String {
             .fp;
         if !absent.is_empty() {
             out.push_str(&format!(
-                "WAITING: rank(s) {waiting:?} wait in collective #{m} {what} for rank(s) {absent:?}, which never called it\n"
+                "WAITING: rank(s) {} wait in collective #{m} {what} for rank(s) {}, which never called it\n",
+                rank_list(&waiting),
+                rank_list(&absent)
             ));
         }
     }
@@ -288,7 +293,8 @@ pub fn analyze(comm: &str, ranks: &[&Value]) -> String {
                 .map(|(r, _)| *r)
                 .collect();
             out.push_str(&format!(
-                "STOPPED: rank(s) {behind:?} completed only up to collective #{min}; the others reached #{max}\n"
+                "STOPPED: rank(s) {} completed only up to collective #{min}; the others reached #{max}\n",
+                rank_list(&behind)
             ));
         } else if mismatches == 0 && missing.is_empty() {
             out.push_str(&format!("all recorded ranks completed collective #{min}\n"));

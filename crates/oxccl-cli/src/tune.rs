@@ -6,8 +6,9 @@ use std::io::Write;
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxccl::check::Case;
+use oxccl::params::{TUNE_FILE, USER_TUNE_FILE};
 use oxccl::Algo;
-use oxccl::{parse_bytes, Tuning};
+use oxccl::Tuning;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
 use crate::launch::rank_or_launch;
@@ -17,10 +18,10 @@ use crate::perf::{time_calls, under_launcher};
 #[derive(ClapArgs, Clone)]
 pub struct Args {
     /// Ranks to start on this host (ignored under a launcher).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = crate::args::count(1, crate::args::MAX_LOCAL_RANKS))]
     ranks: usize,
-    /// Largest all_reduce size to measure (bytes; K, M, G suffixes).
-    #[arg(long, default_value = "4M", value_parser = parse_bytes)]
+    /// Largest all_reduce size to measure (bytes; K, M, G suffixes; 8 to 1G).
+    #[arg(long, default_value = "4M", value_parser = crate::args::bytes(8, 1 << 30))]
     max_bytes: usize,
     /// Where to save the result (default: OXCCL_TUNE_FILE or ~/.cache/oxccl/tune.conf).
     #[arg(long)]
@@ -33,9 +34,9 @@ pub struct Args {
 /// Entry point: start ranks, or be one.
 pub fn main(a: Args) -> i32 {
     // The measurement must not be steered by an earlier tuning: the ranks read none.
-    let mut env = vec![("OXCCL_TUNE_FILE", String::new())];
+    let mut env = vec![(TUNE_FILE.name, String::new())];
     if let Some(p) = Tuning::path() {
-        env.push(("OXCCL_USER_TUNE_FILE", p.to_string_lossy().into_owned()));
+        env.push((USER_TUNE_FILE.name, p.to_string_lossy().into_owned()));
     }
     rank_or_launch("tune", under_launcher(), a.ranks, &env, None, || {
         rank_main(&a)
@@ -163,7 +164,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let path = a
         .out
         .clone()
-        .or_else(|| std::env::var_os("OXCCL_USER_TUNE_FILE").map(Into::into))
+        .or_else(|| std::env::var_os(USER_TUNE_FILE.name).map(Into::into))
         .or_else(Tuning::path)
         .ok_or("no place to save: set --out or OXCCL_TUNE_FILE")?;
     if let Some(dir) = path.parent() {

@@ -53,9 +53,10 @@ pub mod testing;
 mod transport;
 
 pub use base::dtype::{Bool, DataType, Element};
-pub use base::error::{Error, FailureKind, Result};
+pub use base::error::{rank_list, Error, FailureKind, Result};
 pub use base::mem::check_fits;
 pub use base::op::ReduceOp;
+pub use base::param::table as params;
 pub use base::param::{parse_bytes, Config, TransportChoice, Tuning};
 pub use bootstrap::{default_ip, local_host_id, UniqueId};
 pub use comm::check;

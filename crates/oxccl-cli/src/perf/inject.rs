@@ -337,7 +337,7 @@ fn grow(
         let exe = std::env::current_exe().map_err(|e| format!("--grow: {e}"))?;
         let c = std::process::Command::new(exe)
             .args(std::env::args_os().skip(1))
-            .env("OXCCL_PERF_GROW_JOIN", format!("{m}/{n}/{id}"))
+            .env(oxccl::params::PERF_GROW_JOIN.name, format!("{m}/{n}/{id}"))
             .spawn()
             .map_err(|e| format!("--grow: starting the replacement: {e}"))?;
         child = Some(c);
@@ -416,7 +416,12 @@ fn grown_check(
 
 /// The replacement rank started by `--grow`: joins with `RANK/SIZE/UNIQUE_ID`.
 pub(super) fn join(spec: &str, a: &Args, kind: CollKind) -> Result<(), String> {
-    let bad = || format!("OXCCL_PERF_GROW_JOIN: expected RANK/SIZE/UNIQUE_ID, got {spec:?}");
+    let bad = || {
+        format!(
+            "OXCCL_PERF_GROW_JOIN: expected RANK/SIZE/UNIQUE_ID, got '{}'",
+            oxccl::params::shown(spec)
+        )
+    };
     let mut it = spec.splitn(3, '/');
     let rank: usize = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
     let size: usize = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;

@@ -60,11 +60,14 @@ pub(crate) fn directives(level: &str, subsys: Option<&str>) -> Result<String, St
 pub(crate) fn init_from_env() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let Ok(level) = std::env::var("OXCCL_DEBUG") else {
-            return;
+        use crate::base::param::table::{DEBUG, DEBUG_SUBSYS};
+        let (level, subsys) = match (DEBUG.choice(), DEBUG_SUBSYS.text()) {
+            (Ok(None), _) => return,
+            (Ok(Some(level)), Ok(subsys)) => (level, subsys),
+            // Reported once here; `Config::from_env` refuses it at init.
+            (Err(e), _) | (_, Err(e)) => return eprintln!("oxccl: {e}"),
         };
-        let subsys = std::env::var("OXCCL_DEBUG_SUBSYS").ok();
-        match directives(&level, subsys.as_deref()) {
+        match directives(level, subsys.as_deref()) {
             Ok(d) => {
                 let pid = std::process::id();
                 let _ = tracing_subscriber::fmt()

@@ -114,7 +114,8 @@ impl FromStr for DataType {
             "uint16" | "u16" => DataType::U16,
             _ => {
                 return Err(format!(
-                    "unknown data type '{s}' (expected one of int8 uint8 uint16 int32 uint32 int64 uint64 half bfloat16 float double bool)"
+                    "unknown data type '{}' (expected one of int8 uint8 uint16 int32 uint32 int64 uint64 half bfloat16 float double bool)",
+                    crate::base::param::table::shown(s)
                 ))
             }
         })

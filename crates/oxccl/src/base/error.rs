@@ -10,6 +10,20 @@ use std::time::Duration;
 /// Result alias used throughout oxccl.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The most ranks an error line names; the rest are counted ([`rank_list`]).
+pub(crate) const MAX_LISTED_RANKS: usize = 8;
+
+/// `ranks` for an error line: at most [`MAX_LISTED_RANKS`] of them, then how many more
+/// (`[0, 1, 2, 3, 4, 5, 6, 7] and 65527 more`), so that a line stays short whatever the
+/// world size.
+pub fn rank_list(ranks: &[usize]) -> String {
+    let shown = &ranks[..ranks.len().min(MAX_LISTED_RANKS)];
+    match ranks.len() - shown.len() {
+        0 => format!("{shown:?}"),
+        more => format!("{shown:?} and {more} more"),
+    }
+}
+
 /// Everything that can go wrong in oxccl.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -42,7 +56,7 @@ pub enum Error {
         reason: String,
     },
     /// A call did not complete within the communicator's timeout.
-    #[error("rank {rank}: {call} (call #{seq}) timed out after {elapsed:?}, still waiting on rank(s) {waiting_on:?}")]
+    #[error("rank {rank}: {call} (call #{seq}) timed out after {elapsed:?}, still waiting on rank(s) {}", rank_list(.waiting_on))]
     Timeout {
         /// The rank that saw the error.
         rank: usize,
@@ -279,5 +293,27 @@ pub(crate) fn describe_io(e: &std::io::Error) -> String {
     match meaning {
         Some(m) => format!("{m} ({e})"),
         None => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_lists_are_bounded() {
+        assert_eq!(rank_list(&[]), "[]");
+        assert_eq!(rank_list(&[1, 2]), "[1, 2]");
+        let all: Vec<usize> = (1..65536).collect();
+        assert_eq!(rank_list(&all), "[1, 2, 3, 4, 5, 6, 7, 8] and 65527 more");
+        let e = Error::Timeout {
+            rank: 0,
+            call: "init",
+            seq: 0,
+            waiting_on: all,
+            elapsed: Duration::from_secs(1),
+        };
+        let m = e.to_string();
+        assert!(m.len() < 200 && m.ends_with("and 65527 more"), "{m}");
     }
 }

@@ -145,7 +145,12 @@ impl FromStr for ReduceOp {
                 .trim()
                 .parse::<f64>()
                 .map(ReduceOp::PreMulSum)
-                .map_err(|e| format!("premul_sum scalar '{scalar}': {e}"));
+                .map_err(|e| {
+                    format!(
+                        "premul_sum scalar '{}': {e}",
+                        crate::base::param::table::shown(scalar)
+                    )
+                });
         }
         Ok(match lower.as_str() {
             "sum" => ReduceOp::Sum,
@@ -158,7 +163,8 @@ impl FromStr for ReduceOp {
             "bxor" | "xor" => ReduceOp::BXor,
             _ => {
                 return Err(format!(
-                    "unknown reduction op '{s}' (expected sum, prod, min, max, avg, band, bor, bxor or premul_sum:SCALAR)"
+                    "unknown reduction op '{}' (expected sum, prod, min, max, avg, band, bor, bxor or premul_sum:SCALAR)",
+                    crate::base::param::table::shown(s)
                 ))
             }
         })

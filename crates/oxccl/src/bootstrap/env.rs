@@ -25,6 +25,7 @@ use super::unique_id::parse_secret_hex;
 #[cfg(test)]
 use super::unique_id::UniqueId;
 use crate::base::error::{Error, Result};
+use crate::base::param::table::{shown, ROOT, SECRET};
 
 /// What a launcher told this process.
 #[derive(Clone)]
@@ -99,7 +100,8 @@ impl LaunchEnv {
                 None => Ok(None),
                 Some(v) => v.parse::<usize>().map(Some).map_err(|_| {
                     Error::Env(format!(
-                        "{name}={v} is not a non-negative integer (digits only, e.g. 8)"
+                        "{name}={} is not a non-negative integer (digits only, e.g. 8)",
+                        shown(&v)
                     ))
                 }),
             }
@@ -163,13 +165,13 @@ impl LaunchEnv {
         }
 
         let (root_text, root) = Self::root_addr(&var)?;
-        if get("OXCCL_SECRET").is_some_and(|v| v.trim().is_empty()) {
+        if get(SECRET.name).is_some_and(|v| v.trim().is_empty()) {
             return Err(Error::Env(
                 "OXCCL_SECRET is set but empty: set it to 32 random hex digits shared by all ranks, or unset it to derive a (guessable) secret from the job identity"
                     .into(),
             ));
         }
-        let (secret, secret_derived) = match var("OXCCL_SECRET") {
+        let (secret, secret_derived) = match var(SECRET.name) {
             Some(s) => (
                 parse_secret_hex(&s).ok_or_else(|| {
                     Error::Env(format!("OXCCL_SECRET must be 32 hex digits (16 bytes); it has {} characters or a non-hex digit", s.len()))
@@ -220,16 +222,16 @@ impl LaunchEnv {
 
     /// The rendezvous address: its text as given (the same on every rank) and resolved.
     fn root_addr(var: &dyn Fn(&str) -> Option<String>) -> Result<(String, SocketAddr)> {
-        let (name, text) = if let Some(r) = var("OXCCL_ROOT") {
-            ("OXCCL_ROOT", r)
+        let (name, text) = if let Some(r) = var(ROOT.name) {
+            (ROOT.name, r)
         } else {
             match (var("MASTER_ADDR"), var("MASTER_PORT")) {
                 (Some(a), Some(p)) => {
-                    let mut port: u16 = p.parse().map_err(|_| Error::Env(format!("MASTER_PORT={p} is not a port number")))?;
+                    let mut port: u16 = p.parse().map_err(|_| Error::Env(format!("MASTER_PORT={} is not a port number", shown(&p))))?;
                     // torchrun's agent already listens on MASTER_PORT (its TCPStore, shared
                     // with the workers): rank 0 takes the next port, as every rank knows.
                     if var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
-                        port = port.checked_add(1).ok_or_else(|| Error::Env(format!("MASTER_PORT={p}: torchrun holds it and there is no next port; set OXCCL_ROOT=host:port")))?;
+                        port = port.checked_add(1).ok_or_else(|| Error::Env(format!("MASTER_PORT={}: torchrun holds it and there is no next port; set OXCCL_ROOT=host:port", shown(&p))))?;
                     }
                     let host = a.trim_start_matches('[').trim_end_matches(']');
                     let text = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
@@ -247,9 +249,11 @@ impl LaunchEnv {
         };
         let addr = text
             .to_socket_addrs()
-            .map_err(|e| Error::Env(format!("{name}: cannot resolve '{text}': {e}")))?
+            .map_err(|e| Error::Env(format!("{name}: cannot resolve '{}': {e}", shown(&text))))?
             .next()
-            .ok_or_else(|| Error::Env(format!("{name}: '{text}' resolves to no address")))?;
+            .ok_or_else(|| {
+                Error::Env(format!("{name}: '{}' resolves to no address", shown(&text)))
+            })?;
         if addr.port() == 0 {
             return Err(Error::Env(format!(
                 "{name}: '{text}' has port 0; rank 0 must listen on a known port"

@@ -433,8 +433,9 @@ impl Bootstrap {
                             elapsed: self.timeout,
                         },
                         Some(s) => self.rz_err(format!(
-                            "init timed out after {:?}, still waiting on rank(s) {missing:?}; {s}",
-                            self.timeout
+                            "init timed out after {:?}, still waiting on rank(s) {}; {s}",
+                            self.timeout,
+                            crate::base::error::rank_list(&missing)
                         )),
                     })
                 }

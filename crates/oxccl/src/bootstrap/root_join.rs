@@ -89,9 +89,9 @@ impl RootJoin {
                 rank: 0,
                 addr: self.root.to_string(),
                 msg: format!(
-                    "{} joined and then {gone} before every rank had joined (still waiting on rank(s) {:?}); it died or was stopped",
+                    "{} joined and then {gone} before every rank had joined (still waiting on rank(s) {}); it died or was stopped",
                     self.who(*r),
-                    self.missing()
+                    crate::base::error::rank_list(&self.missing())
                 ),
             });
         }
@@ -169,19 +169,13 @@ impl Admit for RootJoin {
             return Ok(());
         }
         self.next_report = Some(now + every);
-        let missing = self.missing();
-        let shown: Vec<usize> = missing.iter().copied().take(32).collect();
-        let more = if missing.len() > shown.len() {
-            format!(" and {} more", missing.len() - shown.len())
-        } else {
-            String::new()
-        };
+        let missing = crate::base::error::rank_list(&self.missing());
         let strangers = strangers
             .summary()
             .map(|s| format!("; {s}"))
             .unwrap_or_default();
         crate::base::debug::announce(&format!(
-            "rank 0: rendezvous at {}: {} of {} ranks joined after {:.0?}, waiting on rank(s) {shown:?}{more}{strangers}",
+            "rank 0: rendezvous at {}: {} of {} ranks joined after {:.0?}, waiting on rank(s) {missing}{strangers}",
             self.root,
             self.joined,
             self.world,

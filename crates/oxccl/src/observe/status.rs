@@ -64,7 +64,12 @@ pub fn parse_addr(v: &str) -> Result<SocketAddr, String> {
     v.to_socket_addrs()
         .ok()
         .and_then(|mut a| a.next())
-        .ok_or_else(|| format!("expected a port or host:port, got '{v}'"))
+        .ok_or_else(|| {
+            format!(
+                "expected a port or host:port, got '{}'",
+                crate::base::param::table::shown(v)
+            )
+        })
 }
 
 impl StatusAgent {

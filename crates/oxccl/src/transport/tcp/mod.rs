@@ -535,7 +535,7 @@ pub(crate) fn connect(
                                 peer: waiting_on.first().copied().unwrap_or(me),
                                 addr: listener.local_addr().map_or_else(|_| "?".into(), |a| a.to_string()),
                                 timeout: start.elapsed(),
-                                reason: format!("no data connection from rank(s) {waiting_on:?} arrived; {s}"),
+                                reason: format!("no data connection from rank(s) {} arrived; {s}", crate::base::error::rank_list(&waiting_on)),
                             },
                         })
                     }

@@ -7,6 +7,10 @@ use std::time::Duration;
 
 use crate::base::error::{Error, Result};
 
+pub mod table;
+
+pub use table::parse_bytes;
+
 /// Which transport to use between ranks of one host.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum TransportChoice {
@@ -26,7 +30,8 @@ impl std::str::FromStr for TransportChoice {
             "shm" => Ok(TransportChoice::Shm),
             "tcp" | "socket" => Ok(TransportChoice::Tcp),
             _ => Err(format!(
-                "unknown transport '{s}' (expected auto, shm or tcp)"
+                "unknown transport '{}' (expected auto, shm or tcp)",
+                table::shown(s)
             )),
         }
     }
@@ -177,33 +182,29 @@ impl Default for Config {
 /// `OXCCL_MEMBARRIER=1`: asymmetric fences in the doorbell ([`crate::base::wait`]): rings without a
 /// hardware fence, sleepers issue `membarrier`. Off by default: a stress test lost wake-ups
 /// with it (see `crate::base::wait`). Read once per process; set it on every rank of a host or none.
+/// A value the table refuses counts as the default here; [`Config::from_env`] reports it.
 pub(crate) fn membarrier_allowed() -> bool {
-    matches!(
-        std::env::var("OXCCL_MEMBARRIER").as_deref().map(str::trim),
-        Ok("1")
-    )
+    table::MEMBARRIER.flag().ok().flatten().unwrap_or(false)
 }
 
 /// `OXCCL_HUGEPAGES=0`: no transparent huge pages for large private buffers on the single-copy
-/// path (`direct::hugepages`); default on (so is an unreadable value). Read once per process
-/// (an address space's buffers are the process's, whatever communicator uses them).
+/// path (`direct::hugepages`); default on. Read once per process (an address space's buffers
+/// are the process's, whatever communicator uses them). A value the table refuses counts as
+/// the default here; [`Config::from_env`] reports it.
 pub(crate) fn hugepages_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("OXCCL_HUGEPAGES")
-            .ok()
-            .and_then(|v| parse_bool(v.trim()).ok())
-            .unwrap_or(true)
-    })
+    *ON.get_or_init(|| table::HUGEPAGES.flag().ok().flatten().unwrap_or(true))
 }
 
 /// `OXCCL_SHM_POOL_CACHE`: how many bytes of freed blocks the process's pool of shared
 /// buffers (`direct::shared_pool`, `oxcclMemAlloc`, the torch allocator) keeps for reuse;
-/// default 1 GiB (so is an unreadable value). Read once per process.
+/// default 1 GiB. Read once per process. A value the table refuses counts as the default
+/// here; [`Config::from_env`] reports it.
 pub(crate) fn shm_pool_cache_bytes() -> usize {
-    std::env::var("OXCCL_SHM_POOL_CACHE")
+    table::SHM_POOL_CACHE
+        .bytes()
         .ok()
-        .and_then(|v| parse_bytes(v.trim()).ok())
+        .flatten()
         .unwrap_or(1 << 30)
 }
 
@@ -225,23 +226,6 @@ fn last_level_cache() -> Option<usize> {
     })
 }
 
-/// Reads `name` and parses it with `parse`; a malformed value is an error naming it.
-fn env_parse<T>(
-    name: &str,
-    parse: impl FnOnce(&str) -> std::result::Result<T, String>,
-) -> Result<Option<T>> {
-    match std::env::var(name) {
-        Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => parse(v.trim())
-            .map(Some)
-            .map_err(|e| Error::Env(format!("{name}={v}: {e}"))),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            Err(Error::Env(format!("{name} is not valid UTF-8")))
-        }
-    }
-}
-
 /// What `oxccl tune` measured on this host: the sizes where one algorithm overtakes another.
 /// Saved as `key=value` lines in `OXCCL_TUNE_FILE` (default `~/.cache/oxccl/tune.conf`) and
 /// read by [`Config::from_env`]; `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` override it.
@@ -256,7 +240,7 @@ pub struct Tuning {
 impl Tuning {
     /// Where the measured tuning lives (`None` when `OXCCL_TUNE_FILE` is set empty: no file).
     pub fn path() -> Option<std::path::PathBuf> {
-        if let Some(p) = std::env::var_os("OXCCL_TUNE_FILE") {
+        if let Some(p) = std::env::var_os(table::TUNE_FILE.name) {
             return (!p.is_empty()).then(|| p.into());
         }
         let base = std::env::var_os("XDG_CACHE_HOME")
@@ -296,8 +280,23 @@ impl Tuning {
             let (k, v) = line
                 .split_once('=')
                 .ok_or_else(|| format!("'{line}' is not key=value"))?;
-            let v = parse_bytes(v)?;
-            match k.trim() {
+            let (key, param) = match k.trim() {
+                "oneshot_max" => ("oneshot_max", &table::ONESHOT_MAX),
+                "cma_min" => ("cma_min", &table::CMA_MIN),
+                other => return Err(format!("unknown key '{}'", table::shown(other))),
+            };
+            let v = match param.parse(v) {
+                Ok(table::Value::Bytes(b)) => usize::try_from(b).map_err(|e| e.to_string())?,
+                Ok(_) => return Err(format!("{key}: not a size")),
+                Err(why) => {
+                    return Err(format!(
+                        "{key}={}: {why}; expected {}",
+                        table::shown(v.trim()),
+                        param.range()
+                    ))
+                }
+            };
+            match key {
                 "oneshot_max" => oneshot = Some(v),
                 "cma_min" => cma = Some(v),
                 other => return Err(format!("unknown key '{other}'")),
@@ -318,201 +317,92 @@ impl Tuning {
     }
 }
 
-/// Parses `0`/`1` (also `false`/`true`, `no`/`yes`).
-fn parse_bool(v: &str) -> std::result::Result<bool, String> {
-    match v.to_ascii_lowercase().as_str() {
-        "0" | "false" | "no" | "off" => Ok(false),
-        "1" | "true" | "yes" | "on" => Ok(true),
-        _ => Err("expected 0 or 1".to_string()),
-    }
-}
-
-/// Parses a number of seconds, fractions allowed, greater than 0.
-fn parse_positive_secs(v: &str) -> std::result::Result<Duration, String> {
-    v.parse::<f64>()
-        .ok()
-        .filter(|s| *s > 0.0 && s.is_finite())
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| "expected a positive number of seconds".to_string())
-}
-
-/// Parses a number of seconds, fractions allowed, 0 or more.
-fn parse_secs(v: &str) -> std::result::Result<Duration, String> {
-    v.parse::<f64>()
-        .ok()
-        .filter(|s| *s >= 0.0 && s.is_finite())
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| "expected a number of seconds".to_string())
-}
-
-/// Parses a byte size with an optional K, M or G suffix (powers of 1024), as nccl-tests.
-pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m = match c.to_ascii_uppercase() {
-                'K' => 1usize << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'B' => 1,
-                _ => {
-                    return Err(format!(
-                        "unknown size suffix '{c}' in '{s}' (use K, M or G)"
-                    ))
-                }
-            };
-            (&s[..i], m)
-        }
-        _ => (s, 1),
-    };
-    let n: usize = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("'{s}' is too large"))
-}
-
 impl Config {
     /// Reads every `OXCCL_*` setting from the environment; unset ones keep their defaults.
+    /// Every variable the library reads (also those read once per process) is checked
+    /// against the table first: a value it refuses is an error naming the variable, the
+    /// value and the accepted range.
     pub fn from_env() -> Result<Config> {
+        use table::*;
+        check_env(&[Scope::Comm, Scope::Process])?;
         let mut c = Config::default();
         // Measured thresholds (`oxccl tune`) first; explicit variables override them.
         if let Some(t) = Tuning::load()? {
             c.oneshot_max = t.oneshot_max;
             c.cma_min = t.cma_min;
         }
-        if let Some(t) = env_parse("OXCCL_TIMEOUT", parse_positive_secs)? {
+        if let Some(t) = TIMEOUT.seconds()? {
             c.timeout = t;
         }
-        if let Some(t) = env_parse("OXCCL_TRANSPORT", |v| v.parse())? {
-            c.transport = t;
+        if let Some(t) = TRANSPORT.choice()? {
+            c.transport = t.parse().map_err(Error::Env)?;
         }
-        if let Some(b) = env_parse("OXCCL_SHM_RING_BYTES", parse_bytes)? {
-            if b < 4096 {
-                return Err(Error::Env(format!(
-                    "OXCCL_SHM_RING_BYTES={b}: at least 4096 bytes"
-                )));
-            }
+        let u32_of = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        if let Some(b) = SHM_RING_BYTES.bytes()? {
             c.shm_ring_bytes = b;
         }
-        if let Some(s) = env_parse("OXCCL_SPIN", |v| {
-            v.parse::<u32>().map_err(|e| e.to_string())
-        })? {
-            c.spin = s;
+        if let Some(s) = SPIN.count()? {
+            c.spin = u32_of(s);
         }
-        if let Some(s) = env_parse("OXCCL_TCP_SPIN", |v| {
-            v.parse::<u32>().map_err(|e| e.to_string())
-        })? {
-            c.tcp_spin = s;
+        if let Some(s) = TCP_SPIN.count()? {
+            c.tcp_spin = u32_of(s);
         }
-        if let Some(y) = env_parse("OXCCL_YIELD_EVERY", |v| {
-            v.parse::<u32>()
-                .ok()
-                .filter(|&y| y > 0)
-                .ok_or_else(|| "expected a positive number of checks".to_string())
-        })? {
-            c.yield_every = Some(y);
+        if let Some(y) = YIELD_EVERY.count()? {
+            c.yield_every = Some(u32_of(y));
         }
-        c.host_id = env_parse("OXCCL_HOSTID", |v| Ok(v.to_string()))?;
-        c.socket_ifname = env_parse("OXCCL_SOCKET_IFNAME", |v| Ok(v.to_string()))?;
-        c.algo = env_parse("OXCCL_ALGO", |v| Ok(v.to_ascii_lowercase()))?;
-        if let Some(b) = env_parse("OXCCL_CHUNK_BYTES", parse_bytes)? {
-            if b < 64 {
-                return Err(Error::Env(format!(
-                    "OXCCL_CHUNK_BYTES={b}: at least 64 bytes"
-                )));
-            }
+        c.host_id = HOSTID.text()?;
+        c.socket_ifname = SOCKET_IFNAME.text()?;
+        c.algo = ALGO.text()?.map(|a| a.to_ascii_lowercase());
+        if let Some(b) = CHUNK_BYTES.bytes()? {
             c.chunk_bytes = b;
         }
-        if let Some(b) = env_parse("OXCCL_ONESHOT_MAX", parse_bytes)? {
+        if let Some(b) = ONESHOT_MAX.bytes()? {
             c.oneshot_max = b;
         }
-        if let Some(b) = env_parse("OXCCL_CMA_MIN", parse_bytes)? {
+        if let Some(b) = CMA_MIN.bytes()? {
             c.cma_min = b;
         }
-        if let Some(b) = env_parse("OXCCL_NT_BYTES", parse_bytes)? {
+        if let Some(b) = NT_BYTES.bytes()? {
             c.nt_bytes = b;
         }
-        if let Some(b) = env_parse("OXCCL_CMA", parse_bool)? {
+        if let Some(b) = CMA.flag()? {
             c.cma = b;
         }
-        if let Some(b) = env_parse("OXCCL_DETERMINISTIC", parse_bool)? {
+        if let Some(b) = DETERMINISTIC.flag()? {
             c.deterministic = b;
         }
-        if let Some(h) = env_parse("OXCCL_HEARTBEAT_TIMEOUT", |v| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|s| *s >= 0.0 && s.is_finite())
-                .map(|s| (s > 0.0).then(|| Duration::from_secs_f64(s)))
-                .ok_or_else(|| "expected a number of seconds (0: off)".to_string())
-        })? {
-            c.heartbeat = h;
+        if let Some(h) = HEARTBEAT_TIMEOUT.seconds()? {
+            c.heartbeat = (!h.is_zero()).then_some(h);
         }
-        c.flight_recorder = env_parse("OXCCL_FLIGHT_RECORDER", |v| Ok(v.to_string()))?;
-        if let Some(n) = env_parse("OXCCL_FLIGHT_RECORDER_ENTRIES", |v| {
-            v.parse::<usize>().map_err(|e| e.to_string())
-        })? {
-            c.flight_entries = n;
+        c.flight_recorder = FLIGHT_RECORDER.text()?;
+        if let Some(n) = FLIGHT_RECORDER_ENTRIES.count()? {
+            c.flight_entries = usize::try_from(n).unwrap_or(usize::MAX);
         }
-        c.trace = env_parse("OXCCL_TRACE", |v| Ok(v.to_string()))?;
-        c.read_ops_env()?;
-        c.read_net_env()?;
-        c.read_startup_env()?;
+        c.trace = TRACE.text()?;
+        c.metrics = METRICS.text()?;
+        if let Some(t) = METRICS_INTERVAL.seconds()? {
+            c.metrics_interval = t;
+        }
+        c.fr_dump = FR_DUMP.text()?;
+        c.status = STATUS.text()?;
+        c.net_gbps = NET_GBPS.number()?;
+        c.net_lat_us = NET_LAT_US.number()?;
+        if let Some(k) = TCP_STREAMS.count()? {
+            c.tcp_streams = usize::try_from(k).unwrap_or(1);
+        }
+        if let Some(t) = TCP_DEAD_AFTER.seconds()? {
+            c.tcp_dead_after = t;
+        }
+        if let Some(b) = P2P_STASH_BYTES.bytes()? {
+            c.p2p_stash_bytes = b;
+        }
+        if let Some(t) = STARTUP_REPORT_SECS.seconds()? {
+            c.startup_report = (!t.is_zero()).then_some(t);
+        }
+        if let Some(t) = RENDEZVOUS_REFUSED_SECS.seconds()? {
+            c.rendezvous_refused = t;
+        }
         Ok(c)
-    }
-
-    /// Operations settings: metrics, status agent, torch flight records.
-    fn read_ops_env(&mut self) -> Result<()> {
-        self.metrics = env_parse("OXCCL_METRICS", |v| Ok(v.to_string()))?;
-        if let Some(t) = env_parse("OXCCL_METRICS_INTERVAL", parse_positive_secs)? {
-            self.metrics_interval = t;
-        }
-        self.fr_dump = env_parse("OXCCL_FR_DUMP", |v| Ok(v.to_string()))?;
-        self.status = env_parse("OXCCL_STATUS", |v| Ok(v.to_string()))?;
-        Ok(())
-    }
-
-    fn read_net_env(&mut self) -> Result<()> {
-        let positive = |v: &str| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|x| *x > 0.0 && x.is_finite())
-                .ok_or_else(|| "expected a positive number".to_string())
-        };
-        self.net_gbps = env_parse("OXCCL_NET_GBPS", positive)?;
-        self.net_lat_us = env_parse("OXCCL_NET_LAT_US", positive)?;
-        if let Some(k) = env_parse("OXCCL_TCP_STREAMS", |v| {
-            v.parse::<usize>()
-                .ok()
-                .filter(|k| (1..=16).contains(k))
-                .ok_or_else(|| "expected 1 to 16".to_string())
-        })? {
-            self.tcp_streams = k;
-        }
-        if let Some(t) = env_parse("OXCCL_TCP_DEAD_AFTER", |v| {
-            v.parse::<f64>()
-                .ok()
-                .filter(|s| *s >= 0.0 && s.is_finite())
-                .map(Duration::from_secs_f64)
-                .ok_or_else(|| "expected seconds (0: the kernel's defaults)".to_string())
-        })? {
-            self.tcp_dead_after = t;
-        }
-        if let Some(b) = env_parse("OXCCL_P2P_STASH_BYTES", parse_bytes)? {
-            self.p2p_stash_bytes = b;
-        }
-        Ok(())
-    }
-
-    fn read_startup_env(&mut self) -> Result<()> {
-        if let Some(t) = env_parse("OXCCL_STARTUP_REPORT_SECS", parse_secs)? {
-            self.startup_report = (!t.is_zero()).then_some(t);
-        }
-        if let Some(t) = env_parse("OXCCL_RENDEZVOUS_REFUSED_SECS", parse_secs)? {
-            self.rendezvous_refused = t;
-        }
-        Ok(())
     }
 }
 
@@ -529,15 +419,5 @@ mod tests {
         assert_eq!(Tuning::parse(&t.render("measured")).unwrap(), t);
         assert!(Tuning::parse("oneshot_max=1\n").is_err());
         assert!(Tuning::parse("oneshot_max=1\ncma_min=2\nfoo=3").is_err());
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_bytes("8").unwrap(), 8);
-        assert_eq!(parse_bytes("64M").unwrap(), 64 << 20);
-        assert_eq!(parse_bytes("1k").unwrap(), 1024);
-        assert_eq!(parse_bytes("2G").unwrap(), 2 << 30);
-        assert!(parse_bytes("12Q").is_err());
-        assert!(parse_bytes("x").is_err());
     }
 }
