@@ -16,24 +16,31 @@ timeout.
 The suite decides what to run, and what to expect, from ``BACKEND`` compared with backend
 names: ``BACKEND != "gloo"`` skips the CPU-only tests (batch_isend_irecv on CPU, timeouts,
 sparse all_reduce), ``require_backend_is_available({"gloo"})`` guards monitored_barrier and
-DDP-on-CPU tests, ``DistTestCases.backend_feature["ddp"]`` and ``["subgroup"]`` list the
-backends that support DDP and subgroups. So that the gloo branches apply to oxccl, the
-suite's module is compiled from its source with those comparisons rewritten (an AST pass,
+DDP-on-CPU tests, ``DistTestCases.backend_feature`` lists the backends that support DDP,
+subgroups and the object collectives. So that the gloo branches apply to oxccl, the suite's
+module is compiled from its source with those comparisons rewritten (an AST pass,
 ``_GlooLike``: ``BACKEND == "gloo"`` becomes ``BACKEND in ("gloo", "oxccl")``, the same for
 ``!=`` and the backend sets given to ``require_backend_is_available``; line numbers are
-kept, so tracebacks point into the installed file) and oxccl is added to the feature sets
-where gloo is, except those for GPUs. Everything else, the backend name passed to
-``init_process_group``, ``dist.get_backend()``, and every assertion, is the suite's own.
+kept, so tracebacks point into the installed file), and oxccl is added to every feature set
+that holds gloo (the GPU ones guard tests that also check for devices at run time). Not to
+the suite's lists of backends whose per-call profiler events it checks, unless
+``--profiler-events``: oxccl does not record them (see the README). Everything else, the
+backend name passed to ``init_process_group``, ``dist.get_backend()``, and every assertion,
+is the suite's own. ``OXCCL_TIMEOUT`` is cleared: the suite gives each group its timeout.
 
-Which tests run: ``selected_tests.txt`` next to this file (one name a line; the README says
-which groups are left out and why), or ``-k`` substrings. The outcome of each test is
-compared with ``expected_failures.txt``: the run fails (exit status 1) when a test that is
-not listed there fails, errors or times out, and when a listed test passes, so the list
-stays honest. ``--no-expect`` just reports (for the gloo baseline).
+Which tests run: ``selected_tests.txt`` next to this file (the tests that pass on gloo on a
+CPU-only machine; the README says what the rest are), or ``-k`` substrings, or ``--all``.
+The outcome of each test is compared with ``expected_failures.txt``: the run fails (exit
+status 1) when a test not listed there fails, errors or times out, when a listed test
+passes (so the list stays honest), when a selected test skips, and when the list names a
+test that is not selected. ``--no-expect`` just reports. With ``--backend gloo`` every
+selected test must pass.
 
-Rank processes are forked from this process by default (``--start-method fork``: the suite
-module and torch are imported once, which makes a test about 1 s instead of 3-5 s on a
-2-core machine); ``--start-method spawn`` starts them as ``test_distributed_spawn.py`` does.
+Rank processes are forked from this process by default (``--start-method fork``: torch and
+the suite are imported once, which makes a test about 0.5 s instead of 10-30 s on a busy
+2-core machine); ``--start-method spawn`` starts them as ``test_distributed_spawn.py`` does
+(they import this file again as ``__mp_main__``). Each rank's output goes to a log file,
+printed with ``-v`` and kept when the run fails.
 """
 
 from __future__ import annotations
@@ -56,11 +63,15 @@ GLOO_LIKE = ("gloo", "oxccl")
 
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default=os.environ.get("BACKEND", "oxccl"), choices=["oxccl", "gloo"])
-    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
-    p.add_argument("--timeout", type=int, default=30, help="per-test timeout in seconds (all ranks)")
+    p.add_argument("--backend", default="oxccl", choices=["oxccl", "gloo"])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument(
+        "--timeout", type=int, default=None, help="per-test timeout in seconds (default 30; 120 with spawn)"
+    )
     p.add_argument("--select", default=os.path.join(HERE, "selected_tests.txt"), help="file of test names to run")
-    p.add_argument("-k", action="append", default=[], help="run the tests whose name contains this (repeatable); overrides --select")
+    p.add_argument(
+        "-k", action="append", default=[], help="run the tests whose name contains this (repeatable)"
+    )
     p.add_argument("--all", action="store_true", help="run every test of the suite (slow: for surveys)")
     p.add_argument("--expected", default=os.path.join(HERE, "expected_failures.txt"))
     p.add_argument("--no-expect", action="store_true", help="report only; do not compare with expected_failures.txt")
@@ -250,6 +261,9 @@ def setup(backend, world_size, timeout, start_method):
 
 def main(argv=None):
     a = _args(argv if argv is not None else sys.argv[1:])
+    if a.timeout is None:
+        # Spawned ranks import torch and the suite again: 10-30 s a test on a busy 2-core machine.
+        a.timeout = 120 if a.start_method == "spawn" else 30
     if a.profiler_events:
         os.environ["OXCCL_SUITE_PROFILER_EVENTS"] = "1"
     TestDistBackendWithSpawn = setup(a.backend, a.world_size, a.timeout, a.start_method)
