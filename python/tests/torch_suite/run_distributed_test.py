@@ -39,8 +39,10 @@ selected test must pass.
 Rank processes are forked from this process by default (``--start-method fork``: torch and
 the suite are imported once, which makes a test about 0.5 s instead of 10-30 s on a busy
 2-core machine); ``--start-method spawn`` starts them as ``test_distributed_spawn.py`` does
-(they import this file again as ``__mp_main__``). Each rank's output goes to a log file,
-printed with ``-v`` and kept when the run fails.
+(they import this file again as ``__mp_main__``). A forked rank ends with ``os._exit``, as
+every multiprocessing fork child does, so ``atexit`` handlers do not run there (the suite
+destroys its process group before; a spawned rank exits normally). Each rank's output goes
+to a log file, printed with ``-v`` and kept when the run fails.
 """
 
 from __future__ import annotations
