@@ -283,6 +283,7 @@ def main(argv=None):
         names = [n for n in names if n in set(wanted)]
     if a.list:
         print("\n".join(names))
+        shutil.rmtree(os.path.dirname(os.environ["OXCCL_SUITE_LOG_DIR"]), ignore_errors=True)
         return 0
 
     tags = _config_tags(a.backend, a.world_size)
