@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs PyTorch's own distributed test suite (torch/testing/_internal/distributed/
+# distributed_test.py, the suite torch's test_distributed_spawn.py runs with BACKEND=gloo)
+# against oxccl: the tests of python/tests/torch_suite/selected_tests.txt (those that pass on
+# gloo on a CPU-only machine) at world sizes 2 and 3 with the C++ backend, and at 2 with the
+# Python backend (OXCCL_TORCH_BACKEND=python). Fails when a test fails that
+# python/tests/torch_suite/expected_failures.txt does not list, or passes while listed there.
+# Each test has a timeout (TORCH_SUITE_TIMEOUT seconds, default 30).
+#
+#   scripts/torch_suite.sh           # oxccl (about 4-5 minutes on a 2-core machine)
+#   scripts/torch_suite.sh --gloo    # also the same selection on gloo, which must all pass
+#                                    # (after a torch upgrade: refresh selected_tests.txt)
+#
+# Needs the venv scripts/test.sh builds (.venv with torch and oxccl, the C++ backend built);
+# PYTHON overrides the interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+RUN=(python/tests/torch_suite/run_distributed_test.py --timeout "${TORCH_SUITE_TIMEOUT:-30}")
+rc=0
+if [ "${1:-}" = "--gloo" ]; then
+  for ws in 2 3; do "$PY" "${RUN[@]}" --backend gloo --world-size "$ws" || rc=1; done
+fi
+"$PY" "${RUN[@]}" --backend oxccl --world-size 2 || rc=1
+"$PY" "${RUN[@]}" --backend oxccl --world-size 3 || rc=1
+OXCCL_TORCH_BACKEND=python "$PY" "${RUN[@]}" --backend oxccl --world-size 2 || rc=1
+exit "$rc"
