@@ -66,4 +66,8 @@ set +e
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
-exit "$rc"
+echo "== python: PyTorch's own distributed test suite against oxccl (scripts/torch_suite.sh)"
+suite_rc=0
+./scripts/torch_suite.sh || suite_rc=$?
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+exit "$suite_rc"
