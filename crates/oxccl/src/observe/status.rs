@@ -523,11 +523,11 @@ fn local_json(sh: &Shared, comm: Option<(u64, usize)>) -> String {
     let members = sh.members.lock().unwrap_or_else(|e| e.into_inner());
     let srcs: Vec<Source> = members.iter().map(|m| m.src.clone()).collect();
     drop(members);
-    local_of(&srcs, comm)
+    local_of(&srcs, comm, sh.addr)
 }
 
 /// [`local_json`] of these communicators.
-fn local_of(srcs: &[Source], comm: Option<(u64, usize)>) -> String {
+fn local_of(srcs: &[Source], comm: Option<(u64, usize)>, agent: SocketAddr) -> String {
     let host = rustix::system::uname()
         .nodename()
         .to_string_lossy()
@@ -536,7 +536,7 @@ fn local_of(srcs: &[Source], comm: Option<(u64, usize)>) -> String {
         .and_then(|(c, r)| srcs.iter().find(|s| s.comm == c && s.rank == r))
         .or(srcs.first());
     let mut s = format!(
-        "{{\"pid\":{},\"host\":{},\"alive\":true",
+        "{{\"pid\":{},\"host\":{},\"agent\":\"{agent}\",\"alive\":true",
         std::process::id(),
         json_str(&host)
     );
