@@ -183,8 +183,13 @@ fn status_loop_child() {
 }
 
 /// Starts `n` ranks of [`status_loop_child`] with `OXCCL_STATUS=status_port`, stopping when
-/// `stop` exists; stderr piped.
-fn looping_job(n: usize, status_port: u16, stop: &Path) -> Vec<Child> {
+/// `stop` exists; stderr piped; `env(rank)` adds variables.
+fn looping_job(
+    n: usize,
+    status_port: u16,
+    stop: &Path,
+    env: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<Child> {
     let port = free_port();
     (0..n)
         .map(|r| {
@@ -199,6 +204,7 @@ fn looping_job(n: usize, status_port: u16, stop: &Path) -> Vec<Child> {
                 .env("OXCCL_STATUS_STOP", stop)
                 .env("OXCCL_STATUS", status_port.to_string())
                 .env_remove("OXCCL_DEBUG")
+                .env_remove("OXCCL_SECRET")
                 .env("OXCCL_TIMEOUT", "60")
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
@@ -206,7 +212,7 @@ fn looping_job(n: usize, status_port: u16, stop: &Path) -> Vec<Child> {
                 .env("LOCAL_WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
-                .env("OXCCL_SECRET", SECRET)
+                .envs(env(r))
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -234,7 +240,15 @@ fn a_busy_healthy_job_shows_everyone_alive_and_nobody_behind() {
     std::fs::create_dir_all(&dir).unwrap();
     let stop = dir.join("stop");
     let _ = std::fs::remove_file(&stop);
-    let kids = looping_job(n, status_port, &stop);
+    // Rank 1 also serves /metrics.
+    let metrics_port = free_port();
+    let kids = looping_job(n, status_port, &stop, |r| {
+        let mut v = vec![("OXCCL_SECRET", SECRET.to_string())];
+        if r == 1 {
+            v.push(("OXCCL_METRICS_PORT", metrics_port.to_string()));
+        }
+        v
+    });
     // Wait for the agents and the loop.
     let t = Instant::now();
     let first = loop {
@@ -287,6 +301,32 @@ fn a_busy_healthy_job_shows_everyone_alive_and_nobody_behind() {
         last = max;
     }
     drop(silent);
+    // Rank 1's /metrics counts its all_reduces (and has the call-time histogram).
+    let metrics = {
+        use std::io::{Read, Write};
+        let s = std::net::TcpStream::connect(("127.0.0.1", metrics_port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        (&s).write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        (&s).read_to_string(&mut out).unwrap();
+        out
+    };
+    let calls: f64 = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("oxccl_collective_calls_total{")
+                && l.contains("AllReduce")
+                && l.contains("rank=\"1\"")
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(calls > 20.0, "{metrics}");
+    assert!(
+        metrics.contains("oxccl_collective_call_seconds_bucket{"),
+        "{metrics}"
+    );
     std::fs::write(&stop, b"").unwrap();
     finish(kids);
     let _ = std::fs::remove_dir_all(dir);
@@ -329,7 +369,9 @@ fn a_stranger_on_the_status_port_is_reported_and_not_believed() {
     std::fs::create_dir_all(&dir).unwrap();
     let stop = dir.join("stop");
     std::fs::write(&stop, b"").unwrap();
-    let errs = finish(looping_job(2, status_port, &stop));
+    let errs = finish(looping_job(2, status_port, &stop, |_| {
+        vec![("OXCCL_SECRET", SECRET.to_string())]
+    }));
     let warning = format!(
         "oxccl: warning: OXCCL_STATUS: 127.0.0.1:{status_port} is already taken by another process; the status agent is off for rank 0"
     );
@@ -337,5 +379,74 @@ fn a_stranger_on_the_status_port_is_reported_and_not_believed() {
     assert!(!errs[1].contains("OXCCL_STATUS"), "{}", errs[1]);
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     liar.join().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn without_oxccl_secret_status_derives_the_jobs() {
+    // A job without OXCCL_SECRET derives its secret from the rendezvous address; `oxccl
+    // status` given the same MASTER_ADDR/MASTER_PORT derives the same, and a wrong one is refused.
+    let status_port = free_port();
+    let master = free_port();
+    let dir = std::env::temp_dir().join(format!("oxccl-status-derived-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stop = dir.join("stop");
+    let _ = std::fs::remove_file(&stop);
+    let kids = looping_job(2, status_port, &stop, |_| {
+        vec![("MASTER_PORT", master.to_string())]
+    });
+    let ask = |env: &[(&str, String)]| {
+        let mut c = Command::new(OXCCL);
+        c.args([
+            "status",
+            &status_port.to_string(),
+            "--timeout",
+            "3",
+            "--json",
+        ])
+        .env_remove("OXCCL_SECRET")
+        .env_remove("OXCCL_ROOT")
+        .env_remove("RANK");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        (
+            o.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        )
+    };
+    let right = [
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", master.to_string()),
+    ];
+    let t = Instant::now();
+    loop {
+        let (ok, out) = ask(&right);
+        if ok && out.contains("\"alive\":true") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "{out}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, out) = ask(&[
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", "1".to_string()),
+    ]);
+    assert!(
+        !ok && out.contains("not this job's agent (authentication failed)"),
+        "{out}"
+    );
+    let (ok, out) = ask(&[]);
+    assert!(
+        !ok && out.contains("cannot authenticate the agent"),
+        "{out}"
+    );
+    std::fs::write(&stop, b"").unwrap();
+    finish(kids);
     let _ = std::fs::remove_dir_all(dir);
 }
