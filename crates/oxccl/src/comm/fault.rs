@@ -314,7 +314,8 @@ enum StatusPlan {
 
 /// This rank's status agent when `OXCCL_STATUS` is set: rank 0 on its address, the others
 /// on an ephemeral port of `my_ip`; a communicator of a process whose agent already runs
-/// there joins it. A failure is a warning on stderr: the job goes on without it.
+/// (on that address, or on `my_ip`) joins it. A failure is a warning on stderr: the job goes
+/// on without it.
 fn status_plan(cfg: &Config, rank: usize, my_ip: IpAddr) -> StatusPlan {
     use crate::observe::status;
     let Some(v) = cfg.status.as_deref() else {
@@ -333,11 +334,15 @@ fn status_plan(cfg: &Config, rank: usize, my_ip: IpAddr) -> StatusPlan {
     } else {
         SocketAddr::new(my_ip, 0)
     };
-    let running = if rank == 0 {
+    // Only a process's first communicator listens: a later one joins its agent (for rank 0,
+    // the one on OXCCL_STATUS's address if this process has it), so that a split whose rank
+    // 0 is another process than the job's rank 0 does not try the job's port.
+    let exact = if rank == 0 {
         StatusAgent::running(|a| a == addr)
     } else {
-        StatusAgent::running(|a| status::serves(a, my_ip))
+        None
     };
+    let running = exact.or_else(|| StatusAgent::running(|a| status::serves(a, my_ip)));
     if let Some(a) = running {
         return StatusPlan::Join(a);
     }

@@ -224,7 +224,9 @@ fn mac(secret: &[u8; 16], nonce: &[u8; 16], word: &str, answer: &str) -> HmacSha
 
 impl StatusAgent {
     /// Starts an agent answering on `listener` with the job's `secret`, for the communicator
-    /// `src` whose ranks' agents are at `peers` (`None` where a rank has none).
+    /// `src` whose ranks' agents are at `peers` (`None` where a rank has none). Where this
+    /// process already runs an agent, the new one proves the same secret as it (the job's,
+    /// that of the process's first communicator), not `secret`.
     pub fn start(
         listener: TcpListener,
         secret: [u8; 16],
@@ -233,6 +235,12 @@ impl StatusAgent {
     ) -> std::io::Result<StatusAgent> {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
+        let secret = AGENTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find_map(Weak::upgrade)
+            .map_or(secret, |a| a.shared.secret);
         let shared = Arc::new(Shared {
             secret,
             addr,
@@ -980,7 +988,19 @@ mod tests {
                 && w.contains("free the port"),
             "{w}"
         );
+        // A second agent of the process (a split whose rank has another address) proves the
+        // first one's secret, the job's.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let second = StatusAgent::start(l, [9; 16], source(2, 3, 1), vec![None; 3]).unwrap();
+        assert!(ask(
+            second.addr(),
+            "local",
+            Some(&SECRET),
+            Duration::from_secs(5)
+        )
+        .is_ok());
         let addr = a.addr();
+        drop(second);
         drop(a);
         assert_eq!(StatusAgent::running(|x| x == addr), None);
     }
