@@ -246,6 +246,9 @@ impl Supervisor {
         self.recorder.end(seq, err.map(|e| e.to_string()));
         if let Some(m) = &self.metrics {
             m.end(seq, call, &print.fp, err.is_some());
+            if let Some(e) = err {
+                m.failed_with(call, e.failure_kind());
+            }
         }
         if let (Some(t), Some((start, steps))) = (&self.timeline, timing) {
             t.record(

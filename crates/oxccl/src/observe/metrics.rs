@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::{Duration, Instant};
 
 use crate::base::dtype::DataType;
+use crate::base::error::FailureKind;
 use crate::fault::fingerprint::Fingerprint;
 use crate::observe::flight::json_str;
 
@@ -69,6 +70,16 @@ const BUCKETS_NS: [u64; 8] = [
     100_000_000_000,
 ];
 
+/// The kinds of failure counted apart, by [`FailureKind::code`] − 1, with their label.
+const ERROR_KINDS: [&str; 6] = [
+    "mismatch",
+    "peer_lost",
+    "timeout",
+    "aborted",
+    "protocol",
+    "other",
+];
+
 /// One collective's counters. Written by the communicator's calls only (serialized), read by
 /// the writer thread: relaxed loads and stores suffice (a write may see a call half-counted;
 /// the next write sees it whole).
@@ -81,6 +92,8 @@ struct KindStats {
     last_seq: AtomicU64,
     last_bytes: AtomicU64,
     last_ns: AtomicU64,
+    /// Failed calls per kind of failure ([`FailureKind::code`] − 1).
+    errors_by: [AtomicU64; ERROR_KINDS.len()],
     /// Completed calls per time bucket (not cumulative; the last is above every bound).
     hist: [AtomicU64; BUCKETS.len() + 1],
     /// `calls + errors` at the last write (the writer's own).
@@ -226,6 +239,14 @@ impl Metrics {
         s.last_seq.store(seq, Ordering::Relaxed);
         s.last_bytes.store(bytes, Ordering::Relaxed);
         s.last_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// Counts the failure of call `call` by its kind (after [`end`](Self::end) counted it
+    /// failed; the failure path only).
+    pub fn failed_with(&self, call: &str, kind: FailureKind) {
+        let Some(k) = kind_index(call) else { return };
+        let i = usize::from(kind.code().saturating_sub(1)).min(ERROR_KINDS.len() - 1);
+        bump(&self.kinds[k].errors_by[i], 1);
     }
 
     /// The JSON lines of the collectives that ran since the last call (all of them with
@@ -473,6 +494,20 @@ pub fn exposition(ms: &[&Metrics]) -> String {
             for (k, s) in m.kinds.iter().enumerate().filter(|(_, s)| ran(s)) {
                 let v = get(s, bus_factor(k, m.id.nranks));
                 let _ = writeln!(out, "{name}{{{}}} {v}", m.labels(k));
+            }
+        }
+    }
+    let name = "oxccl_collective_errors_by_kind_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Failed calls by kind of failure.\n# TYPE {name} counter"
+    );
+    for m in ms {
+        for (k, s) in m.kinds.iter().enumerate().filter(|(_, s)| ran(s)) {
+            let l = m.labels(k);
+            for (i, kind) in ERROR_KINDS.iter().enumerate() {
+                let v = s.errors_by[i].load(Ordering::Relaxed);
+                let _ = writeln!(out, "{name}{{{l},kind=\"{kind}\"}} {v}");
             }
         }
     }
@@ -803,6 +838,7 @@ mod tests {
             a.begin();
             a.end(seq, "all_reduce", &fp, seq == 5);
         }
+        a.failed_with("all_reduce", FailureKind::Timeout);
         b.begin();
         std::thread::sleep(Duration::from_millis(2));
         b.end(1, "broadcast", &fp, false);
@@ -859,6 +895,18 @@ mod tests {
             find("oxccl_collective_call_seconds_count", "0xa1", "AllReduce"),
             Some(4.0)
         );
+        let by_kind = |kind: &str| {
+            samples
+                .iter()
+                .find(|(n, l, _)| {
+                    n == "oxccl_collective_errors_by_kind_total"
+                        && l.contains("0xa1")
+                        && l.ends_with(&format!("kind=\"{kind}\""))
+                })
+                .map(|s| s.2)
+        };
+        assert_eq!(by_kind("timeout"), Some(1.0));
+        assert_eq!(by_kind("peer_lost"), Some(0.0));
         assert_eq!(
             find("oxccl_collective_calls_total", "0xb2", "Broadcast"),
             Some(1.0)
