@@ -54,7 +54,14 @@ fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// The job's secret: `OXCCL_SECRET` when it is exported (32 hex digits; so that `oxccl
+/// status` can authenticate the job's agents), else drawn at random.
 fn random_secret() -> std::io::Result<String> {
+    if let Ok(v) = std::env::var(oxccl::params::SECRET.name) {
+        if oxccl::status::parse_secret(&v).is_some() {
+            return Ok(v.trim().to_string());
+        }
+    }
     let mut s = [0u8; 16];
     getrandom::fill(&mut s).map_err(|e| std::io::Error::other(e.to_string()))?;
     Ok(s.iter().map(|b| format!("{b:02x}")).collect())

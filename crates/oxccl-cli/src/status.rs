@@ -1,6 +1,11 @@
 //! `oxccl status ADDR`: asks a running job's status agent (`OXCCL_STATUS`, see
 //! `oxccl::status`) where every rank is, and prints it as a table or JSON; with `--watch`,
 //! asks again every SECS seconds and prints only what changed.
+//!
+//! The answer is authenticated: `oxccl status` sends a nonce and accepts only an answer whose
+//! MAC proves the agent knows the job's secret (`--secret`, else `OXCCL_SECRET`, else the one
+//! derived from `OXCCL_ROOT`/`MASTER_ADDR:MASTER_PORT` and the launcher's job id as the job
+//! derived it). Anything else on the port is reported as not this job's agent.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -24,11 +29,20 @@ pub struct Args {
     /// How long to wait for the agent, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = crate::args::seconds(MAX_SECS))]
     timeout: f64,
+    /// The job's secret (32 hex digits); default: OXCCL_SECRET, else derived from the
+    /// environment as the job derived it.
+    #[arg(long, value_name = "HEX", value_parser = crate::args::text(64))]
+    secret: Option<String>,
 }
 
-fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Value, String> {
-    let line = oxccl::status::ask(addr, "status", timeout)
-        .map_err(|e| format!("no answer from {addr}: {e}"))?;
+fn fetch(addr: SocketAddr, secret: &[u8; 16], timeout: Duration) -> Result<Value, String> {
+    let line = oxccl::status::ask(addr, "status", Some(secret), timeout).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            format!("{addr}: {e}")
+        } else {
+            format!("no answer from {addr}: {e}")
+        }
+    })?;
     let v: Value =
         serde_json::from_str(&line).map_err(|e| format!("{addr} answered '{line}': {e}"))?;
     if let Some(e) = v.get("error").and_then(Value::as_str) {
@@ -72,6 +86,23 @@ fn rank_line(r: &Value) -> String {
         done,
         health
     );
+    for c in r["comms"].as_array().into_iter().flatten() {
+        if c["comm"] == r["comm"] && c["rank"] == r["rank"] {
+            continue;
+        }
+        let now = match &c["current"] {
+            Value::Object(x) => format!("in {} #{}", x["call"].as_str().unwrap_or("?"), x["seq"]),
+            _ => format!("idle after #{}", c["reached"]),
+        };
+        line += &format!(
+            "\n{:>7}also communicator {} (rank {} of {}): {now}, {}",
+            "",
+            c["comm"].as_str().unwrap_or("?"),
+            c["rank"],
+            c["world_size"],
+            c["health"].as_str().unwrap_or("?")
+        );
+    }
     if let Some(errs) = r["recent_errors"].as_array() {
         for e in errs.iter().take(3) {
             line += &format!(
@@ -128,10 +159,22 @@ pub fn main(a: Args) -> i32 {
             return 2;
         }
     };
+    let secret = match a.secret.as_deref() {
+        Some(h) => oxccl::status::parse_secret(h)
+            .ok_or_else(|| "--secret must be 32 hex digits (16 bytes)".to_string()),
+        None => oxccl::status::secret_from_env(),
+    };
+    let secret = match secret {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("oxccl status: cannot authenticate the agent: {e}");
+            return 2;
+        }
+    };
     let timeout = Duration::from_secs_f64(a.timeout);
     let mut last = String::new();
     loop {
-        let shown = match fetch(addr, timeout) {
+        let shown = match fetch(addr, &secret, timeout) {
             Ok(v) if a.json => (v.to_string(), {
                 let mut v = v;
                 v["time_us"] = Value::Null;

@@ -104,11 +104,12 @@ impl Supervisor {
             .ok()
             .and_then(|l| l.local_addr().ok())
             .map_or(0u16, |a| a.port());
-        let status = status_listener(cfg, rank, my_ip);
-        let status_port = status
-            .as_ref()
-            .and_then(|l| l.local_addr().ok())
-            .map_or(0u16, |a| a.port());
+        let status = status_plan(cfg, rank, my_ip);
+        let status_port = match &status {
+            StatusPlan::Join(a) => a.port(),
+            StatusPlan::Listen(l) => l.local_addr().map_or(0, |a| a.port()),
+            StatusPlan::Off => 0,
+        };
         let mut mine = port.to_le_bytes().to_vec();
         mine.extend_from_slice(&status_port.to_le_bytes());
         let ports = boot.allgather(&mine)?;
@@ -133,17 +134,28 @@ impl Supervisor {
             listener: Mutex::new(listener.ok()),
             secret: *boot.secret(),
         });
-        if let Some(l) = status {
-            let src = crate::observe::status::Source {
-                rank,
-                nranks,
-                recorder: g.recorder.clone(),
-                health: g.health.clone(),
-            };
-            match StatusAgent::start(l, src, status_addrs) {
-                Ok(a) => g.status = Some(a),
-                Err(e) => tracing::warn!(rank, "cannot start the status agent: {e}"),
+        let src = crate::observe::status::Source {
+            comm: boot.comm_tag(),
+            rank,
+            nranks,
+            recorder: g.recorder.clone(),
+            health: g.health.clone(),
+            links: Arc::new(link_infos(boot, cfg)),
+        };
+        match status {
+            StatusPlan::Off => {}
+            StatusPlan::Join(a) => {
+                g.status = StatusAgent::join_running(a, src, status_addrs);
+                if g.status.is_none() {
+                    tracing::warn!(rank, %a, "the status agent of this process stopped during init; no status for this communicator");
+                }
             }
+            StatusPlan::Listen(l) => match StatusAgent::start(l, *boot.secret(), src, status_addrs) {
+                Ok(a) => g.status = Some(a),
+                Err(e) => crate::base::debug::announce(&format!(
+                    "warning: cannot start the status agent of rank {rank}: {e}; the status agent is off for this rank"
+                )),
+            },
         }
         let conns = boot.take_connections();
         if !conns.is_empty() {
@@ -234,6 +246,9 @@ impl Supervisor {
         self.recorder.end(seq, err.map(|e| e.to_string()));
         if let Some(m) = &self.metrics {
             m.end(seq, call, &print.fp, err.is_some());
+            if let Some(e) = err {
+                m.failed_with(call, e.failure_kind());
+            }
         }
         if let (Some(t), Some((start, steps))) = (&self.timeline, timing) {
             t.record(
@@ -264,34 +279,77 @@ impl Supervisor {
     }
 }
 
-/// This rank's status listener when `OXCCL_STATUS` is set: rank 0 on its address, the others
-/// on an ephemeral port of `my_ip`. A failure is a warning: the job goes on without it.
-fn status_listener(cfg: &Config, rank: usize, my_ip: IpAddr) -> Option<TcpListener> {
-    let v = cfg.status.as_deref()?;
+/// This rank's links as init made them (for the status agent): the same plan as init's.
+fn link_infos(boot: &Bootstrap, cfg: &Config) -> Vec<crate::observe::status::LinkInfo> {
+    use crate::bootstrap::topo::{plan_links, Topology};
+    let peers = boot.peers();
+    let topo = Topology::new(peers);
+    let Ok((shm, tcp)) = plan_links(boot.rank(), peers, &topo, cfg.transport) else {
+        return Vec::new();
+    };
+    let info = |r: usize, transport| {
+        peers.get(r).map(|p| crate::observe::status::LinkInfo {
+            peer: r,
+            transport,
+            host: p.hostname.clone(),
+            ip: p.ip,
+            pid: p.pid,
+        })
+    };
+    let mut v: Vec<_> = shm
+        .iter()
+        .filter_map(|&(r, _)| info(r, "shm"))
+        .chain(tcp.iter().filter_map(|&(r, _)| info(r, "tcp")))
+        .collect();
+    v.sort_by_key(|l| l.peer);
+    v
+}
+
+/// Where this rank's status agent will be, when `OXCCL_STATUS` is set.
+enum StatusPlan {
+    /// No agent.
+    Off,
+    /// This process's agent already running there (another communicator started it).
+    Join(SocketAddr),
+    /// A new agent on this listener.
+    Listen(TcpListener),
+}
+
+/// This rank's status agent when `OXCCL_STATUS` is set: rank 0 on its address, the others
+/// on an ephemeral port of `my_ip`; a communicator of a process whose agent already runs
+/// (on that address, or on `my_ip`) joins it. A failure is a warning on stderr: the job goes
+/// on without it.
+fn status_plan(cfg: &Config, rank: usize, my_ip: IpAddr) -> StatusPlan {
+    use crate::observe::status;
+    let Some(v) = cfg.status.as_deref() else {
+        return StatusPlan::Off;
+    };
     let addr = if rank == 0 {
-        match crate::observe::status::parse_addr(v) {
+        match status::parse_addr(v) {
             Ok(a) => a,
             Err(e) => {
-                tracing::warn!(rank, "OXCCL_STATUS: {e}; no status agent");
-                return None;
+                crate::base::debug::announce(&format!(
+                    "warning: OXCCL_STATUS: {e}; the status agent is off for rank {rank}"
+                ));
+                return StatusPlan::Off;
             }
         }
     } else {
         SocketAddr::new(my_ip, 0)
     };
-    match TcpListener::bind(addr) {
-        Ok(l) => Some(l),
-        // Typically another communicator of this process (a split, a shrink) holds it: the
-        // first communicator made answers there.
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-            tracing::info!(rank, %addr, "OXCCL_STATUS: address in use; no status agent for this communicator");
-            None
-        }
-        Err(e) => {
-            tracing::warn!(rank, %addr, "OXCCL_STATUS: cannot listen: {e}; no status agent");
-            None
-        }
+    // Only a process's first communicator listens: a later one joins its agent (for rank 0,
+    // the one on OXCCL_STATUS's address if this process has it), so that a split whose rank
+    // 0 is another process than the job's rank 0 does not try the job's port.
+    let exact = if rank == 0 {
+        StatusAgent::running(|a| a == addr)
+    } else {
+        None
+    };
+    let running = exact.or_else(|| StatusAgent::running(|a| status::serves(a, my_ip)));
+    if let Some(a) = running {
+        return StatusPlan::Join(a);
     }
+    status::listen(rank, addr).map_or(StatusPlan::Off, StatusPlan::Listen)
 }
 
 /// The torch-format flight record of a communicator when `OXCCL_FR_DUMP` is set.
@@ -321,14 +379,40 @@ fn metrics(
     nranks: usize,
     nnodes: usize,
 ) -> Option<Arc<Metrics>> {
-    let dir = cfg.metrics.as_deref()?;
+    if let Some(port) = cfg.metrics_port.as_deref() {
+        metrics_server(port, rank);
+    }
+    if cfg.metrics.is_none() && cfg.metrics_port.is_none() {
+        return None;
+    }
     let id = Identity {
         comm,
         rank,
         nranks,
         nnodes,
     };
-    Some(Metrics::new(id, dir, cfg.metrics_interval))
+    Some(Metrics::with_files(
+        id,
+        cfg.metrics.as_deref(),
+        cfg.metrics_interval,
+    ))
+}
+
+/// Starts this process's `/metrics` server (`OXCCL_METRICS_PORT`) unless it runs; a failure
+/// is one warning on stderr: the job goes on without it.
+fn metrics_server(v: &str, rank: usize) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    let res = crate::observe::status::parse_addr(v).and_then(|a| {
+        crate::observe::metrics::serve(a).map_err(|e| format!("cannot listen on {a}: {e}"))
+    });
+    if let Err(e) = res {
+        WARNED.call_once(|| {
+            crate::base::debug::announce(&format!(
+                "warning: OXCCL_METRICS_PORT: {e}; /metrics is off for this process (rank {rank}): \
+                 free the port or give each process on this host its own"
+            ))
+        });
+    }
 }
 
 impl Communicator {

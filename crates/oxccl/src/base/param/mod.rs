@@ -115,6 +115,10 @@ pub struct Config {
     /// queries (`oxccl status`, `observe::status`); the other ranks where it is set answer
     /// on an ephemeral port. Default off.
     pub status: Option<String>,
+    /// `OXCCL_METRICS_PORT`: a port (on 127.0.0.1) or `host:port` where each process serves
+    /// its communicators' metrics as Prometheus `/metrics` over HTTP (`observe::metrics`).
+    /// Default off.
+    pub metrics_port: Option<String>,
     // Multi-host settings (transport/tcp.rs, cost.rs).
     /// `OXCCL_NET_GBPS`: network bandwidth per host link in GB/s for the cost model
     /// (default: `plan::cost::CostModel`'s, 1.2).
@@ -168,6 +172,7 @@ impl Default for Config {
             metrics_interval: Duration::from_secs(10),
             fr_dump: None,
             status: None,
+            metrics_port: None,
             net_gbps: None,
             net_lat_us: None,
             tcp_streams: 1,
@@ -385,6 +390,7 @@ impl Config {
         }
         c.fr_dump = FR_DUMP.text()?;
         c.status = STATUS.text()?;
+        c.metrics_port = METRICS_PORT.text()?;
         c.net_gbps = NET_GBPS.number()?;
         c.net_lat_us = NET_LAT_US.number()?;
         if let Some(k) = TCP_STREAMS.count()? {

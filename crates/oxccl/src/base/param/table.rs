@@ -348,6 +348,15 @@ pub const FR_DUMP: Param = p(
     Comm,
     "file prefix of flight records in PyTorch's format",
 );
+/// `OXCCL_METRICS_PORT`.
+pub const METRICS_PORT: Param = checked(
+    "OXCCL_METRICS_PORT",
+    Kind::Text { max_len: 300 },
+    "off",
+    Comm,
+    "PORT or HOST:PORT where each process serves Prometheus /metrics (taken: off, with a warning)",
+    check_port_or_addr,
+);
 /// `OXCCL_STATUS`.
 pub const STATUS: Param = checked(
     "OXCCL_STATUS",
@@ -619,6 +628,7 @@ pub const PARAMS: &[Param] = &[
     TRACE,
     METRICS,
     METRICS_INTERVAL,
+    METRICS_PORT,
     FR_DUMP,
     STATUS,
     TORCH_ALLOCATOR,
