@@ -440,7 +440,10 @@ pub fn rank_or_launch(
         return match rank_main() {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("oxccl {name}: {e}");
+                // An empty message: another rank (rank 0) reports the same error.
+                if !e.is_empty() {
+                    eprintln!("oxccl {name}: {e}");
+                }
                 1
             }
         };

@@ -24,6 +24,52 @@ pub fn rank_list(ranks: &[usize]) -> String {
     }
 }
 
+/// The rank an error line blames, as an operator (or `oxccl run`) reads it: the innermost
+/// of "lost peer rank K", "still waiting on rank(s) [K" (the first listed), "cannot connect
+/// to rank K", "protocol error from rank K" and "rank K failed", i.e. the one that appears
+/// last in the line (a rank that relays another's failure wraps that rank's own error).
+/// `None` when the line names no rank at fault.
+pub fn blamed_rank(line: &str) -> Option<usize> {
+    const PATTERNS: [&str; 5] = [
+        "lost peer rank ",
+        "still waiting on rank(s) [",
+        "cannot connect to rank ",
+        "protocol error from rank ",
+        "failed: ",
+    ];
+    let mut best: Option<(usize, usize)> = None;
+    for pat in PATTERNS {
+        let mut from = 0;
+        while let Some(i) = line[from..].find(pat) {
+            let at = from + i;
+            from = at + pat.len();
+            let rank = if pat == "failed: " {
+                // "rank K failed: ...": the number before.
+                let head = line[..at].trim_end();
+                let digits = head.len() - head.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+                let num = &head[head.len() - digits..];
+                let before = head[..head.len() - digits].trim_end();
+                if digits == 0 || !before.ends_with("rank") {
+                    continue;
+                }
+                num.parse().ok()
+            } else {
+                let tail = &line[from..];
+                let end = tail
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(tail.len());
+                tail[..end].parse().ok()
+            };
+            if let Some(r) = rank {
+                if best.is_none_or(|(pos, _)| at >= pos) {
+                    best = Some((at, r));
+                }
+            }
+        }
+    }
+    best.map(|(_, r)| r)
+}
+
 /// Everything that can go wrong in oxccl.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -299,6 +345,22 @@ pub(crate) fn describe_io(e: &std::io::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_blamed_rank_is_the_innermost_one_named() {
+        for (line, want) in [
+            ("rank 1: bootstrap_allgather (call #2): lost peer rank 3: bootstrap connection closed", Some(3)),
+            ("rank 2: all_reduce (call #4): rank 1 failed: rank 1: all_reduce (call #4): lost peer rank 3: x", Some(3)),
+            ("rank 0: init (call #0) timed out after 3s, still waiting on rank(s) [2, 3]", Some(2)),
+            ("rank 1: rendezvous at 127.0.0.1:5: rank 0 failed the rendezvous: rank 0: init (call #0) timed out after 3s, still waiting on rank(s) [3]", Some(3)),
+            ("rank 3: cannot connect to rank 0 at 127.0.0.1:9 within 1s: refused", Some(0)),
+            ("rank 1: barrier (call #1): rank 2 failed: rank 2: communicator is unusable: aborted", Some(2)),
+            ("rank 1: shared memory: no room", None),
+            ("CHILD_ERR environment: RANK is missing", None),
+        ] {
+            assert_eq!(blamed_rank(line), want, "{line}");
+        }
+    }
 
     #[test]
     fn rank_lists_are_bounded() {
