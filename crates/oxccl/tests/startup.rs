@@ -249,7 +249,7 @@ fn survivors_name_the_rank_killed_during_start_up() {
         // Never rank 0 (its survivors name it trivially): rank 1..3, during or after the
         // rendezvous.
         let victim = 1 + rng.below(3) as usize;
-        let delay = Duration::from_micros(30_000 + rng.below(400_000));
+        let delay = Duration::from_micros(5_000 + rng.below(145_000));
         let (errors, ok) = kill_round(4, victim, delay, &secret, false);
         completed += ok;
         for (r, line) in errors {

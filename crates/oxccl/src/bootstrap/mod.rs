@@ -418,7 +418,6 @@ impl Bootstrap {
                 &keys,
                 &mut join,
             );
-            drop(listener);
             let err = match res {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e),
@@ -458,8 +457,28 @@ impl Bootstrap {
                     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
                     let _ = auth::write_frame(s, &msg);
                 }
+                // Ranks that have not joined yet would find nothing listening and blame
+                // rank 0: for a little while, answer them with the same news.
+                let linger = ROOT_LINGER.min(deadline.saturating_duration_since(Instant::now()));
+                if !join.missing().is_empty() && !linger.is_zero() {
+                    let mut tell = |_: Hello, s: TcpStream, _: SocketAddr| -> Result<bool> {
+                        let mut d = Deadlined::new(&s, Instant::now() + Duration::from_secs(1));
+                        let _ = auth::send_verdict(&mut d, auth::Verdict::Accepted)
+                            .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
+                            .and_then(|_| auth::write_frame(&mut d, &msg));
+                        Ok(false)
+                    };
+                    let _ = accept::accept_loop(
+                        &listener,
+                        Instant::now() + linger,
+                        &std::sync::atomic::AtomicBool::new(false),
+                        &keys,
+                        &mut tell,
+                    );
+                }
                 return Err(e);
             }
+            drop(listener);
         }
         let RootJoin {
             mut conns, infos, ..
@@ -476,10 +495,17 @@ impl Bootstrap {
                 {
                     let err = self.lost(r, "init", e);
                     // Rank r died after joining: tell the others that it is r, not rank 0.
-                    let mut msg = vec![TABLE_LOST];
-                    msg.extend_from_slice(&(r as u32).to_le_bytes());
-                    msg.extend_from_slice(err.to_string().as_bytes());
-                    tell_all(&mut conns, r, &msg);
+                    // Those below r have the table and read this as the answer to their
+                    // first exchange; those above still wait for the table.
+                    let mut report = (r as u32).to_le_bytes().to_vec();
+                    report.extend_from_slice(err.to_string().as_bytes());
+                    let mut as_exchange = SEQ_LOST.to_le_bytes().to_vec();
+                    as_exchange.extend_from_slice(&report);
+                    let mut as_table = vec![TABLE_LOST];
+                    as_table.extend_from_slice(&report);
+                    let (below, above) = conns.split_at_mut(r);
+                    tell_all(below, r, &as_exchange);
+                    tell_all(above, 0, &as_table);
                     return Err(err);
                 }
             }
@@ -544,6 +570,9 @@ impl Bootstrap {
             }
         };
         let stream = dial.run(report, give_up)?;
+        // Rank 0 gives up at its own deadline and then says why (which rank is missing):
+        // wait a little longer than that for its word.
+        let deadline = deadline + MEMBER_GRACE;
         let mut d = Deadlined::new(&stream, deadline);
         auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
         if let Some(every) = cfg.startup_report {
@@ -726,6 +755,10 @@ impl Bootstrap {
 }
 
 const CALL: &str = "bootstrap_allgather";
+
+/// How long rank 0, after a failed rendezvous, still answers ranks that join late with the
+/// reason (so that they name the rank at fault, not rank 0 which is gone).
+const ROOT_LINGER: Duration = Duration::from_secs(2);
 
 /// First byte of rank 0's answer to a join when a rank died after joining (then the rank as
 /// a `u32` and rank 0's error); 0 is the peer table, 1 a failed rendezvous.
