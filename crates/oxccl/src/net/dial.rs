@@ -236,4 +236,29 @@ mod tests {
         assert!(e.contains("no attempt made / refused for None"), "{e}");
         assert_eq!(rounds, 0);
     }
+
+    #[test]
+    fn a_silent_listener_is_reported_while_the_handshake_waits() {
+        // Something accepts on the port and never speaks (issue 19 item 5): the dialer must
+        // say so every HANDSHAKE_TICK, not wait silently until the deadline.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let holder = std::thread::spawn(move || {
+            let kept = l.accept().ok();
+            std::thread::sleep(Duration::from_millis(3500));
+            drop(kept);
+        });
+        let mut said = Vec::new();
+        let start = Instant::now();
+        let r = dial(addr, &SECRET, start + Duration::from_millis(2500))
+            .run(|_, m| said.push(m.to_string()), |g| Error::Env(g.last_err));
+        assert!(r.is_err());
+        assert!(start.elapsed() < Duration::from_secs(4));
+        let reports = said
+            .iter()
+            .filter(|m| m.contains("has not answered the oxccl handshake"))
+            .count();
+        assert!(reports >= 1, "{said:?}");
+        holder.join().unwrap();
+    }
 }

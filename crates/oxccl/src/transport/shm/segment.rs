@@ -172,7 +172,12 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 pub(crate) fn io_msg(what: &str, path: &Path, e: rustix::io::Errno) -> String {
-    format!("{what} {}: {e}", path.display())
+    let io = std::io::Error::from_raw_os_error(e.raw_os_error());
+    format!(
+        "{what} {}: {}",
+        path.display(),
+        crate::base::error::with_explanation(&io)
+    )
 }
 
 /// Maps `len` bytes of `fd` shared, read-write, pre-faulted.
