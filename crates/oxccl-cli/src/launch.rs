@@ -161,7 +161,10 @@ fn blame(failures: &[Death], named: &[Option<usize>], alive: &[usize]) -> Option
             }
         }
     }
-    if let Some((&rank, by)) = counts.iter().max_by_key(|(r, by)| (by.len(), usize::MAX - **r)) {
+    if let Some((&rank, by)) = counts
+        .iter()
+        .max_by_key(|(r, by)| (by.len(), usize::MAX - **r))
+    {
         let state = if alive.contains(&rank) {
             "; it has not exited: stopped, hung or unreachable"
         } else {
@@ -203,8 +206,10 @@ fn pump(
                 Ok(_) => {
                     if let Some(named) = &named {
                         if let Some(b) = oxccl::blamed_rank(&String::from_utf8_lossy(&line)) {
-                            if let Some(slot) =
-                                named.lock().unwrap_or_else(|e| e.into_inner()).get_mut(rank)
+                            if let Some(slot) = named
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get_mut(rank)
                             {
                                 *slot = Some(b);
                             }

@@ -188,10 +188,26 @@ fn a_victim_out_of_range_is_reported_once() {
     let o = perf(&["--kill-rank", "5"]).output().unwrap();
     let out = text(&o);
     assert_eq!(o.status.code(), Some(2), "{out}");
-    assert_eq!(out.matches("--kill-rank 5: rank 5 is not one of 3 ranks").count(), 1, "{out}");
+    assert_eq!(
+        out.matches("--kill-rank 5: rank 5 is not one of 3 ranks")
+            .count(),
+        1,
+        "{out}"
+    );
     let want = "--kill-rank 5: rank 5 is not one of 4 ranks";
     let o = Command::new(OXCCL)
-        .args(["run", "-n", "4", OXCCL, "perf", "all_reduce", "-b", "1K", "-e", "1K"])
+        .args([
+            "run",
+            "-n",
+            "4",
+            OXCCL,
+            "perf",
+            "all_reduce",
+            "-b",
+            "1K",
+            "-e",
+            "1K",
+        ])
         .args(["--kill-rank", "5"])
         .env("OXCCL_TIMEOUT", "60")
         .output()

@@ -263,7 +263,11 @@ fn survivors_name_the_rank_killed_during_start_up() {
         }
     }
     println!("{rounds} rounds: {named} survivor errors named the killed rank, {completed} survivors completed, {} wrong", wrong.len());
-    assert!(wrong.is_empty(), "survivors blamed the wrong rank:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "survivors blamed the wrong rank:\n{}",
+        wrong.join("\n")
+    );
 }
 
 fn unshare_works() -> bool {
@@ -309,7 +313,10 @@ fn named_files_of_ranks_in_own_pid_namespaces_never_leak_nor_block_the_next_job(
             .collect();
         for (r, k) in kids.into_iter().enumerate() {
             let (ok, line) = finish(k);
-            assert!(ok, "round {round}: rank {r} of the next job failed: {line:?}");
+            assert!(
+                ok,
+                "round {round}: rank {r} of the next job failed: {line:?}"
+            );
         }
         let left = files_of(tag);
         assert!(left.is_empty(), "round {round}: the next job left {left:?}");

@@ -230,11 +230,7 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
     }
     if let Err(e) = super::check_victim(a, n) {
         // Every rank finds it: only rank 0 says it (the others exit with an error too).
-        return Err(if rank == 0 {
-            e
-        } else {
-            String::new()
-        });
+        return Err(if rank == 0 { e } else { String::new() });
     }
     let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
     if rooted && a.root == victim {

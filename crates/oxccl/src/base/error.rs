@@ -397,7 +397,9 @@ mod tests {
         // Errors whose text says enough are left as they are.
         let e = std::io::Error::from_raw_os_error(libc::EINVAL);
         assert_eq!(with_explanation(&e), e.to_string());
-        assert!(describe_io(&std::io::Error::from_raw_os_error(libc::EADDRINUSE)).contains("ss -ltnp"));
+        assert!(
+            describe_io(&std::io::Error::from_raw_os_error(libc::EADDRINUSE)).contains("ss -ltnp")
+        );
     }
 
     #[test]

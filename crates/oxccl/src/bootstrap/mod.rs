@@ -491,7 +491,8 @@ impl Bootstrap {
         }
         for r in 0..conns.len() {
             if let Some(s) = &mut conns[r] {
-                if let Err(e) = set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &table))
+                if let Err(e) =
+                    set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &table))
                 {
                     let err = self.lost(r, "init", e);
                     // Rank r died after joining: tell the others that it is r, not rank 0.

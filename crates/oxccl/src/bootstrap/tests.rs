@@ -303,7 +303,8 @@ fn root_fails_at_once_when_a_joined_rank_dies() {
     let e = root.join().unwrap().unwrap_err();
     let msg = e.to_string();
     assert!(
-        msg.contains("rank 1 (joiner, pid 4242) joined the rendezvous at ") && msg.contains(" and then closed its connection"),
+        msg.contains("rank 1 (joiner, pid 4242) joined the rendezvous at ")
+            && msg.contains(" and then closed its connection"),
         "{msg}"
     );
     assert!(msg.contains("rank(s) [2] had not joined yet"), "{msg}");

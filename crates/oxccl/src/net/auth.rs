@@ -465,7 +465,10 @@ impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             let left = self.left()?;
-            let wait = self.tick.as_ref().map_or(left, |(every, _)| left.min(*every));
+            let wait = self
+                .tick
+                .as_ref()
+                .map_or(left, |(every, _)| left.min(*every));
             self.stream.set_read_timeout(Some(wait))?;
             match (&*self.stream).read(buf) {
                 Err(e)

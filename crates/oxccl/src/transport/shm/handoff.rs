@@ -117,9 +117,7 @@ pub(crate) fn named_path(what: &str) -> PathBuf {
             t ^ (u64::from(std::process::id()) << 32)
         }
     };
-    PathBuf::from(format!(
-        "{SHM_DIR}/{PREFIX}{what}{NONCE_MARK}{nonce:016x}"
-    ))
+    PathBuf::from(format!("{SHM_DIR}/{PREFIX}{what}{NONCE_MARK}{nonce:016x}"))
 }
 
 /// Whether `name` was made by [`named_path`].
@@ -308,7 +306,11 @@ mod tests {
         }
         // Released (its creator died): the next sweep removes it.
         drop(held);
-        assert_eq!(remove_stale(&dir), 2, "the released file and the other job's");
+        assert_eq!(
+            remove_stale(&dir),
+            2,
+            "the released file and the other job's"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
