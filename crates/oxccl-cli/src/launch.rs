@@ -136,26 +136,72 @@ impl Death {
 
 /// How long after the first failure the launcher waits for others before it blames one: the
 /// survivors of a killed rank see its death and fail within milliseconds, and the waiter
-/// threads may wake in either order.
-const BLAME_WINDOW: Duration = Duration::from_millis(100);
+/// threads may wake in either order (and the ranks' last error lines must be read).
+const BLAME_WINDOW: Duration = Duration::from_millis(200);
 
-/// The rank to blame among `failures` (in the order seen): the first killed by a signal
-/// within [`BLAME_WINDOW`] of the first failure (a rank that exits with an error is most
-/// often reporting a peer's death), else the first failure.
-fn blame(failures: &[Death]) -> Option<&Death> {
-    let first = failures.first()?;
-    failures
-        .iter()
-        .filter(|d| d.at.saturating_duration_since(first.at) <= BLAME_WINDOW)
-        .find(|d| d.by_signal())
-        .or(Some(first))
+/// The rank to blame, and how the launcher knows.
+struct Blame {
+    rank: usize,
+    why: String,
 }
+
+/// The rank to blame among `failures` (in the order seen), given what each rank's last error
+/// line names (`named[r]`, see [`oxccl::blamed_rank`]) and the ranks still `alive`:
+/// 1. the first rank killed by a signal (a rank that exits with an error is most often
+///    reporting a peer's death);
+/// 2. else the rank that the failed ranks' errors name most (a stopped or hung rank does not
+///    exit: the others time out waiting on it and say so);
+/// 3. else the first failure.
+fn blame(failures: &[Death], named: &[Option<usize>], alive: &[usize]) -> Option<Blame> {
+    let first = failures.first()?;
+    if let Some(d) = failures.iter().find(|d| d.by_signal()) {
+        return Some(Blame {
+            rank: d.rank,
+            why: "it died by a signal; the others' errors followed".into(),
+        });
+    }
+    let mut counts: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for d in failures {
+        if let Some(Some(b)) = named.get(d.rank) {
+            if *b != d.rank {
+                counts.entry(*b).or_default().push(d.rank);
+            }
+        }
+    }
+    if let Some((&rank, by)) = counts
+        .iter()
+        .max_by_key(|(r, by)| (by.len(), usize::MAX - **r))
+    {
+        let state = if alive.contains(&rank) {
+            "; it has not exited: stopped, hung or unreachable"
+        } else {
+            ""
+        };
+        return Some(Blame {
+            rank,
+            why: format!(
+                "the errors of {} of the {} failed rank(s) name it ({}){state}",
+                by.len(),
+                failures.len(),
+                oxccl::rank_list(by)
+            ),
+        });
+    }
+    Some(Blame {
+        rank: first.rank,
+        why: "it failed first and no error names another rank".into(),
+    })
+}
+
+/// What each rank's latest error line names ([`oxccl::blamed_rank`]), by rank.
+type Named = Arc<std::sync::Mutex<Vec<Option<usize>>>>;
 
 fn pump(
     rank: usize,
     src: impl std::io::Read + Send + 'static,
     to_stderr: bool,
     mode: Output,
+    named: Option<Named>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(src);
@@ -165,6 +211,17 @@ fn pump(
             match r.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
+                    if let Some(named) = &named {
+                        if let Some(b) = oxccl::blamed_rank(&String::from_utf8_lossy(&line)) {
+                            if let Some(slot) = named
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get_mut(rank)
+                            {
+                                *slot = Some(b);
+                            }
+                        }
+                    }
                     let mut out: Box<dyn Write> = if to_stderr {
                         Box::new(std::io::stderr().lock())
                     } else {
@@ -261,6 +318,7 @@ pub fn launch(
     };
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut pumps = Vec::new();
+    let named: Named = Arc::new(std::sync::Mutex::new(vec![None; n]));
     let binding = Binding::new(n);
     for rank in 0..n {
         binding.before_spawn(rank);
@@ -289,10 +347,10 @@ pub fn launch(
         match cmd.spawn() {
             Ok(mut child) => {
                 if let Some(o) = child.stdout.take() {
-                    pumps.push(pump(rank, o, false, mode));
+                    pumps.push(pump(rank, o, false, mode, None));
                 }
                 if let Some(e) = child.stderr.take() {
-                    pumps.push(pump(rank, e, true, mode));
+                    pumps.push(pump(rank, e, true, mode, Some(named.clone())));
                 }
                 children.push((rank, child));
             }
@@ -349,9 +407,11 @@ pub fn launch(
         }
         if let Some(first) = failures.first() {
             if first.at.elapsed() >= BLAME_WINDOW {
+                let still: Vec<usize> = alive.iter().map(|(r, _)| *r).collect();
+                let named = named.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 eprintln!(
                     "oxccl: {}; stopping the other {} rank(s)",
-                    summary(&failures),
+                    summary(&failures, &named, &still),
                     alive.len()
                 );
                 stop_all(&mut alive, &rx);
@@ -376,32 +436,42 @@ pub fn launch(
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
-    if code == 0 && !failures.is_empty() {
-        eprintln!("oxccl: {}", summary(&failures));
-        code = 1;
-    }
     for p in pumps {
         let _ = p.join();
+    }
+    if code == 0 && !failures.is_empty() {
+        let named = named.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        eprintln!("oxccl: {}", summary(&failures, &named, &[]));
+        code = 1;
     }
     code
 }
 
-/// "rank 1 was killed by signal 9 (SIGKILL) first (then rank 0 exited with code 1)".
-fn summary(failures: &[Death]) -> String {
-    let Some(d) = blame(failures) else {
+/// "rank 1 was killed by signal 9 (SIGKILL) first (then rank 0 exited with code 1); blamed:
+/// it died by a signal; the others' errors followed". At most 8 other ranks are listed.
+fn summary(failures: &[Death], named: &[Option<usize>], alive: &[usize]) -> String {
+    let Some(b) = blame(failures, named, alive) else {
         return "no rank failed".into();
     };
     let others: Vec<String> = failures
         .iter()
-        .filter(|o| o.rank != d.rank)
+        .filter(|o| o.rank != b.rank)
         .map(|o| format!("rank {} {}", o.rank, o.describe()))
         .collect();
-    let then = if others.is_empty() {
-        String::new()
-    } else {
-        format!(" (then {})", others.join(", "))
+    let then = match others.len() {
+        0 => String::new(),
+        n if n <= 8 => format!(" (then {})", others.join(", ")),
+        n => format!(" (then {} and {} more)", others[..8].join(", "), n - 8),
     };
-    format!("rank {} {} first{then}", d.rank, d.describe())
+    let what = match failures.iter().find(|d| d.rank == b.rank) {
+        Some(d) => format!("rank {} {} first{then}", d.rank, d.describe()),
+        None => format!(
+            "rank {} is to blame{}",
+            b.rank,
+            then.replacen(" (then ", " (failed: ", 1)
+        ),
+    };
+    format!("{what}; blamed: {}", b.why)
 }
 
 /// Stops the ranks still `alive` (SIGTERM to each one's process group, SIGKILL after 3 s)
@@ -447,7 +517,10 @@ pub fn rank_or_launch(
         return match rank_main() {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("oxccl {name}: {e}");
+                // An empty message: another rank (rank 0) reports the same error.
+                if !e.is_empty() {
+                    eprintln!("oxccl {name}: {e}");
+                }
                 1
             }
         };
@@ -478,4 +551,49 @@ pub fn run_main(a: RunArgs) -> i32 {
         &[],
         a.expect_kill,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn death(rank: usize, raw: i32) -> Death {
+        Death {
+            rank,
+            status: Ok(ExitStatus::from_raw(raw)),
+            at: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn the_killed_rank_is_blamed_over_the_first_to_exit() {
+        // Rank 0 exits with an error naming rank 0's link (relayed), then rank 2 is seen
+        // killed: rank 2 is blamed.
+        let f = [death(0, 1 << 8), death(2, libc::SIGKILL)];
+        let s = summary(&f, &[Some(0), None, None, None], &[1, 3]);
+        assert!(
+            s.starts_with("rank 2 was killed by signal 9 (SIGKILL) first (then rank 0 exited with code 1); blamed: it died by a signal"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn a_stopped_rank_is_blamed_by_the_errors_that_name_it() {
+        // Rank 2 is stopped: the others time out and name it; rank 1 happened to exit first.
+        let f = [death(1, 1 << 8), death(0, 1 << 8), death(3, 1 << 8)];
+        let s = summary(&f, &[Some(2), Some(2), None, Some(1)], &[2]);
+        assert!(s.starts_with("rank 2 is to blame (failed: rank 1 exited with code 1, rank 0 exited with code 1, rank 3 exited with code 1); blamed: the errors of 2 of the 3 failed rank(s) name it ([1, 0]); it has not exited"), "{s}");
+        // Nothing named: the first failure.
+        let s = summary(&f, &[None; 4], &[]);
+        assert!(s.starts_with("rank 1 exited with code 1 first"), "{s}");
+        assert!(s.ends_with("no error names another rank"), "{s}");
+    }
+
+    #[test]
+    fn the_summary_stays_short_for_many_ranks() {
+        let f: Vec<Death> = (0..1000).map(|r| death(r, 1 << 8)).collect();
+        let s = summary(&f, &[], &[]);
+        assert!(s.len() < 600 && s.contains("and 991 more"), "{}", s.len());
+    }
 }

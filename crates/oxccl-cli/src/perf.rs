@@ -138,6 +138,13 @@ pub fn main(mut a: Args) -> i32 {
         return 2;
     }
     let rank = under_launcher();
+    if !rank {
+        // Checked once here, before any rank starts: otherwise every rank would say it.
+        if let Err(e) = check_victim(&a, a.ranks) {
+            eprintln!("oxccl perf: {e}");
+            return 2;
+        }
+    }
     if rank {
         // One rank of a launched job: --transport and --algo apply to this process.
         // Set before any thread starts.
@@ -199,6 +206,24 @@ fn ops(s: &str, kind: CollKind, dtype: DataType) -> Result<Vec<ReduceOp>, String
         op.check(dtype)?;
     }
     Ok(ops)
+}
+
+/// The rank a failure injection targets (`--kill-rank`, `--stall-rank`, `--cut-rank`) must
+/// be one of `n` ranks, at least 2.
+pub(crate) fn check_victim(a: &Args, n: usize) -> Result<(), String> {
+    let (flag, victim) = match (a.kill_rank, a.stall_rank, a.cut_rank) {
+        (Some(r), _, _) => ("--kill-rank", r),
+        (_, Some(r), _) => ("--stall-rank", r),
+        (_, _, Some(r)) => ("--cut-rank", r),
+        _ => return Ok(()),
+    };
+    if n < 2 || victim >= n {
+        return Err(format!(
+            "{flag} {victim}: rank {victim} is not one of {n} ranks (at least 2 ranks, numbered 0 to {})",
+            n.saturating_sub(1).max(1)
+        ));
+    }
+    Ok(())
 }
 
 fn validate(a: &Args) -> Result<(), String> {

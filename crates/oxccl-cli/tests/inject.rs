@@ -180,3 +180,39 @@ fn the_launcher_keeps_the_survivors_of_an_expected_sigkill() {
         );
     }
 }
+
+/// Issue 19 item 5: a victim rank out of range is said once, not once per rank: by `oxccl
+/// perf` before it starts any rank, and under `oxccl run` by rank 0 only.
+#[test]
+fn a_victim_out_of_range_is_reported_once() {
+    let o = perf(&["--kill-rank", "5"]).output().unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert_eq!(
+        out.matches("--kill-rank 5: rank 5 is not one of 3 ranks")
+            .count(),
+        1,
+        "{out}"
+    );
+    let want = "--kill-rank 5: rank 5 is not one of 4 ranks";
+    let o = Command::new(OXCCL)
+        .args([
+            "run",
+            "-n",
+            "4",
+            OXCCL,
+            "perf",
+            "all_reduce",
+            "-b",
+            "1K",
+            "-e",
+            "1K",
+        ])
+        .args(["--kill-rank", "5"])
+        .env("OXCCL_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert_eq!(out.matches(want).count(), 1, "{out}");
+}

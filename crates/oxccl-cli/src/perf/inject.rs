@@ -228,10 +228,9 @@ pub(super) fn run(comm: Communicator, a: &Args, kind: CollKind) -> Result<(), St
     if how == How::Cut && comm.config().transport != TransportChoice::Tcp {
         return Err(CUT_NEEDS_TCP.into());
     }
-    if n < 2 || victim >= n {
-        return Err(format!(
-            "rank {victim} is not one of {n} ranks (at least 2)"
-        ));
+    if let Err(e) = super::check_victim(a, n) {
+        // Every rank finds it: only rank 0 says it (the others exit with an error too).
+        return Err(if rank == 0 { e } else { String::new() });
     }
     let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
     if rooted && a.root == victim {

@@ -24,6 +24,52 @@ pub fn rank_list(ranks: &[usize]) -> String {
     }
 }
 
+/// The rank an error line blames, as an operator (or `oxccl run`) reads it: the innermost
+/// of "lost peer rank K", "still waiting on rank(s) [K" (the first listed), "cannot connect
+/// to rank K", "protocol error from rank K" and "rank K failed", i.e. the one that appears
+/// last in the line (a rank that relays another's failure wraps that rank's own error).
+/// `None` when the line names no rank at fault.
+pub fn blamed_rank(line: &str) -> Option<usize> {
+    const PATTERNS: [&str; 5] = [
+        "lost peer rank ",
+        "still waiting on rank(s) [",
+        "cannot connect to rank ",
+        "protocol error from rank ",
+        "failed: ",
+    ];
+    let mut best: Option<(usize, usize)> = None;
+    for pat in PATTERNS {
+        let mut from = 0;
+        while let Some(i) = line[from..].find(pat) {
+            let at = from + i;
+            from = at + pat.len();
+            let rank = if pat == "failed: " {
+                // "rank K failed: ...": the number before.
+                let head = line[..at].trim_end();
+                let digits = head.len() - head.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+                let num = &head[head.len() - digits..];
+                let before = head[..head.len() - digits].trim_end();
+                if digits == 0 || !before.ends_with("rank") {
+                    continue;
+                }
+                num.parse().ok()
+            } else {
+                let tail = &line[from..];
+                let end = tail
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(tail.len());
+                tail[..end].parse().ok()
+            };
+            if let Some(r) = rank {
+                if best.is_none_or(|(pos, _)| at >= pos) {
+                    best = Some((at, r));
+                }
+            }
+        }
+    }
+    best.map(|(_, r)| r)
+}
+
 /// Everything that can go wrong in oxccl.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -177,8 +223,9 @@ pub enum Error {
         /// The failing rank's error.
         msg: String,
     },
-    /// An operating-system error outside of a peer link.
-    #[error("rank {rank}: {context}: {source}")]
+    /// An operating-system error outside of a peer link (its message adds what the errno
+    /// most likely means and what to do, [`explain_os_error`]).
+    #[error("rank {rank}: {context}: {}", with_explanation(.source))]
     Io {
         /// The rank that saw the error.
         rank: usize,
@@ -269,6 +316,31 @@ impl Error {
     }
 }
 
+/// What a raw OS error that reaches users most likely means and what to do about it, by
+/// errno, in one place (used by [`Error::Io`], the peer-link errors and the shared-memory
+/// errors); `None` for errors whose text says enough.
+pub fn explain_os_error(errno: i32) -> Option<&'static str> {
+    Some(match errno {
+        libc::EAGAIN => "the resource was busy or a non-blocking call would have waited (os error 11, EAGAIN): a socket timeout expired or the system is short of a resource (threads, locked memory); retry, raise OXCCL_TIMEOUT, or check `ulimit -u` / `ulimit -l`",
+        libc::EEXIST => "the name is already taken (os error 17, EEXIST): a file or object of that name was left by an earlier job or is used by another one; remove stale /dev/shm/oxccl-* files of dead jobs, or give this job another OXCCL_SECRET",
+        libc::EADDRINUSE => "the address is already in use (os error 98, EADDRINUSE): another process (an earlier job still running, or another program) listens on that port; pick another MASTER_PORT or stop the other process (`ss -ltnp` shows it)",
+        libc::ECONNRESET => "the connection was reset by the other side (os error 104, ECONNRESET): its process died or closed the connection with data unread (it failed); look at that rank's own error",
+        libc::ESRCH => "no such process (os error 3, ESRCH): the peer's process is gone (it died or exited), or it is in another pid namespace (containers) where its pid means nothing here",
+        libc::ECONNREFUSED => "connection refused (os error 111, ECONNREFUSED): nothing listens at that address; the rank there is not running yet, has died, or the address/port is wrong",
+        libc::ENOSPC => "no space left (os error 28, ENOSPC): the file system (for shared memory, /dev/shm) is full; enlarge it or free space",
+        libc::EMFILE | libc::ENFILE => "too many open files (EMFILE/ENFILE): raise `ulimit -n`",
+        _ => return None,
+    })
+}
+
+/// `e` followed by its explanation, if [`explain_os_error`] has one.
+pub(crate) fn with_explanation(e: &std::io::Error) -> String {
+    match e.raw_os_error().and_then(explain_os_error) {
+        Some(why) => format!("{e}; {why}"),
+        None => e.to_string(),
+    }
+}
+
 /// What an OS error on a peer's process or connection means, with the raw error after it:
 /// "its process is gone (No such process (os error 3))".
 pub(crate) fn describe_io(e: &std::io::Error) -> String {
@@ -292,13 +364,59 @@ pub(crate) fn describe_io(e: &std::io::Error) -> String {
     };
     match meaning {
         Some(m) => format!("{m} ({e})"),
-        None => e.to_string(),
+        None => with_explanation(e),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn raw_os_errors_are_explained() {
+        for (errno, want) in [
+            (libc::EAGAIN, "OXCCL_TIMEOUT"),
+            (libc::EEXIST, "/dev/shm/oxccl-"),
+            (libc::EADDRINUSE, "MASTER_PORT"),
+            (libc::ECONNRESET, "died"),
+            (libc::ESRCH, "pid namespace"),
+        ] {
+            let e = Error::Io {
+                rank: 3,
+                context: "binding the rendezvous address 127.0.0.1:29500".into(),
+                source: std::io::Error::from_raw_os_error(errno),
+            };
+            let m = e.to_string();
+            assert!(
+                m.starts_with("rank 3: binding the rendezvous address 127.0.0.1:29500: ")
+                    && m.contains(&format!("(os error {errno})"))
+                    && m.contains(want),
+                "{m}"
+            );
+        }
+        // Errors whose text says enough are left as they are.
+        let e = std::io::Error::from_raw_os_error(libc::EINVAL);
+        assert_eq!(with_explanation(&e), e.to_string());
+        assert!(
+            describe_io(&std::io::Error::from_raw_os_error(libc::EADDRINUSE)).contains("ss -ltnp")
+        );
+    }
+
+    #[test]
+    fn the_blamed_rank_is_the_innermost_one_named() {
+        for (line, want) in [
+            ("rank 1: bootstrap_allgather (call #2): lost peer rank 3: bootstrap connection closed", Some(3)),
+            ("rank 2: all_reduce (call #4): rank 1 failed: rank 1: all_reduce (call #4): lost peer rank 3: x", Some(3)),
+            ("rank 0: init (call #0) timed out after 3s, still waiting on rank(s) [2, 3]", Some(2)),
+            ("rank 1: rendezvous at 127.0.0.1:5: rank 0 failed the rendezvous: rank 0: init (call #0) timed out after 3s, still waiting on rank(s) [3]", Some(3)),
+            ("rank 3: cannot connect to rank 0 at 127.0.0.1:9 within 1s: refused", Some(0)),
+            ("rank 1: barrier (call #1): rank 2 failed: rank 2: communicator is unusable: aborted", Some(2)),
+            ("rank 1: shared memory: no room", None),
+            ("CHILD_ERR environment: RANK is missing", None),
+        ] {
+            assert_eq!(blamed_rank(line), want, "{line}");
+        }
+    }
 
     #[test]
     fn rank_lists_are_bounded() {

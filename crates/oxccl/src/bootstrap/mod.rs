@@ -418,7 +418,6 @@ impl Bootstrap {
                 &keys,
                 &mut join,
             );
-            drop(listener);
             let err = match res {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e),
@@ -458,8 +457,28 @@ impl Bootstrap {
                     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
                     let _ = auth::write_frame(s, &msg);
                 }
+                // Ranks that have not joined yet would find nothing listening and blame
+                // rank 0: for a little while, answer them with the same news.
+                let linger = ROOT_LINGER.min(deadline.saturating_duration_since(Instant::now()));
+                if !join.missing().is_empty() && !linger.is_zero() {
+                    let mut tell = |_: Hello, s: TcpStream, _: SocketAddr| -> Result<bool> {
+                        let mut d = Deadlined::new(&s, Instant::now() + Duration::from_secs(1));
+                        let _ = auth::send_verdict(&mut d, auth::Verdict::Accepted)
+                            .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
+                            .and_then(|_| auth::write_frame(&mut d, &msg));
+                        Ok(false)
+                    };
+                    let _ = accept::accept_loop(
+                        &listener,
+                        Instant::now() + linger,
+                        &std::sync::atomic::AtomicBool::new(false),
+                        &keys,
+                        &mut tell,
+                    );
+                }
                 return Err(e);
             }
+            drop(listener);
         }
         let RootJoin {
             mut conns, infos, ..
@@ -470,11 +489,26 @@ impl Bootstrap {
         for p in &peers {
             p.encode(&mut table);
         }
-        for (r, s) in conns.iter_mut().enumerate() {
-            if let Some(s) = s {
-                set_timeouts(s, self.timeout)
-                    .and_then(|_| auth::write_frame(s, &table))
-                    .map_err(|e| self.lost(r, "init", e))?;
+        for r in 0..conns.len() {
+            if let Some(s) = &mut conns[r] {
+                if let Err(e) =
+                    set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &table))
+                {
+                    let err = self.lost(r, "init", e);
+                    // Rank r died after joining: tell the others that it is r, not rank 0.
+                    // Those below r have the table and read this as the answer to their
+                    // first exchange; those above still wait for the table.
+                    let mut report = (r as u32).to_le_bytes().to_vec();
+                    report.extend_from_slice(err.to_string().as_bytes());
+                    let mut as_exchange = SEQ_LOST.to_le_bytes().to_vec();
+                    as_exchange.extend_from_slice(&report);
+                    let mut as_table = vec![TABLE_LOST];
+                    as_table.extend_from_slice(&report);
+                    let (below, above) = conns.split_at_mut(r);
+                    tell_all(below, r, &as_exchange);
+                    tell_all(above, 0, &as_table);
+                    return Err(err);
+                }
             }
         }
         self.peers = peers;
@@ -537,6 +571,9 @@ impl Bootstrap {
             }
         };
         let stream = dial.run(report, give_up)?;
+        // Rank 0 gives up at its own deadline and then says why (which rank is missing):
+        // wait a little longer than that for its word.
+        let deadline = deadline + MEMBER_GRACE;
         let mut d = Deadlined::new(&stream, deadline);
         auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
         if let Some(every) = cfg.startup_report {
@@ -558,6 +595,7 @@ impl Bootstrap {
                     String::from_utf8_lossy(r)
                 )))
             }
+            Some([TABLE_LOST]) => return Err(self.lost_report(r, "init")),
             _ => return Err(self.proto(0, "init", "malformed peer table")),
         }
         let n =
@@ -575,6 +613,7 @@ impl Bootstrap {
                 _ => return Err(self.proto(0, "init", "malformed peer table")),
             }
         }
+        drop(d);
         set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
         self.peers = peers;
         self.links = Links::Member(stream);
@@ -649,6 +688,21 @@ impl Bootstrap {
         }
     }
 
+    /// The error for rank 0's report that it lost a rank (`rest`: the lost rank as a `u32`,
+    /// then rank 0's own error): names the lost rank, not rank 0.
+    fn lost_report(&self, mut rest: &[u8], call: &'static str) -> Error {
+        match take_u32(&mut rest) {
+            Some(peer) if (peer as usize) < self.world_size && peer != 0 => Error::PeerLost {
+                rank: self.rank,
+                peer: peer as usize,
+                call,
+                seq: self.seq,
+                reason: format!("rank 0 reports it: {}", String::from_utf8_lossy(rest)),
+            },
+            _ => self.proto(0, call, "malformed lost-rank report"),
+        }
+    }
+
     /// This rank.
     pub(crate) fn rank(&self) -> usize {
         self.rank
@@ -703,6 +757,31 @@ impl Bootstrap {
 
 const CALL: &str = "bootstrap_allgather";
 
+/// How long rank 0, after a failed rendezvous, still answers ranks that join late with the
+/// reason (so that they name the rank at fault, not rank 0 which is gone).
+const ROOT_LINGER: Duration = Duration::from_secs(2);
+
+/// First byte of rank 0's answer to a join when a rank died after joining (then the rank as
+/// a `u32` and rank 0's error); 0 is the peer table, 1 a failed rendezvous.
+const TABLE_LOST: u8 = 2;
+/// The sequence number of rank 0's answer to an exchange when it lost a rank (then the rank
+/// as a `u32` and rank 0's error), so that the others name that rank, not rank 0.
+const SEQ_LOST: u64 = u64::MAX;
+/// Extra time a member waits for rank 0's answer beyond the timeout, so that rank 0, which
+/// sees a silent rank first, can name it to everyone before the members give up on rank 0.
+const MEMBER_GRACE: Duration = Duration::from_secs(2);
+
+/// Sends `msg` to every connection but `except`'s, each with a short write timeout; errors
+/// are ignored (this is the last word before closing).
+fn tell_all(conns: &mut [Option<TcpStream>], except: usize, msg: &[u8]) {
+    for (r, c) in conns.iter_mut().enumerate() {
+        if let (Some(s), true) = (c, r != except) {
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = auth::write_frame(s, msg);
+        }
+    }
+}
+
 impl Exchange for Bootstrap {
     fn rank(&self) -> usize {
         self.rank
@@ -717,7 +796,25 @@ impl Exchange for Bootstrap {
         let seq = self.seq;
         let mut links = std::mem::replace(&mut self.links, Links::Root(Vec::new()));
         let res = match &mut links {
-            Links::Root(conns) => self.allgather_root(conns, mine, seq),
+            Links::Root(conns) => {
+                let res = self.allgather_root(conns, mine, seq);
+                if let Err(e) = &res {
+                    if let Some(lost) = e.lost_peer().or(match e {
+                        Error::Timeout { waiting_on, .. } if waiting_on.len() == 1 => {
+                            Some(waiting_on[0])
+                        }
+                        Error::Protocol { peer, .. } => Some(*peer),
+                        _ => None,
+                    }) {
+                        // Every other rank waits on rank 0: name the rank at fault to them.
+                        let mut msg = SEQ_LOST.to_le_bytes().to_vec();
+                        msg.extend_from_slice(&(lost as u32).to_le_bytes());
+                        msg.extend_from_slice(e.to_string().as_bytes());
+                        tell_all(conns, lost, &msg);
+                    }
+                }
+                res
+            }
             Links::Member(s) => self.allgather_member(s, mine, seq),
         };
         self.links = links;
@@ -779,11 +876,23 @@ impl Bootstrap {
         let mut msg = Vec::with_capacity(mine.len() + 8);
         msg.extend_from_slice(&seq.to_le_bytes());
         msg.extend_from_slice(mine);
-        auth::write_frame(s, &msg).map_err(|e| self.lost(0, CALL, e))?;
+        if let Err(e) = auth::write_frame(s, &msg) {
+            // Rank 0 may have closed after saying which rank it lost: read that first.
+            let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+            return Err(match auth::read_frame(s, MAX_FRAME) {
+                Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
+                    self.lost_report(&f[8..], CALL)
+                }
+                _ => self.lost(0, CALL, e),
+            });
+        }
+        let _ = s.set_read_timeout(Some(self.timeout + MEMBER_GRACE));
         let f = auth::read_frame(s, MAX_FRAME).map_err(|e| self.lost(0, CALL, e))?;
         let mut r = &f[..];
-        if take_u64(&mut r) != Some(seq) {
-            return Err(self.proto(0, CALL, "answer to another bootstrap exchange"));
+        match take_u64(&mut r) {
+            Some(SEQ_LOST) => return Err(self.lost_report(r, CALL)),
+            Some(got) if got == seq => {}
+            _ => return Err(self.proto(0, CALL, "answer to another bootstrap exchange")),
         }
         let mut all = Vec::with_capacity(self.world_size);
         for _ in 0..self.world_size {

@@ -85,12 +85,16 @@ impl RootJoin {
                 Ok(_) => "sent data before the rendezvous completed".to_string(),
                 Err(e) => format!("lost its connection ({e})"),
             };
-            return Err(Error::Rendezvous {
+            // PeerLost naming it: the ranks told of this failure blame it, not rank 0.
+            return Err(Error::PeerLost {
                 rank: 0,
-                addr: self.root.to_string(),
-                msg: format!(
-                    "{} joined and then {gone} before every rank had joined (still waiting on rank(s) {}); it died or was stopped",
+                peer: *r,
+                call: "init",
+                seq: 0,
+                reason: format!(
+                    "{} joined the rendezvous at {} and then {gone} before every rank had joined (rank(s) {} had not joined yet); it died or was stopped",
                     self.who(*r),
+                    self.root,
                     crate::base::error::rank_list(&self.missing())
                 ),
             });

@@ -303,10 +303,13 @@ fn root_fails_at_once_when_a_joined_rank_dies() {
     let e = root.join().unwrap().unwrap_err();
     let msg = e.to_string();
     assert!(
-        msg.contains("rank 1 (joiner, pid 4242) joined and then closed its connection"),
+        msg.contains("rank 1 (joiner, pid 4242) joined the rendezvous at ")
+            && msg.contains(" and then closed its connection"),
         "{msg}"
     );
-    assert!(msg.contains("still waiting on rank(s) [2]"), "{msg}");
+    assert!(msg.contains("rank(s) [2] had not joined yet"), "{msg}");
+    assert_eq!(e.lost_peer(), Some(1));
+    assert_eq!(crate::base::error::blamed_rank(&msg), Some(1), "{msg}");
 }
 
 #[test]

@@ -415,16 +415,40 @@ pub fn read_frame<R: Read>(r: &mut R, max: usize) -> io::Result<Vec<u8>> {
 /// A borrowed [`TcpStream`] whose reads and writes all end by one deadline: before each
 /// operation the socket timeout is set to the time left, so a peer that trickles bytes
 /// cannot stretch a handshake.
-#[derive(Debug)]
 pub struct Deadlined<'a> {
     stream: &'a TcpStream,
     deadline: Instant,
+    /// While a read waits: every this often, this runs (a progress line).
+    tick: Option<(Duration, Box<dyn FnMut() + 'a>)>,
+}
+
+impl std::fmt::Debug for Deadlined<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deadlined")
+            .field("stream", &self.stream)
+            .field("deadline", &self.deadline)
+            .field("tick", &self.tick.as_ref().map(|t| t.0))
+            .finish()
+    }
 }
 
 impl<'a> Deadlined<'a> {
     /// Wraps `stream` until `deadline`.
     pub fn new(stream: &'a TcpStream, deadline: Instant) -> Self {
-        Deadlined { stream, deadline }
+        Deadlined {
+            stream,
+            deadline,
+            tick: None,
+        }
+    }
+
+    /// Runs `f` every `every` that a read waits with nothing received (to say what it waits
+    /// for), until the deadline.
+    pub fn with_tick(mut self, every: Duration, f: impl FnMut() + 'a) -> Self {
+        if !every.is_zero() {
+            self.tick = Some((every, Box::new(f)));
+        }
+        self
     }
 
     fn left(&self) -> io::Result<Duration> {
@@ -439,8 +463,28 @@ impl<'a> Deadlined<'a> {
 
 impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream.set_read_timeout(Some(self.left()?))?;
-        (&*self.stream).read(buf)
+        loop {
+            let left = self.left()?;
+            let wait = self
+                .tick
+                .as_ref()
+                .map_or(left, |(every, _)| left.min(*every));
+            self.stream.set_read_timeout(Some(wait))?;
+            match (&*self.stream).read(buf) {
+                Err(e)
+                    if wait < left
+                        && matches!(
+                            e.kind(),
+                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                        ) =>
+                {
+                    if let Some((_, f)) = &mut self.tick {
+                        f();
+                    }
+                }
+                r => return r,
+            }
+        }
     }
 }
 

@@ -15,6 +15,9 @@ use crate::net::auth::{self, Deadlined, Hello};
 /// The longest one connection attempt may take (less when the deadline is nearer).
 pub(crate) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How often a handshake that waits for the acceptor's answer lets the caller report it.
+pub(crate) const HANDSHAKE_TICK: Duration = Duration::from_secs(1);
+
 /// How to reach one acceptor; see the module documentation.
 pub(crate) struct Dial<'a> {
     /// The acceptor's address.
@@ -78,14 +81,30 @@ impl Dial<'_> {
             match (self.connect)(self.addr, left.min(ATTEMPT_TIMEOUT)) {
                 Ok(s) => {
                     refused_since = None;
-                    let mut d = Deadlined::new(&s, self.deadline);
-                    match auth::client_handshake(
+                    // An acceptor that takes the connection and says nothing (another
+                    // program on the port, a stopped rank 0) would keep this rank silent
+                    // until the deadline: say so every HANDSHAKE_TICK (`round` reports it
+                    // at its own pace).
+                    let since = Instant::now();
+                    let round = &mut round;
+                    let mut d = Deadlined::new(&s, self.deadline).with_tick(HANDSHAKE_TICK, || {
+                        round(
+                            Instant::now(),
+                            &format!(
+                                "connected to {addr}, but it has not answered the oxccl handshake for {:.0?}: another program may hold the port, or the rank there is stopped or overloaded",
+                                since.elapsed()
+                            ),
+                        )
+                    });
+                    let shaken = auth::client_handshake(
                         &mut d,
                         self.secret,
                         &self.hello,
                         self.hello.rank,
                         &addr,
-                    ) {
+                    );
+                    drop(d);
+                    match shaken {
                         Ok(()) => return Ok(s),
                         // Wrong secret or refused: retrying cannot help.
                         Err(e @ Error::Auth { .. }) => return Err(e),
@@ -216,5 +235,30 @@ mod tests {
             .to_string();
         assert!(e.contains("no attempt made / refused for None"), "{e}");
         assert_eq!(rounds, 0);
+    }
+
+    #[test]
+    fn a_silent_listener_is_reported_while_the_handshake_waits() {
+        // Something accepts on the port and never speaks (issue 19 item 5): the dialer must
+        // say so every HANDSHAKE_TICK, not wait silently until the deadline.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let holder = std::thread::spawn(move || {
+            let kept = l.accept().ok();
+            std::thread::sleep(Duration::from_millis(3500));
+            drop(kept);
+        });
+        let mut said = Vec::new();
+        let start = Instant::now();
+        let r = dial(addr, &SECRET, start + Duration::from_millis(2500))
+            .run(|_, m| said.push(m.to_string()), |g| Error::Env(g.last_err));
+        assert!(r.is_err());
+        assert!(start.elapsed() < Duration::from_secs(4));
+        let reports = said
+            .iter()
+            .filter(|m| m.contains("has not answered the oxccl handshake"))
+            .count();
+        assert!(reports >= 1, "{said:?}");
+        holder.join().unwrap();
     }
 }

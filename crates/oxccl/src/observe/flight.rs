@@ -352,9 +352,12 @@ impl Recorder {
             Ok(()) => {
                 tracing::info!(rank = self.rank, path = %path.display(), reason, "flight recorder written")
             }
-            Err(e) => {
-                tracing::warn!(rank = self.rank, path = %path.display(), "cannot write the flight recorder: {e}")
-            }
+            Err(e) => crate::base::debug::announce(&format!(
+                "rank {}: cannot write the flight record {}: {}; check that the directory of OXCCL_FLIGHT_RECORDER exists and is writable (the record is lost)",
+                self.rank,
+                path.display(),
+                crate::base::error::with_explanation(&e)
+            )),
         }
     }
 }

@@ -216,7 +216,11 @@ impl TorchDump {
         let bytes = to_pickle(entries, nranks, comm, self.timeout_ms);
         let res = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, &path));
         if let Err(e) = res {
-            tracing::warn!(rank, path = %path.display(), "cannot write the torch-format flight record: {e}");
+            crate::base::debug::announce(&format!(
+                "rank {rank}: cannot write the torch-format flight record {}: {}; check that the directory of OXCCL_FR_DUMP exists and is writable (the record is lost)",
+                path.display(),
+                crate::base::error::with_explanation(&e)
+            ));
         }
     }
 }

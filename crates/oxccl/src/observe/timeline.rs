@@ -147,7 +147,12 @@ impl Timeline {
     /// Writes the file; errors are logged.
     pub(crate) fn write(&self) {
         if let Err(e) = std::fs::write(&self.path, self.to_json()) {
-            tracing::warn!(rank = self.rank, path = %self.path.display(), "cannot write the trace: {e}");
+            crate::base::debug::announce(&format!(
+                "rank {}: cannot write the trace {}: {}; check that its directory exists and is writable",
+                self.rank,
+                self.path.display(),
+                crate::base::error::with_explanation(&e)
+            ));
         }
     }
 }

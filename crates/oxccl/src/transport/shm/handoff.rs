@@ -7,9 +7,13 @@
 //!   Yama's `ptrace_scope=1` withholds between siblings; the `/proc` link needs only read
 //!   rights). The token sent to peers is `fd:<pid>:<n>`.
 //! - where no peer can do either (another pid namespace, a hardened kernel), the ranks fall
-//!   back to named files, `/dev/shm/oxccl-<tag>-<rank>-<pidns>-<pid>`, unlinked as soon as
-//!   every peer has opened them; a rank killed before that leaves its file, which the next
-//!   job of the same user and pid namespace removes ([`remove_stale`]) once its pid is dead.
+//!   back to named files, `/dev/shm/oxccl-<tag>-<rank>-L<random>`, unlinked as soon as
+//!   every peer has opened them. The random part makes names of two job instances distinct
+//!   (pids and pid-namespace numbers repeat: ranks in their own pid namespaces are all pid 1).
+//!   The creator holds an exclusive `flock` on its file for the file's lifetime, so a file
+//!   whose lock can be taken belongs to a dead rank, in whatever pid namespace: the survivors
+//!   of a failed start-up remove those of their job ([`sweep_after_failure`]) and every
+//!   start-up with named files removes any of the user's ([`remove_stale`]).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -95,52 +99,104 @@ pub(crate) fn open_token(tok: &str, pid: u32) -> Result<OwnedFd, OpenError> {
     }
 }
 
-/// This process's pid namespace as a number (the inode of `/proc/self/ns/pid`), 0 if unknown.
-fn pidns_ino() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
-}
+/// Marks the random part of a named segment's file name: `oxccl-<what>-L<16 hex digits>`.
+const NONCE_MARK: &str = "-L";
 
-/// The named-file path of `what` (e.g. `0123abcd-3` for rank 3's segment of a communicator)
-/// made by this process.
+/// A fresh named-file path for `what` (e.g. `0123abcd-3` for rank 3's segment of a
+/// communicator): `/dev/shm/oxccl-<what>-L<random>`. The random part makes every job
+/// instance's names distinct, whatever pids and pid namespaces the ranks have.
 pub(crate) fn named_path(what: &str) -> PathBuf {
-    PathBuf::from(format!(
-        "{SHM_DIR}/{PREFIX}{what}-{}-{}",
-        pidns_ino(),
-        std::process::id()
-    ))
+    let mut b = [0u8; 8];
+    // A failed getrandom falls back to the time and pid: still distinct between jobs.
+    let nonce = match getrandom::fill(&mut b) {
+        Ok(()) => u64::from_le_bytes(b),
+        Err(_) => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            t ^ (u64::from(std::process::id()) << 32)
+        }
+    };
+    PathBuf::from(format!("{SHM_DIR}/{PREFIX}{what}{NONCE_MARK}{nonce:016x}"))
 }
 
-/// Whether the file name was made by [`named_path`] in this pid namespace by a process that
-/// is gone.
-fn is_stale(name: &str, ns: u64) -> bool {
+/// Whether `name` was made by [`named_path`].
+fn is_named_segment(name: &str) -> bool {
     let Some(rest) = name.strip_prefix(PREFIX) else {
         return false;
     };
-    let mut parts = rest.rsplitn(3, '-');
-    let (Some(pid), Some(file_ns), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
-        return false;
-    };
-    let (Ok(pid), Ok(file_ns)) = (pid.parse::<i32>(), file_ns.parse::<u64>()) else {
-        return false;
-    };
-    if file_ns != ns || ns == 0 {
-        return false;
-    }
-    match rustix::process::Pid::from_raw(pid) {
-        Some(p) => matches!(
-            rustix::process::test_kill_process(p),
-            Err(rustix::io::Errno::SRCH)
-        ),
+    match rest.rsplit_once(NONCE_MARK) {
+        Some((what, nonce)) => {
+            !what.is_empty() && nonce.len() == 16 && nonce.bytes().all(|c| c.is_ascii_hexdigit())
+        }
         None => false,
     }
 }
 
-/// Removes the named segments in `dir` of dead processes of this user and pid namespace
-/// (left by ranks killed during a start-up); returns how many.
+/// Creates the file `path` (mode 0600, `O_EXCL`) and takes an exclusive `flock` on it that
+/// the creator holds for the file's lifetime (the lock goes with the open file, which the
+/// mapping keeps: it is released only when the creator unmaps and closes it, or dies). A file
+/// whose lock can be taken is therefore stale ([`remove_stale`]). If a sweeper removed the file
+/// between its creation and the lock, tries again under a fresh name; `Ok` holds the path.
+pub(crate) fn create_locked(what: &str) -> Result<(OwnedFd, PathBuf), String> {
+    let mut last = String::new();
+    for _ in 0..4 {
+        let path = named_path(what);
+        let fd: OwnedFd = match rustix::fs::open(
+            &path,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::from_raw_mode(0o600),
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::EXIST) => {
+                // A random 64-bit name already taken: a stale file (removed if so) or a
+                // collision; either way try another name.
+                remove_if_stale(&path);
+                last = format!(
+                    "cannot create {}: it exists (os error 17) and is in use",
+                    path.display()
+                );
+                continue;
+            }
+            Err(e) => return Err(super::segment::io_msg("cannot create", &path, e)),
+        };
+        rustix::fs::flock(&fd, rustix::fs::FlockOperation::LockExclusive)
+            .map_err(|e| super::segment::io_msg("flock", &path, e))?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| super::segment::io_msg("fstat", &path, e))?;
+        if st.st_nlink > 0 {
+            return Ok((fd, path));
+        }
+        last = format!("{} was removed while being created", path.display());
+    }
+    Err(last)
+}
+
+/// Removes `path` if no live process holds its lock; whether it did.
+fn remove_if_stale(path: &Path) -> bool {
+    let Ok(fd) = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK,
+        Mode::empty(),
+    ) else {
+        return false;
+    };
+    if rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+        return false;
+    }
+    // Unlinked while holding the lock: a creator that opened the file just before blocks in
+    // its flock until we close, then sees no link and picks another name.
+    rustix::fs::unlink(path).is_ok()
+}
+
+/// Removes the named segments in `dir` of this user whose creator is gone (no process holds
+/// the file's lock: ranks killed during a start-up, in any pid namespace); returns how many.
 pub(crate) fn remove_stale(dir: &Path) -> usize {
+    remove_stale_with(dir, "")
+}
+
+/// [`remove_stale`], for the files whose name (after the `oxccl-` prefix) starts with `what`.
+pub(crate) fn remove_stale_with(dir: &Path, what: &str) -> usize {
     use std::os::unix::fs::MetadataExt;
-    let ns = pidns_ino();
     let uid = rustix::process::getuid().as_raw();
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -150,15 +206,44 @@ pub(crate) fn remove_stale(dir: &Path) -> usize {
         let Ok(name) = e.file_name().into_string() else {
             continue;
         };
-        if !is_stale(&name, ns) || !e.metadata().is_ok_and(|m| m.uid() == uid) {
+        if !is_named_segment(&name)
+            || !name[PREFIX.len()..].starts_with(what)
+            || !e.metadata().is_ok_and(|m| m.uid() == uid && m.is_file())
+        {
             continue;
         }
-        if std::fs::remove_file(e.path()).is_ok() {
+        if remove_if_stale(&e.path()) {
             tracing::info!("removed {} left by a dead rank", e.path().display());
             removed += 1;
         }
     }
     removed
+}
+
+/// The named segments in `dir` whose name (after `oxccl-`) starts with `what`.
+pub(crate) fn named_files(dir: &Path, what: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| is_named_segment(n) && n[PREFIX.len()..].starts_with(what))
+        .collect()
+}
+
+/// After a failed start-up with named files: removes the files of communicator prefix `what`
+/// left by dead ranks, waiting a little (at most `patience`) for peers that are still
+/// exiting to release theirs, so that nothing of this job stays in `/dev/shm`.
+pub(crate) fn sweep_after_failure(dir: &Path, what: &str, patience: std::time::Duration) {
+    let start = std::time::Instant::now();
+    loop {
+        remove_stale_with(dir, what);
+        if named_files(dir, what).is_empty() || start.elapsed() >= patience {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 #[cfg(test)]
@@ -197,30 +282,51 @@ mod tests {
     }
 
     #[test]
-    fn stale_named_files_of_dead_pids_are_removed_and_others_kept() {
+    fn files_whose_lock_is_free_are_stale_and_held_ones_are_kept() {
         let dir = std::env::temp_dir().join(format!("oxccl-stale-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let ns = pidns_ino();
-        // A pid that is surely dead: a child that has been reaped.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead_pid = child.id();
-        child.wait().unwrap();
-        let me = std::process::id();
+        let n = |what: &str, nonce: &str| format!("{PREFIX}{what}{NONCE_MARK}{nonce}");
         let names = [
-            (format!("{PREFIX}00ab-1-{ns}-{dead_pid}"), true),
-            (format!("{PREFIX}00ab-d1-{ns}-{dead_pid}"), true),
-            (format!("{PREFIX}00ab-2-{ns}-{me}"), false),
-            (format!("{PREFIX}00ab-3-{}-{dead_pid}", ns + 1), false),
-            (format!("{PREFIX}00ab-4-{dead_pid}"), false),
-            (format!("other-00ab-1-{ns}-{dead_pid}"), false),
+            (n("00ab-1", "0123456789abcdef"), true),
+            (n("00ab-d1", "fedcba9876543210"), true),
+            (n("00ab-2", "00000000000000aa"), false), // locked below: a live creator
+            (n("00cd-3", "00000000000000bb"), false), // another job: not swept with "00ab"
+            (format!("{PREFIX}00ab-4-12345-1"), false), // not a name of ours
+            (n("00ab-5", "xyz"), false),
+            (format!("other-00ab-1{NONCE_MARK}0123456789abcdef"), false),
         ];
-        for (n, _) in &names {
-            std::fs::write(dir.join(n), b"x").unwrap();
+        for (name, _) in &names {
+            std::fs::write(dir.join(name), b"x").unwrap();
         }
-        assert_eq!(remove_stale(&dir), 2);
-        for (n, gone) in &names {
-            assert_eq!(!dir.join(n).exists(), *gone, "{n}");
+        let held = std::fs::File::open(dir.join(&names[2].0)).unwrap();
+        rustix::fs::flock(&held, rustix::fs::FlockOperation::LockExclusive).unwrap();
+        assert_eq!(remove_stale_with(&dir, "00ab"), 2);
+        for (name, gone) in &names {
+            assert_eq!(!dir.join(name).exists(), *gone, "{name}");
         }
+        // Released (its creator died): the next sweep removes it.
+        drop(held);
+        assert_eq!(
+            remove_stale(&dir),
+            2,
+            "the released file and the other job's"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_created_file_is_locked_until_closed_and_names_never_repeat() {
+        let what = format!("unittest-lock-{:x}", std::process::id());
+        let (fd, path) = create_locked(&what).unwrap();
+        let (fd2, path2) = create_locked(&what).unwrap();
+        assert_ne!(path, path2);
+        let dir = Path::new(SHM_DIR);
+        assert_eq!(remove_stale_with(dir, &what), 0);
+        assert!(path.exists() && path2.exists());
+        drop(fd);
+        drop(fd2);
+        sweep_after_failure(dir, &what, std::time::Duration::from_secs(2));
+        assert!(!path.exists() && !path2.exists());
+        assert!(named_files(dir, &what).is_empty());
     }
 }

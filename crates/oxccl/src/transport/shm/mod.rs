@@ -37,7 +37,7 @@ use crate::transport::{Link, LinkError, TransportKind, WaitSource};
 
 /// The name of the segment that `rank` creates for communicator `tag`: the memfd's name, or
 /// the start of its file name in `/dev/shm` where the ranks fall back to named files
-/// (`oxccl-<tag>-<rank>-<pidns>-<pid>`, see `handoff.rs`).
+/// (`oxccl-<tag>-<rank>-L<random>`, see `handoff.rs`).
 pub fn segment_name(tag: u64, rank: usize) -> String {
     format!("{tag:016x}-{rank}")
 }
@@ -170,7 +170,17 @@ pub fn connect(
                 rank = ex.rank(),
                 "a rank may not copy its peers' memfds: shared-memory segments go through named files in /dev/shm"
             );
-            connect_as(ex, peers, tag, cfg, Sharing::Named)?.ok_or_else(|| {
+            let named = connect_as(ex, peers, tag, cfg, Sharing::Named);
+            if named.is_err() {
+                // A rank killed after creating its file leaves it (its lock is free): remove
+                // the files of this communicator that dead ranks left.
+                handoff::sweep_after_failure(
+                    Path::new(segment::SHM_DIR),
+                    &format!("{tag:016x}-"),
+                    std::time::Duration::from_millis(500),
+                );
+            }
+            named?.ok_or_else(|| {
                 shm_err(
                     ex.rank(),
                     "named shared-memory segments refused too (internal error)",

@@ -172,7 +172,12 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 pub(crate) fn io_msg(what: &str, path: &Path, e: rustix::io::Errno) -> String {
-    format!("{what} {}: {e}", path.display())
+    let io = std::io::Error::from_raw_os_error(e.raw_os_error());
+    format!(
+        "{what} {}: {}",
+        path.display(),
+        crate::base::error::with_explanation(&io)
+    )
 }
 
 /// Maps `len` bytes of `fd` shared, read-write, pre-faulted.
@@ -196,7 +201,8 @@ pub(crate) fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, S
 impl Segment {
     /// Creates, sizes (really allocating the memory) and maps a new segment, with one ring per
     /// entry of `producers` (the producer's rank), and fills its header: a memfd named `name`
-    /// ([`Sharing::Memfd`]) or the file [`handoff::named_path`]`(name)` in `/dev/shm`.
+    /// ([`Sharing::Memfd`]) or a file [`handoff::named_path`]`(name)` in `/dev/shm`, locked by
+    /// this process while it exists ([`handoff::create_locked`]).
     pub(crate) fn create(
         sharing: Sharing,
         name: &str,
@@ -230,15 +236,10 @@ impl Segment {
             }
             Sharing::Named => {
                 handoff::remove_stale(Path::new(SHM_DIR));
-                let path = handoff::named_path(name);
-                let dir = path.parent().and_then(Path::to_str).unwrap_or(SHM_DIR);
+                let dir = SHM_DIR;
                 check_space(dir, layout.total, free_bytes(dir)?, cap, nrings)?;
-                let fd: OwnedFd = rustix::fs::open(
-                    &path,
-                    OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(0o600),
-                )
-                .map_err(|e| io_msg("cannot create", &path, e))?;
+                // Created under a fresh random name and locked for its lifetime (handoff.rs).
+                let (fd, path) = handoff::create_locked(name)?;
                 // From here on the file exists: the Segment (or this guard) removes it on
                 // failure.
                 let guard = UnlinkGuard(path.clone());
@@ -558,8 +559,10 @@ mod tests {
         assert!(Segment::open(&path, 0xabc, 3)
             .unwrap_err()
             .contains("owner rank"));
-        // O_EXCL: a second create at the same path fails.
-        assert!(Segment::create(Sharing::Named, &name, 0xabc, 2, &[0], 4096).is_err());
+        // A second create for the same name gets a file of its own.
+        let other = Segment::create(Sharing::Named, &name, 0xabc, 2, &[0], 4096).unwrap();
+        assert_ne!(other.path(), own.path());
+        drop(other);
         own.unlink().unwrap();
         assert!(!path.exists());
         drop(own);
