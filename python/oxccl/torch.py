@@ -362,12 +362,19 @@ class _Completers:
 _COMPLETERS = _Completers()
 
 
+def _value_of(fut: Future) -> Any:
+    """The value of a completed future, or its exception raised (which makes the error of a
+    future chained with ``then``)."""
+    return fut.value()
+
+
 class _Job:
     """One backend call in flight: the oxccl handles it waits for, what it returns, `post`
     (copies out of temporaries) to run once they have finished, and its future."""
 
     __slots__ = (
-        "backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set", "sources"
+        "backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set", "sources",
+        "chained",
     )
 
     def __init__(
@@ -387,6 +394,7 @@ class _Job:
         self.sources: Any = None  # point-to-point: (the group's P2pSources, this job's index)
         self.lock = threading.Lock()
         self.fut: Optional[Future] = None
+        self.chained: Optional[Future] = None
         self.fut_set = False
 
     def flush(self) -> None:
@@ -422,12 +430,17 @@ class _Job:
             fut.set_result(self.result)
 
     def future(self) -> Future:
-        """The call's future, completed by a completion thread (or now, if done)."""
+        """The call's future, completed by a completion thread (or now, if done).
+
+        What it returns is chained (``then``) on the future that `settle` sets: an error then
+        reaches torch's C++ consumers (DDP's reducer) as the future's error, not as a value
+        holding a Python exception that they would take for the result."""
         with self.lock:
             fresh = self.fut is None
             if fresh:
                 self.fut = Future()
-            fut = self.fut
+                self.chained = self.fut.then(_value_of)
+            fut = self.chained
         if fresh:
             if self.done:
                 self.settle()
@@ -498,6 +511,29 @@ def _source_rank(work: Any) -> int:
 
 dist.Work._source_rank = _source_rank
 
+_C10D_WAIT = dist.Work.wait
+
+
+def _work_wait(work: Any, timeout: Any = None) -> bool:
+    """``Work.wait``, where an explicit zero or negative timeout on a Work of this backend
+    expires at once (torch passes "no timeout" as 0 to C++, so a C++ ``wait`` cannot tell an
+    explicit 0 from none): the call's result if it has finished, else an
+    ``oxccl.TimeoutError``. Other Works and other timeouts: torch's ``wait`` unchanged."""
+    if timeout is None:
+        return _C10D_WAIT(work)
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+    if secs is not None and secs <= 0:
+        if isinstance(work, (_JobWork, _DoneWork)):
+            return work.wait_now()
+        if _CPP is not None:
+            got = _CPP.wait_now(work)
+            if got is not None:
+                return got
+    return _C10D_WAIT(work, timeout)
+
+
+dist.Work.wait = _work_wait
+
 
 class _DoneWork(dist.Work):
     """The Work of a call that has already finished (inline): nothing to wait for."""
@@ -507,6 +543,9 @@ class _DoneWork(dist.Work):
         self._result = result
 
     def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def wait_now(self) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -544,7 +583,22 @@ class _JobWork(dist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        if t < 0:  # expired already (0 is torch's "none given"; see `_work_wait` for an explicit 0)
+            return self.wait_now()
         self._job.wait(t)
+        _WAITED.job = self._job
+        return True
+
+    def wait_now(self) -> bool:
+        """wait() with an expired timeout: True (or the call's error) if finished, else an
+        ``oxccl.TimeoutError``."""
+        if not self._job.polled():
+            b = self._job.backend
+            raise TimeoutError(
+                f"oxccl: rank {b.rank()} of group {b._group_id!r}: {self._job.what} did not complete "
+                f"within the non-positive timeout given to work.wait(timeout=): Timed out waiting for it"
+            )
+        self._job.wait()
         _WAITED.job = self._job
         return True
 
@@ -1123,21 +1177,38 @@ class BackendOxccl(_C10dBackend):
         if self._store is None:
             raise InvalidArgumentError("monitored_barrier: this group has no store")
         timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)  # BarrierOptions
-        t = timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else (self._timeout or timedelta(minutes=30))
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        # No timeout given: the group's. A zero or negative one is a timeout too (as gloo's):
+        # it expires at once rather than falling back on the group's.
+        t = timeout if isinstance(timeout, timedelta) else (self._timeout or timedelta(minutes=30))
+        ms = int(t.total_seconds() * 1000)
         self._barriers += 1
         key = f"oxccl/monitored_barrier/{self._barriers}"
         me, n = self.rank(), self.size()
         store = self._store
+        # The errors carry gloo's phrases too ("Rank 1 failed to pass monitoredBarrier", ...),
+        # which code and tests written for gloo look for.
         if me != 0:
             store.set(f"{key}/{me}", "1")
             try:
-                store.wait([f"{key}/done"], t)
+                if t.total_seconds() <= 0:
+                    if not store.check([f"{key}/done"]):
+                        raise TimeoutError(f"the timeout ({t.total_seconds():g} s) is not positive")
+                else:
+                    store.wait([f"{key}/done"], t)
             except Exception as e:
                 raise TimeoutError(
                     f"oxccl: rank {me}: monitored_barrier: rank 0 did not release the barrier "
-                    f"within {t.total_seconds():g} s ({e})"
+                    f"within {t.total_seconds():g} s ({e}); Rank {me} successfully reached "
+                    f"monitoredBarrier, but received errors while waiting for send/recv from rank 0"
                 ) from None
             return
+        if t.total_seconds() <= 0:
+            raise TimeoutError(
+                f"oxccl: rank 0: monitored_barrier: the timeout ({t.total_seconds():g} s) is not "
+                f"positive: Rank 0 timed out in monitoredBarrier after {ms} ms"
+            )
         deadline = time.monotonic() + t.total_seconds()
         missing = []
         for p in range(1, n):
@@ -1149,9 +1220,14 @@ class BackendOxccl(_C10dBackend):
                 if not wait_all_ranks:
                     break
         if missing:
+            gloo = (
+                f"Rank {missing[0]} failed to pass monitoredBarrier"
+                if len(missing) == 1
+                else f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier"
+            )
             raise TimeoutError(
                 f"oxccl: rank 0: monitored_barrier: rank(s) {missing} did not reach the barrier "
-                f"within {t.total_seconds():g} s"
+                f"within {t.total_seconds():g} s ({gloo} in {ms} ms)"
             )
         store.set(f"{key}/done", "1")
 
@@ -1222,6 +1298,21 @@ class BackendOxccl(_C10dBackend):
     def abort(self) -> None:
         pass
 
+
+#: How long the exit hook waits for queued calls of the C++ backend to complete (each is
+#: bounded by its group's timeout; this bounds the exit).
+_EXIT_DRAIN_S = 60.0
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit (before finalization): lets queued calls of the C++ backend complete
+    and their completion threads let go of tensors and futures, so that none is still running
+    while the interpreter tears down."""
+    if _CPP is not None:
+        _CPP.drain_completions(_EXIT_DRAIN_S)
+
+
+atexit.register(_drain_at_exit)  # before _flush_at_exit, so it runs after it
 
 _BACKENDS: "weakref.WeakSet[BackendOxccl]" = weakref.WeakSet()
 
