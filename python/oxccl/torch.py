@@ -512,6 +512,8 @@ def _source_rank(work: Any) -> int:
 dist.Work._source_rank = _source_rank
 
 _C10D_WAIT = dist.Work.wait
+#: Per thread: an explicit non-positive work.wait(timeout=) is in progress (see `_work_wait`).
+_EXPIRED_WAIT = threading.local()
 
 
 def _work_wait(work: Any, timeout: Any = None) -> bool:
@@ -529,6 +531,13 @@ def _work_wait(work: Any, timeout: Any = None) -> bool:
             got = _CPP.wait_now(work)
             if got is not None:
                 return got
+        # Maybe torch's wrapper of a `_JobWork` (the Python backend alone): it forwards wait
+        # with the timeout as 0 either way; the flag (this thread's) tells it the 0 is given.
+        _EXPIRED_WAIT.on = True
+        try:
+            return _C10D_WAIT(work, timeout)
+        finally:
+            _EXPIRED_WAIT.on = False
     return _C10D_WAIT(work, timeout)
 
 
@@ -583,7 +592,9 @@ class _JobWork(dist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-        if t < 0:  # expired already (0 is torch's "none given"; see `_work_wait` for an explicit 0)
+        expired = getattr(_EXPIRED_WAIT, "on", False)
+        _EXPIRED_WAIT.on = False
+        if t < 0 or expired:  # 0 is torch's "none given"; an explicit 0: see `_work_wait`
             return self.wait_now()
         self._job.wait(t)
         _WAITED.job = self._job
