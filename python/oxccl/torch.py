@@ -374,7 +374,7 @@ class _Job:
 
     __slots__ = (
         "backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set", "sources",
-        "chained",
+        "chained", "__weakref__",
     )
 
     def __init__(
@@ -489,7 +489,8 @@ class _Job:
             raise self.error
 
 
-#: Per thread: the job whose Work was waited on last (see `_source_rank`).
+#: Per thread: the job whose Work was waited on last, weakly (see `_source_rank`; a strong
+#: reference would keep its backend, and so its store, alive after destroy_process_group).
 _WAITED = threading.local()
 _C10D_SOURCE_RANK = dist.Work._source_rank
 
@@ -503,7 +504,8 @@ def _source_rank(work: Any) -> int:
     except RuntimeError:
         _WAITED.job = None
         work.wait()
-        job = getattr(_WAITED, "job", None)
+        ref = getattr(_WAITED, "job", None)
+        job = ref() if ref is not None else None
         if job is None:
             raise
         return job.source_rank()
@@ -597,7 +599,7 @@ class _JobWork(dist.Work):
         if t < 0 or expired:  # 0 is torch's "none given"; an explicit 0: see `_work_wait`
             return self.wait_now()
         self._job.wait(t)
-        _WAITED.job = self._job
+        _WAITED.job = weakref.ref(self._job)
         return True
 
     def wait_now(self) -> bool:
@@ -610,7 +612,7 @@ class _JobWork(dist.Work):
                 f"within the non-positive timeout given to work.wait(timeout=): Timed out waiting for it"
             )
         self._job.wait()
-        _WAITED.job = self._job
+        _WAITED.job = weakref.ref(self._job)
         return True
 
     def is_completed(self) -> bool:
@@ -1305,6 +1307,10 @@ class BackendOxccl(_C10dBackend):
         self._flush_p2p()
         self.comm.synchronize()
         _WRAPPED_BY_TORCH.discard(self)
+        # Let go of the store: with env:// and tcp:// rank 0's store serves MASTER_PORT, and a
+        # server kept alive by a stale backend would answer the next init_process_group's
+        # ranks with this group's unique id (they then dial a listener that is gone).
+        self._store = None
 
     def abort(self) -> None:
         pass
@@ -1351,8 +1357,19 @@ def _timeout_s(timeout: Any) -> Optional[float]:
     return None
 
 
+#: How many backends this process has made per group name: the n-th of a group publishes its
+#: unique id under its own key. torch names groups the same again after
+#: destroy_process_group ("0", ...), and rank 0's store server on MASTER_PORT may be the
+#: previous one (torch reuses a live server of the process on that port) still holding the
+#: previous id: a rank that runs ahead must not read that one (it would dial a listener that
+#: is gone while rank 0 waits for it). Every member makes its group's backends in the same order.
+_MADE: Dict[Any, int] = {}
+
+
 def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> BackendOxccl:
-    key = "oxccl/unique_id"
+    n = _MADE.get(group_id, 0)
+    _MADE[group_id] = n + 1
+    key = f"oxccl/unique_id/{n}"
     if rank == 0:
         uid = _oxccl.new_unique_id(os.environ.get("OXCCL_ROOT_IP"))
         store.set(key, uid)
