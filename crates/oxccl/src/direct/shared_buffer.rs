@@ -343,7 +343,8 @@ mod fork {
                 revents: 0,
             };
             // SAFETY: one valid pollfd.
-            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+            let n =
+                unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
             if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
@@ -429,15 +430,17 @@ mod fork {
             } else {
                 // SAFETY: as above.
                 let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-                let hole = if hole < 0 { len } else { (hole as usize).min(len) };
+                let hole = if hole < 0 {
+                    len
+                } else {
+                    (hole as usize).min(len)
+                };
                 ((data as usize).min(len), hole)
             };
             let mut at = start;
             while at < end {
                 // SAFETY: `tmp + at .. tmp + end` lies inside the fresh `len`-byte mapping.
-                let n = unsafe {
-                    libc::pread(fd, tmp.add(at).cast(), end - at, at as libc::off_t)
-                };
+                let n = unsafe { libc::pread(fd, tmp.add(at).cast(), end - at, at as libc::off_t) };
                 if n < 0 {
                     if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                         continue;
@@ -596,14 +599,24 @@ mod tests {
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
             // The child: sees the parent's values at the same addresses, writes its own.
-            let ok = b[0] == 1 && b[64 * page - 1] == 2 && b[page] == 0 && blk.iter().all(|&x| x == 5);
+            let ok =
+                b[0] == 1 && b[64 * page - 1] == 2 && b[page] == 0 && blk.iter().all(|&x| x == 5);
             b[0] = 10;
             b[page] = 11;
             b[64 * page - 1] = 12;
             blk.fill(9);
-            let own = b[0] == 10 && b[page] == 11 && b[64 * page - 1] == 12 && blk[3 * page - 1] == 9;
+            let own =
+                b[0] == 10 && b[page] == 11 && b[64 * page - 1] == 12 && blk[3 * page - 1] == 9;
             let private = region_of(base, 1).is_none() && region_of(block.as_ptr(), 1).is_none();
-            let code = if !ok { 1 } else if !own { 2 } else if !private { 3 } else { 0 };
+            let code = if !ok {
+                1
+            } else if !own {
+                2
+            } else if !private {
+                3
+            } else {
+                0
+            };
             // SAFETY: ends the child without running the test harness's code.
             unsafe { libc::_exit(code) };
         }
@@ -611,10 +624,17 @@ mod tests {
         // SAFETY: waits for our own child.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         assert!(libc::WIFEXITED(status), "child died: status {status:#x}");
-        assert_eq!(libc::WEXITSTATUS(status), 0, "1: child saw wrong values, 2: lost its writes, 3: still shared");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "1: child saw wrong values, 2: lost its writes, 3: still shared"
+        );
         assert_eq!((b[0], b[page], b[64 * page - 1]), (1, 0, 2));
         assert!(blk.iter().all(|&x| x == 5));
-        assert!(region_of(base, 1).is_some(), "the parent's buffer stays shared");
+        assert!(
+            region_of(base, 1).is_some(),
+            "the parent's buffer stays shared"
+        );
         pool.free(block.as_ptr()).unwrap();
     }
 }
