@@ -362,12 +362,19 @@ class _Completers:
 _COMPLETERS = _Completers()
 
 
+def _value_of(fut: Future) -> Any:
+    """The value of a completed future, or its exception raised (which makes the error of a
+    future chained with ``then``)."""
+    return fut.value()
+
+
 class _Job:
     """One backend call in flight: the oxccl handles it waits for, what it returns, `post`
     (copies out of temporaries) to run once they have finished, and its future."""
 
     __slots__ = (
-        "backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set", "sources"
+        "backend", "what", "handles", "result", "post", "error", "done", "held", "lock", "fut", "fut_set", "sources",
+        "chained", "__weakref__",
     )
 
     def __init__(
@@ -387,6 +394,7 @@ class _Job:
         self.sources: Any = None  # point-to-point: (the group's P2pSources, this job's index)
         self.lock = threading.Lock()
         self.fut: Optional[Future] = None
+        self.chained: Optional[Future] = None
         self.fut_set = False
 
     def flush(self) -> None:
@@ -422,12 +430,17 @@ class _Job:
             fut.set_result(self.result)
 
     def future(self) -> Future:
-        """The call's future, completed by a completion thread (or now, if done)."""
+        """The call's future, completed by a completion thread (or now, if done).
+
+        What it returns is chained (``then``) on the future that `settle` sets: an error then
+        reaches torch's C++ consumers (DDP's reducer) as the future's error, not as a value
+        holding a Python exception that they would take for the result."""
         with self.lock:
             fresh = self.fut is None
             if fresh:
                 self.fut = Future()
-            fut = self.fut
+                self.chained = self.fut.then(_value_of)
+            fut = self.chained
         if fresh:
             if self.done:
                 self.settle()
@@ -476,7 +489,8 @@ class _Job:
             raise self.error
 
 
-#: Per thread: the job whose Work was waited on last (see `_source_rank`).
+#: Per thread: the job whose Work was waited on last, weakly (see `_source_rank`; a strong
+#: reference would keep its backend, and so its store, alive after destroy_process_group).
 _WAITED = threading.local()
 _C10D_SOURCE_RANK = dist.Work._source_rank
 
@@ -490,13 +504,46 @@ def _source_rank(work: Any) -> int:
     except RuntimeError:
         _WAITED.job = None
         work.wait()
-        job = getattr(_WAITED, "job", None)
+        ref = getattr(_WAITED, "job", None)
+        job = ref() if ref is not None else None
         if job is None:
             raise
         return job.source_rank()
 
 
 dist.Work._source_rank = _source_rank
+
+_C10D_WAIT = dist.Work.wait
+#: Per thread: an explicit non-positive work.wait(timeout=) is in progress (see `_work_wait`).
+_EXPIRED_WAIT = threading.local()
+
+
+def _work_wait(work: Any, timeout: Any = None) -> bool:
+    """``Work.wait``, where an explicit zero or negative timeout on a Work of this backend
+    expires at once (torch passes "no timeout" as 0 to C++, so a C++ ``wait`` cannot tell an
+    explicit 0 from none): the call's result if it has finished, else an
+    ``oxccl.TimeoutError``. Other Works and other timeouts: torch's ``wait`` unchanged."""
+    if timeout is None:
+        return _C10D_WAIT(work)
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+    if secs is not None and secs <= 0:
+        if isinstance(work, (_JobWork, _DoneWork)):
+            return work.wait_now()
+        if _CPP is not None:
+            got = _CPP.wait_now(work)
+            if got is not None:
+                return got
+        # Maybe torch's wrapper of a `_JobWork` (the Python backend alone): it forwards wait
+        # with the timeout as 0 either way; the flag (this thread's) tells it the 0 is given.
+        _EXPIRED_WAIT.on = True
+        try:
+            return _C10D_WAIT(work, timeout)
+        finally:
+            _EXPIRED_WAIT.on = False
+    return _C10D_WAIT(work, timeout)
+
+
+dist.Work.wait = _work_wait
 
 
 class _DoneWork(dist.Work):
@@ -507,6 +554,9 @@ class _DoneWork(dist.Work):
         self._result = result
 
     def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def wait_now(self) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -544,8 +594,25 @@ class _JobWork(dist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        expired = getattr(_EXPIRED_WAIT, "on", False)
+        _EXPIRED_WAIT.on = False
+        if t < 0 or expired:  # 0 is torch's "none given"; an explicit 0: see `_work_wait`
+            return self.wait_now()
         self._job.wait(t)
-        _WAITED.job = self._job
+        _WAITED.job = weakref.ref(self._job)
+        return True
+
+    def wait_now(self) -> bool:
+        """wait() with an expired timeout: True (or the call's error) if finished, else an
+        ``oxccl.TimeoutError``."""
+        if not self._job.polled():
+            b = self._job.backend
+            raise TimeoutError(
+                f"oxccl: rank {b.rank()} of group {b._group_id!r}: {self._job.what} did not complete "
+                f"within the non-positive timeout given to work.wait(timeout=): Timed out waiting for it"
+            )
+        self._job.wait()
+        _WAITED.job = weakref.ref(self._job)
         return True
 
     def is_completed(self) -> bool:
@@ -1123,21 +1190,38 @@ class BackendOxccl(_C10dBackend):
         if self._store is None:
             raise InvalidArgumentError("monitored_barrier: this group has no store")
         timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)  # BarrierOptions
-        t = timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else (self._timeout or timedelta(minutes=30))
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        # No timeout given: the group's. A zero or negative one is a timeout too (as gloo's):
+        # it expires at once rather than falling back on the group's.
+        t = timeout if isinstance(timeout, timedelta) else (self._timeout or timedelta(minutes=30))
+        ms = int(t.total_seconds() * 1000)
         self._barriers += 1
         key = f"oxccl/monitored_barrier/{self._barriers}"
         me, n = self.rank(), self.size()
         store = self._store
+        # The errors carry gloo's phrases too ("Rank 1 failed to pass monitoredBarrier", ...),
+        # which code and tests written for gloo look for.
         if me != 0:
             store.set(f"{key}/{me}", "1")
             try:
-                store.wait([f"{key}/done"], t)
+                if t.total_seconds() <= 0:
+                    if not store.check([f"{key}/done"]):
+                        raise TimeoutError(f"the timeout ({t.total_seconds():g} s) is not positive")
+                else:
+                    store.wait([f"{key}/done"], t)
             except Exception as e:
                 raise TimeoutError(
                     f"oxccl: rank {me}: monitored_barrier: rank 0 did not release the barrier "
-                    f"within {t.total_seconds():g} s ({e})"
+                    f"within {t.total_seconds():g} s ({e}); Rank {me} successfully reached "
+                    f"monitoredBarrier, but received errors while waiting for send/recv from rank 0"
                 ) from None
             return
+        if t.total_seconds() <= 0:
+            raise TimeoutError(
+                f"oxccl: rank 0: monitored_barrier: the timeout ({t.total_seconds():g} s) is not "
+                f"positive: Rank 0 timed out in monitoredBarrier after {ms} ms"
+            )
         deadline = time.monotonic() + t.total_seconds()
         missing = []
         for p in range(1, n):
@@ -1149,9 +1233,14 @@ class BackendOxccl(_C10dBackend):
                 if not wait_all_ranks:
                     break
         if missing:
+            gloo = (
+                f"Rank {missing[0]} failed to pass monitoredBarrier"
+                if len(missing) == 1
+                else f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier"
+            )
             raise TimeoutError(
                 f"oxccl: rank 0: monitored_barrier: rank(s) {missing} did not reach the barrier "
-                f"within {t.total_seconds():g} s"
+                f"within {t.total_seconds():g} s ({gloo} in {ms} ms)"
             )
         store.set(f"{key}/done", "1")
 
@@ -1218,10 +1307,29 @@ class BackendOxccl(_C10dBackend):
         self._flush_p2p()
         self.comm.synchronize()
         _WRAPPED_BY_TORCH.discard(self)
+        # Let go of the store: with env:// and tcp:// rank 0's store serves MASTER_PORT, and a
+        # server kept alive by a stale backend would answer the next init_process_group's
+        # ranks with this group's unique id (they then dial a listener that is gone).
+        self._store = None
 
     def abort(self) -> None:
         pass
 
+
+#: How long the exit hook waits for queued calls of the C++ backend to complete (each is
+#: bounded by its group's timeout; this bounds the exit).
+_EXIT_DRAIN_S = 60.0
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit (before finalization): lets queued calls of the C++ backend complete
+    and their completion threads let go of tensors and futures, so that none is still running
+    while the interpreter tears down."""
+    if _CPP is not None:
+        _CPP.drain_completions(_EXIT_DRAIN_S)
+
+
+atexit.register(_drain_at_exit)  # before _flush_at_exit, so it runs after it
 
 _BACKENDS: "weakref.WeakSet[BackendOxccl]" = weakref.WeakSet()
 
@@ -1249,8 +1357,19 @@ def _timeout_s(timeout: Any) -> Optional[float]:
     return None
 
 
+#: How many backends this process has made per group name: the n-th of a group publishes its
+#: unique id under its own key. torch names groups the same again after
+#: destroy_process_group ("0", ...), and rank 0's store server on MASTER_PORT may be the
+#: previous one (torch reuses a live server of the process on that port) still holding the
+#: previous id: a rank that runs ahead must not read that one (it would dial a listener that
+#: is gone while rank 0 waits for it). Every member makes its group's backends in the same order.
+_MADE: Dict[Any, int] = {}
+
+
 def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> BackendOxccl:
-    key = "oxccl/unique_id"
+    n = _MADE.get(group_id, 0)
+    _MADE[group_id] = n + 1
+    key = f"oxccl/unique_id/{n}"
     if rank == 0:
         uid = _oxccl.new_unique_id(os.environ.get("OXCCL_ROOT_IP"))
         store.set(key, uid)

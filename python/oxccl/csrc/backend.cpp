@@ -26,6 +26,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cxxabi.h>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -75,9 +76,25 @@ const char* errorClass(oxcclResult_t r) {
 // Completion threads: run queued tasks (marking futures) off the library's stream thread. A
 // task that blocks (a then() callback running a collective) does not hold up the others: a
 // new thread starts whenever none is idle; threads beyond one end after a second idle.
+//
+// At exit the queued calls still in flight are drained (drain(): from an atexit hook of
+// oxccl.torch while the interpreter is alive, and from a static destructor as a safety net),
+// so no completion thread is still marking a future, holding a tensor or a callback, while the
+// interpreter and the process tear down; a thread the interpreter ends anyway (it exits
+// threads that want the GIL after finalization, by a forced unwind) ends cleanly.
 // ------------------------------------------------------------------------------------------
 class Completers {
  public:
+  // A queued call whose completion task is still to come (and run): drain() waits for it.
+  void begin() {
+    std::lock_guard<std::mutex> lock(m_);
+    pending_++;
+  }
+  void end() {
+    std::lock_guard<std::mutex> lock(m_);
+    if (--pending_ == 0) drained_.notify_all();
+  }
+
   void push(std::function<void()> task) {
     std::unique_lock<std::mutex> lock(m_);
     q_.push_back(std::move(task));
@@ -87,6 +104,13 @@ class Completers {
     } else {
       cv_.notify_one();
     }
+  }
+
+  // Waits (at most `seconds`) until every queued call has completed and its task has run;
+  // true if so.
+  bool drain(double seconds) {
+    std::unique_lock<std::mutex> lock(m_);
+    return drained_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return pending_ == 0; });
   }
 
  private:
@@ -108,6 +132,10 @@ class Completers {
       lock.unlock();
       try {
         task();
+      } catch (abi::__forced_unwind&) {  // the thread is being ended (pthread_exit): let it
+        lock.lock();
+        threads_--;
+        throw;
       } catch (...) {  // never let a completion thread die
       }
       lock.lock();
@@ -116,15 +144,23 @@ class Completers {
 
   std::mutex m_;
   std::condition_variable cv_;
+  std::condition_variable drained_;
   std::deque<std::function<void()>> q_;
   int idle_ = 0;
   int threads_ = 0;
+  int pending_ = 0;
 };
 
 Completers& completers() {
   static auto* c = new Completers();  // never destroyed: detached threads use it
   return *c;
 }
+
+// The safety net: when the process exits without the atexit hook having drained (exit from
+// C++, os._exit is not affected), give queued calls a moment to complete first.
+struct DrainAtExit {
+  ~DrainAtExit() { completers().drain(2.0); }
+} g_drain_at_exit;
 
 c10::intrusive_ptr<c10::ivalue::Future> newFuture() {
   return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
@@ -180,9 +216,11 @@ class QueuedWork : public Work {
     c_->keep = result_;
     // The library calls back on its stream thread: hand over to a completion thread there.
     auto* ticket = new std::shared_ptr<Completion>(c_);
+    completers().begin();
     oxcclResult_t r = api_->work_on_complete(w_, &QueuedWork::onComplete, ticket);
     if (r != oxcclSuccess) {  // cannot happen for a fresh work; keep its tensors for good
       delete ticket;
+      completers().end();
     }
   }
 
@@ -207,6 +245,9 @@ class QueuedWork : public Work {
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
+    // A negative timeout expires at once (0 is torch's "none given": the group's timeout;
+    // oxccl.torch makes an explicit work.wait(timeout=timedelta(0)) expire at once too).
+    if (timeout.count() < 0) return waitNow();
     bool explicit_ = timeout != ::kNoTimeout && timeout.count() > 0;
     double t = explicit_ ? timeout.count() / 1000.0 : timeout_s_;
     oxcclResult_t r = api_->work_wait(w_, t);  // torch calls wait without the GIL
@@ -219,6 +260,20 @@ class QueuedWork : public Work {
                               (explicit_ ? " given to work.wait(timeout=)" : " (the group's timeout)"));
     }
     raise(r, api_->get_last_error());
+  }
+
+  // wait() with a timeout that has already expired: its error if the call has finished with
+  // one, true if it has finished, else an oxccl TimeoutError.
+  bool waitNow() {
+    int done = 0;
+    oxcclResult_t r = api_->work_test(w_, &done);
+    if (!done) {
+      raise(oxcclTimeout, "oxccl: rank " + std::to_string(rank_) + ": " + what_ +
+                              " did not complete within the non-positive timeout given to "
+                              "work.wait(timeout=): Timed out waiting for it");
+    }
+    if (r != oxcclSuccess) raise(r, api_->get_last_error());
+    return true;
   }
 
   std::vector<at::Tensor> result() override { return result_; }
@@ -247,6 +302,9 @@ class QueuedWork : public Work {
     auto* ticket = static_cast<std::shared_ptr<Completion>*>(arg);
     std::string msg = code == oxcclSuccess ? std::string() : std::string(g_api->get_last_error());
     completers().push([ticket, code, msg] {
+      struct Ended {  // counted done once the tensors and the future are let go of
+        ~Ended() { completers().end(); }
+      } ended;
       std::unique_ptr<std::shared_ptr<Completion>> own(ticket);
       auto& c = **own;
       c10::intrusive_ptr<c10::ivalue::Future> fut;
@@ -292,6 +350,11 @@ class DelegatedWork : public Work {
     py::gil_scoped_acquire gil;
     if (timeout == ::kNoTimeout) return w_.attr("wait")().cast<bool>();
     return w_.attr("wait")(timeout).cast<bool>();
+  }
+  // wait() with an expired timeout: the Python backend's wait with a negative one.
+  bool waitNow() {
+    py::gil_scoped_acquire gil;
+    return w_.attr("wait")(std::chrono::milliseconds(-1)).cast<bool>();
   }
   int sourceRank() const override { return const_cast<DelegatedWork*>(this)->call("_source_rank").cast<int>(); }
   std::vector<at::Tensor> result() override { return call("result").cast<std::vector<at::Tensor>>(); }
@@ -897,6 +960,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "A C++ backend over `backend` (a BackendOxccl) and its communicator's C handle `comm`, "
            "which it owns; `wrap(child)` wraps the Python backend of a split group.")
       .def_property_readonly("python_backend", &BackendOxcclCpp::python);
+  m.def(
+      "drain_completions",
+      [](double seconds) {
+        py::gil_scoped_release nogil;  // completion tasks may run Python callbacks
+        return oxccl_torch::completers().drain(seconds);
+      },
+      py::arg("seconds"),
+      "Waits (at most `seconds`) until every queued call has completed and its future is marked; "
+      "True if so. oxccl.torch calls it at exit.");
+  m.def(
+      "wait_now",
+      [](const c10::intrusive_ptr<c10d::Work>& w) -> py::object {
+        if (auto* q = dynamic_cast<oxccl_torch::QueuedWork*>(w.get())) return py::bool_(q->waitNow());
+        if (dynamic_cast<oxccl_torch::DoneWork*>(w.get())) return py::bool_(true);
+        if (auto* d = dynamic_cast<oxccl_torch::DelegatedWork*>(w.get())) return py::bool_(d->waitNow());
+        return py::none();
+      },
+      py::arg("work"),
+      "wait() with an expired timeout on a Work of this backend (True, or its error, or an "
+      "oxccl TimeoutError if not finished); None for another Work.");
   m.def(
       "install_shm_allocator",
       [](py::capsule api, size_t min_bytes) {

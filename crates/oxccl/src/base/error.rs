@@ -102,7 +102,7 @@ pub enum Error {
         reason: String,
     },
     /// A call did not complete within the communicator's timeout.
-    #[error("rank {rank}: {call} (call #{seq}) timed out after {elapsed:?}, still waiting on rank(s) {}", rank_list(.waiting_on))]
+    #[error("rank {rank}: {call} (call #{seq}) timed out after {elapsed:?}, still waiting on rank(s) {} when the call's timeout expired", rank_list(.waiting_on))]
     Timeout {
         /// The rank that saw the error.
         rank: usize,

@@ -26,6 +26,16 @@
 //! is dropped or the mapping is evicted (more than [`PEER_MAPPINGS`] buffers or
 //! [`PEER_MAPPED_BYTES`] bytes of one peer), so
 //! the memory of a freed buffer is returned to the system once its peers let go of it too.
+//!
+//! `fork` does not share them: the first registration installs `pthread_atfork` handlers (see
+//! [`fork`](self#fork)) under which a forked child replaces every registered buffer, in place
+//! (same address, same contents), by private memory of its own, so a child (a DataLoader
+//! worker) writing a tensor the pool served changes its copy only, never the parent's, as with
+//! ordinary memory. The child's copies are no longer shared buffers (collectives treat them as
+//! plain memory). The forking thread of the parent waits in `fork` until the child has taken
+//! its copies (at most [`FORK_COPY_WAIT_MS`]; a child that dies ends the wait at once); other
+//! threads of the parent that write a buffer during that window (a collective in flight) may
+//! reach the child's copy, as they race with `fork` anyway.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -89,6 +99,7 @@ impl Region {
 struct Entry {
     id: u64,
     len: usize,
+    /// The memfd, or -1 in a forked child once the mapping is the child's private copy.
     fd: i32,
 }
 
@@ -101,6 +112,9 @@ pub fn region_of(addr: *const u8, len: usize) -> Option<Region> {
     let addr = addr as usize;
     let reg = REGISTRY.read().unwrap_or_else(|e| e.into_inner());
     let (&base, e) = reg.range(..=addr).next_back()?;
+    if e.fd < 0 {
+        return None; // a forked child's private copy: plain memory
+    }
     let r = Region {
         id: e.id,
         base: base as u64,
@@ -151,6 +165,7 @@ impl SharedBuffer {
         let ptr = map_shared(&fd, mapped)
             .map_err(|e| shm_error(format!("mmap of a {mapped}-byte shared buffer: {e}")))?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        fork::install();
         REGISTRY.write().unwrap_or_else(|e| e.into_inner()).insert(
             ptr.as_ptr() as usize,
             Entry {
@@ -247,6 +262,218 @@ fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<NonNull<u8>> {
         )
     }?;
     Ok(NonNull::new(p.cast::<u8>()).expect("mmap returned null"))
+}
+
+/// How long the forking thread of a parent waits in `fork` for the child to copy the shared
+/// buffers (a child that dies first ends the wait at once).
+pub const FORK_COPY_WAIT_MS: i32 = 60_000;
+
+/// `fork` with registered buffers: the child takes private copies of them (see the
+/// [module](self)). Handlers run by `pthread_atfork`, installed once by the first registration.
+/// The registry's write lock is taken in `prepare` (no thread changes the table while the
+/// child walks it) and released in both `parent` and `child`. The child's handler is
+/// async-signal-safe: raw system calls only, no allocation (it walks the table in place).
+mod fork {
+    use super::{Entry, REGISTRY};
+    use std::cell::UnsafeCell;
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicI32, Ordering};
+    use std::sync::{Once, RwLockWriteGuard};
+
+    type Guard = RwLockWriteGuard<'static, BTreeMap<usize, Entry>>;
+
+    /// The registry's guard from `prepare` to `parent`/`child` (one fork at a time: the lock
+    /// itself serializes them).
+    struct Held(UnsafeCell<Option<Guard>>);
+    // SAFETY: only the thread that holds the registry's write lock touches the cell (prepare
+    // stores, parent/child take, all on the forking thread, in order).
+    unsafe impl Sync for Held {}
+    static HELD: Held = Held(UnsafeCell::new(None));
+
+    /// The pipe's ends (-1: none): the child writes one byte once its copies are made.
+    static PIPE_R: AtomicI32 = AtomicI32::new(-1);
+    static PIPE_W: AtomicI32 = AtomicI32::new(-1);
+
+    /// Installs the handlers (once per process; a forked child inherits them).
+    pub(super) fn install() {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: the three handlers are `extern "C"` functions that never unwind.
+            unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
+        });
+    }
+
+    unsafe extern "C" fn prepare() {
+        let guard = REGISTRY.write().unwrap_or_else(|e| e.into_inner());
+        if !guard.is_empty() {
+            let mut fds = [-1i32; 2];
+            // SAFETY: `fds` has room for the two descriptors.
+            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
+                PIPE_R.store(fds[0], Ordering::Relaxed);
+                PIPE_W.store(fds[1], Ordering::Relaxed);
+            }
+        }
+        // SAFETY: see `Held`; this thread holds the write lock.
+        unsafe { *HELD.0.get() = Some(guard) };
+    }
+
+    unsafe extern "C" fn parent() {
+        // SAFETY: see `Held`; `prepare` ran on this thread.
+        drop(unsafe { (*HELD.0.get()).take() });
+        let w = PIPE_W.swap(-1, Ordering::Relaxed);
+        let r = PIPE_R.swap(-1, Ordering::Relaxed);
+        if w >= 0 {
+            // SAFETY: our descriptor, closed once (the child holds its own copy).
+            unsafe { libc::close(w) };
+        }
+        if r < 0 {
+            return;
+        }
+        // Wait for the child's byte, or EOF (it died or exec'ed), or the bound.
+        let deadline = std::time::Instant::now()
+            + std::time::Duration::from_millis(super::FORK_COPY_WAIT_MS as u64);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut pfd = libc::pollfd {
+                fd: r,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let n =
+                unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            if n > 0 {
+                let mut b = 0u8;
+                // SAFETY: one byte into `b`.
+                let _ = unsafe { libc::read(r, (&mut b as *mut u8).cast(), 1) };
+            }
+            break;
+        }
+        // SAFETY: our descriptor, closed once.
+        unsafe { libc::close(r) };
+    }
+
+    unsafe extern "C" fn child() {
+        // SAFETY: see `Held`; the child's only thread is the one that ran `prepare`.
+        let slot = unsafe { &mut *HELD.0.get() };
+        let r = PIPE_R.swap(-1, Ordering::Relaxed);
+        let w = PIPE_W.swap(-1, Ordering::Relaxed);
+        if r >= 0 {
+            // SAFETY: the child's copy of the read end, closed once.
+            unsafe { libc::close(r) };
+        }
+        if let Some(guard) = slot.as_mut() {
+            for (&base, e) in guard.iter_mut() {
+                if e.fd >= 0 {
+                    // SAFETY: `base` is the start of a live `e.len`-byte shared mapping of
+                    // `e.fd` (the table holds exactly the live buffers, under its lock).
+                    if unsafe { privatize(base, e.len, e.fd) } {
+                        e.fd = -1;
+                    } else {
+                        let msg = b"oxccl: a forked child cannot copy a shared buffer (out of memory?); it would share its writes with the parent, exiting\n";
+                        // SAFETY: raw write of a static message, then exit without unwinding.
+                        unsafe {
+                            libc::write(2, msg.as_ptr().cast(), msg.len());
+                            libc::_exit(70);
+                        }
+                    }
+                }
+            }
+        }
+        if w >= 0 {
+            // SAFETY: one byte from a local, then the child's copy of the write end closed.
+            unsafe {
+                libc::write(w, b"x".as_ptr().cast(), 1);
+                libc::close(w);
+            }
+        }
+        drop(slot.take());
+    }
+
+    /// Replaces the shared mapping `[base, base + len)` of `fd` by private anonymous memory
+    /// holding the same bytes, at the same address. Only the file's data extents are copied
+    /// (holes stay untouched zero pages). Raw system calls only (async-signal-safe).
+    ///
+    /// # Safety
+    /// `base` must be the start of a `len`-byte shared mapping of `fd`.
+    unsafe fn privatize(base: usize, len: usize, fd: i32) -> bool {
+        // SAFETY: a fresh anonymous mapping at an address the kernel picks.
+        let tmp = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if tmp == libc::MAP_FAILED {
+            return false;
+        }
+        let tmp = tmp.cast::<u8>();
+        let mut pos: usize = 0;
+        while pos < len {
+            // SAFETY: plain lseek on our descriptor.
+            let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+            let (start, end) = if data < 0 {
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                    break; // no data past `pos`
+                }
+                (pos, len) // SEEK_DATA unsupported: copy all
+            } else {
+                // SAFETY: as above.
+                let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+                let hole = if hole < 0 {
+                    len
+                } else {
+                    (hole as usize).min(len)
+                };
+                ((data as usize).min(len), hole)
+            };
+            let mut at = start;
+            while at < end {
+                // SAFETY: `tmp + at .. tmp + end` lies inside the fresh `len`-byte mapping.
+                let n = unsafe { libc::pread(fd, tmp.add(at).cast(), end - at, at as libc::off_t) };
+                if n < 0 {
+                    if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                        continue;
+                    }
+                    // SAFETY: our fresh mapping, unmapped once.
+                    unsafe { libc::munmap(tmp.cast(), len) };
+                    return false;
+                }
+                if n == 0 {
+                    break; // the file ends (it never does before `len`)
+                }
+                at += n as usize;
+            }
+            pos = end.max(pos + 1);
+        }
+        // SAFETY: moves the fresh mapping onto `base`, replacing the shared one atomically; the
+        // bytes there are the same, so every pointer into the buffer stays valid.
+        let moved = unsafe {
+            libc::mremap(
+                tmp.cast(),
+                len,
+                len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                base as *mut libc::c_void,
+            )
+        };
+        if moved == libc::MAP_FAILED {
+            // SAFETY: our fresh mapping, unmapped once.
+            unsafe { libc::munmap(tmp.cast(), len) };
+            return false;
+        }
+        true
+    }
 }
 
 /// A peer's shared buffer mapped into this process.
@@ -352,5 +579,62 @@ mod tests {
             ..r
         };
         assert!(PeerMapping::map(&pidfd, &bad, 0).is_err());
+    }
+
+    #[test]
+    fn a_forked_child_writes_its_own_copy_and_the_parent_keeps_its_values() {
+        let page = rustix::param::page_size();
+        // A buffer with data and holes (only the first and last pages written), and a pool block.
+        let mut b = SharedBuffer::new(64 * page, 0).unwrap();
+        b[0] = 1;
+        b[64 * page - 1] = 2;
+        let pool = crate::direct::shared_pool::SharedPool::global();
+        let block = pool.alloc(3 * page).unwrap();
+        // SAFETY: the block holds at least 3 pages.
+        let blk = unsafe { std::slice::from_raw_parts_mut(block.as_ptr(), 3 * page) };
+        blk.fill(5);
+        let base = b.as_ptr();
+        // SAFETY: the child only touches memory and makes raw system calls before `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // The child: sees the parent's values at the same addresses, writes its own.
+            let ok =
+                b[0] == 1 && b[64 * page - 1] == 2 && b[page] == 0 && blk.iter().all(|&x| x == 5);
+            b[0] = 10;
+            b[page] = 11;
+            b[64 * page - 1] = 12;
+            blk.fill(9);
+            let own =
+                b[0] == 10 && b[page] == 11 && b[64 * page - 1] == 12 && blk[3 * page - 1] == 9;
+            let private = region_of(base, 1).is_none() && region_of(block.as_ptr(), 1).is_none();
+            let code = if !ok {
+                1
+            } else if !own {
+                2
+            } else if !private {
+                3
+            } else {
+                0
+            };
+            // SAFETY: ends the child without running the test harness's code.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "child died: status {status:#x}");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "1: child saw wrong values, 2: lost its writes, 3: still shared"
+        );
+        assert_eq!((b[0], b[page], b[64 * page - 1]), (1, 0, 2));
+        assert!(blk.iter().all(|&x| x == 5));
+        assert!(
+            region_of(base, 1).is_some(),
+            "the parent's buffer stays shared"
+        );
+        pool.free(block.as_ptr()).unwrap();
     }
 }

@@ -17,10 +17,11 @@
 //!   are unmapped (their memory returns to the system once the peers that mapped them evict
 //!   their mappings too).
 //!
-//! After `fork` the child shares the parent's blocks (`MAP_SHARED`): its pool forgets the
-//! cache (the parent hands those blocks out again) and a block it frees that the parent
-//! allocated is unmapped in the child, never cached, so parent and child never hand out the
-//! same memory twice. Thread-safe: one lock around the pool's tables.
+//! After `fork` the child holds private copies of the parent's blocks (at the same addresses,
+//! see [`shared_buffer`](crate::direct::shared_buffer)'s fork handler), so neither sees the
+//! other's writes; its pool forgets the cache and a block it frees that the parent allocated
+//! is unmapped in the child, never cached (a copy is no longer a shared buffer).
+//! Thread-safe: one lock around the pool's tables.
 
 use std::collections::{HashMap, VecDeque};
 use std::ptr::NonNull;

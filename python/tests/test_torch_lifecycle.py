@@ -1,0 +1,74 @@
+"""No hang and no crash reachable from torch (issue 21, item 4): fork does not share a pool
+tensor's writes, zero and negative timeouts expire at once, a process exits cleanly with
+queued calls in flight, init/destroy repeats on one MASTER_PORT, and the Python backend's
+survivor of a lost peer raises instead of crashing (see torch_lifecycle_worker.py)."""
+
+import os
+import signal
+
+import pytest
+
+from conftest import HERE, launch
+
+pytest.importorskip("torch")
+
+WORKER = os.path.join(HERE, "torch_lifecycle_worker.py")
+
+
+def _cpp():
+    import oxccl.torch as ot
+
+    if ot._CPP is None:
+        pytest.skip("the C++ torch backend is not built (python -m oxccl.build_torch_ext)")
+
+
+def _run(n, scenario, args=(), env=None, timeout=90, expect_ok=True):
+    res = launch(n, script=WORKER, args=[scenario, *args], env=env, timeout=timeout, expect_ok=expect_ok)
+    return res
+
+
+def test_fork_gives_the_child_private_copies_of_pool_tensors():
+    _cpp()
+    env = {"OXCCL_TORCH_BACKEND": "cpp", "OXCCL_TORCH_ALLOCATOR": "1"}
+    for _, out in _run(2, "fork", env=env):
+        assert "fork ok" in out, out
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_zero_and_negative_timeouts_expire_at_once(backend):
+    if backend == "cpp":
+        _cpp()
+    for _, out in _run(2, "timeouts", env={"OXCCL_TORCH_BACKEND": backend}):
+        assert "timeouts ok" in out, out
+
+
+def test_exit_with_queued_calls_in_flight_is_clean():
+    """Every run of both ranks exits 0 (no "terminate called", no signal)."""
+    _cpp()
+    runs = int(os.environ.get("OXCCL_EXIT_RUNS", "5"))
+    failures = []
+    for i in range(runs):
+        res = _run(2, "exit_queued", env={"OXCCL_TORCH_BACKEND": "cpp"}, timeout=60, expect_ok=False)
+        for r, (rc, out) in enumerate(res):
+            if rc != 0 or "exit_queued ok" not in out:
+                failures.append((i, r, rc, out[-2000:]))
+    assert not failures, f"{len(failures)} of {2 * runs} exits failed; first: {failures[0]}"
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_reinit_on_the_same_master_port(backend):
+    if backend == "cpp":
+        _cpp()
+    for _, out in _run(2, "reinit", args=[5], env={"OXCCL_TORCH_BACKEND": backend}):
+        assert "reinit ok" in out, out
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_ddp_survivor_of_a_lost_peer_raises(backend):
+    if backend == "cpp":
+        _cpp()
+    env = {"OXCCL_TORCH_BACKEND": backend, "OXCCL_TIMEOUT": "20"}
+    res = _run(2, "peer_exit_ddp", env=env, timeout=90, expect_ok=False)
+    rc, out = res[0]
+    assert rc == 0 and "peer_exit_ddp ok" in out, f"survivor rc {rc} (signal {-rc if rc < 0 else None})\n{out}"
+    assert rc != -signal.SIGSEGV

@@ -1,0 +1,183 @@
+"""One rank of test_torch_lifecycle.py: `python torch_lifecycle_worker.py SCENARIO [ARGS]`.
+Prints "<scenario> ok" when its checks pass (the test looks for it)."""
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import oxccl
+import oxccl.torch as ot
+
+SHM = "memfd:oxccl-buffer"
+
+
+def in_shm(t):
+    p = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if SHM in line:
+                a, b = (int(x, 16) for x in line.split()[0].split("-"))
+                if a <= p < b:
+                    return True
+    return False
+
+
+class _WritingDataset(torch.utils.data.Dataset):
+    """Each item writes its row of a tensor in place (in the worker), then returns it."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return self.data.shape[0]
+
+    def __getitem__(self, i):
+        self.data[i] += 100.0
+        return self.data[i].clone()
+
+
+def fork():
+    """A pool tensor written by a forked child (os.fork, DataLoader workers) keeps the parent's
+    values in the parent; the child sees its own writes; collectives still work after."""
+    dist.init_process_group("oxccl")
+    r, n = dist.get_rank(), dist.get_world_size()
+    assert ot._shm_allocator_min_bytes() is not None, "the allocator is off"
+    t = torch.full((1 << 20,), float(r))  # 4 MiB: from the pool
+    assert in_shm(t), "the tensor is not in the pool"
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            if not torch.all(t == float(r)):
+                code = 1
+            t.fill_(-7.0)
+            if not (torch.all(t == -7.0) and not in_shm(t)):
+                code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child: exit {os.waitstatus_to_exitcode(status)}"
+    assert torch.all(t == float(r)), "the child's write reached the parent"
+    assert in_shm(t), "the parent's tensor is no longer shared"
+
+    data = torch.zeros(64, 1 << 14)  # 4 MiB: from the pool
+    assert in_shm(data)
+    loader = torch.utils.data.DataLoader(_WritingDataset(data), batch_size=8, num_workers=2)
+    rows = torch.cat(list(loader))
+    assert torch.all(rows == 100.0), "a worker did not see its own write"
+    assert torch.all(data == 0.0), "a DataLoader worker's write reached the parent"
+
+    dist.all_reduce(t)
+    assert torch.all(t == float(sum(range(n)))), t[:4]
+    small = torch.ones(4)
+    dist.all_reduce(small)
+    assert torch.all(small == float(n))
+
+    # The cost: fork with a large pool tensor live (rank 0 only, FORK_MEASURE_MIB).
+    mib = int(os.environ.get("FORK_MEASURE_MIB", "0"))
+    if mib and r == 0:
+        big = torch.ones(mib << 18)
+        assert in_shm(big)
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        took = time.monotonic() - start
+        os.waitpid(pid, 0)
+        print(f"fork with a {mib} MiB pool tensor live: {took:.3f} s in fork", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("fork ok", flush=True)
+
+
+def timeouts():
+    """Zero and negative timeouts expire at once: monitored_barrier and work.wait."""
+    dist.init_process_group("oxccl", timeout=timedelta(seconds=30))
+    r = dist.get_rank()
+    big = torch.ones(1 << 19)  # 2 MiB: a queued call
+    if r == 0:
+        for to in (timedelta(0), timedelta(seconds=-1)):
+            start = time.monotonic()
+            try:
+                dist.monitored_barrier(timeout=to)
+                raise AssertionError("monitored_barrier(timeout=%s) passed" % to)
+            except RuntimeError as e:
+                assert "Rank 0 timed out in monitoredBarrier" in str(e), e
+            assert time.monotonic() - start < 1.0, time.monotonic() - start
+        work = dist.all_reduce(big, async_op=True)  # rank 1 joins 3 s later
+        for to in (timedelta(0), timedelta(seconds=-1)):
+            start = time.monotonic()
+            try:
+                work.wait(timeout=to)
+                raise AssertionError("work.wait(timeout=%s) passed" % to)
+            except oxccl.TimeoutError as e:
+                assert "timeout" in str(e), e
+            assert time.monotonic() - start < 1.0, time.monotonic() - start
+        assert work.wait()
+        assert work.wait(timeout=timedelta(0))  # finished: no error
+    else:
+        time.sleep(3)
+        dist.all_reduce(big)
+    assert torch.all(big == 2.0)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("timeouts ok", flush=True)
+
+
+def exit_queued():
+    """Queued (> 1 MiB) async all_reduces, then exit without waiting."""
+    dist.init_process_group("oxccl")
+    ts = [torch.ones(1 << 19) for _ in range(4)]  # 2 MiB each
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    works[0].get_future().then(lambda f: f.value())
+    print("exit_queued ok", flush=True)
+
+
+def reinit(times):
+    """init_process_group / destroy_process_group `times` times on the same MASTER_PORT."""
+    for i in range(int(times)):
+        dist.init_process_group("oxccl", init_method="env://")
+        r, n = dist.get_rank(), dist.get_world_size()
+        t = torch.full((8,), float(r + i))
+        dist.all_reduce(t)
+        assert torch.all(t == float(sum(range(n)) + n * i)), (i, t)
+        dist.destroy_process_group()
+    print("reinit ok", flush=True)
+
+
+def peer_exit_ddp():
+    """DDP backward with 4 MiB of gradients after the peer has exited: the survivor gets an
+    exception naming the lost peer (no signal)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("oxccl")
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(1024, 1024))  # 4 MiB of gradients
+    x = torch.randn(4, 1024)
+    for _ in range(3):  # past DDP's bucket rebuild: later steps only all-reduce in backward
+        model(x).sum().backward()
+    dist.barrier()
+    if r == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    try:
+        for _ in range(3):
+            model(x).sum().backward()
+        raise AssertionError("backward passed without the peer")
+    except AssertionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any error that names the lost peer
+        msg = str(e)
+        assert "rank 1" in msg or "peer" in msg.lower(), msg
+        print(f"survivor raised {type(e).__name__}: {msg[:300]}", flush=True)
+    print("peer_exit_ddp ok", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
