@@ -150,7 +150,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
         .unwrap_or(0);
     let cma_min = (0..sizes.len())
         .find(|&i| times[i..].iter().all(|r| best(r) == 2))
-        .map_or(usize::MAX / 2, |i| sizes[i]);
+        .map_or(oxccl::params::MAX_THRESHOLD as usize, |i| sizes[i]);
     let t = Tuning {
         oneshot_max,
         cma_min,

@@ -425,5 +425,11 @@ mod tests {
         assert_eq!(Tuning::parse(&t.render("measured")).unwrap(), t);
         assert!(Tuning::parse("oneshot_max=1\n").is_err());
         assert!(Tuning::parse("oneshot_max=1\ncma_min=2\nfoo=3").is_err());
+        // "never" as oxccl tune writes it reads back
+        let never = Tuning {
+            oneshot_max: 0,
+            cma_min: table::MAX_THRESHOLD as usize,
+        };
+        assert_eq!(Tuning::parse(&never.render("never")).unwrap(), never);
     }
 }

@@ -118,7 +118,9 @@ pub const MAX_SHOWN_VALUE: usize = 64;
 /// useful timeout, and small enough that deadlines computed from it never overflow.
 pub const MAX_SECS: f64 = 1e7;
 /// The largest byte size a threshold accepts (1 TiB).
-const MAX_THRESHOLD: u64 = 1 << 40;
+/// The largest threshold a size variable (`OXCCL_CMA_MIN`, `OXCCL_ONESHOT_MAX`, a tune file)
+/// accepts: 1 TiB, past any buffer; `oxccl tune` writes it for "never".
+pub const MAX_THRESHOLD: u64 = 1 << 40;
 /// The largest number of progress checks a spin setting accepts.
 const MAX_SPIN: u64 = 1_000_000_000;
 /// The longest path or name accepted (Linux's `PATH_MAX`).
