@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 pub(crate) use env::LaunchEnv;
 pub(crate) use unique_id::park as park_listener;
+pub(crate) use unique_id::parse_secret_hex;
 pub use unique_id::{default_ip, UniqueId};
 
 use crate::base::error::{Error, Result};

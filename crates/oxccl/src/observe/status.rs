@@ -161,19 +161,10 @@ pub fn parse_addr(v: &str) -> Result<SocketAddr, String> {
         })
 }
 
-/// Parses a secret written as 32 hex digits.
+/// Parses a secret written as 32 hex digits (surrounding whitespace allowed), as the
+/// bootstrap reads `OXCCL_SECRET`.
 pub fn parse_secret(s: &str) -> Option<[u8; 16]> {
-    let b = s.trim().as_bytes();
-    if b.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, o) in out.iter_mut().enumerate() {
-        let hi = (b[2 * i] as char).to_digit(16)?;
-        let lo = (b[2 * i + 1] as char).to_digit(16)?;
-        *o = (hi * 16 + lo) as u8;
-    }
-    Some(out)
+    crate::bootstrap::parse_secret_hex(s.trim())
 }
 
 fn hex(b: &[u8]) -> String {
