@@ -51,8 +51,62 @@ fn fetch(addr: SocketAddr, secret: &[u8; 16], timeout: Duration) -> Result<Value
     Ok(v)
 }
 
-/// One rank's line of the table.
-fn rank_line(r: &Value) -> String {
+/// Bytes rank `from` handed to its link to `to` that `to` has not taken yet (`None` where a
+/// side did not answer or does not count its link). The two counters are read a few
+/// milliseconds apart: a busy link may show bytes that have just arrived.
+fn in_flight(ranks: &[Value], from: u64, to: u64) -> Option<u64> {
+    let link = |r: u64, peer: u64| {
+        ranks.iter().find(|x| x["rank"].as_u64() == Some(r))?["links"]
+            .as_array()?
+            .iter()
+            .find(|l| l["peer"].as_u64() == Some(peer))
+            .cloned()
+    };
+    let sent = link(from, to)?["sent"].as_u64()?;
+    let taken = link(to, from)?["received"].as_u64()?;
+    Some(sent.saturating_sub(taken))
+}
+
+/// The links worth a line under a rank that is in a call: bytes in flight either way, or no
+/// progress for over a second while the call has run that long. At most four, then a count.
+fn link_lines(r: &Value, ranks: &[Value]) -> Vec<String> {
+    let Some(me) = r["rank"].as_u64() else {
+        return Vec::new();
+    };
+    let running = r["current"]["running_ms"].as_u64();
+    let Some(running) = running else {
+        return Vec::new();
+    };
+    let mut lines = Vec::new();
+    for l in r["links"].as_array().into_iter().flatten() {
+        let Some(peer) = l["peer"].as_u64() else {
+            continue;
+        };
+        let out = in_flight(ranks, me, peer).unwrap_or(0);
+        let back = in_flight(ranks, peer, me).unwrap_or(0);
+        let ago = l["progress_ms_ago"].as_u64();
+        let idle = running > 1000 && ago.is_none_or(|a| a > 1000);
+        if out == 0 && back == 0 && !idle {
+            continue;
+        }
+        let progress = ago.map_or("no bytes moved yet".to_string(), |a| {
+            format!("last progress {a} ms ago")
+        });
+        lines.push(format!(
+            "link to rank {peer} ({}): {out} B sent not yet taken by rank {peer}, {back} B from it not yet taken; {progress}",
+            l["transport"].as_str().unwrap_or("?")
+        ));
+    }
+    if lines.len() > 4 {
+        let more = lines.len() - 4;
+        lines.truncate(4);
+        lines.push(format!("and {more} more link(s)"));
+    }
+    lines
+}
+
+/// One rank's line of the table (`ranks`: every rank's answer, for the links' far ends).
+fn rank_line(r: &Value, ranks: &[Value]) -> String {
     let rank = r["rank"].as_u64().map_or("?".into(), |n| n.to_string());
     if r["alive"] != Value::Bool(true) {
         return format!(
@@ -103,6 +157,9 @@ fn rank_line(r: &Value) -> String {
             c["health"].as_str().unwrap_or("?")
         );
     }
+    for l in link_lines(r, ranks) {
+        line += &format!("\n{:>7}{l}", "");
+    }
     if let Some(errs) = r["recent_errors"].as_array() {
         for e in errs.iter().take(3) {
             line += &format!(
@@ -137,14 +194,15 @@ fn table(v: &Value, with_times: bool) -> String {
         "{:>5}  {:<5}  {:<7}  {:<20}  {:<48}  {:<20}  {}\n",
         "rank", "alive", "pid", "host", "now", "last completed", "health"
     );
-    for r in v["ranks"].as_array().into_iter().flatten() {
+    let ranks: Vec<Value> = v["ranks"].as_array().cloned().unwrap_or_default();
+    for r in &ranks {
         let mut r = r.clone();
         if !with_times {
             if let Some(c) = r.get_mut("current").and_then(Value::as_object_mut) {
                 c.insert("running_ms".into(), Value::String("…".into()));
             }
         }
-        s += &rank_line(&r);
+        s += &rank_line(&r, &ranks);
         s.push('\n');
     }
     s

@@ -91,6 +91,8 @@ fn status_shows_who_is_behind() {
                 .env("OXCCL_STATUS_GO", &go)
                 .env("OXCCL_STATUS", status_port.to_string())
                 .env("OXCCL_TIMEOUT", "60")
+                // Through the links (not the one-shot slots), so that they carry the bytes.
+                .env("OXCCL_ALGO", "ring")
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
                 .env("LOCAL_RANK", r.to_string())
@@ -139,6 +141,25 @@ fn status_shows_who_is_behind() {
         "{stuck}"
     );
     assert_eq!(stuck["ranks"][2]["last_completed"]["seq"], CALLS as u64);
+    // Per-link state: rank 1 has sent rank 2 its first ring chunk of call #6, which rank 2,
+    // stalled, has not taken: bytes in flight on that link, shown in the table.
+    let link = |r: usize, peer: u64| {
+        stuck["ranks"][r]["links"]
+            .as_array()
+            .and_then(|a| a.iter().find(|l| l["peer"] == peer).cloned())
+            .unwrap_or_else(|| panic!("no link {r} -> {peer}: {stuck}"))
+    };
+    let (sent, taken) = (link(1, 2)["sent"].as_u64(), link(2, 1)["received"].as_u64());
+    assert!(
+        matches!((sent, taken), (Some(s), Some(t)) if s > t),
+        "rank 1 -> 2: sent {sent:?}, taken {taken:?}: {stuck}"
+    );
+    assert_eq!(link(1, 2)["transport"], "shm", "{stuck}");
+    assert!(link(1, 2)["progress_ms_ago"].is_u64(), "{stuck}");
+    assert!(
+        text.contains("link to rank 2 (shm): ") && text.contains("B sent not yet taken by rank 2"),
+        "{text}"
+    );
     assert!(
         text.contains("behind it: rank(s) 2")
             && text.contains("in all_reduce #6")

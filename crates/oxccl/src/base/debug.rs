@@ -89,12 +89,21 @@ pub(crate) fn init_from_env() {
 /// setup, what a start-up waits for): through `tracing` when a subscriber is installed, else
 /// on stderr as `oxccl: MSG`.
 pub(crate) fn announce(msg: &str) {
+    #[cfg(test)]
+    ANNOUNCED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(msg.to_string());
     if tracing::dispatcher::has_been_set() {
         tracing::warn!(target: "oxccl::init", "{msg}");
     } else {
         eprintln!("oxccl: {msg}");
     }
 }
+
+/// Every line [`announce`] printed in this test process, for tests that check them.
+#[cfg(test)]
+pub(crate) static ANNOUNCED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 #[cfg(test)]
 mod tests {

@@ -250,6 +250,8 @@ pub(crate) struct Bootstrap {
     secret: [u8; 16],
     root: SocketAddr,
     timeout: Duration,
+    /// How often a wait on another rank says what it waits for (`OXCCL_STARTUP_REPORT_SECS`).
+    report_every: Option<Duration>,
     links: Links,
     seq: u64,
 }
@@ -321,6 +323,7 @@ impl Bootstrap {
             secret: id.secret,
             root: id.addr,
             timeout: cfg.timeout,
+            report_every: cfg.startup_report,
             links: Links::Root(Vec::new()),
             seq: 0,
         };
@@ -624,28 +627,28 @@ impl Bootstrap {
     /// Waits until rank 0 sends something on `stream` or `deadline` passes, saying every
     /// `every` what it waits for.
     fn await_table(&self, stream: &TcpStream, deadline: Instant, start: Instant, every: Duration) {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let wait = left.min(every);
-            let mut fds = [rustix::event::PollFd::new(
-                stream,
-                rustix::event::PollFlags::IN,
-            )];
-            let ts = rustix::event::Timespec {
-                tv_sec: wait.as_secs() as _,
-                tv_nsec: wait.subsec_nanos() as _,
-            };
-            match rustix::event::poll(&mut fds, Some(&ts)) {
-                Ok(0) if !left.is_zero() && wait < left => crate::base::debug::announce(&format!(
-                    "rank {}: joined the rendezvous at {} {:.0?} ago; rank 0 is still waiting for other ranks",
-                    self.rank,
-                    self.root,
-                    start.elapsed()
-                )),
-                Err(rustix::io::Errno::INTR) => {}
-                _ => return,
-            }
-        }
+        await_readable(stream, deadline, every, &|_| {
+            format!(
+                "rank {}: joined the rendezvous at {} {:.0?} ago; rank 0 is still waiting for other ranks",
+                self.rank,
+                self.root,
+                start.elapsed()
+            )
+        });
+    }
+
+    /// Before a read on `s` bounded by `timeout`: when progress lines are on, waits for `s`
+    /// to become readable, printing `say(waited)` every period, and sets the read timeout to
+    /// what is left of `timeout` (so the whole wait stays within it). Restore the socket's
+    /// usual timeout after the read.
+    fn announce_wait(&self, s: &TcpStream, timeout: Duration, say: &dyn Fn(Duration) -> String) {
+        let Some(every) = self.report_every else {
+            return;
+        };
+        let start = Instant::now();
+        await_readable(s, start + timeout, every, &|_| say(start.elapsed()));
+        let left = timeout.saturating_sub(start.elapsed());
+        let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
     }
 
     fn proto(&self, peer: usize, call: &'static str, msg: &str) -> Error {
@@ -756,6 +759,36 @@ impl Bootstrap {
     }
 }
 
+/// Waits until `stream` is readable (or closed) or `deadline` passes, calling
+/// `say(waited)` and printing its line every `every` while it waits.
+fn await_readable(
+    stream: &TcpStream,
+    deadline: Instant,
+    every: Duration,
+    say: &dyn Fn(Duration) -> String,
+) {
+    let start = Instant::now();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = left.min(every);
+        let mut fds = [rustix::event::PollFd::new(
+            stream,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: wait.as_secs() as _,
+            tv_nsec: wait.subsec_nanos() as _,
+        };
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) if !left.is_zero() && wait < left => {
+                crate::base::debug::announce(&say(start.elapsed()))
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            _ => return,
+        }
+    }
+}
+
 const CALL: &str = "bootstrap_allgather";
 
 /// How long rank 0, after a failed rendezvous, still answers ranks that join late with the
@@ -836,7 +869,15 @@ impl Bootstrap {
             let s = c
                 .as_mut()
                 .ok_or_else(|| self.lost(r, CALL, io::ErrorKind::NotConnected.into()))?;
-            let f = auth::read_frame(s, MAX_FRAME).map_err(|e| self.lost(r, CALL, e))?;
+            self.announce_wait(s, self.timeout, &|waited| {
+                format!(
+                    "rank 0: bootstrap exchange #{seq}: waiting {waited:.0?} for rank {r} \
+                     (the ranks below it have answered); is rank {r} stopped or overloaded?"
+                )
+            });
+            let f = auth::read_frame(s, MAX_FRAME);
+            let _ = s.set_read_timeout(Some(self.timeout));
+            let f = f.map_err(|e| self.lost(r, CALL, e))?;
             let mut rd = &f[..];
             match take_u64(&mut rd) {
                 Some(s) if s == seq => all.push(rd.to_vec()),
@@ -888,7 +929,16 @@ impl Bootstrap {
             });
         }
         let _ = s.set_read_timeout(Some(self.timeout + MEMBER_GRACE));
-        let f = auth::read_frame(s, MAX_FRAME).map_err(|e| self.lost(0, CALL, e))?;
+        self.announce_wait(s, self.timeout + MEMBER_GRACE, &|waited| {
+            format!(
+                "rank {}: bootstrap exchange #{seq}: waiting {waited:.0?} for rank 0's answer \
+                 (rank 0 waits for every rank; its own progress line names the one it waits for)",
+                self.rank
+            )
+        });
+        let f = auth::read_frame(s, MAX_FRAME);
+        let _ = s.set_read_timeout(Some(self.timeout));
+        let f = f.map_err(|e| self.lost(0, CALL, e))?;
         let mut r = &f[..];
         match take_u64(&mut r) {
             Some(SEQ_LOST) => return Err(self.lost_report(r, CALL)),

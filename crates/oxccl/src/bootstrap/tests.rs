@@ -69,6 +69,46 @@ fn four_ranks_init_and_allgather() {
     }
 }
 
+/// A rank that is slow to reach an exchange: rank 0 says, every period, which rank it waits
+/// for, and the others say they wait for rank 0's answer; the exchange then completes.
+#[test]
+fn a_slow_rank_in_an_exchange_is_named_in_progress_lines() {
+    let id = loopback_id();
+    let c = Config {
+        startup_report: Some(Duration::from_millis(300)),
+        ..cfg(20_000)
+    };
+    let seqs = ranks(3, move |r| {
+        let mut b = Bootstrap::init(&id, r, 3, &c).unwrap();
+        b.allgather(b"first").unwrap();
+        if r == 2 {
+            thread::sleep(Duration::from_millis(1300));
+        }
+        let all = b.allgather(&[r as u8]).unwrap();
+        assert_eq!(all, vec![vec![0u8], vec![1], vec![2]]);
+        b.comm_tag()
+    });
+    assert!(seqs.windows(2).all(|w| w[0] == w[1]));
+    let lines = crate::base::debug::ANNOUNCED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("rank 0: bootstrap exchange #2: waiting ")
+                && l.contains("for rank 2 (the ranks below it have answered)")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("rank 1: bootstrap exchange #2: waiting ")
+                && l.contains("for rank 0's answer")),
+        "{lines:#?}"
+    );
+}
+
 #[test]
 fn world_of_one() {
     let id = loopback_id();

@@ -26,6 +26,7 @@ use crate::observe::flight_torch::TorchDump;
 use crate::observe::metrics::{Identity, Metrics};
 use crate::observe::status::StatusAgent;
 use crate::observe::timeline::Timeline;
+use crate::transport::counted::LinkStats;
 
 /// What [`Communicator::shrink`] needs: every rank's pre-opened rendezvous listener address,
 /// and this rank's listener.
@@ -82,7 +83,13 @@ impl Supervisor {
     /// For a communicator made by a rendezvous. Collective (one exchange): opens this rank's
     /// listener for a later [`Communicator::shrink`] and tells the others where, then hands
     /// the rendezvous connections to a new watchdog.
-    pub(crate) fn with_bootstrap(boot: &mut Bootstrap, cfg: &Config) -> Result<Supervisor> {
+    /// `stats` holds the counters of this rank's link to each peer (none for itself), shown
+    /// by the status agent.
+    pub(crate) fn with_bootstrap(
+        boot: &mut Bootstrap,
+        cfg: &Config,
+        stats: &[Option<Arc<LinkStats>>],
+    ) -> Result<Supervisor> {
         let (rank, nranks) = (boot.rank(), boot.world_size());
         let mut g = Supervisor::local(rank, nranks, cfg);
         g.recorder = Recorder::new(
@@ -140,7 +147,7 @@ impl Supervisor {
             nranks,
             recorder: g.recorder.clone(),
             health: g.health.clone(),
-            links: Arc::new(link_infos(boot, cfg)),
+            links: Arc::new(link_infos(boot, cfg, stats)),
         };
         match status {
             StatusPlan::Off => {}
@@ -280,7 +287,11 @@ impl Supervisor {
 }
 
 /// This rank's links as init made them (for the status agent): the same plan as init's.
-fn link_infos(boot: &Bootstrap, cfg: &Config) -> Vec<crate::observe::status::LinkInfo> {
+fn link_infos(
+    boot: &Bootstrap,
+    cfg: &Config,
+    stats: &[Option<Arc<LinkStats>>],
+) -> Vec<crate::observe::status::LinkInfo> {
     use crate::bootstrap::topo::{plan_links, Topology};
     let peers = boot.peers();
     let topo = Topology::new(peers);
@@ -294,6 +305,7 @@ fn link_infos(boot: &Bootstrap, cfg: &Config) -> Vec<crate::observe::status::Lin
             host: p.hostname.clone(),
             ip: p.ip,
             pid: p.pid,
+            stats: stats.get(r).cloned().flatten(),
         })
     };
     let mut v: Vec<_> = shm

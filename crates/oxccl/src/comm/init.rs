@@ -17,6 +17,7 @@ use crate::comm::{Communicator, State};
 use crate::direct::link::Direct;
 use crate::fault::fingerprint::Sequencer;
 use crate::sched::Algo;
+use crate::transport::counted::{counted, LinkStats};
 use crate::transport::{shm, tcp, Link, TransportKind};
 
 impl Communicator {
@@ -88,14 +89,18 @@ impl Communicator {
             None
         };
         let mut links: Vec<Option<Box<dyn Link>>> = (0..world_size).map(|_| None).collect();
+        // Every link counts its bytes and progress for the status agent.
+        let mut stats: Vec<Option<Arc<LinkStats>>> = (0..world_size).map(|_| None).collect();
         for (peer, link) in shm_links.into_iter().chain(tcp_links) {
+            let (link, s) = counted(link);
             links[peer] = Some(link);
+            stats[peer] = Some(s);
         }
         let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
         comm.spin = Spin::from_config(&comm.cfg, comm.local_size);
-        comm.guard = Supervisor::with_bootstrap(&mut boot, &comm.cfg)?;
+        comm.guard = Supervisor::with_bootstrap(&mut boot, &comm.cfg, &stats)?;
         comm.topo = Some(Arc::new(topo));
         comm.state
             .get_mut()

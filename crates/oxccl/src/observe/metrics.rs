@@ -133,6 +133,8 @@ pub struct Metrics {
     kinds: [KindStats; KINDS.len()],
     /// Serializes writes (the writer thread and the final write at drop).
     write_lock: Mutex<()>,
+    /// Whether a failed write has been reported on stderr (once per communicator).
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// nccl-tests' bus bandwidth factor of a collective of `n` ranks (by [`KINDS`] index).
@@ -183,7 +185,12 @@ impl Metrics {
             .into_owned();
         let base = dir.map(|dir| {
             if let Err(e) = std::fs::create_dir_all(dir) {
-                tracing::warn!(rank = id.rank, "OXCCL_METRICS={dir}: cannot create it: {e}");
+                crate::base::debug::announce(&format!(
+                    "rank {}: OXCCL_METRICS={dir}: cannot create the directory: {}; no metrics files will be written \
+                     (set OXCCL_METRICS to a writable directory)",
+                    id.rank,
+                    crate::base::error::with_explanation(&e)
+                ));
             }
             Path::new(dir).join(format!(
                 "oxccl-{host}-{}-{:08x}-r{}",
@@ -200,6 +207,7 @@ impl Metrics {
             start_ns: AtomicU64::new(0),
             kinds: Default::default(),
             write_lock: Mutex::new(()),
+            warned: std::sync::atomic::AtomicBool::new(false),
         });
         register(&m, interval);
         m
@@ -364,7 +372,17 @@ impl Metrics {
             std::fs::rename(&tmp, &prom)
         })();
         if let Err(e) = res {
-            tracing::warn!(rank = self.id.rank, path = %base.display(), "cannot write metrics: {e}");
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                crate::base::debug::announce(&format!(
+                    "rank {}: cannot write the metrics files {}.{{jsonl,prom}}: {}; check that the OXCCL_METRICS \
+                     directory exists and is writable (said once; later failures go to OXCCL_DEBUG)",
+                    self.id.rank,
+                    base.display(),
+                    crate::base::error::with_explanation(&e)
+                ));
+            } else {
+                tracing::warn!(rank = self.id.rank, path = %base.display(), "cannot write metrics: {e}");
+            }
         }
     }
 }

@@ -96,6 +96,8 @@ pub struct LinkInfo {
     pub ip: IpAddr,
     /// The peer's process id.
     pub pid: u32,
+    /// The link's byte counters and last progress (none where the link is not counted).
+    pub stats: Option<Arc<crate::transport::counted::LinkStats>>,
 }
 
 /// A communicator known to an agent, with every rank's agent address.
@@ -504,13 +506,25 @@ fn comm_fields(src: &Source) -> String {
         }
         let _ = write!(
             s,
-            "{{\"peer\":{},\"transport\":\"{}\",\"host\":{},\"ip\":\"{}\",\"pid\":{}}}",
+            "{{\"peer\":{},\"transport\":\"{}\",\"host\":{},\"ip\":\"{}\",\"pid\":{}",
             l.peer,
             l.transport,
             json_str(&l.host),
             l.ip,
             l.pid
         );
+        if let Some(st) = &l.stats {
+            let ago = st
+                .last_progress_ms_ago()
+                .map_or("null".to_string(), |a| a.to_string());
+            let _ = write!(
+                s,
+                ",\"sent\":{},\"received\":{},\"progress_ms_ago\":{ago}",
+                st.sent(),
+                st.received()
+            );
+        }
+        s.push('}');
     }
     s.push(']');
     s
@@ -811,8 +825,17 @@ mod tests {
                 host: "h".into(),
                 ip: IpAddr::from([127, 0, 0, 1]),
                 pid: 7,
+                stats: Some(counted_stats(100)),
             }]),
         }
+    }
+
+    /// The counters of a link that has sent `n` bytes.
+    fn counted_stats(n: usize) -> Arc<crate::transport::counted::LinkStats> {
+        let mut g = crate::transport::mem::group(2, 1024).into_iter();
+        let (mut a, st) = crate::transport::counted::counted(g.next().unwrap().pop().unwrap().1);
+        assert_eq!(a.try_send(&vec![1u8; n]).unwrap(), n);
+        st
     }
 
     fn start(src: Source, peers: Vec<Option<SocketAddr>>) -> StatusAgent {
@@ -847,7 +870,7 @@ mod tests {
             "\"reached\":3",
             "\"error\":\"boom\"",
             "\"comms\":[{\"comm\":\"00000000000000c0\",\"rank\":0",
-            "\"links\":[{\"peer\":1,\"transport\":\"tcp\",\"host\":\"h\",\"ip\":\"127.0.0.1\",\"pid\":7}]",
+            "\"links\":[{\"peer\":1,\"transport\":\"tcp\",\"host\":\"h\",\"ip\":\"127.0.0.1\",\"pid\":7,\"sent\":100,\"received\":0,\"progress_ms_ago\":",
         ] {
             assert!(local.contains(want), "{want} not in {local}");
         }

@@ -19,5 +19,6 @@ pub mod bootstrap {
 
 /// The transport internals the tests drive directly: links and their errors.
 pub mod transport {
+    pub use crate::transport::counted::{counted, LinkStats};
     pub use crate::transport::{mem, shm, Link, LinkError, TransportKind, WaitSource};
 }

@@ -9,12 +9,15 @@
 //!   ring per ordered pair, futex doorbells).
 //! - [`tcp`]: TCP sockets between hosts (or everywhere, with `OXCCL_TRANSPORT=tcp`).
 //! - [`mem`]: in-process queues, for testing algorithms deterministically in one process.
+//!
+//! [`counted`] wraps any link to count its bytes and its last progress for the status agent.
 
 use std::fmt;
 use std::os::fd::BorrowedFd;
 
 use crate::base::wait::Doorbell;
 
+pub(crate) mod counted;
 pub mod mem;
 pub mod shm;
 pub(crate) mod tcp;
