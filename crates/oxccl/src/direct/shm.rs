@@ -174,6 +174,7 @@ fn open(path: &str, rank: usize, pid: u32) -> std::result::Result<Area, String> 
         handoff::OpenError::Refused(m) | handoff::OpenError::Failed(m) => {
             format!("rank {rank}'s direct area: {m}")
         }
+        handoff::OpenError::Gone(m) => format!("lost peer rank {rank}: {m}"),
     })?;
     let st = rustix::fs::fstat(&fd).map_err(|e| io_msg("fstat", &p, e))?;
     if (st.st_size as u64) < TOTAL as u64 {

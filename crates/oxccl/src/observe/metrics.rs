@@ -724,6 +724,42 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// A directory that cannot be made, or files that cannot be written, are said on stderr
+    /// (once per communicator for the files), not only through `tracing`.
+    #[test]
+    fn an_unwritable_directory_is_said() {
+        let id = Identity {
+            comm: 0xdead,
+            rank: 3,
+            nranks: 4,
+            nnodes: 1,
+        };
+        let m = Metrics::new(id, "/proc/oxccl-no-such-dir", Duration::from_secs(3600));
+        let fp = Fingerprint::of(CollKind::AllReduce, DataType::F32, ReduceOp::Sum, 4, 0);
+        m.begin();
+        m.end(1, "all_reduce", &fp, false);
+        m.write(false);
+        m.write(false);
+        let said: Vec<String> = crate::base::debug::ANNOUNCED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|l| l.contains("oxccl-no-such-dir"))
+            .cloned()
+            .collect();
+        assert!(
+            said.iter().any(|l| l.starts_with(
+                "rank 3: OXCCL_METRICS=/proc/oxccl-no-such-dir: cannot create the directory: "
+            )),
+            "{said:#?}"
+        );
+        let files = said
+            .iter()
+            .filter(|l| l.starts_with("rank 3: cannot write the metrics files "))
+            .count();
+        assert_eq!(files, 1, "said once: {said:#?}");
+    }
+
     /// Checks `text` against the Prometheus text format 0.0.4 strictly: every line a comment
     /// (`# HELP`/`# TYPE` once per family, before its samples) or `name{labels} value`, with
     /// valid names, quoted label values, float values; histograms cumulative, ending in

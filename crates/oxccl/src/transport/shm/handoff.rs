@@ -48,7 +48,9 @@ pub(crate) enum OpenError {
     /// The kernel refuses this process access to the peer's descriptors: fall back to
     /// named files.
     Refused(String),
-    /// Anything else (the peer is gone, a malformed token): an error.
+    /// The peer's process is gone (it died during start-up): an error that names it as lost.
+    Gone(String),
+    /// Anything else (a malformed token, ...): an error.
     Failed(String),
 }
 
@@ -69,9 +71,9 @@ pub(crate) fn open_token(tok: &str, pid: u32) -> Result<OwnedFd, OpenError> {
     let rpid = rustix::process::Pid::from_raw(pid as i32).ok_or_else(bad)?;
     let pidfd = rustix::process::pidfd_open(rpid, rustix::process::PidfdFlags::empty()).map_err(
         |e| match e {
-            rustix::io::Errno::SRCH => {
-                OpenError::Failed(format!("process {pid} is gone (it died during start-up)"))
-            }
+            rustix::io::Errno::SRCH => OpenError::Gone(format!(
+                "its process {pid} is gone (it died during start-up)"
+            )),
             rustix::io::Errno::NOSYS | rustix::io::Errno::PERM | rustix::io::Errno::ACCESS => {
                 OpenError::Refused(format!("pidfd_open({pid}): {e}"))
             }

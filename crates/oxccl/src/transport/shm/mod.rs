@@ -283,6 +283,9 @@ fn connect_as(
                 }
                 let fd = handoff::open_token(tok, ppid).map_err(|e| match e {
                     OpenError::Failed(m) => failed(format!("rank {p}'s segment: {m}")),
+                    // Named as a lost peer, so that every rank blames it (not the rank that
+                    // found it gone).
+                    OpenError::Gone(m) => failed(format!("lost peer rank {p}: {m}")),
                     refused => refused,
                 })?;
                 Segment::open_fd(fd, path, tag, p)
@@ -314,7 +317,7 @@ fn connect_as(
     let st2 = match &opened {
         Ok(_) => vec![ST_NONE],
         Err(OpenError::Refused(m)) => [&[ST_REFUSED][..], m.as_bytes()].concat(),
-        Err(OpenError::Failed(m)) => status_msg(&Err(m.clone())),
+        Err(OpenError::Failed(m) | OpenError::Gone(m)) => status_msg(&Err(m.clone())),
     };
     let all2 = ex.allgather(&st2);
     let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
@@ -322,7 +325,7 @@ fn connect_as(
     if let Some(e) = peer_failure(rank, &all2, "open the shared-memory segments of its peers") {
         return Err(e);
     }
-    if let Err(OpenError::Failed(m)) = &opened {
+    if let Err(OpenError::Failed(m) | OpenError::Gone(m)) = &opened {
         return Err(shm_err(rank, m.clone()));
     }
     if let Some(m) = all2.iter().find(|m| m.first() == Some(&ST_REFUSED)) {
@@ -334,7 +337,7 @@ fn connect_as(
         return Ok(None);
     }
     let opened = opened.map_err(|e| match e {
-        OpenError::Failed(m) | OpenError::Refused(m) => shm_err(rank, m),
+        OpenError::Failed(m) | OpenError::Gone(m) | OpenError::Refused(m) => shm_err(rank, m),
     })?;
     unlinked.map_err(|m| shm_err(rank, m))?;
 
