@@ -28,6 +28,17 @@ def test_fsdp_cpu_trains():
         assert "fsdp ok" in out, out
 
 
+def test_tp_llama_example_matches_the_single_process_model():
+    """The tensor-parallel decoder (issue 20): every way's float32 tokens equal the
+    single-process model's (the script exits 1 otherwise), on a small model, 3 ranks."""
+    small = ["--vocab", "384", "--dim", "192", "--heads", "6", "--hidden", "384", "--layers", "2",
+             "--tokens", "6", "--check-tokens", "6", "--rounds", "1", "--ways", "oxccl_op,oxccl,gloo"]
+    res = launch(3, script=os.path.join(REPO, "examples", "python", "tp_llama.py"), args=small)
+    for _, out in res:
+        assert "done" in out, out
+    assert "float32 check: 6 tokens of every way equal" in res[0][1], res[0][1]
+
+
 @pytest.mark.parametrize("script", ["zero_sharded.py", "ddp_train.py", "numpy_allreduce.py"])
 def test_python_examples(script):
     res = launch(2, script=os.path.join(REPO, "examples", "python", script))
