@@ -92,6 +92,9 @@ pub(crate) fn open_token(tok: &str, pid: u32) -> Result<OwnedFd, OpenError> {
                 ))
             })
         }
+        Err(rustix::io::Errno::SRCH) => Err(OpenError::Gone(format!(
+            "its process {pid} is gone (it died during start-up)"
+        ))),
         Err(rustix::io::Errno::BADF) => Err(OpenError::Failed(format!(
             "pid {pid} no longer holds descriptor {n} (it gave up the start-up)"
         ))),
