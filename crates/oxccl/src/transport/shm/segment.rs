@@ -207,12 +207,7 @@ pub(crate) fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, S
 }
 
 /// Maps `len` bytes of `fd` shared, read-write, with `flags` besides `MAP_SHARED`.
-fn map_with(
-    fd: impl AsFd,
-    len: u64,
-    path: &Path,
-    flags: MapFlags,
-) -> Result<NonNull<u8>, String> {
+fn map_with(fd: impl AsFd, len: u64, path: &Path, flags: MapFlags) -> Result<NonNull<u8>, String> {
     // SAFETY: a fresh mapping at an address the kernel chooses does not alias anything; the
     // pointer is only used while the Segment that will own it lives (munmap in Drop).
     let p = unsafe {
@@ -700,8 +695,16 @@ mod tests {
 
     #[test]
     fn an_absurd_ring_is_an_error_before_anything_is_allocated() {
-        let e = Segment::create(Sharing::Memfd, &tmp_name("huge"), 1, 0, &[1, 2, 3], 1 << 40, 0)
-            .unwrap_err();
+        let e = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("huge"),
+            1,
+            0,
+            &[1, 2, 3],
+            1 << 40,
+            0,
+        )
+        .unwrap_err();
         assert!(
             e.contains("OXCCL_SHM_RING_BYTES") && e.contains("requested"),
             "{e}"
