@@ -14,8 +14,13 @@ use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 const OXCCL: &str = env!("CARGO_BIN_EXE_oxccl");
 
 fn launch(n: usize, transport: &str, mode: &str) -> Output {
+    launch_with(n, transport, mode, &[])
+}
+
+fn launch_with(n: usize, transport: &str, mode: &str, env: &[(&str, &str)]) -> Output {
     let me = std::env::current_exe().unwrap();
     Command::new(OXCCL)
+        .envs(env.iter().copied())
         .args(["run", "-n", &n.to_string(), "--"])
         .arg(me)
         .args([
@@ -263,6 +268,28 @@ matrix! {
     p2p_tcp_2: 2, "tcp", "p2p";
     p2p_tcp_3: 3, "tcp", "p2p";
     p2p_tcp_4: 4, "tcp", "p2p";
+}
+
+/// More local ranks than the default shared-memory budget gives 4 MiB rings to, with every
+/// collective forced through the schedules over the rings (no one-shot, no single-copy) and
+/// rings (4 KiB) smaller than most messages: the rings wrap many times in every call.
+#[test]
+fn matrix_shm_9_small_rings() {
+    let n = 9;
+    let out = launch_with(
+        n,
+        "shm",
+        "matrix",
+        &[
+            ("OXCCL_SHM_RING_BYTES", "4K"),
+            ("OXCCL_ONESHOT_MAX", "0"),
+            ("OXCCL_CMA", "0"),
+        ],
+    );
+    assert_ok(&out, "matrix_shm_9_small_rings");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("all cases correct").count(), n, "{stdout}");
+    assert!(stdout.contains("over shm"), "{stdout}");
 }
 
 #[test]

@@ -48,6 +48,11 @@ pub struct Config {
     /// `OXCCL_SHM_RING_BYTES`: capacity of each shared-memory ring (one per ordered pair of
     /// ranks on a host). Default 4 MiB.
     pub shm_ring_bytes: usize,
+    /// `OXCCL_SHM_BUDGET_BYTES`: most bytes of ring data one rank's shared-memory segment
+    /// holds; with many local peers the rings shrink (halving, to 64 KiB at least) to fit, so
+    /// a rank's shared memory does not grow with the rank count. 0: no budget. Default 12 MiB
+    /// (2 to 4 ranks keep 4 MiB rings).
+    pub shm_budget_bytes: usize,
     /// `OXCCL_SPIN`: progress checks a waiting rank makes before it sleeps. Default 2000.
     pub spin: u32,
     /// `OXCCL_TCP_SPIN`: progress checks before sleeping in `poll(2)` while a transfer a
@@ -152,6 +157,7 @@ impl Default for Config {
             timeout: Duration::from_secs(600),
             transport: TransportChoice::Auto,
             shm_ring_bytes: 4 << 20,
+            shm_budget_bytes: 12 << 20,
             spin: 2000,
             tcp_spin: 0,
             yield_every: None,
@@ -345,6 +351,9 @@ impl Config {
         let u32_of = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         if let Some(b) = SHM_RING_BYTES.bytes()? {
             c.shm_ring_bytes = b;
+        }
+        if let Some(b) = SHM_BUDGET_BYTES.bytes()? {
+            c.shm_budget_bytes = b;
         }
         if let Some(s) = SPIN.count()? {
             c.spin = u32_of(s);

@@ -198,6 +198,14 @@ pub const SHM_RING_BYTES: Param = p(
     Comm,
     "capacity of each shared-memory ring",
 );
+/// `OXCCL_SHM_BUDGET_BYTES`.
+pub const SHM_BUDGET_BYTES: Param = p(
+    "OXCCL_SHM_BUDGET_BYTES",
+    bytes(0, 1 << 40),
+    "12M",
+    Comm,
+    "ring bytes per rank: rings shrink (to 64K at least) to fit; 0: no budget",
+);
 /// `OXCCL_SPIN`.
 pub const SPIN: Param = p(
     "OXCCL_SPIN",
@@ -594,6 +602,7 @@ pub const PARAMS: &[Param] = &[
     TIMEOUT,
     TRANSPORT,
     SHM_RING_BYTES,
+    SHM_BUDGET_BYTES,
     STARTUP_REPORT_SECS,
     RENDEZVOUS_REFUSED_SECS,
     SPIN,

@@ -43,10 +43,12 @@ pub fn segment_name(tag: u64, rank: usize) -> String {
 }
 
 /// Bytes of shared memory one rank reserves for `npeers` shared-memory peers with rings of
-/// `ring_bytes` (rounded up to a power of two), or `None` if out of range.
-pub fn segment_bytes(npeers: usize, ring_bytes: usize) -> Option<u64> {
-    let cap = segment::ring_capacity(ring_bytes)?;
-    segment::SegLayout::new(u32::try_from(npeers).ok()?, cap).map(|l| l.total)
+/// `ring_bytes` (rounded up to a power of two) under a per-rank budget of `budget` bytes
+/// (`OXCCL_SHM_BUDGET_BYTES`, 0: none), or `None` if out of range.
+pub fn segment_bytes(npeers: usize, ring_bytes: usize, budget: u64) -> Option<u64> {
+    let nrings = u32::try_from(npeers).ok()?;
+    let cap = segment::budgeted_capacity(nrings, ring_bytes, budget)?;
+    segment::SegLayout::new(nrings, cap).map(|l| l.total)
 }
 
 /// Status bytes of the out-of-band messages of [`connect`].
@@ -151,7 +153,8 @@ fn check_peers(
 /// exchanges, even with no shared-memory peers (it uses [`Exchange::allgather`]). The peer
 /// lists must be symmetric (if `a` lists `b`, `b` lists `a`). `tag` identifies the
 /// communicator and goes into the segment names, so that two communicators never collide.
-/// Ring capacity is `cfg.shm_ring_bytes` rounded up to a power of two.
+/// Ring capacity is `cfg.shm_ring_bytes` rounded up to a power of two, halved while this
+/// rank's segment would exceed `cfg.shm_budget_bytes` (down to 64 KiB, `segment.rs`).
 ///
 /// Any rank's failure (no room in `/dev/shm`, a bad peer header, ...) makes every rank
 /// return an error, naming the rank that failed. On return, success or not, this rank's
@@ -233,6 +236,7 @@ fn connect_as(
                 rank,
                 &producers,
                 cfg.shm_ring_bytes,
+                cfg.shm_budget_bytes as u64,
             ) {
                 Ok(s) => Some(Arc::new(s)),
                 Err(m) => {
@@ -348,6 +352,7 @@ fn connect_as(
     let mut links: Links = Vec::with_capacity(peers.len());
     for (i, (&(p, ppid), (remote, ring_idx, same_ns))) in peers.iter().zip(opened).enumerate() {
         let (rc, rd, rcap) = own.ring(i as u32);
+        remote.prefault_ring(ring_idx);
         let (tc, td, tcap) = remote.ring(ring_idx);
         // SAFETY: the rings lie inside mappings that the link keeps alive through its Arcs
         // (fields `own` and `remote`, dropped after the ends are no longer used); ring `i` of
@@ -651,6 +656,29 @@ mod tests {
                 assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
             }
         }
+    }
+
+    /// Under the default budget a rank's segment holds at most `OXCCL_SHM_BUDGET_BYTES` of
+    /// ring data however many local peers it has (up to 192), plus a 4 KiB control page per
+    /// ring; 2 to 4 ranks keep their full `OXCCL_SHM_RING_BYTES` rings.
+    #[test]
+    fn a_ranks_segment_does_not_grow_with_the_rank_count() {
+        let cfg = Config::default();
+        let budget = cfg.shm_budget_bytes as u64;
+        let bytes = |peers: usize| segment_bytes(peers, cfg.shm_ring_bytes, budget).unwrap();
+        let unbudgeted = |peers: usize| segment_bytes(peers, cfg.shm_ring_bytes, 0).unwrap();
+        for peers in 1..=3 {
+            assert_eq!(bytes(peers), unbudgeted(peers), "{peers} peers");
+        }
+        let pages = |peers: usize| 4096 * (peers as u64 + 1);
+        for peers in [4, 7, 8, 15, 31, 63, 127, 191] {
+            let b = bytes(peers);
+            assert!(b <= budget + pages(peers), "{peers} peers: {b} bytes");
+        }
+        // 32 ranks: a rank reserves less than at 4 ranks, where 4 MiB rings were already kept.
+        assert!(bytes(31) < bytes(3), "{} vs {}", bytes(31), bytes(3));
+        // Before the budget: 31 rings of 4 MiB.
+        assert!(unbudgeted(31) > 120 << 20);
     }
 
     /// A large message lent over a link: the receiver copies it out of the sender's memory in

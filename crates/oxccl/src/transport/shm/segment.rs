@@ -112,6 +112,27 @@ pub(crate) fn ring_capacity(requested: usize) -> Option<u64> {
     (c <= MAX_RING).then_some(c)
 }
 
+/// Smallest capacity the per-rank budget shrinks a ring to (64 KiB): with more peers than
+/// `budget / BUDGET_FLOOR` the rings outgrow the budget by that much per peer.
+pub(crate) const BUDGET_FLOOR: u64 = 64 << 10;
+
+/// Capacity of each of a segment's `nrings` rings: `requested` rounded up to a power of two
+/// ([`ring_capacity`]), halved while the rings' data (`nrings` × capacity) would exceed
+/// `budget` bytes (`OXCCL_SHM_BUDGET_BYTES`; 0: no budget), but never below [`BUDGET_FLOOR`]
+/// (nor above the requested capacity). Each ring also has a 4 KiB control page, outside the
+/// budget. Under the defaults (12 MiB, 4 MiB rings) 2 to 4 ranks keep 4 MiB rings, and the
+/// rings of a rank stay within the budget up to 192 peers.
+pub(crate) fn budgeted_capacity(nrings: u32, requested: usize, budget: u64) -> Option<u64> {
+    let mut cap = ring_capacity(requested)?;
+    if budget == 0 {
+        return Some(cap);
+    }
+    while cap > BUDGET_FLOOR && cap.saturating_mul(nrings as u64) > budget {
+        cap /= 2;
+    }
+    Some(cap)
+}
+
 /// The error message when `/dev/shm` lacks room: what is needed, what is free, what to do.
 pub(crate) fn space_message(
     dir: &str,
@@ -124,7 +145,7 @@ pub(crate) fn space_message(
     format!(
         "{dir} has {free} bytes ({:.1} MiB) free, but this rank needs {needed} bytes ({:.1} MiB) for \
          {nrings} ring(s) of {ring_bytes} bytes; enlarge {dir} (e.g. `docker run --shm-size=1g`, \
-         or `mount -o remount,size=1G {dir}`), lower OXCCL_SHM_RING_BYTES, or set \
+         or `mount -o remount,size=1G {dir}`), lower OXCCL_SHM_RING_BYTES or OXCCL_SHM_BUDGET_BYTES, or set \
          OXCCL_TRANSPORT=tcp",
         mib(free),
         mib(needed)
@@ -182,6 +203,11 @@ pub(crate) fn io_msg(what: &str, path: &Path, e: rustix::io::Errno) -> String {
 
 /// Maps `len` bytes of `fd` shared, read-write, pre-faulted.
 pub(crate) fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, String> {
+    map_with(fd, len, path, MapFlags::POPULATE)
+}
+
+/// Maps `len` bytes of `fd` shared, read-write, with `flags` besides `MAP_SHARED`.
+fn map_with(fd: impl AsFd, len: u64, path: &Path, flags: MapFlags) -> Result<NonNull<u8>, String> {
     // SAFETY: a fresh mapping at an address the kernel chooses does not alias anything; the
     // pointer is only used while the Segment that will own it lives (munmap in Drop).
     let p = unsafe {
@@ -189,7 +215,7 @@ pub(crate) fn map(fd: impl AsFd, len: u64, path: &Path) -> Result<NonNull<u8>, S
             std::ptr::null_mut(),
             len as usize,
             ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED | MapFlags::POPULATE,
+            MapFlags::SHARED | flags,
             fd,
             0,
         )
@@ -202,7 +228,8 @@ impl Segment {
     /// Creates, sizes (really allocating the memory) and maps a new segment, with one ring per
     /// entry of `producers` (the producer's rank), and fills its header: a memfd named `name`
     /// ([`Sharing::Memfd`]) or a file [`handoff::named_path`]`(name)` in `/dev/shm`, locked by
-    /// this process while it exists ([`handoff::create_locked`]).
+    /// this process while it exists ([`handoff::create_locked`]). Rings hold `ring_bytes`,
+    /// less where the segment would exceed `budget` bytes ([`budgeted_capacity`]).
     pub(crate) fn create(
         sharing: Sharing,
         name: &str,
@@ -210,11 +237,12 @@ impl Segment {
         owner_rank: usize,
         producers: &[usize],
         ring_bytes: usize,
+        budget: u64,
     ) -> Result<Segment, String> {
-        let cap = ring_capacity(ring_bytes).ok_or_else(|| {
+        let nrings = u32::try_from(producers.len()).unwrap_or(u32::MAX);
+        let cap = budgeted_capacity(nrings, ring_bytes, budget).ok_or_else(|| {
             format!("ring size {ring_bytes} is out of range ({MIN_RING}..={MAX_RING} bytes)")
         })?;
-        let nrings = u32::try_from(producers.len()).unwrap_or(u32::MAX);
         let layout = SegLayout::new(nrings, cap).ok_or_else(|| {
             format!(
                 "{} rings of {cap} bytes do not fit in one segment",
@@ -223,6 +251,14 @@ impl Segment {
         })?;
         let owner_rank_u32 =
             u32::try_from(owner_rank).map_err(|_| format!("rank {owner_rank} is too large"))?;
+        if budget > 0 && cap.saturating_mul(nrings as u64) > budget {
+            tracing::warn!(
+                rank = owner_rank,
+                "{nrings} shared-memory peers need {} bytes of rings of {cap} bytes (the smallest \
+                 the budget shrinks them to), more than OXCCL_SHM_BUDGET_BYTES={budget}",
+                cap.saturating_mul(nrings as u64)
+            );
+        }
         crate::base::mem::check_fits(
             layout.total,
             &format!(
@@ -377,8 +413,11 @@ impl Segment {
             )));
         }
         drop(head);
+        // Not pre-faulted: a rank writes into one ring of a peer's segment (and rings its
+        // doorbell), which `prefault_ring` maps in; pre-faulting whole peer segments would
+        // cost every rank page tables for every peer's segment (O(n^2) per host).
         Ok(Segment {
-            base: map(&fd, total, path)?,
+            base: map_with(&fd, total, path, MapFlags::empty())?,
             layout,
             path: path.to_path_buf(),
             owner_pid,
@@ -430,6 +469,31 @@ impl Segment {
             let ctrl = NonNull::new_unchecked(self.base.as_ptr().add(off)).cast::<RingCtrl>();
             let data = NonNull::new_unchecked(self.base.as_ptr().add(off + PAGE as usize));
             (ctrl, data, self.layout.cap)
+        }
+    }
+
+    /// Maps in (best effort, `MADV_POPULATE_WRITE`) the header page and ring `i`, the parts
+    /// of a peer's segment this rank writes, so that the first messages take no page faults.
+    pub(crate) fn prefault_ring(&self, i: u32) {
+        assert!(i < self.layout.nrings);
+        let off = self.layout.ring_offset(i) as usize;
+        let len = (self.layout.stride) as usize;
+        for (at, n) in [(0usize, PAGE as usize), (off, len)] {
+            // SAFETY: `[at, at + n)` lies inside this live mapping (the header page, or ring
+            // `i`'s control page and data, inside the validated layout); populating pages of a
+            // shared file mapping changes no byte.
+            let r = unsafe {
+                rustix::mm::madvise(
+                    self.base.as_ptr().add(at).cast(),
+                    n,
+                    rustix::mm::Advice::LinuxPopulateWrite,
+                )
+            };
+            if let Err(e) = r {
+                // Older kernels (before 5.14) lack it: the pages fault in on first use.
+                tracing::debug!(path = %self.path.display(), "MADV_POPULATE_WRITE: {e}");
+                return;
+            }
         }
     }
 
@@ -525,6 +589,38 @@ mod tests {
     }
 
     #[test]
+    fn the_budget_shrinks_rings_to_keep_a_segment_in_it() {
+        let (m, k) = (1u64 << 20, 1u64 << 10);
+        let budget = 12 * m;
+        // 2 to 4 ranks keep 4 MiB rings; then the ring halves as the peers double.
+        for (peers, cap) in [
+            (1, 4 * m),
+            (3, 4 * m),
+            (4, 2 * m),
+            (7, m),
+            (15, 512 * k),
+            (31, 256 * k),
+            (63, 128 * k),
+            (127, 64 * k),
+            (192, 64 * k),
+        ] {
+            assert_eq!(
+                budgeted_capacity(peers, 4 << 20, budget),
+                Some(cap),
+                "{peers}"
+            );
+            assert!(peers as u64 * cap <= budget, "{peers} peers");
+        }
+        // Past the floor the rings outgrow the budget, at the floor's size per peer.
+        assert_eq!(budgeted_capacity(1000, 4 << 20, budget), Some(BUDGET_FLOOR));
+        // Smaller requests are kept; no budget keeps the request.
+        assert_eq!(budgeted_capacity(127, 4096, budget), Some(4096));
+        assert_eq!(budgeted_capacity(127, 4 << 20, 0), Some(4 * m));
+        assert_eq!(budgeted_capacity(3, 1 << 40, budget), Some(4 * m));
+        assert_eq!(budgeted_capacity(3, usize::MAX, budget), None);
+    }
+
+    #[test]
     fn space_check_message() {
         assert!(check_space("/dev/shm", 100, 100, 64, 1).is_ok());
         let msg = check_space("/dev/shm", 64 << 20, 1 << 20, 4 << 20, 15).unwrap_err();
@@ -542,7 +638,7 @@ mod tests {
     #[test]
     fn create_open_roundtrip_and_unlink() {
         let name = tmp_name("rt");
-        let own = Segment::create(Sharing::Named, &name, 0xabc, 2, &[0, 5], 4096).unwrap();
+        let own = Segment::create(Sharing::Named, &name, 0xabc, 2, &[0, 5], 4096, 0).unwrap();
         let path = own.path().to_path_buf();
         assert!(path.starts_with(SHM_DIR) && path.exists(), "{path:?}");
         let peer = Segment::open(&path, 0xabc, 2).unwrap();
@@ -560,7 +656,7 @@ mod tests {
             .unwrap_err()
             .contains("owner rank"));
         // A second create for the same name gets a file of its own.
-        let other = Segment::create(Sharing::Named, &name, 0xabc, 2, &[0], 4096).unwrap();
+        let other = Segment::create(Sharing::Named, &name, 0xabc, 2, &[0], 4096, 0).unwrap();
         assert_ne!(other.path(), own.path());
         drop(other);
         own.unlink().unwrap();
@@ -571,7 +667,7 @@ mod tests {
 
     #[test]
     fn drop_removes_file() {
-        let own = Segment::create(Sharing::Named, &tmp_name("drop"), 1, 0, &[1], 64).unwrap();
+        let own = Segment::create(Sharing::Named, &tmp_name("drop"), 1, 0, &[1], 64, 0).unwrap();
         let path = own.path().to_path_buf();
         assert!(path.exists());
         drop(own);
@@ -581,7 +677,7 @@ mod tests {
     #[test]
     fn a_memfd_segment_has_no_file_and_opens_by_token() {
         let before = std::fs::read_dir(SHM_DIR).unwrap().count();
-        let own = Segment::create(Sharing::Memfd, &tmp_name("memfd"), 9, 1, &[0], 4096).unwrap();
+        let own = Segment::create(Sharing::Memfd, &tmp_name("memfd"), 9, 1, &[0], 4096, 0).unwrap();
         assert!(own.path().to_string_lossy().starts_with("memfd:"));
         let tok = own.token();
         assert!(tok.starts_with("fd:"), "{tok}");
@@ -599,8 +695,16 @@ mod tests {
 
     #[test]
     fn an_absurd_ring_is_an_error_before_anything_is_allocated() {
-        let e = Segment::create(Sharing::Memfd, &tmp_name("huge"), 1, 0, &[1, 2, 3], 1 << 40)
-            .unwrap_err();
+        let e = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("huge"),
+            1,
+            0,
+            &[1, 2, 3],
+            1 << 40,
+            0,
+        )
+        .unwrap_err();
         assert!(
             e.contains("OXCCL_SHM_RING_BYTES") && e.contains("requested"),
             "{e}"
