@@ -23,13 +23,30 @@ pub fn main() -> i32 {
         Ok(s) => {
             let free = s.f_bavail * s.f_frsize;
             let total = s.f_blocks * s.f_frsize;
-            let per_peer = cfg.shm_ring_bytes as u64;
+            // Each rank reserves one segment: a ring per local peer, the rings shrunk to fit
+            // OXCCL_SHM_BUDGET_BYTES. How many local ranks fit in what is free?
+            let job = |n: u64| {
+                oxccl::shm_segment_bytes(
+                    n.saturating_sub(1) as usize,
+                    cfg.shm_ring_bytes,
+                    cfg.shm_budget_bytes as u64,
+                )
+                .map_or(u64::MAX, |b| b.saturating_mul(n))
+            };
+            let fit = (2..=4096u64)
+                .take_while(|&n| job(n) <= free)
+                .last()
+                .unwrap_or(1);
+            let per_peer = job(2) / 2;
             println!(
-                "/dev/shm     {} MiB free of {} MiB: room for {} shared-memory rings of {} KiB (one per ordered pair of local ranks)",
+                "/dev/shm     {} MiB free of {} MiB: room for the shared-memory segments of {}{} local ranks \
+                 (per rank: {} KiB with 1 peer, {} KiB with 31; OXCCL_SHM_RING_BYTES, OXCCL_SHM_BUDGET_BYTES)",
                 free >> 20,
                 total >> 20,
-                free / per_peer.max(1),
+                if fit == 4096 { "4096 or more" } else { "" },
+                if fit == 4096 { String::new() } else { fit.to_string() },
                 per_peer >> 10,
+                job(32) / 32 >> 10,
             );
             free >= per_peer
         }

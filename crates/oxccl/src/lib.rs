@@ -68,3 +68,4 @@ pub use exec::p2p::P2pOp;
 pub use half::{bf16, f16};
 pub use observe::status;
 pub use sched::{Algo, CollKind};
+pub use transport::shm::segment_bytes as shm_segment_bytes;
