@@ -1,5 +1,5 @@
 //! Reduction kernels against memcpy, on L1/L2-resident (32 KiB, 256 KiB) and memory-bound
-//! (64 MiB) buffers: `cargo bench -p oxccl --bench reduce`. `*_portable` and `*_avx2` force
+//! (64 MiB) buffers: `cargo bench -p oxccl --bench reduce`. `*_portable`, `*_avx2`, `*_avx512` force
 //! the f16/bf16 kernels of that path (skipped where the processor lacks it); the others run
 //! the ones detected. A reduction reads two buffers and writes
 //! one; memcpy reads one and writes one; divan reports bytes per second of the destination.
@@ -105,6 +105,11 @@ fn reduce_on(b: Bencher, bytes: usize, dtype: DataType, op: ReduceOp, path: Half
             divan::black_box(bytemuck::cast_slice(&src)),
         )
     });
+}
+
+#[divan::bench(args = SIZES)]
+fn sum_bf16_avx512(b: Bencher, bytes: usize) {
+    reduce_on(b, bytes, DataType::Bf16, ReduceOp::Sum, HalfPath::Avx512);
 }
 
 #[divan::bench(args = SIZES)]

@@ -12,6 +12,7 @@
 //!
 //! | path | CPU features | per instruction | f32 ↔ bf16 | f32 ↔ f16 |
 //! |---|---|---|---|---|
+//! | [`Path::Avx512Bf16`] | avx512f, avx512bw, avx512dq, avx512_bf16 | 32 elements (bf16), else as `Avx512` | mask / `vcvtne2ps2bf16` (integer rounding for a block with a subnormal result) | as `Avx512` |
 //! | [`Path::Avx512`] | avx512f, avx512bw | 16 elements | shift / integer rounding | `vcvtph2ps` / `vcvtps2ph` |
 //! | [`Path::Avx2`] | avx2, f16c | 8 elements | shift / integer rounding | `vcvtph2ps` / `vcvtps2ph` |
 //! | [`Path::Portable`] | any (other targets) | what the compiler vectorizes | the same, in scalar code | `half`'s slice conversions |
@@ -48,11 +49,13 @@ pub enum Path {
     Avx2,
     /// x86_64 with AVX-512 F and BW.
     Avx512,
+    /// x86_64 with AVX-512 F, BW, DQ and BF16: bf16 reductions round with `vcvtne2ps2bf16`.
+    Avx512Bf16,
 }
 
 impl Path {
     /// Every path, slowest first.
-    pub const ALL: [Path; 3] = [Path::Portable, Path::Avx2, Path::Avx512];
+    pub const ALL: [Path; 4] = [Path::Portable, Path::Avx2, Path::Avx512, Path::Avx512Bf16];
 
     /// Whether this processor can run the path.
     pub fn available(self) -> bool {
@@ -67,8 +70,14 @@ impl Path {
                 std::is_x86_feature_detected!("avx512f")
                     && std::is_x86_feature_detected!("avx512bw")
             }
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512Bf16 => {
+                Path::Avx512.available()
+                    && std::is_x86_feature_detected!("avx512dq")
+                    && std::is_x86_feature_detected!("avx512bf16")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Path::Avx2 | Path::Avx512 => false,
+            Path::Avx2 | Path::Avx512 | Path::Avx512Bf16 => false,
         }
     }
 
@@ -80,6 +89,7 @@ impl Path {
             0 => Path::Portable,
             1 => Path::Avx2,
             2 => Path::Avx512,
+            3 => Path::Avx512Bf16,
             _ => {
                 let p = Path::ALL
                     .into_iter()
@@ -134,8 +144,10 @@ pub(super) fn reduce(path: Path, fmt: u8, op: u8, dst: &mut [u8], a: Option<&[u8
         Path::Avx2 => by_op!(avx2),
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 => by_op!(avx512),
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512Bf16 => by_op!(avx512bf16),
         #[cfg(not(target_arch = "x86_64"))]
-        Path::Avx2 | Path::Avx512 => by_op!(portable),
+        Path::Avx2 | Path::Avx512 | Path::Avx512Bf16 => by_op!(portable),
     }
 }
 
@@ -157,9 +169,9 @@ pub(super) fn map(path: Path, fmt: u8, op: u8, buf: &mut [u8], c: f32) {
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => by_op!(map_avx2),
         #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => by_op!(map_avx512),
+        Path::Avx512 | Path::Avx512Bf16 => by_op!(map_avx512),
         #[cfg(not(target_arch = "x86_64"))]
-        Path::Avx2 | Path::Avx512 => by_op!(map_portable),
+        Path::Avx2 | Path::Avx512 | Path::Avx512Bf16 => by_op!(map_portable),
     }
 }
 
@@ -310,6 +322,30 @@ macro_rules! vector_then_rest {
 
 #[cfg(target_arch = "x86_64")]
 vector_then_rest!(avx512, map_avx512, reduce512, map512, Path::Avx512);
+
+/// bf16 in blocks of 32 with `vcvtne2ps2bf16`, the rest (and f16) as [`Path::Avx512`].
+#[cfg(target_arch = "x86_64")]
+fn avx512bf16<const FMT: u8, const OP: u8>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    let mut done = 0;
+    if FMT == BF16 {
+        assert!(Path::Avx512Bf16.available());
+        let n = dst.len() / 2;
+        let d = dst.as_mut_ptr();
+        let x = match a {
+            Some(a) => a.as_ptr(),
+            None => d.cast_const(),
+        };
+        // SAFETY: the processor has the kernel's features (asserted above). The kernel reads
+        // `n` elements (2n bytes, unaligned) at `x` and at `src` and writes 2n bytes at `d`:
+        // all three slices are at least 2n bytes long (`reduce` checked the lengths). `x` is
+        // either the separate slice `a` or `d` itself (read before the same element is
+        // written).
+        done = unsafe { super::x86::reduce512bf16::<OP>(d, x, src.as_ptr(), n) };
+    }
+    let r = 2 * done..;
+    avx512::<FMT, OP>(&mut dst[r.clone()], a.map(|a| &a[r.clone()]), &src[r]);
+}
+
 #[cfg(target_arch = "x86_64")]
 vector_then_rest!(avx2, map_avx2, reduce256, map256, Path::Avx2);
 

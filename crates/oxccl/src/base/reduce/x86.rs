@@ -61,22 +61,30 @@ macro_rules! load512 {
     }};
 }
 
+/// Rounds 16 f32 to bf16 with the integer rounding of `bf16_narrow`: each 32-bit lane holds
+/// its result in its low 16 bits (upper bits zero).
+macro_rules! bf16_bits512 {
+    ($v:expr) => {{
+        let b = _mm512_castps_si512($v);
+        let top = _mm512_srli_epi32::<16>(b);
+        let bias = _mm512_add_epi32(
+            _mm512_and_si512(top, _mm512_set1_epi32(1)),
+            _mm512_set1_epi32(0x7fff),
+        );
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+        let abs = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        let quiet = _mm512_or_si512(top, _mm512_set1_epi32(0x40));
+        _mm512_mask_blend_epi32(nan, rounded, quiet)
+    }};
+}
+
 /// 16 f32 rounded to the format and stored at `p` (unaligned).
 macro_rules! store512 {
     ($fmt:expr, $p:expr, $v:expr) => {{
         let v = $v;
         let h = if $fmt == BF16 {
-            let b = _mm512_castps_si512(v);
-            let top = _mm512_srli_epi32::<16>(b);
-            let bias = _mm512_add_epi32(
-                _mm512_and_si512(top, _mm512_set1_epi32(1)),
-                _mm512_set1_epi32(0x7fff),
-            );
-            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
-            let abs = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
-            let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
-            let quiet = _mm512_or_si512(top, _mm512_set1_epi32(0x40));
-            _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
+            _mm512_cvtepi32_epi16(bf16_bits512!(v))
         } else {
             _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)
         };
@@ -145,6 +153,76 @@ pub(super) unsafe fn reduce512<const FMT: u8, const OP: u8>(
             store512!(FMT, d.add(2 * i), op512!(OP, a, b));
         }
         i += 16;
+    }
+    whole
+}
+
+/// Word 2k of a bf16 block is word k (even element k) of the conversion, word 2k + 1 its word
+/// 16 + k (odd element k).
+const INTERLEAVE: [i16; 32] = {
+    let mut w = [0i16; 32];
+    let mut k = 0;
+    while k < 32 {
+        w[k] = (k / 2 + 16 * (k % 2)) as i16;
+        k += 1;
+    }
+    w
+};
+
+/// bf16 `d[i] = x[i] ⊕ s[i]` for the first `n / 32 * 32` elements; returns that count.
+///
+/// Each 64-byte block is split without shuffles into its even elements (shifted up to f32)
+/// and its odd ones (masked: already f32), combined, and rounded back by `vcvtne2ps2bf16`,
+/// whose halves one `vpermw` interleaves. That instruction rounds as `bf16_narrow` does
+/// (nearest even, a NaN kept quiet) except that it flushes subnormal inputs to zero: a block
+/// with a subnormal result is rounded with the integer code instead.
+///
+/// # Safety
+/// The processor has AVX-512 F, BW, DQ and BF16; `x` and `s` are valid for reading and `d`
+/// for writing `2n` bytes; `x` may equal `d` (each block is read before it is written), no
+/// other overlap.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16")]
+pub(super) unsafe fn reduce512bf16<const OP: u8>(
+    d: *mut u8,
+    x: *const u8,
+    s: *const u8,
+    n: usize,
+) -> usize {
+    let whole = n / 32 * 32;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    // SAFETY: reads the 64 bytes of a constant array.
+    let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), which the
+        // caller guarantees readable at `x`, `s` and writable at `d`. The transmute is
+        // between two 64-byte vector types (32 bf16 as 32 words).
+        unsafe {
+            let va = _mm512_loadu_si512(x.add(2 * i).cast());
+            let vb = _mm512_loadu_si512(s.add(2 * i).cast());
+            let even = op512!(
+                OP,
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(va)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(vb))
+            );
+            let odd = op512!(
+                OP,
+                _mm512_castsi512_ps(_mm512_and_si512(va, high)),
+                _mm512_castsi512_ps(_mm512_and_si512(vb, high))
+            );
+            let sub = _mm512_fpclass_ps_mask::<0x20>(even) | _mm512_fpclass_ps_mask::<0x20>(odd);
+            let out = if sub == 0 {
+                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+                _mm512_permutexvar_epi16(idx, h)
+            } else {
+                _mm512_or_si512(
+                    bf16_bits512!(even),
+                    _mm512_slli_epi32::<16>(bf16_bits512!(odd)),
+                )
+            };
+            _mm512_storeu_si512(d.add(2 * i).cast(), out);
+        }
+        i += 32;
     }
     whole
 }
