@@ -255,11 +255,45 @@ fn narrow_block<const FMT: u8>(vals: &[f32], bits: &mut [u16], bytes: &mut [u8])
     }
 }
 
+/// One element of the format at `b` (two bytes, any alignment) as f32.
+#[inline(always)]
+fn widen_one<const FMT: u8>(b: &[u8]) -> f32 {
+    let h = u16::from_ne_bytes([b[0], b[1]]);
+    if FMT == BF16 {
+        bf16_widen(h)
+    } else {
+        f16::from_bits(h).to_f32()
+    }
+}
+
+/// `v` rounded to the format, as bytes.
+#[inline(always)]
+fn narrow_one<const FMT: u8>(v: f32) -> [u8; 2] {
+    if FMT == BF16 {
+        bf16_narrow(v).to_ne_bytes()
+    } else {
+        f16::from_f32(v).to_bits().to_ne_bytes()
+    }
+}
+
+/// Below this many elements the portable code goes element by element (no block buffers
+/// to set up: the tails of the vector paths and tiny calls).
+const SHORT: usize = 64;
+
 fn portable<const FMT: u8, const OP: u8>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
+    let n = dst.len() / 2;
+    if n < SHORT {
+        for i in 0..n {
+            let r = 2 * i..2 * i + 2;
+            let x = widen_one::<FMT>(&a.unwrap_or(dst)[r.clone()]);
+            let y = widen_one::<FMT>(&src[r.clone()]);
+            dst[r].copy_from_slice(&narrow_one::<FMT>(apply::<OP>(x, y)));
+        }
+        return;
+    }
     let mut x = [0f32; BLOCK];
     let mut y = [0f32; BLOCK];
     let mut bits = [0u16; BLOCK];
-    let n = dst.len() / 2;
     let mut i = 0;
     while i < n {
         let k = (n - i).min(BLOCK);
@@ -275,6 +309,13 @@ fn portable<const FMT: u8, const OP: u8>(dst: &mut [u8], a: Option<&[u8]>, src: 
 }
 
 fn map_portable<const FMT: u8, const OP: u8>(buf: &mut [u8], c: f32) {
+    if buf.len() / 2 < SHORT {
+        for e in buf.chunks_exact_mut(2) {
+            let r = narrow_one::<FMT>(apply::<OP>(widen_one::<FMT>(e), c));
+            e.copy_from_slice(&r);
+        }
+        return;
+    }
     let mut x = [0f32; BLOCK];
     let mut bits = [0u16; BLOCK];
     for block in buf.chunks_mut(2 * BLOCK) {
