@@ -224,7 +224,7 @@ fn all_reduce_on_mem_alloc_buffers_matches_a_reference() {
         for round in 0..3 {
             let mut p: *mut c_void = std::ptr::null_mut();
             ok(oxcclMemAlloc(&mut p, n * 4));
-            assert!(!p.is_null() && p as usize % 4096 == 0);
+            assert!(!p.is_null() && (p as usize).is_multiple_of(4096));
             // SAFETY: a fresh block of n f32s, this thread's alone until freed.
             let x = unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) };
             let val = |r: usize, i: usize| (i % 97 + r * 1000 + round) as f32;

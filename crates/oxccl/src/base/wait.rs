@@ -236,7 +236,7 @@ impl Backoff {
             return true;
         }
         self.spins += 1;
-        if self.spins % self.spin.yield_every.max(1) == 0 {
+        if self.spins.is_multiple_of(self.spin.yield_every.max(1)) {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();

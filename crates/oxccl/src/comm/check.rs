@@ -279,7 +279,7 @@ impl Case {
 pub fn value(op: ReduceOp, rank: usize, g: usize) -> i64 {
     match op {
         // Products of 1s and 2s: powers of two, exact in every float type.
-        ReduceOp::Prod => 1 + ((rank + g) % 3 == 0) as i64,
+        ReduceOp::Prod => 1 + (rank + g).is_multiple_of(3) as i64,
         _ => ((rank * 3 + g * 7) % 4) as i64,
     }
 }

@@ -540,7 +540,7 @@ mod tests {
         let base = b.as_ptr();
         let r = region_of(base, 10_000).expect("registered");
         assert_eq!(r.base, base as u64);
-        assert!(r.len >= 10_000 && r.len % rustix::param::page_size() as u64 == 0);
+        assert!(r.len >= 10_000 && r.len.is_multiple_of(rustix::param::page_size() as u64));
         // SAFETY: within the buffer.
         let inner = unsafe { base.add(100) };
         assert_eq!(region_of(inner, 500), Some(r));

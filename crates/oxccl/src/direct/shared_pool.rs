@@ -217,7 +217,7 @@ mod tests {
             1 << 30,
         ] {
             let c = size_class(bytes).unwrap();
-            assert!(c >= bytes && c % page == 0, "{bytes} -> {c}");
+            assert!(c >= bytes && c.is_multiple_of(page), "{bytes} -> {c}");
             assert!(c - bytes <= bytes / 8 + page, "{bytes} -> {c}");
         }
         assert_eq!(size_class(usize::MAX), None);

@@ -59,7 +59,7 @@ const _: () = assert!(
         && WORDS_OFF + 4 * 8 <= RECORD
         && EventRecord::WORDS == 6
         && EventRecord::BUFFER_WORDS == 4
-        && RECORDS_OFF % 64 == 0
+        && RECORDS_OFF.is_multiple_of(64)
         && RECORDS_OFF + 2 * RECORD <= SLOTS_OFF
 );
 const SLOTS_OFF: usize = 4096;

@@ -680,7 +680,7 @@ pub fn shown(v: &str) -> String {
 /// `n` bytes as a user would write them: with the largest exact suffix.
 fn show_bytes(n: u64) -> String {
     for (shift, s) in [(30, "G"), (20, "M"), (10, "K")] {
-        if n >= 1 << shift && n % (1 << shift) == 0 {
+        if n >= 1 << shift && n.is_multiple_of(1 << shift) {
             return format!("{}{s}", n >> shift);
         }
     }

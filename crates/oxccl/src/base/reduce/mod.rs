@@ -4,19 +4,22 @@
 //! the user's buffers (aligned for their type), the incoming operand straight from a transport
 //! (a shared-memory ring or a socket buffer, possibly unaligned). Each kernel has a typed fast
 //! path the compiler vectorizes and an unaligned path for the incoming side. f16 and bf16 are
-//! widened to f32 in small blocks, combined, and rounded back.
+//! widened to f32, combined, and rounded back by vector kernels chosen once per process for
+//! the CPU (AVX-512, AVX2 + F16C, or portable code): `halves.rs` says what runs where.
 //!
 //! [`ReduceOp::Avg`] reduces as a sum; the executor divides once at the end with
 //! [`divide_by`]. [`ReduceOp::PreMulSum`] reduces as a sum of inputs scaled before with
 //! [`scale_by`].
 
-use half::{bf16, f16, slice::HalfFloatSliceExt};
-
 use crate::base::dtype::{Bool, DataType};
 use crate::base::op::ReduceOp;
 
 mod copy;
+mod halves;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 pub use copy::copy_streaming;
+pub use halves::Path as HalfPath;
 
 /// Arithmetic of one element type.
 trait Arith: bytemuck::Pod {
@@ -254,197 +257,6 @@ fn typed<T: Arith>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
     }
 }
 
-/// Half-precision types, widened to f32 for the arithmetic.
-trait Half: bytemuck::Pod {
-    fn widen(src: &[Self], dst: &mut [f32]);
-    fn narrow(src: &[f32], dst: &mut [Self]);
-}
-
-impl Half for f16 {
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
-            // SAFETY: the processor has F16C and AVX (checked just above).
-            unsafe { f16c::widen(bytemuck::cast_slice(src), dst) };
-            return;
-        }
-        src.convert_to_f32_slice(dst)
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
-            // SAFETY: the processor has F16C and AVX (checked just above).
-            unsafe { f16c::narrow(src, bytemuck::cast_slice_mut(dst)) };
-            return;
-        }
-        dst.convert_from_f32_slice(src)
-    }
-}
-
-/// IEEE half conversions with the F16C instructions (round to nearest even, as `half`).
-#[cfg(target_arch = "x86_64")]
-mod f16c {
-    use std::arch::x86_64::{__m128i, _MM_FROUND_TO_NEAREST_INT};
-    use std::arch::x86_64::{
-        _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps, _mm_loadu_si128,
-        _mm_storeu_si128,
-    };
-
-    use half::slice::HalfFloatSliceExt;
-
-    /// f16 bits to f32, eight at a time.
-    #[target_feature(enable = "avx,f16c")]
-    pub(super) unsafe fn widen(src: &[u16], dst: &mut [f32]) {
-        let n = src.len().min(dst.len()) / 8 * 8;
-        for i in (0..n).step_by(8) {
-            // SAFETY: i + 8 <= n <= both lengths; unaligned loads and stores.
-            unsafe {
-                let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            }
-        }
-        let tail: &[half::f16] = bytemuck::cast_slice(&src[n..]);
-        tail.convert_to_f32_slice(&mut dst[n..src.len()]);
-    }
-
-    /// f32 to f16 bits, eight at a time.
-    #[target_feature(enable = "avx,f16c")]
-    pub(super) unsafe fn narrow(src: &[f32], dst: &mut [u16]) {
-        let n = src.len().min(dst.len()) / 8 * 8;
-        for i in (0..n).step_by(8) {
-            // SAFETY: i + 8 <= n <= both lengths; unaligned loads and stores.
-            unsafe {
-                let f = _mm256_loadu_ps(src.as_ptr().add(i));
-                _mm_storeu_si128(
-                    dst.as_mut_ptr().add(i).cast::<__m128i>(),
-                    _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(f),
-                );
-            }
-        }
-        let tail: &mut [half::f16] = bytemuck::cast_slice_mut(&mut dst[n..]);
-        tail.convert_from_f32_slice(&src[n..src.len()]);
-    }
-}
-
-impl Half for bf16 {
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        // bf16 is the top half of an f32: a shift the compiler vectorizes.
-        for (d, s) in dst.iter_mut().zip(bytemuck::cast_slice::<bf16, u16>(src)) {
-            *d = bf16_widen(*s);
-        }
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        // Round to nearest even, NaNs stay (quiet) NaNs: as `half::bf16::from_f32`, branch-free.
-        for (d, s) in bytemuck::cast_slice_mut::<bf16, u16>(dst)
-            .iter_mut()
-            .zip(src)
-        {
-            *d = bf16_narrow(*s);
-        }
-    }
-}
-
-const HALF_BLOCK: usize = 256;
-
-#[inline(always)]
-fn bf16_widen(x: u16) -> f32 {
-    f32::from_bits((x as u32) << 16)
-}
-
-#[inline(always)]
-fn bf16_narrow(v: f32) -> u16 {
-    let b = v.to_bits();
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-    if nan {
-        ((b >> 16) as u16) | 0x40
-    } else {
-        rounded
-    }
-}
-
-/// bf16 in one pass: widen both sides, combine in f32, round back, element by element (bit
-/// operations the compiler vectorizes; no intermediate blocks).
-#[inline(always)]
-fn bf16_kernel<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    let one = |x: &[u8], y: &[u8]| -> [u8; 2] {
-        let x = bf16_widen(u16::from_ne_bytes([x[0], x[1]]));
-        let y = bf16_widen(u16::from_ne_bytes([y[0], y[1]]));
-        bf16_narrow(O::f(x, y)).to_ne_bytes()
-    };
-    match a {
-        Some(a) => {
-            for ((d, x), y) in dst
-                .chunks_exact_mut(2)
-                .zip(a.chunks_exact(2))
-                .zip(src.chunks_exact(2))
-            {
-                d.copy_from_slice(&one(x, y));
-            }
-        }
-        None => {
-            for (d, y) in dst.chunks_exact_mut(2).zip(src.chunks_exact(2)) {
-                let r = one(d, y);
-                d.copy_from_slice(&r);
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn bf16_kernel_avx2<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    bf16_kernel::<O>(dst, a, src)
-}
-
-fn bf16_run<O: Bin<f32>>(dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the processor supports AVX2 (checked just above).
-        unsafe { bf16_kernel_avx2::<O>(dst, a, src) };
-        return;
-    }
-    bf16_kernel::<O>(dst, a, src)
-}
-
-fn bf16s(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => bf16_run::<Sum>(dst, a, src),
-        ReduceOp::Prod => bf16_run::<Prod>(dst, a, src),
-        ReduceOp::Min => bf16_run::<Min>(dst, a, src),
-        ReduceOp::Max => bf16_run::<Max>(dst, a, src),
-        // Bitwise ops are refused on floats before; of the bits, to stay defined.
-        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => typed::<u16>(op, dst, a, src),
-    }
-}
-
-fn halves<H: Half>(op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
-    let mut fa = [0f32; HALF_BLOCK];
-    let mut fb = [0f32; HALF_BLOCK];
-    let mut hb = [H::zeroed(); HALF_BLOCK];
-    let bytes = HALF_BLOCK * 2;
-    let mut off = 0;
-    while off < dst.len() {
-        let len = (dst.len() - off).min(bytes);
-        let n = len / 2;
-        // Any side may be unaligned: go through aligned blocks.
-        let left = a.unwrap_or(dst);
-        bytemuck::cast_slice_mut::<H, u8>(&mut hb[..n]).copy_from_slice(&left[off..off + len]);
-        H::widen(&hb[..n], &mut fa[..n]);
-        bytemuck::cast_slice_mut::<H, u8>(&mut hb[..n]).copy_from_slice(&src[off..off + len]);
-        H::widen(&hb[..n], &mut fb[..n]);
-        typed::<f32>(
-            op,
-            bytemuck::cast_slice_mut(&mut fa[..n]),
-            None,
-            bytemuck::cast_slice(&fb[..n]),
-        );
-        H::narrow(&fa[..n], &mut hb[..n]);
-        dst[off..off + len].copy_from_slice(bytemuck::cast_slice(&hb[..n]));
-        off += len;
-    }
-}
-
 /// `dst = dst ⊕ src` element-wise. `dst` must be aligned for `dtype`; `src` may be unaligned.
 /// Both lengths must be equal multiples of the element size.
 pub fn reduce_inplace(dtype: DataType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
@@ -455,6 +267,26 @@ pub fn reduce_inplace(dtype: DataType, op: ReduceOp, dst: &mut [u8], src: &[u8])
 /// unaligned. All lengths must be equal multiples of the element size.
 pub fn reduce_into(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: &[u8], src: &[u8]) {
     dispatch(dtype, op, dst, Some(a), src)
+}
+
+/// [`reduce_inplace`] with the f16/bf16 kernels of `path` instead of the detected ones (for
+/// benchmarks and tests); `None` if this processor cannot run `path`.
+pub fn reduce_inplace_on(
+    path: HalfPath,
+    dtype: DataType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    src: &[u8],
+) -> Option<()> {
+    if !path.available() {
+        return None;
+    }
+    match (dtype, halves::op_code(op)) {
+        (DataType::Bf16, Some(code)) => halves::reduce(path, halves::BF16, code, dst, None, src),
+        (DataType::F16, Some(code)) => halves::reduce(path, halves::F16, code, dst, None, src),
+        _ => reduce_inplace(dtype, op, dst, src),
+    }
+    Some(())
 }
 
 fn dispatch(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src: &[u8]) {
@@ -468,9 +300,18 @@ fn dispatch(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: Option<&[u8]>, src
         DataType::U64 => typed::<u64>(op, dst, a, src),
         DataType::F32 => typed::<f32>(op, dst, a, src),
         DataType::F64 => typed::<f64>(op, dst, a, src),
-        DataType::F16 if ReduceOp::BITWISE.contains(&op) => typed::<u16>(op, dst, a, src),
-        DataType::F16 => halves::<f16>(op, dst, a, src),
-        DataType::Bf16 => bf16s(op, dst, a, src),
+        DataType::F16 | DataType::Bf16 => match halves::op_code(op) {
+            Some(code) => {
+                let fmt = if dtype == DataType::Bf16 {
+                    halves::BF16
+                } else {
+                    halves::F16
+                };
+                halves::reduce(halves::Path::detected(), fmt, code, dst, a, src)
+            }
+            // Bitwise ops are refused on floats before; of the bits, to stay defined.
+            None => typed::<u16>(op, dst, a, src),
+        },
         DataType::Bool => typed::<Bool>(op, dst, a, src),
         DataType::U16 => typed::<u16>(op, dst, a, src),
     }
@@ -489,25 +330,9 @@ fn map_typed<T: Arith>(buf: &mut [u8], f: impl Fn(T) -> T) {
     }
 }
 
-/// `x = f(x)` for every element of a half-precision `buf`, computed in f32.
-fn map_half<H: Half>(buf: &mut [u8], f: impl Fn(f32) -> f32) {
-    let mut fl = [0f32; HALF_BLOCK];
-    let mut h = [H::zeroed(); HALF_BLOCK];
-    for block in buf.chunks_mut(HALF_BLOCK * 2) {
-        let k = block.len() / 2;
-        bytemuck::cast_slice_mut::<H, u8>(&mut h[..k]).copy_from_slice(block);
-        H::widen(&h[..k], &mut fl[..k]);
-        for x in &mut fl[..k] {
-            *x = f(*x);
-        }
-        H::narrow(&fl[..k], &mut h[..k]);
-        block.copy_from_slice(bytemuck::cast_slice(&h[..k]));
-    }
-}
-
 /// Applies an element-wise operation (given for a generic type and for f32) to `buf`.
 macro_rules! map_elements {
-    ($dtype:expr, $buf:expr, |$x:ident: T| $typed:expr, |$y:ident: f32| $half:expr) => {{
+    ($dtype:expr, $buf:expr, |$x:ident: T| $typed:expr, $half_op:expr, $c:expr) => {{
         fn m<T: Arith>(buf: &mut [u8], k: impl Copy + Fn(T) -> T) {
             map_typed::<T>(buf, k)
         }
@@ -523,28 +348,36 @@ macro_rules! map_elements {
             DataType::F32 => m::<f32>(buf, |$x| $typed),
             DataType::F64 => m::<f64>(buf, |$x| $typed),
             DataType::Bool => m::<Bool>(buf, |$x| $typed),
-            DataType::F16 => map_half::<f16>(buf, |$y| $half),
-            DataType::Bf16 => map_half::<bf16>(buf, |$y| $half),
+            DataType::F16 => halves::map(halves::Path::detected(), halves::F16, $half_op, buf, $c),
+            DataType::Bf16 => {
+                halves::map(halves::Path::detected(), halves::BF16, $half_op, buf, $c)
+            }
         }
     }};
 }
 
 /// Divides every element by `n` (the final step of [`ReduceOp::Avg`]); integers truncate.
 pub fn divide_by(dtype: DataType, buf: &mut [u8], n: usize) {
-    map_elements!(dtype, buf, |x: T| Arith::div(x, n), |y: f32| y / n as f32)
+    map_elements!(dtype, buf, |x: T| Arith::div(x, n), halves::DIV, n as f32)
 }
 
 /// Multiplies every element by `scalar` (the first step of [`ReduceOp::PreMulSum`]): floats in
 /// their type (f16 and bf16 through f32), integers by `scalar as i64` wrapping, a bool stays
 /// true unless `scalar` is 0.
 pub fn scale_by(dtype: DataType, buf: &mut [u8], scalar: f64) {
-    map_elements!(dtype, buf, |x: T| Arith::scale(x, scalar), |y: f32| y
-        * scalar as f32)
+    map_elements!(
+        dtype,
+        buf,
+        |x: T| Arith::scale(x, scalar),
+        halves::MUL,
+        scalar as f32
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
     use proptest::prelude::*;
 
     fn from_bytes<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
@@ -656,48 +489,6 @@ mod tests {
             from_bytes::<bf16>(&d),
             &[bf16::from_f32(2.0), bf16::from_f32(-3.0)]
         );
-    }
-
-    #[test]
-    fn fast_half_conversions_match_half() {
-        let mut vals: Vec<f32> = (0..5000).map(|i| (i as f32 - 2500.0) * 0.37).collect();
-        vals.extend([
-            f32::NAN,
-            f32::INFINITY,
-            -f32::INFINITY,
-            0.0,
-            -0.0,
-            65504.0,
-            65520.0,
-            1e-8,
-            3.4e38,
-            1.0000001,
-        ]);
-        vals.extend((0..2000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))));
-        let mut h = vec![f16::ZERO; vals.len()];
-        <f16 as Half>::narrow(&vals, &mut h);
-        let mut b = vec![bf16::ZERO; vals.len()];
-        <bf16 as Half>::narrow(&vals, &mut b);
-        for (i, v) in vals.iter().enumerate() {
-            let (wh, wb) = (f16::from_f32(*v), bf16::from_f32(*v));
-            assert!(
-                h[i].to_bits() == wh.to_bits() || (h[i].is_nan() && wh.is_nan()),
-                "f16 {v}"
-            );
-            assert!(
-                b[i].to_bits() == wb.to_bits() || (b[i].is_nan() && wb.is_nan()),
-                "bf16 {v}"
-            );
-        }
-        let mut back = vec![0f32; vals.len()];
-        <f16 as Half>::widen(&h, &mut back);
-        for (x, y) in h.iter().zip(&back) {
-            assert!(x.to_f32().to_bits() == y.to_bits() || x.is_nan());
-        }
-        <bf16 as Half>::widen(&b, &mut back);
-        for (x, y) in b.iter().zip(&back) {
-            assert_eq!(x.to_f32().to_bits(), y.to_bits());
-        }
     }
 
     proptest! {

@@ -1,0 +1,297 @@
+//! x86_64 vector kernels for bf16 and f16 (see `halves.rs` for the semantics and the dispatch).
+//!
+//! Each kernel handles the whole vectors of its `n` elements and returns how many it did; the
+//! caller finishes the rest with the portable code. Loads and stores are unaligned.
+//! bf16 widens by a shift and narrows with the integer rounding of `bf16_narrow` (the
+//! AVX-512 BF16 instruction `vcvtneps2bf16` flushes subnormal results to zero, so it is not
+//! used); f16 converts with `vcvtph2ps`/`vcvtps2ph` (round to nearest even).
+
+use std::arch::x86_64::*;
+
+use super::halves::{BF16, DIV, MAX, MIN, PROD, SUM};
+
+/// One f32 operation on 16 lanes, with `min`/`max` as in `halves::apply`: `vminps(b, a)` is
+/// `b < a ? b : a` and gives `a` when either is NaN; then a NaN `a` takes `b`.
+macro_rules! op512 {
+    ($op:expr, $x:expr, $y:expr) => {{
+        let (x, y) = ($x, $y);
+        match $op {
+            SUM => _mm512_add_ps(x, y),
+            PROD => _mm512_mul_ps(x, y),
+            MIN => _mm512_mask_blend_ps(
+                _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x),
+                _mm512_min_ps(y, x),
+                y,
+            ),
+            MAX => _mm512_mask_blend_ps(
+                _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x),
+                _mm512_max_ps(y, x),
+                y,
+            ),
+            DIV => _mm512_div_ps(x, y),
+            _ => _mm512_mul_ps(x, y),
+        }
+    }};
+}
+
+/// The same on 8 lanes.
+macro_rules! op256 {
+    ($op:expr, $x:expr, $y:expr) => {{
+        let (x, y) = ($x, $y);
+        match $op {
+            SUM => _mm256_add_ps(x, y),
+            PROD => _mm256_mul_ps(x, y),
+            MIN => _mm256_blendv_ps(_mm256_min_ps(y, x), y, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x)),
+            MAX => _mm256_blendv_ps(_mm256_max_ps(y, x), y, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x)),
+            DIV => _mm256_div_ps(x, y),
+            _ => _mm256_mul_ps(x, y),
+        }
+    }};
+}
+
+/// 16 elements at `p` (unaligned) as f32.
+macro_rules! load512 {
+    ($fmt:expr, $p:expr) => {{
+        let h = _mm256_loadu_si256($p.cast::<__m256i>());
+        if $fmt == BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        } else {
+            _mm512_cvtph_ps(h)
+        }
+    }};
+}
+
+/// Rounds 16 f32 to bf16 with the integer rounding of `bf16_narrow`: each 32-bit lane holds
+/// its result in its low 16 bits (upper bits zero).
+macro_rules! bf16_bits512 {
+    ($v:expr) => {{
+        let b = _mm512_castps_si512($v);
+        let top = _mm512_srli_epi32::<16>(b);
+        let bias = _mm512_add_epi32(
+            _mm512_and_si512(top, _mm512_set1_epi32(1)),
+            _mm512_set1_epi32(0x7fff),
+        );
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+        let abs = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        let quiet = _mm512_or_si512(top, _mm512_set1_epi32(0x40));
+        _mm512_mask_blend_epi32(nan, rounded, quiet)
+    }};
+}
+
+/// 16 f32 rounded to the format and stored at `p` (unaligned).
+macro_rules! store512 {
+    ($fmt:expr, $p:expr, $v:expr) => {{
+        let v = $v;
+        let h = if $fmt == BF16 {
+            _mm512_cvtepi32_epi16(bf16_bits512!(v))
+        } else {
+            _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)
+        };
+        _mm256_storeu_si256($p.cast::<__m256i>(), h);
+    }};
+}
+
+/// 8 elements at `p` (unaligned) as f32.
+macro_rules! load256 {
+    ($fmt:expr, $p:expr) => {{
+        let h = _mm_loadu_si128($p.cast::<__m128i>());
+        if $fmt == BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        }
+    }};
+}
+
+/// 8 f32 rounded to the format and stored at `p` (unaligned).
+macro_rules! store256 {
+    ($fmt:expr, $p:expr, $v:expr) => {{
+        let v = $v;
+        let h = if $fmt == BF16 {
+            let b = _mm256_castps_si256(v);
+            let top = _mm256_srli_epi32::<16>(b);
+            let bias = _mm256_add_epi32(
+                _mm256_and_si256(top, _mm256_set1_epi32(1)),
+                _mm256_set1_epi32(0x7fff),
+            );
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, bias));
+            let abs = _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff));
+            // Signed compare: `abs` is below 2^31.
+            let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+            let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
+            let r = _mm256_blendv_epi8(rounded, quiet, nan);
+            // Every lane holds 0..=0xffff: the unsigned saturating pack keeps it.
+            _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
+        } else {
+            _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)
+        };
+        _mm_storeu_si128($p.cast::<__m128i>(), h);
+    }};
+}
+
+/// `d[i] = x[i] ⊕ s[i]` for the first `n / 16 * 16` elements; returns that count.
+///
+/// # Safety
+/// The processor has AVX-512 F and BW; `x` and `s` are valid for reading and `d` for writing
+/// `2n` bytes; `x` may equal `d` (each element is read before it is written), no other overlap.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn reduce512<const FMT: u8, const OP: u8>(
+    d: *mut u8,
+    x: *const u8,
+    s: *const u8,
+    n: usize,
+) -> usize {
+    let whole = n / 16 * 16;
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 16 lie within the first n (i + 16 <= whole <= n), which the
+        // caller guarantees readable at `x`, `s` and writable at `d`.
+        unsafe {
+            let a = load512!(FMT, x.add(2 * i));
+            let b = load512!(FMT, s.add(2 * i));
+            store512!(FMT, d.add(2 * i), op512!(OP, a, b));
+        }
+        i += 16;
+    }
+    whole
+}
+
+/// Word 2k of a bf16 block is word k (even element k) of the conversion, word 2k + 1 its word
+/// 16 + k (odd element k).
+const INTERLEAVE: [i16; 32] = {
+    let mut w = [0i16; 32];
+    let mut k = 0;
+    while k < 32 {
+        w[k] = (k / 2 + 16 * (k % 2)) as i16;
+        k += 1;
+    }
+    w
+};
+
+/// bf16 `d[i] = x[i] ⊕ s[i]` for the first `n / 32 * 32` elements; returns that count.
+///
+/// Each 64-byte block is split without shuffles into its even elements (shifted up to f32)
+/// and its odd ones (masked: already f32), combined, and rounded back by `vcvtne2ps2bf16`,
+/// whose halves one `vpermw` interleaves. That instruction rounds as `bf16_narrow` does
+/// (nearest even, a NaN kept quiet) except that it flushes subnormal inputs to zero: a block
+/// with a subnormal result is rounded with the integer code instead.
+///
+/// # Safety
+/// The processor has AVX-512 F, BW, DQ and BF16; `x` and `s` are valid for reading and `d`
+/// for writing `2n` bytes; `x` may equal `d` (each block is read before it is written), no
+/// other overlap.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16")]
+pub(super) unsafe fn reduce512bf16<const OP: u8>(
+    d: *mut u8,
+    x: *const u8,
+    s: *const u8,
+    n: usize,
+) -> usize {
+    let whole = n / 32 * 32;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    // SAFETY: reads the 64 bytes of a constant array.
+    let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), which the
+        // caller guarantees readable at `x`, `s` and writable at `d`. The transmute is
+        // between two 64-byte vector types (32 bf16 as 32 words).
+        unsafe {
+            let va = _mm512_loadu_si512(x.add(2 * i).cast());
+            let vb = _mm512_loadu_si512(s.add(2 * i).cast());
+            let even = op512!(
+                OP,
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(va)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(vb))
+            );
+            let odd = op512!(
+                OP,
+                _mm512_castsi512_ps(_mm512_and_si512(va, high)),
+                _mm512_castsi512_ps(_mm512_and_si512(vb, high))
+            );
+            let sub = _mm512_fpclass_ps_mask::<0x20>(even) | _mm512_fpclass_ps_mask::<0x20>(odd);
+            let out = if sub == 0 {
+                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+                _mm512_permutexvar_epi16(idx, h)
+            } else {
+                _mm512_or_si512(
+                    bf16_bits512!(even),
+                    _mm512_slli_epi32::<16>(bf16_bits512!(odd)),
+                )
+            };
+            _mm512_storeu_si512(d.add(2 * i).cast(), out);
+        }
+        i += 32;
+    }
+    whole
+}
+
+/// `p[i] = p[i] / c` (`DIV`) or `p[i] * c` (`MUL`) for the first `n / 16 * 16` elements;
+/// returns that count.
+///
+/// # Safety
+/// The processor has AVX-512 F and BW; `p` is valid for reading and writing `2n` bytes.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn map512<const FMT: u8, const OP: u8>(p: *mut u8, n: usize, c: f32) -> usize {
+    let whole = n / 16 * 16;
+    let k = _mm512_set1_ps(c);
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 16 lie within the first n, valid at `p` (caller).
+        unsafe {
+            let a = load512!(FMT, p.add(2 * i));
+            store512!(FMT, p.add(2 * i), op512!(OP, a, k));
+        }
+        i += 16;
+    }
+    whole
+}
+
+/// `d[i] = x[i] ⊕ s[i]` for the first `n / 8 * 8` elements; returns that count.
+///
+/// # Safety
+/// The processor has AVX2 and F16C; `x` and `s` are valid for reading and `d` for writing
+/// `2n` bytes; `x` may equal `d` (each element is read before it is written), no other overlap.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn reduce256<const FMT: u8, const OP: u8>(
+    d: *mut u8,
+    x: *const u8,
+    s: *const u8,
+    n: usize,
+) -> usize {
+    let whole = n / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 8 lie within the first n (i + 8 <= whole <= n), which the
+        // caller guarantees readable at `x`, `s` and writable at `d`.
+        unsafe {
+            let a = load256!(FMT, x.add(2 * i));
+            let b = load256!(FMT, s.add(2 * i));
+            store256!(FMT, d.add(2 * i), op256!(OP, a, b));
+        }
+        i += 8;
+    }
+    whole
+}
+
+/// `p[i] = p[i] / c` (`DIV`) or `p[i] * c` (`MUL`) for the first `n / 8 * 8` elements;
+/// returns that count.
+///
+/// # Safety
+/// The processor has AVX2 and F16C; `p` is valid for reading and writing `2n` bytes.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn map256<const FMT: u8, const OP: u8>(p: *mut u8, n: usize, c: f32) -> usize {
+    let whole = n / 8 * 8;
+    let k = _mm256_set1_ps(c);
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 8 lie within the first n, valid at `p` (caller).
+        unsafe {
+            let a = load256!(FMT, p.add(2 * i));
+            store256!(FMT, p.add(2 * i), op256!(OP, a, k));
+        }
+        i += 8;
+    }
+    whole
+}
