@@ -33,7 +33,7 @@ def build(verbose: bool = False) -> str:
     csrc = os.path.join(HERE, "csrc")
     ext = CppExtension(
         name=f"oxccl.{NAME}",
-        sources=[os.path.join(csrc, "backend.cpp")],
+        sources=[os.path.join(csrc, "backend.cpp"), os.path.join(csrc, "inference.cpp")],
         include_dirs=[csrc],
         extra_compile_args=["-O2", "-g0", "-fvisibility=hidden"],
     )
