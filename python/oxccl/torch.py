@@ -1597,6 +1597,11 @@ def _py_all_reduce_(tensor: torch.Tensor, group: int, op: int = 0) -> None:
     backend = _py_group(group, "inference_all_reduce")
     if not 0 <= op < len(_OP_NAMES):
         raise InvalidArgumentError(f"oxccl: inference_all_reduce: op {op} is not one of oxccl's (0 SUM .. 7 BXOR)")
+    if tensor.dtype not in _DTYPES:  # as the C++ kernel: only what the library reduces
+        raise InvalidArgumentError(
+            f"oxccl: rank {backend.rank()}: inference_all_reduce: dtype {tensor.dtype} cannot be reduced "
+            f"(oxccl reduces {', '.join(sorted(set(_DTYPES.values())))})"
+        )
     backs: list = []
     call = _coll("all_reduce", None, tensor, op=_OP_NAMES[op], backs=backs)
     backend._raw.call(*call.args())
