@@ -35,27 +35,33 @@ int dtypeOf(const at::Tensor& t);  // backend.cpp
 namespace {
 
 std::mutex g_groups_m;
-std::vector<std::shared_ptr<Group>> g_groups(1);  // index: handle; 0 is never one
+
+// Index: handle; 0 is never one. Never destroyed: a group still registered at exit (its
+// backend leaked) keeps its communicator rather than tearing it down in a static destructor.
+std::vector<std::shared_ptr<Group>>& groups() {
+  static auto* v = new std::vector<std::shared_ptr<Group>>(1);
+  return *v;
+}
 
 }  // namespace
 
 int64_t registerGroup(std::shared_ptr<Group> g) {
   std::lock_guard<std::mutex> lock(g_groups_m);
-  g_groups.push_back(std::move(g));
-  return int64_t(g_groups.size() - 1);
+  groups().push_back(std::move(g));
+  return int64_t(groups().size() - 1);
 }
 
 void unregisterGroup(int64_t handle) {
   std::shared_ptr<Group> gone;  // let go of outside the lock (it may destroy the communicator)
   {
     std::lock_guard<std::mutex> lock(g_groups_m);
-    if (handle > 0 && size_t(handle) < g_groups.size()) gone.swap(g_groups[size_t(handle)]);
+    if (handle > 0 && size_t(handle) < groups().size()) gone.swap(groups()[size_t(handle)]);
   }
 }
 
 std::shared_ptr<Group> findGroup(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_groups_m);
-  if (handle > 0 && size_t(handle) < g_groups.size()) return g_groups[size_t(handle)];
+  if (handle > 0 && size_t(handle) < groups().size()) return groups()[size_t(handle)];
   return nullptr;
 }
 
