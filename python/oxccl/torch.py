@@ -1543,7 +1543,9 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Any = None
 
     Eager calls go straight to the library on the calling thread (no c10d Work, no
     dispatcher); under ``torch.compile`` (also ``fullgraph=True``) the call is the operator
-    ``torch.ops.oxccl.inference_all_reduce_``. Bounded by the group's timeout; raises oxccl's
+    ``torch.ops.oxccl.inference_all_reduce_``: there give `op` by name (``"max"``; also
+    accepted eagerly), since dynamo cannot put a ReduceOp into a graph. Bounded by the
+    group's timeout; raises oxccl's
     errors (``oxccl.TimeoutError``, ``oxccl.PeerLostError``, ...). Non-contiguous tensors go
     through a contiguous copy. Point-to-point operations held by the group (isend/irecv not
     yet waited on) are not flushed first, and the call does not count in the group's
