@@ -1,4 +1,5 @@
-"""Builds oxccl's C++ torch backend (``oxccl/csrc/backend.cpp``) into
+"""Builds oxccl's C++ torch backend (``oxccl/csrc/backend.cpp``, with the inference ops of
+``oxccl/csrc/inference.cpp``) into
 ``oxccl/_torch_backend*.so`` next to this file, with torch's own extension tooling
 (``torch.utils.cpp_extension``; ninja is used when installed, else plain setuptools).
 
