@@ -1,4 +1,5 @@
-"""Builds oxccl's C++ torch backend (``oxccl/csrc/backend.cpp``) into
+"""Builds oxccl's C++ torch backend (``oxccl/csrc/backend.cpp``, with the inference ops of
+``oxccl/csrc/inference.cpp``) into
 ``oxccl/_torch_backend*.so`` next to this file, with torch's own extension tooling
 (``torch.utils.cpp_extension``; ninja is used when installed, else plain setuptools).
 
@@ -33,7 +34,7 @@ def build(verbose: bool = False) -> str:
     csrc = os.path.join(HERE, "csrc")
     ext = CppExtension(
         name=f"oxccl.{NAME}",
-        sources=[os.path.join(csrc, "backend.cpp")],
+        sources=[os.path.join(csrc, "backend.cpp"), os.path.join(csrc, "inference.cpp")],
         include_dirs=[csrc],
         extra_compile_args=["-O2", "-g0", "-fvisibility=hidden"],
     )

@@ -83,7 +83,14 @@ from torch.futures import Future
 
 from . import Comm, InvalidArgumentError, TimeoutError, _Buf, _oxccl
 
-__all__ = ["BackendOxccl", "ProcessGroupOxccl", "BACKEND_NAME", "INLINE_MAX_BYTES"]
+__all__ = [
+    "BackendOxccl",
+    "ProcessGroupOxccl",
+    "BACKEND_NAME",
+    "INLINE_MAX_BYTES",
+    "inference_all_reduce",
+    "inference_all_gather",
+]
 
 BACKEND_NAME = "oxccl"
 
@@ -1382,25 +1389,26 @@ def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> Back
 _TRACE_RULES = "torch._dynamo.trace_rules"
 
 
-class _DynamoSkipsOxccl(importlib.abc.MetaPathFinder):
-    """Marks the oxccl package as code for torch.compile to run, not trace, once dynamo is
-    imported (importing it here would cost seconds): torch calls this backend from C++ (e.g.
-    DDP's reducer, inside a compiled forward), and dynamo would otherwise trace it and break
-    its graph on the native calls."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` once the module `name` has been imported (once): used to tell
+    dynamo about oxccl when it is imported, since importing it here would cost seconds."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]):
+        self.name, self.then = name, then
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _TRACE_RULES:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         loader = getattr(spec, "loader", None) if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        run = loader.exec_module
+        run, then = loader.exec_module, self.then
 
         def exec_module(module: Any) -> None:
             run(module)
-            _skip_in_dynamo(module)
+            then(module)
 
         loader.exec_module = exec_module
         return spec
@@ -1416,7 +1424,10 @@ def _skip_in_dynamo(trace_rules: Any) -> None:
 if _TRACE_RULES in sys.modules:
     _skip_in_dynamo(sys.modules[_TRACE_RULES])
 else:
-    sys.meta_path.insert(0, _DynamoSkipsOxccl())
+    # The oxccl package is code for torch.compile to run, not trace: torch calls this backend
+    # from C++ (e.g. DDP's reducer, inside a compiled forward), and dynamo would otherwise
+    # trace it and break its graph on the native calls.
+    sys.meta_path.insert(0, _AfterImport(_TRACE_RULES, _skip_in_dynamo))
 
 
 def _load_cpp() -> Any:
@@ -1452,6 +1463,213 @@ def _wrap(backend: Optional[BackendOxccl]) -> Any:
         return backend
     timeout = backend._timeout.total_seconds() if backend._timeout is not None else -1.0
     return _CPP.BackendOxcclCpp(backend, backend.comm.c_comm(), _oxccl._C_API, timeout, _wrap)
+
+
+# -------------------------------------------------------------------------------------------
+# Inference ops: all_reduce and all_gather for tensor-parallel inference, without c10d.
+# -------------------------------------------------------------------------------------------
+#: oxccl's op numbers (oxcclRedOp_t) of torch's ReduceOps.
+_OP_CODES: Dict[Any, int] = {
+    _RT.SUM: 0, _RT.PRODUCT: 1, _RT.MAX: 2, _RT.MIN: 3, _RT.AVG: 4, _RT.BAND: 5, _RT.BOR: 6, _RT.BXOR: 7,
+}
+_OP_NAMES = ("sum", "prod", "max", "min", "avg", "band", "bor", "bxor")
+_OP_BY_NAME = {**{n: i for i, n in enumerate(_OP_NAMES)}, "product": 1}
+
+#: id(ProcessGroup) -> (weak reference to it, its handle, its size): the groups the inference
+#: ops have been called on.
+_GROUPS: Dict[int, Tuple[Any, int, int]] = {}
+
+#: The Python backend's groups by handle (when the C++ backend is not built; its groups are in
+#: csrc/inference.cpp's table).
+_PY_GROUPS: Dict[int, "weakref.ref[BackendOxccl]"] = {}
+
+_WORLD = dist.distributed_c10d._world
+#: The attribute behind torch's ``_world.default_pg`` property (read per call: 5x faster).
+_DEFAULT_PG = "_default_pg" if "_default_pg" in vars(_WORLD) else "default_pg"
+_TENSOR = torch.Tensor
+
+
+def _op_code(op: Any) -> int:
+    if isinstance(op, str):
+        code = _OP_BY_NAME.get(op.lower())
+    else:
+        code = _OP_CODES.get(op)
+        if code is None:
+            code = _OP_CODES.get(getattr(op, "op", None))
+    if code is None:
+        raise InvalidArgumentError(
+            f"inference_all_reduce: ReduceOp {op} is not supported (SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR)"
+        )
+    return code
+
+
+def _group(group: Any) -> Tuple[Any, int, int]:
+    """(weakref, handle, size) of `group` (None: the default group), an oxccl group."""
+    if group is None:
+        group = _WORLD.default_pg
+        if group is None:
+            raise InvalidArgumentError("oxccl inference op: no default group (call dist.init_process_group first)")
+    # under torch.compile, a ProcessGroup reaches the fake kernel as torch's FakeScriptObject
+    group = getattr(group, "real_obj", group)
+    entry = _GROUPS.get(id(group))
+    if entry is not None and entry[0]() is group:
+        return entry
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception as e:  # noqa: BLE001 - torch says why (e.g. no CPU backend)
+        raise InvalidArgumentError(f"oxccl inference op: the group has no oxccl CPU backend ({e})") from None
+    if _CPP is not None and isinstance(backend, _CPP.BackendOxcclCpp):
+        handle = backend.inference_handle
+    elif isinstance(backend, BackendOxccl):
+        handle = getattr(backend, "_inference_handle", None)
+        if handle is None:
+            handle = backend._inference_handle = len(_PY_GROUPS) + 1
+            _PY_GROUPS[handle] = weakref.ref(backend)
+    else:
+        raise InvalidArgumentError(
+            f"oxccl inference op: the group's CPU backend is {type(backend).__name__}, not oxccl's "
+            "(make the group with backend='oxccl')"
+        )
+    entry = (weakref.ref(group, lambda _r, key=id(group): _GROUPS.pop(key, None)), handle, backend.size())
+    _GROUPS[id(group)] = entry
+    return entry
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Any = None) -> torch.Tensor:
+    """All-reduces `tensor` in place over `group` (an oxccl group; None: the default group)
+    and returns it: the op of tensor-parallel inference, as DeepSpeed's
+    ``inference_all_reduce`` and vLLM's/SGLang's shared-memory all-reduce, on any oxccl group,
+    for every ReduceOp the backend has but PREMUL_SUM and every dtype it reduces.
+
+    Eager calls go straight to the library on the calling thread (no c10d Work, no
+    dispatcher); under ``torch.compile`` (also ``fullgraph=True``) the call is the operator
+    ``torch.ops.oxccl.inference_all_reduce_``: there give `op` by name (``"max"``; also
+    accepted eagerly), since dynamo cannot put a ReduceOp into a graph. Bounded by the
+    group's timeout; raises oxccl's
+    errors (``oxccl.TimeoutError``, ``oxccl.PeerLostError``, ...). Non-contiguous tensors go
+    through a contiguous copy. Point-to-point operations held by the group (isend/irecv not
+    yet waited on) are not flushed first, and the call does not count in the group's
+    sequence numbers."""
+    g = group if group is not None else getattr(_WORLD, _DEFAULT_PG)
+    entry = _GROUPS.get(id(g))
+    if entry is None or entry[0]() is not g:
+        entry = _group(group)
+    code = 0 if op is _SUM else _op_code(op)
+    if _CPP is not None and type(tensor) is _TENSOR:
+        _CPP.inference_all_reduce_(tensor, entry[1], code)
+    else:  # a tensor subclass (fake, functional, ...: torch.compile), or the Python backend
+        torch.ops.oxccl.inference_all_reduce_(tensor, entry[1], code)
+    return tensor
+
+
+def inference_all_gather(tensor: torch.Tensor, group: Any = None, dim: int = 0) -> torch.Tensor:
+    """The tensors of every rank of `group` (an oxccl group; None: the default group), in rank
+    order, concatenated along `dim` (as ``torch.cat``; a 0-d tensor counts as one element):
+    the vocabulary-parallel logits' gather of tensor-parallel inference. Any dtype; the shapes
+    must be the same on every rank. Eager calls go straight to the library; under
+    ``torch.compile`` the call is the operator ``torch.ops.oxccl.inference_all_gather``
+    (concatenating along dim 0), then a view. Bounded by the group's timeout; raises oxccl's
+    errors."""
+    g = group if group is not None else getattr(_WORLD, _DEFAULT_PG)
+    entry = _GROUPS.get(id(g))
+    if entry is None or entry[0]() is not g:
+        entry = _group(group)
+    if _CPP is not None and type(tensor) is _TENSOR:
+        out = _CPP.inference_all_gather(tensor, entry[1])
+    else:
+        out = torch.ops.oxccl.inference_all_gather(tensor, entry[1])
+    if dim == 0 or tensor.dim() == 0:
+        return out
+    # out is [n * d0, ...]: rank blocks along dim 0; move them to `dim`
+    n = entry[2]
+    d = dim % tensor.dim()
+    shape = tensor.shape
+    blocks = out.view((n,) + tuple(shape))
+    return blocks.movedim(0, d).reshape(shape[:d] + (n * shape[d],) + shape[d + 1 :])
+
+
+def _py_group(handle: int, what: str) -> "BackendOxccl":
+    ref = _PY_GROUPS.get(handle)
+    backend = ref() if ref is not None else None
+    if backend is None:
+        raise InvalidArgumentError(f"oxccl: {what}: group handle {handle} is not a live oxccl group of this process")
+    return backend
+
+
+def _py_all_reduce_(tensor: torch.Tensor, group: int, op: int = 0) -> None:
+    """The Python backend's kernel of ``torch.ops.oxccl.inference_all_reduce_``."""
+    backend = _py_group(group, "inference_all_reduce")
+    if not 0 <= op < len(_OP_NAMES):
+        raise InvalidArgumentError(f"oxccl: inference_all_reduce: op {op} is not one of oxccl's (0 SUM .. 7 BXOR)")
+    if tensor.dtype not in _DTYPES:  # as the C++ kernel: only what the library reduces
+        raise InvalidArgumentError(
+            f"oxccl: rank {backend.rank()}: inference_all_reduce: dtype {tensor.dtype} cannot be reduced "
+            f"(oxccl reduces {', '.join(sorted(set(_DTYPES.values())))})"
+        )
+    backs: list = []
+    call = _coll("all_reduce", None, tensor, op=_OP_NAMES[op], backs=backs)
+    backend._raw.call(*call.args())
+    _copy_back(backs)
+
+
+def _py_all_reduce(tensor: torch.Tensor, group: int, op: int = 0) -> torch.Tensor:
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    _py_all_reduce_(out, group, op)
+    return out
+
+
+def _gathered_shape(tensor: torch.Tensor, n: int) -> List[int]:
+    shape = list(tensor.shape) or [1]
+    shape[0] *= n
+    return shape
+
+
+def _py_all_gather(tensor: torch.Tensor, group: int) -> torch.Tensor:
+    backend = _py_group(group, "inference_all_gather")
+    src = tensor.resolve_conj().resolve_neg().contiguous()
+    out = torch.empty(_gathered_shape(tensor, backend.size()), dtype=tensor.dtype)
+    call = _coll("all_gather", src, out, raw_bytes=True)
+    backend._raw.call(*call.args())
+    return out
+
+
+def _define_python_ops() -> Any:
+    """Registers the inference operators with the Python backend's kernels (the C++ backend's
+    module registers its own when it is loaded)."""
+    lib = torch.library.Library("oxccl", "DEF")
+    lib.define("inference_all_reduce_(Tensor(a!) self, int group, int op=0) -> ()")
+    lib.define("inference_all_reduce(Tensor self, int group, int op=0) -> Tensor")
+    lib.define("inference_all_gather(Tensor self, int group) -> Tensor")
+    lib.impl("inference_all_reduce_", _py_all_reduce_, "CPU")
+    lib.impl("inference_all_reduce", _py_all_reduce, "CPU")
+    lib.impl("inference_all_gather", _py_all_gather, "CPU")
+    lib.impl("inference_all_reduce_", lambda t, group, op=0: None, "Meta")
+    lib.impl("inference_all_reduce", lambda t, group, op=0: torch.empty_like(t, memory_format=torch.contiguous_format), "Meta")
+    lib.impl(
+        "inference_all_gather",
+        lambda t, group: t.new_empty(_gathered_shape(t, _py_group(group, "inference_all_gather").size())),
+        "Meta",
+    )
+    return lib
+
+
+def _allow_in_graph(dynamo: Any) -> None:
+    """torch.compile writes calls of the inference ops into its graph as they are (AOT
+    autograd then traces them into the operators): the oxccl package is otherwise code that
+    dynamo skips, which would break the graph."""
+    try:
+        dynamo.allow_in_graph(inference_all_reduce)
+        dynamo.allow_in_graph(inference_all_gather)
+    except Exception:  # noqa: BLE001 - a compile without it breaks the graph, still correct
+        pass
+
+
+_PY_OPS = _define_python_ops() if _CPP is None else None
+_DYNAMO = "torch._dynamo"
+if _DYNAMO in sys.modules and hasattr(sys.modules[_DYNAMO], "allow_in_graph"):
+    _allow_in_graph(sys.modules[_DYNAMO])
+else:
+    sys.meta_path.insert(0, _AfterImport(_DYNAMO, _allow_in_graph))
 
 
 def _shm_allocator_settings() -> Optional[int]:

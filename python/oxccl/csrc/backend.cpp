@@ -38,6 +38,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "groups.h"
 #include "oxccl.h"
 
 namespace py = pybind11;
@@ -49,6 +50,8 @@ namespace oxccl_torch {
 constexpr size_t kInlineMaxBytes = size_t(1) << 20;  // as INLINE_MAX_BYTES in torch.py
 
 const oxcclApi_t* g_api = nullptr;  // the library's table, set by the first backend
+
+void defineInferenceFunctions(py::module_& m);  // inference.cpp
 
 // ------------------------------------------------------------------------------------------
 // Errors: the oxccl exception classes (oxccl._errors) on the calling thread, a
@@ -440,10 +443,15 @@ class BackendOxcclCpp : public c10d::Backend {
  public:
   BackendOxcclCpp(py::object py, uintptr_t comm, const oxcclApi_t* api, double timeout_s, py::object wrap)
       : Backend(py.attr("rank")().cast<int>(), py.attr("size")().cast<int>()), py_(std::move(py)),
-        wrap_(std::move(wrap)), api_(api), comm_(reinterpret_cast<oxcclComm_t>(comm)), timeout_s_(timeout_s) {}
+        wrap_(std::move(wrap)), api_(api), comm_(reinterpret_cast<oxcclComm_t>(comm)), timeout_s_(timeout_s) {
+    // The group owns the communicator's handle; the inference ops reach it by its handle.
+    group_ = std::make_shared<Group>(api_, comm_, getRank(), getSize());
+    handle_ = registerGroup(group_);
+  }
 
   ~BackendOxcclCpp() override {
-    api_->comm_destroy(comm_);
+    unregisterGroup(handle_);
+    group_.reset();  // the communicator's handle goes with the last call holding the group
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       py_ = py::object();
@@ -703,6 +711,9 @@ class BackendOxcclCpp : public c10d::Backend {
   // The Python backend this one delegates to.
   py::object python() const { return py_; }
 
+  // The handle of this group for the inference ops (inference.cpp).
+  int64_t inferenceHandle() const { return handle_; }
+
  private:
   // Hands a call to the Python backend (which also checks what this file would not take).
   template <typename... Args>
@@ -876,6 +887,8 @@ class BackendOxcclCpp : public c10d::Backend {
   double timeout_s_;
   bool held_ = false;
   uint64_t seq_ = 0;  // collectives called (getSequenceNumberForGroup)
+  std::shared_ptr<Group> group_;
+  int64_t handle_ = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -959,7 +972,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("backend"), py::arg("comm"), py::arg("api"), py::arg("timeout_s"), py::arg("wrap"),
            "A C++ backend over `backend` (a BackendOxccl) and its communicator's C handle `comm`, "
            "which it owns; `wrap(child)` wraps the Python backend of a split group.")
-      .def_property_readonly("python_backend", &BackendOxcclCpp::python);
+      .def_property_readonly("python_backend", &BackendOxcclCpp::python)
+      .def_property_readonly("inference_handle", &BackendOxcclCpp::inferenceHandle,
+                             "This group's handle for the inference ops (torch.ops.oxccl.*).");
+  oxccl_torch::defineInferenceFunctions(m);
   m.def(
       "drain_completions",
       [](double seconds) {

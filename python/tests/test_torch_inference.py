@@ -1,0 +1,54 @@
+"""oxccl.torch.inference_all_reduce and inference_all_gather (torch_inference_worker.py):
+every dtype and op at sizes 0, 1, odd and large against references, a subgroup, the refused
+forms; torch.compile(fullgraph=True) of a tensor-parallel step using both; a rank that exits
+makes the others raise within the timeout. With the C++ backend (2 and 3 ranks) and the
+Python backend alone (2 ranks)."""
+
+import os
+import re
+
+import pytest
+
+from conftest import HERE, launch
+
+torch = pytest.importorskip("torch")
+
+WORKER = os.path.join(HERE, "torch_inference_worker.py")
+
+
+@pytest.mark.parametrize("n,backend", [(2, "cpp"), (3, "cpp"), (2, "python")])
+def test_eager_matches_reference(n, backend):
+    res = launch(n, script=WORKER, args=["eager"], env={"OXCCL_TORCH_BACKEND": backend}, timeout=300)
+    for _, out in res:
+        assert "inference eager ok" in out, out
+
+
+def _compile_available():
+    try:
+        torch.compile(lambda x: x + 1, fullgraph=True, backend="eager")(torch.ones(1))
+    except Exception as e:  # noqa: BLE001 - any reason compile cannot run here
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("n,backend,compiler", [(2, "cpp", "inductor"), (3, "cpp", "aot_eager"), (2, "python", "aot_eager")])
+def test_compiled_matches_eager(n, backend, compiler):
+    why = _compile_available()
+    if why is not None:
+        pytest.skip(f"torch.compile is not available here: {why}")
+    env = {"OXCCL_TORCH_BACKEND": backend, "INFER_COMPILE_BACKEND": compiler}
+    res = launch(n, script=WORKER, args=["compile"], env=env, timeout=600)
+    for _, out in res:
+        assert "inference compile ok" in out, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_peer_exit_raises_within_timeout(n):
+    timeout = 10
+    res = launch(n, script=WORKER, args=["dies"], env={"OXCCL_TIMEOUT": str(timeout)}, timeout=120, expect_ok=False)
+    for rank, (rc, out) in enumerate(res[:-1]):
+        assert rc == 0, f"rank {rank} rc {rc}: {out}"
+        m = re.search(r"raised (\w+) after ([0-9.]+) s", out)
+        assert m, out
+        assert m.group(1) in ("PeerLostError", "TimeoutError", "AbortedError", "Error"), out
+        assert float(m.group(2)) < timeout + 5, out
