@@ -46,7 +46,7 @@ pub fn main() -> i32 {
                 if fit == 4096 { "4096 or more" } else { "" },
                 if fit == 4096 { String::new() } else { fit.to_string() },
                 per_peer >> 10,
-                job(32) / 32 >> 10,
+                (job(32) / 32) >> 10,
             );
             free >= per_peer
         }
