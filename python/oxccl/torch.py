@@ -490,7 +490,7 @@ class _Job:
 
 
 #: Per thread: the job whose Work was waited on last, weakly (see `_source_rank`; a strong
-#: reference would keep its backend, and so its store, alive after destroy_process_group).
+#: reference would keep its backend alive after destroy_process_group).
 _WAITED = threading.local()
 _C10D_SOURCE_RANK = dist.Work._source_rank
 
@@ -1307,9 +1307,10 @@ class BackendOxccl(_C10dBackend):
         self._flush_p2p()
         self.comm.synchronize()
         _WRAPPED_BY_TORCH.discard(self)
-        # Let go of the store: with env:// and tcp:// rank 0's store serves MASTER_PORT, and a
-        # server kept alive by a stale backend would answer the next init_process_group's
-        # ranks with this group's unique id (they then dial a listener that is gone).
+        # The store goes to `_PREVIOUS_STORE`, which keeps it until the next backend is made
+        # (see there): not with this backend, whose lifetime is not the group's.
+        if self._store is not None:
+            _keep_store(self._store)
         self._store = None
 
     def abort(self) -> None:
@@ -1366,7 +1367,31 @@ def _timeout_s(timeout: Any) -> Optional[float]:
 _MADE: Dict[Any, int] = {}
 
 
+#: The store of the backend shut down last (held by `_keep_store`, let go of by `_make`).
+_PREVIOUS_STORE: List[Any] = []
+
+
+def _keep_store(store: Any) -> None:
+    """Keeps `store` alive after its group's shutdown, until the next backend of this process
+    is made (or the process exits).
+
+    Why: with ``env://`` (and ``tcp://``) global rank 0's store is the TCPStore server on
+    MASTER_PORT. After ``destroy_process_group`` a fast rank starts the next
+    ``init_process_group`` and connects to that port at once. If rank 0 has not torn its
+    server down yet, the fast rank is served by the old server, which then closes under it
+    ("Failed to recv, got 0 bytes") while rank 0's new server waits for it until torch's store
+    timeout (30 min by default). Kept alive, the server on the port never goes away between
+    two inits: rank 0's next TCPStore on that port reuses it (torch's ``multi_tenant``
+    stores, as env:// makes them), so every rank reaches the same server whenever it comes.
+    Keys of the old group that remain there are not read: each backend of a group publishes
+    its unique id under its own key (see `_MADE`)."""
+    _PREVIOUS_STORE[:] = [store]
+
+
 def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> BackendOxccl:
+    # The new group's store exists (torch made it first, reusing a kept server on its port):
+    # the previous one need not be kept any longer.
+    _PREVIOUS_STORE.clear()
     n = _MADE.get(group_id, 0)
     _MADE[group_id] = n + 1
     key = f"oxccl/unique_id/{n}"

@@ -55,20 +55,7 @@ def test_exit_with_queued_calls_in_flight_is_clean():
     assert not failures, f"{len(failures)} of {2 * runs} exits failed; first: {failures[0]}"
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "cpp",
-        pytest.param(
-            "python",
-            marks=pytest.mark.skip(
-                reason="known hang, not yet understood: in one test.sh run (2026-12-03) rank 0 of the "
-                "Python backend stayed silent for 90 s during a re-init before publishing its id, "
-                "while the C++ backend's run passed; see issue 21's note"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["cpp", "python"])
 def test_reinit_on_the_same_master_port(backend):
     if backend == "cpp":
         _cpp()

@@ -138,13 +138,19 @@ def exit_queued():
 
 
 def reinit(times):
-    """init_process_group / destroy_process_group `times` times on the same MASTER_PORT."""
+    """init_process_group / destroy_process_group `times` times on the same MASTER_PORT. In
+    odd rounds rank 0 (whose store is the server on MASTER_PORT) destroys its group late, so
+    that the other ranks reach the next init while its server of this round still runs: it
+    must go on serving them (it once closed under them, and rank 0's next server waited for
+    them for torch's store timeout)."""
     for i in range(int(times)):
         dist.init_process_group("oxccl", init_method="env://")
         r, n = dist.get_rank(), dist.get_world_size()
         t = torch.full((8,), float(r + i))
         dist.all_reduce(t)
         assert torch.all(t == float(sum(range(n)) + n * i)), (i, t)
+        if r == 0 and i % 2 == 1:
+            time.sleep(1.0)
         dist.destroy_process_group()
     print("reinit ok", flush=True)
 
