@@ -56,6 +56,17 @@ def test_exit_with_queued_calls_in_flight_is_clean():
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_async_op_is_asynchronous_at_every_size(backend):
+    """async_op=True returns before a late peer arrives (4 B and 16 KiB, which a blocking call
+    runs inline; the peer 4 s late), work.wait(timeout=1 s) raises against it, and the group A/B scenario that
+    deadlocked while small async calls ran inline completes."""
+    if backend == "cpp":
+        _cpp()
+    for _, out in _run(2, "async_small", env={"OXCCL_TORCH_BACKEND": backend}):
+        assert "async_small ok" in out, out
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
 def test_reinit_on_the_same_master_port(backend):
     if backend == "cpp":
         _cpp()
