@@ -53,7 +53,7 @@ for ((i = 1; i <= N; i++)); do
     failed=$((failed + 1))
     echo "run $i failed: logs in $LOG_DIR/run$i.rank*.log" >&2
   fi
-  if ((i % 50 == 0 || i == N)); then
+  if ((i % 10 == 0 || i == N)); then
     line="after $i runs (2 ranks each):"
     for k in "${!tally[@]}"; do line+=" [exit $k: ${tally[$k]}]"; done
     echo "$line"
