@@ -197,6 +197,7 @@ struct Completion {
   oxcclResult_t code = oxcclSuccess;
   std::string msg;
   c10::intrusive_ptr<c10::ivalue::Future> fut;
+  bool marked = false;  // fut has been completed (by the completion task, wait or getFuture)
   std::vector<at::Tensor> keep;  // the call's tensors, alive until it has finished
 };
 
@@ -254,7 +255,10 @@ class QueuedWork : public Work {
     bool explicit_ = timeout != ::kNoTimeout && timeout.count() > 0;
     double t = explicit_ ? timeout.count() / 1000.0 : timeout_s_;
     oxcclResult_t r = api_->work_wait(w_, t);  // torch calls wait without the GIL
-    if (r == oxcclSuccess) return true;
+    if (r == oxcclSuccess) {
+      settleIfDone();  // as gloo's: once wait() has returned, the future is done too
+      return true;
+    }
     int done = 0;
     api_->work_test(w_, &done);
     if (r == oxcclTimeout && !done) {
@@ -288,19 +292,43 @@ class QueuedWork : public Work {
     std::string msg;
     {
       std::lock_guard<std::mutex> lock(c_->m);
-      if (!c_->fut) {
-        c_->fut = newFuture();
-        now = c_->done;
+      if (!c_->fut) c_->fut = newFuture();
+      fut = c_->fut;
+      if (c_->done && !c_->marked) {
+        c_->marked = true;
+        now = true;
         code = c_->code;
         msg = c_->msg;
       }
-      fut = c_->fut;
     }
-    if (now) completeFuture(fut, code, msg, result_);
+    if (now) {
+      completeFuture(fut, code, msg, result_);
+    } else {
+      settleIfDone();  // finished, its completion task not yet run: done now all the same
+    }
     return fut;
   }
 
  private:
+  // Completes the future now (once) if it exists and the library says the call has finished,
+  // without waiting for the completion task: after a wait() that returned, or when a finished
+  // call's future is asked for, it is done (as gloo's). The completion task then finds it
+  // marked and only lets go of the tensors.
+  void settleIfDone() {
+    int done = 0;
+    oxcclResult_t r = api_->work_test(w_, &done);
+    if (!done) return;
+    std::string msg = r == oxcclSuccess ? std::string() : std::string(api_->get_last_error());
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    {
+      std::lock_guard<std::mutex> lock(c_->m);
+      if (!c_->fut || c_->marked) return;
+      c_->marked = true;
+      fut = c_->fut;
+    }
+    completeFuture(fut, r, msg, result_);
+  }
+
   static void onComplete(void* arg, oxcclResult_t code) {
     auto* ticket = static_cast<std::shared_ptr<Completion>*>(arg);
     std::string msg = code == oxcclSuccess ? std::string() : std::string(g_api->get_last_error());
@@ -317,7 +345,10 @@ class QueuedWork : public Work {
         c.done = true;
         c.code = code;
         c.msg = msg;
-        fut = c.fut;
+        if (c.fut && !c.marked) {
+          c.marked = true;
+          fut = c.fut;
+        }
         keep.swap(c.keep);
       }
       if (fut) completeFuture(fut, code, msg, keep);
