@@ -1,7 +1,9 @@
 """No hang and no crash reachable from torch (issue 21, item 4): fork does not share a pool
 tensor's writes, zero and negative timeouts expire at once, a process exits cleanly with
-queued calls in flight, init/destroy repeats on one MASTER_PORT, and the Python backend's
-survivor of a lost peer raises instead of crashing (see torch_lifecycle_worker.py)."""
+queued calls in flight, init/destroy repeats on one MASTER_PORT (rank 0 late to destroy in
+odd rounds), async_op=True returns before a late peer at every size, and the Python
+backend's survivor of a lost peer raises instead of crashing (see
+torch_lifecycle_worker.py)."""
 
 import os
 import signal
