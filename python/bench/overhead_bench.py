@@ -4,6 +4,7 @@ bare binding, in one run.
 
     python python/bench/overhead_bench.py [--iters 2000] [--rounds 5]
     python python/bench/overhead_bench.py --layers     # one rank: the cost of each layer
+    python python/bench/overhead_bench.py --async-op   # dist.all_reduce(x, async_op=True).wait()
 
 Starts 2 ranks on this host (subprocesses), one TCPStore, a gloo default group, an "oxccl"
 group with the C++ backend (oxccl/csrc, when built), one with the Python backend, and, on the
@@ -41,7 +42,7 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def rank_main(iters, rounds):
+def rank_main(iters, rounds, async_op=False):
     import torch
     import torch.distributed as dist
 
@@ -59,8 +60,15 @@ def rank_main(iters, rounds):
     comm = getattr(backend, "python_backend", backend).comm
 
     def torch_path(group):
-        def f(x):
-            dist.all_reduce(x, group=group)
+        if async_op:  # queued at every size (torch's opts.asyncOp), then waited for
+
+            def f(x):
+                dist.all_reduce(x, group=group, async_op=True).wait()
+
+        else:
+
+            def f(x):
+                dist.all_reduce(x, group=group)
 
         return f
 
@@ -96,7 +104,8 @@ def rank_main(iters, rounds):
         rows.append((label, {name: [v / 1000 for v in s] for name, s in samples.items()}))
     if r == 0:
         names = [p[0] for p in paths]
-        print(f"median µs per blocking all_reduce (p10-p90), 2 ranks, {rounds} rounds x {iters} calls (4 MB: fewer)")
+        kind = "all_reduce(async_op=True).wait() (torch paths)" if async_op else "blocking all_reduce"
+        print(f"median µs per {kind} (p10-p90), 2 ranks, {rounds} rounds x {iters} calls (4 MB: fewer)")
         print("| size | " + " | ".join(names) + " |")
         print("|---" * (len(names) + 1) + "|")
         for label, d in rows:
@@ -134,6 +143,7 @@ def layers(iters):
     comm = py_backend.comm
     x = torch.ones(1)
     opts = dist.AllreduceOptions()
+    opts.asyncOp = False  # as dist.all_reduce(x) sets it (the default, True, queues the call)
     kind = type(backend).__name__
     steps = [
         (f"dist.all_reduce(x, group=pg)  (torch's Python API, {kind})", lambda: dist.all_reduce(x, group=pg)),
@@ -165,13 +175,14 @@ def main():
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", action="store_true", help="one rank: the cost of each layer")
+    ap.add_argument("--async-op", action="store_true", help="the torch paths with async_op=True, then wait()")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.layers:
         layers(a.iters)
         return
     if a.rank:
-        rank_main(a.iters, a.rounds)
+        rank_main(a.iters, a.rounds, a.async_op)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -180,7 +191,8 @@ def main():
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank", "--iters", str(a.iters), "--rounds", str(a.rounds)], env=env))
+        extra = ["--async-op"] if a.async_op else []
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank", "--iters", str(a.iters), "--rounds", str(a.rounds), *extra], env=env))
     rc = [p.wait(timeout=1800) for p in procs]
     sys.exit(max(rc))
 

@@ -14,9 +14,12 @@ bookkeeping, and DeviceMesh, FSDP2, DTensor, functional collectives, ``torch.com
 Rendezvous goes through the store torch hands in: group rank 0 makes an oxccl unique id and
 ``store.set``s it; the others ``store.get`` it.
 
-Execution. Collectives of up to ``INLINE_MAX_BYTES`` run at once on the calling thread (GIL
-released) and return a completed Work: no queue, no thread hop. Larger ones are queued on the
-communicator's stream (oxccl's own thread); ``Work.wait`` waits for them directly. Futures
+Execution. Blocking collectives (``async_op=False``) of up to ``INLINE_MAX_BYTES`` run at once
+on the calling thread (GIL released) and return a completed Work: no queue, no thread hop.
+Larger ones, and asynchronous calls of every size (``async_op=True``, and torch's own callers
+such as DDP and functional collectives, whose options ask for it: ``opts.asyncOp``), are
+queued on the communicator's stream (oxccl's own thread), so they return before the peers
+arrive, as gloo's; ``Work.wait`` waits for them directly. Futures
 (``Work.get_future()``) are completed by separate completion threads, never by oxccl's
 stream thread, so a ``.then()`` callback may itself run a blocking collective. Every wait
 is bounded: by the call's own timeout (the group's ``timeout``, or ``OXCCL_TIMEOUT``), and
@@ -94,7 +97,8 @@ __all__ = [
 
 BACKEND_NAME = "oxccl"
 
-#: Collectives moving at most this many bytes (per rank) run inline on the caller's thread.
+#: Blocking collectives moving at most this many bytes (per rank) run inline on the caller's
+#: thread.
 INLINE_MAX_BYTES = 1 << 20
 
 _R = dist.ReduceOp
@@ -147,6 +151,14 @@ def _op(opts: Any) -> str:
     if name is None:
         raise InvalidArgumentError(f"the oxccl backend does not support ReduceOp {kind}")
     return name
+
+
+def _async(opts: Any) -> bool:
+    """Whether torch asks for an asynchronous call: ``opts.asyncOp``, which torch sets from
+    ``async_op`` and which is true in options made by its own callers (DDP, functional
+    collectives). Such a call is queued at every size, so that it returns before the peers
+    arrive (as gloo's) and ``work.wait(timeout=)`` bounds it; no options: a blocking call."""
+    return opts is not None and bool(getattr(opts, "asyncOp", False))
 
 
 def _buf(t: Any, what: str, writable: bool, raw_bytes: bool = False) -> _Buf:
@@ -497,7 +509,7 @@ class _Job:
 
 
 #: Per thread: the job whose Work was waited on last, weakly (see `_source_rank`; a strong
-#: reference would keep its backend, and so its store, alive after destroy_process_group).
+#: reference would keep its backend alive after destroy_process_group).
 _WAITED = threading.local()
 _C10D_SOURCE_RANK = dist.Work._source_rank
 
@@ -715,10 +727,12 @@ class BackendOxccl(_C10dBackend):
         post: Optional[Callable[[], None]] = None,
         inline: Optional[bool] = None,
         backs: Optional[list] = None,
+        opts: Any = None,
     ) -> Any:
-        """Runs `calls` in order: inline when small (or `inline`), else queued. The Work
-        returns `result` once the last has finished, `backs` (temporaries, see `_dense`)
-        have been copied back and `post` has run."""
+        """Runs `calls` in order: inline when small and blocking (or `inline`), else queued:
+        an asynchronous call (`opts.asyncOp`, see `_async`) returns before the peers arrive
+        at every size, as gloo's. The Work returns `result` once the last has finished,
+        `backs` (temporaries, see `_dense`) have been copied back and `post` has run."""
         if backs:
             then = post
 
@@ -730,7 +744,7 @@ class BackendOxccl(_C10dBackend):
         if self._held:
             self._flush_p2p()
         if inline is None:
-            inline = sum(c.nbytes() for c in calls) <= INLINE_MAX_BYTES
+            inline = not _async(opts) and sum(c.nbytes() for c in calls) <= INLINE_MAX_BYTES
         try:
             if inline:
                 raw = self._raw
@@ -782,7 +796,7 @@ class BackendOxccl(_C10dBackend):
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         self._seq += 1
-        if len(tensors) == 1 and not self._held and (opts is None or opts.reduceOp == _SUM):
+        if len(tensors) == 1 and not self._held and (opts is None or (opts.reduceOp == _SUM and not opts.asyncOp)):
             # fast path (a tensor-parallel step's small sums): the checks of _buf, inline
             t = tensors[0]
             dt = _DTYPES.get(t.dtype)
@@ -800,7 +814,7 @@ class BackendOxccl(_C10dBackend):
         backs: list = []
         if len(tensors) == 1:
             calls = [_coll("all_reduce", None, tensors[0], op=op, backs=backs)]
-            return self._run("all_reduce", calls, list(tensors), backs=backs)
+            return self._run("all_reduce", calls, list(tensors), backs=backs, opts=opts)
         # gloo's form: the tensors of every rank reduced together, the result in each of them
         self._same_kind("allreduce", tensors)
         combine = _LOCAL_OPS.get(op)
@@ -817,7 +831,7 @@ class BackendOxccl(_C10dBackend):
             for t in tensors:
                 t.copy_(acc)
 
-        return self._run("all_reduce", calls, list(tensors), post, backs=backs)
+        return self._run("all_reduce", calls, list(tensors), post, backs=backs, opts=opts)
 
     def _sparse_allreduce(self, tensors: List[torch.Tensor], opts: Any) -> Any:
         """gloo's sparse all_reduce: every rank's (coalesced) indices and values gathered,
@@ -868,7 +882,7 @@ class BackendOxccl(_C10dBackend):
                 backs.append((t, c))
             else:
                 calls.append(_coll("all_reduce", None, t, op=op, backs=backs))
-        return self._run("all_reduce", calls, list(tensors), backs=backs)
+        return self._run("all_reduce", calls, list(tensors), backs=backs, opts=opts)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         self._seq += 1
@@ -891,7 +905,7 @@ class BackendOxccl(_C10dBackend):
                     if i != root_tensor:
                         t.copy_(src)
 
-        return self._run("broadcast", calls, list(tensors), post, backs=backs)
+        return self._run("broadcast", calls, list(tensors), post, backs=backs, opts=opts)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         self._seq += 1
@@ -903,9 +917,11 @@ class BackendOxccl(_C10dBackend):
             raise self._invalid(f"reduce: root tensor {opts.rootTensor} is not in the list of 1 tensor")
         backs: list = []
         calls = [_coll("reduce", None, tensors[0], op=_op(opts), root=root, backs=backs)]
-        return self._run("reduce", calls, list(tensors), backs=backs)
+        return self._run("reduce", calls, list(tensors), backs=backs, opts=opts)
 
-    def _gather_each(self, what: str, output_lists: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Any:
+    def _gather_each(
+        self, what: str, output_lists: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> Any:
         """inputs[i] of every rank into output_lists[i] (one tensor per rank), each through a
         flat buffer."""
         n = self.size()
@@ -930,7 +946,7 @@ class BackendOxccl(_C10dBackend):
                 for i, o in enumerate(outs):
                     o.copy_(flat[i].view(o.shape))
 
-        return self._run(what, calls, [o for outs in output_lists for o in outs], post)
+        return self._run(what, calls, [o for outs in output_lists for o in outs], post, opts=opts)
 
     def allgather(
         self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None
@@ -941,7 +957,7 @@ class BackendOxccl(_C10dBackend):
         if len(output_tensors) != k:
             raise self._invalid(f"allgather: {len(output_tensors)} output lists for {k} input tensors")
         if k == 1:
-            return self._gather_each("all_gather", output_tensors, input_tensors)
+            return self._gather_each("all_gather", output_tensors, input_tensors, opts)
         # gloo's form: several inputs per rank; every output list gets input j of rank r at r*k + j
         self._same_kind("allgather", input_tensors)
         first = input_tensors[0]
@@ -961,7 +977,7 @@ class BackendOxccl(_C10dBackend):
                     o.copy_(flat[i].view(o.shape))
 
         calls = [_coll("all_gather", _dense(send, "allgather input", None, None), flat, raw_bytes=True)]
-        return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post)
+        return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post, opts=opts)
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
         """torch's form: output_lists[rank][i] receives input_list[i] of that rank."""
@@ -974,13 +990,13 @@ class BackendOxccl(_C10dBackend):
             if len(outs) != k:
                 raise self._invalid(f"allgather_coalesced: output list {r} has {len(outs)} tensors for {k} inputs")
         per_input = [[output_lists[r][i] for r in range(n)] for i in range(k)]
-        return self._gather_each("all_gather_coalesced", per_input, input_list)
+        return self._gather_each("all_gather_coalesced", per_input, input_list, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._seq += 1
         backs: list = []
         calls = [_coll("all_gather", input, output, raw_bytes=True, backs=backs)]
-        return self._run("all_gather_into_tensor", calls, [output], backs=backs)
+        return self._run("all_gather_into_tensor", calls, [output], backs=backs, opts=opts)
 
     all_gather_single = _allgather_base
 
@@ -988,7 +1004,7 @@ class BackendOxccl(_C10dBackend):
         self._seq += 1
         backs: list = []
         calls = [_coll("all_gather", i, o, raw_bytes=True, backs=backs) for o, i in zip(outputs, inputs)]
-        return self._run("all_gather_into_tensor", calls, list(outputs), backs=backs)
+        return self._run("all_gather_into_tensor", calls, list(outputs), backs=backs, opts=opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -1033,13 +1049,13 @@ class BackendOxccl(_C10dBackend):
             for out, block in posts:
                 out.copy_(block[: out.numel()].view(out.shape))
 
-        return self._run("reduce_scatter", calls, list(output_tensors), post if posts else None, backs=backs)
+        return self._run("reduce_scatter", calls, list(output_tensors), post if posts else None, backs=backs, opts=opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._seq += 1
         backs: list = []
         calls = [_coll("reduce_scatter", input, output, op=_op(opts), backs=backs)]
-        return self._run("reduce_scatter_tensor", calls, [output], backs=backs)
+        return self._run("reduce_scatter_tensor", calls, [output], backs=backs, opts=opts)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -1048,7 +1064,7 @@ class BackendOxccl(_C10dBackend):
         op = _op(opts)
         backs: list = []
         calls = [_coll("reduce_scatter", i, o, op=op, backs=backs) for o, i in zip(outputs, inputs)]
-        return self._run("reduce_scatter_tensor", calls, list(outputs), backs=backs)
+        return self._run("reduce_scatter_tensor", calls, list(outputs), backs=backs, opts=opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -1072,7 +1088,7 @@ class BackendOxccl(_C10dBackend):
                 off += t.numel()
 
         counts = ([t.numel() for t in output_tensors], [t.numel() for t in input_tensors])
-        return self._alltoallv("all_to_all", send, recv, *counts, list(output_tensors), post)
+        return self._alltoallv("all_to_all", send, recv, *counts, list(output_tensors), post, opts)
 
     def alltoall_base(
         self,
@@ -1096,7 +1112,7 @@ class BackendOxccl(_C10dBackend):
         send = _dense(input, "all_to_all_single input", None, None)
         recv = _dense(output, "all_to_all_single output", None, backs, read=False)
         post = (lambda: _copy_back(backs)) if backs else None
-        return self._alltoallv("all_to_all_single", send, recv, out_counts, in_counts, [output], post)
+        return self._alltoallv("all_to_all_single", send, recv, out_counts, in_counts, [output], post, opts)
 
     all_to_all_single = alltoall_base
 
@@ -1109,6 +1125,7 @@ class BackendOxccl(_C10dBackend):
         in_counts: List[int],
         result: Any,
         post: Optional[Callable[[], None]] = None,
+        opts: Any = None,
     ) -> Any:
         """All-to-all with per-peer element counts: one oxccl all_to_all when the blocks are
         equal, else one point-to-point group (a send and a recv per peer)."""
@@ -1116,7 +1133,7 @@ class BackendOxccl(_C10dBackend):
         if send.dtype != recv.dtype:
             raise InvalidArgumentError(f"{what}: input and output dtypes differ")
         if len(set(out_counts)) <= 1 and out_counts == in_counts:
-            return self._run(what, [_coll("all_to_all", send, recv, raw_bytes=True)], result, post)
+            return self._run(what, [_coll("all_to_all", send, recv, raw_bytes=True)], result, post, opts=opts)
         s, r = send.reshape(-1), recv.reshape(-1)
         s_off = [sum(in_counts[:p]) for p in range(n)]
         r_off = [sum(out_counts[:p]) for p in range(n)]
@@ -1189,7 +1206,7 @@ class BackendOxccl(_C10dBackend):
 
     def barrier(self, opts: Any = None) -> Any:
         self._seq += 1
-        return self._run("barrier", [_Call("barrier", None, None)], [], inline=True)
+        return self._run("barrier", [_Call("barrier", None, None)], [], inline=not _async(opts))
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier, through the store: rank 0 waits (up to `timeout`) for
@@ -1314,9 +1331,10 @@ class BackendOxccl(_C10dBackend):
         self._flush_p2p()
         self.comm.synchronize()
         _WRAPPED_BY_TORCH.discard(self)
-        # Let go of the store: with env:// and tcp:// rank 0's store serves MASTER_PORT, and a
-        # server kept alive by a stale backend would answer the next init_process_group's
-        # ranks with this group's unique id (they then dial a listener that is gone).
+        # The store goes to `_PREVIOUS_STORE`, which keeps it until the next backend is made
+        # (see there): not with this backend, whose lifetime is not the group's.
+        if self._store is not None:
+            _keep_store(self._store)
         self._store = None
 
     def abort(self) -> None:
@@ -1373,7 +1391,31 @@ def _timeout_s(timeout: Any) -> Optional[float]:
 _MADE: Dict[Any, int] = {}
 
 
+#: The store of the backend shut down last (held by `_keep_store`, let go of by `_make`).
+_PREVIOUS_STORE: List[Any] = []
+
+
+def _keep_store(store: Any) -> None:
+    """Keeps `store` alive after its group's shutdown, until the next backend of this process
+    is made (or the process exits).
+
+    Why: with ``env://`` (and ``tcp://``) global rank 0's store is the TCPStore server on
+    MASTER_PORT. After ``destroy_process_group`` a fast rank starts the next
+    ``init_process_group`` and connects to that port at once. If rank 0 has not torn its
+    server down yet, the fast rank is served by the old server, which then closes under it
+    ("Failed to recv, got 0 bytes") while rank 0's new server waits for it until torch's store
+    timeout (30 min by default). Kept alive, the server on the port never goes away between
+    two inits: rank 0's next TCPStore on that port reuses it (torch's ``multi_tenant``
+    stores, as env:// makes them), so every rank reaches the same server whenever it comes.
+    Keys of the old group that remain there are not read: each backend of a group publishes
+    its unique id under its own key (see `_MADE`)."""
+    _PREVIOUS_STORE[:] = [store]
+
+
 def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> BackendOxccl:
+    # The new group's store exists (torch made it first, reusing a kept server on its port):
+    # the previous one need not be kept any longer.
+    _PREVIOUS_STORE.clear()
     n = _MADE.get(group_id, 0)
     _MADE[group_id] = n + 1
     key = f"oxccl/unique_id/{n}"

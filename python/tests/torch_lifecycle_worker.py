@@ -128,6 +128,79 @@ def timeouts():
     print("timeouts ok", flush=True)
 
 
+def async_small():
+    """async_op=True is asynchronous at every size (as gloo's): a small all_reduce returns
+    before the late peer (4 s) arrives; work.wait(timeout=1 s) raises an oxccl.TimeoutError
+    against it and a later wait() gets the right result; "async collective on group A, send on
+    group B, wait" against "recv on B, collective on A" completes (no deadlock)."""
+    dist.init_process_group("oxccl", timeout=timedelta(seconds=30))
+    r, n = dist.get_rank(), dist.get_world_size()
+    for numel in (1, 4096):  # 4 B and 16 KiB: sizes that a blocking call runs inline
+        t = torch.full((numel,), float(r + 1))
+        dist.barrier()
+        if r == 0:
+            start = time.monotonic()
+            work = dist.all_reduce(t, async_op=True)
+            took = time.monotonic() - start
+            assert took < 1.0, f"all_reduce(async_op=True) of {numel * 4} B took {took:.2f} s: not asynchronous"
+            start = time.monotonic()
+            try:
+                work.wait(timeout=timedelta(seconds=1))
+                raise AssertionError("work.wait(timeout=1 s) passed before the peer arrived")
+            except oxccl.TimeoutError as e:
+                assert "timeout" in str(e), e
+            waited = time.monotonic() - start
+            assert 0.9 < waited < 3.0, f"work.wait(timeout=1 s) raised after {waited:.2f} s"
+            assert work.wait()
+        else:
+            time.sleep(4.0)
+            dist.all_reduce(t)
+        assert torch.all(t == float(sum(range(1, n + 1)))), (numel, t[:4])
+    # Group A (the world) and group B, each an oxccl communicator of their own.
+    group_b = dist.new_group(backend="oxccl")
+    for numel in (1, 4096, 1 << 19):
+        a = torch.full((numel,), float(r + 1))
+        b = torch.full((numel,), float(r))
+        start = time.monotonic()
+        if r == 0:
+            work = dist.all_reduce(a, async_op=True)
+            dist.send(b, 1, group=group_b)
+            work.wait()
+        else:
+            dist.recv(b, 0, group=group_b)
+            dist.all_reduce(a)
+            assert torch.all(b == 0.0), b[:4]
+        took = time.monotonic() - start
+        assert took < 10.0, f"A/B scenario ({numel * 4} B) took {took:.1f} s"
+        assert torch.all(a == float(sum(range(1, n + 1)))), (numel, a[:4])
+    # Every kind torch sends with async_op=True returns before a late peer arrives.
+    x = torch.full((16,), float(r + 1))
+    outs = [torch.empty(16) for _ in range(n)]
+    calls = [
+        ("broadcast", lambda: dist.broadcast(x, 1, async_op=True)),
+        ("reduce", lambda: dist.reduce(x, 1, async_op=True)),
+        ("all_gather", lambda: dist.all_gather(outs, x, async_op=True)),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(16 * n), x, async_op=True)),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(torch.empty(16 // n), x, async_op=True)),
+        ("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(16), x, async_op=True)),
+        ("barrier", lambda: dist.barrier(async_op=True)),
+    ]
+    for name, call in calls:
+        dist.barrier()
+        if r == 0:
+            start = time.monotonic()
+            work = call()
+            took = time.monotonic() - start
+            assert took < 1.0, f"{name}(async_op=True) took {took:.2f} s: not asynchronous"
+            work.wait()
+        else:
+            time.sleep(1.5)
+            call().wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    print("async_small ok", flush=True)
+
+
 def exit_queued():
     """Queued (> 1 MiB) async all_reduces, then exit without waiting."""
     dist.init_process_group("oxccl")
@@ -138,13 +211,19 @@ def exit_queued():
 
 
 def reinit(times):
-    """init_process_group / destroy_process_group `times` times on the same MASTER_PORT."""
+    """init_process_group / destroy_process_group `times` times on the same MASTER_PORT. In
+    odd rounds rank 0 (whose store is the server on MASTER_PORT) destroys its group late, so
+    that the other ranks reach the next init while its server of this round still runs: it
+    must go on serving them (it once closed under them, and rank 0's next server waited for
+    them for torch's store timeout)."""
     for i in range(int(times)):
         dist.init_process_group("oxccl", init_method="env://")
         r, n = dist.get_rank(), dist.get_world_size()
         t = torch.full((8,), float(r + i))
         dist.all_reduce(t)
         assert torch.all(t == float(sum(range(n)) + n * i)), (i, t)
+        if r == 0 and i % 2 == 1:
+            time.sleep(1.0)
         dist.destroy_process_group()
     print("reinit ok", flush=True)
 

@@ -8,11 +8,14 @@
 // moves; with the GIL, in call order: held point-to-point operations are flushed before a
 // collective of this file.
 //
-// Small calls (<= kInlineMaxBytes in all) run on the calling thread and return a completed
-// Work. Larger ones are queued on the communicator's stream (oxcclGroupStart/End) and return
-// a QueuedWork: is_completed() asks the library, wait() is bounded by the group's timeout (or
-// wait(timeout=)), and its future is completed by a completion thread of this file, never by
-// the library's stream thread, so a then() callback may itself run collectives.
+// Small blocking calls (<= kInlineMaxBytes in all, opts.asyncOp false: async_op=False) run on
+// the calling thread and return a completed Work. Larger ones, and asynchronous calls of any
+// size (async_op=True, and torch's own callers, whose options default to asyncOp), are queued
+// on the communicator's stream (oxcclGroupStart/End), so they return before the peers arrive,
+// and return a QueuedWork: is_completed() asks the library, wait() is bounded by the group's
+// timeout (or wait(timeout=)), and its future is completed by a completion thread of this
+// file, never by the library's stream thread, so a then() callback may itself run
+// collectives.
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
@@ -197,6 +200,7 @@ struct Completion {
   oxcclResult_t code = oxcclSuccess;
   std::string msg;
   c10::intrusive_ptr<c10::ivalue::Future> fut;
+  bool marked = false;  // fut has been completed (by the completion task, wait or getFuture)
   std::vector<at::Tensor> keep;  // the call's tensors, alive until it has finished
 };
 
@@ -254,7 +258,10 @@ class QueuedWork : public Work {
     bool explicit_ = timeout != ::kNoTimeout && timeout.count() > 0;
     double t = explicit_ ? timeout.count() / 1000.0 : timeout_s_;
     oxcclResult_t r = api_->work_wait(w_, t);  // torch calls wait without the GIL
-    if (r == oxcclSuccess) return true;
+    if (r == oxcclSuccess) {
+      settleIfDone();  // as gloo's: once wait() has returned, the future is done too
+      return true;
+    }
     int done = 0;
     api_->work_test(w_, &done);
     if (r == oxcclTimeout && !done) {
@@ -288,19 +295,43 @@ class QueuedWork : public Work {
     std::string msg;
     {
       std::lock_guard<std::mutex> lock(c_->m);
-      if (!c_->fut) {
-        c_->fut = newFuture();
-        now = c_->done;
+      if (!c_->fut) c_->fut = newFuture();
+      fut = c_->fut;
+      if (c_->done && !c_->marked) {
+        c_->marked = true;
+        now = true;
         code = c_->code;
         msg = c_->msg;
       }
-      fut = c_->fut;
     }
-    if (now) completeFuture(fut, code, msg, result_);
+    if (now) {
+      completeFuture(fut, code, msg, result_);
+    } else {
+      settleIfDone();  // finished, its completion task not yet run: done now all the same
+    }
     return fut;
   }
 
  private:
+  // Completes the future now (once) if it exists and the library says the call has finished,
+  // without waiting for the completion task: after a wait() that returned, or when a finished
+  // call's future is asked for, it is done (as gloo's). The completion task then finds it
+  // marked and only lets go of the tensors.
+  void settleIfDone() {
+    int done = 0;
+    oxcclResult_t r = api_->work_test(w_, &done);
+    if (!done) return;
+    std::string msg = r == oxcclSuccess ? std::string() : std::string(api_->get_last_error());
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    {
+      std::lock_guard<std::mutex> lock(c_->m);
+      if (!c_->fut || c_->marked) return;
+      c_->marked = true;
+      fut = c_->fut;
+    }
+    completeFuture(fut, r, msg, result_);
+  }
+
   static void onComplete(void* arg, oxcclResult_t code) {
     auto* ticket = static_cast<std::shared_ptr<Completion>*>(arg);
     std::string msg = code == oxcclSuccess ? std::string() : std::string(g_api->get_last_error());
@@ -317,7 +348,10 @@ class QueuedWork : public Work {
         c.done = true;
         c.code = code;
         c.msg = msg;
-        fut = c.fut;
+        if (c.fut && !c.marked) {
+          c.marked = true;
+          fut = c.fut;
+        }
         keep.swap(c.keep);
       }
       if (fut) completeFuture(fut, code, msg, keep);
@@ -489,7 +523,7 @@ class BackendOxcclCpp : public c10d::Backend {
     int dt = dtypeOf(t);
     if (dt < 0) return delegate("allreduce", tensors, opts);
     std::vector<Call> calls{{Kind::AllReduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, 0}};
-    return run("all_reduce", calls, tensors, OpType::ALLREDUCE);
+    return run("all_reduce", calls, tensors, OpType::ALLREDUCE, opts.asyncOp);
   }
 
   // Each tensor reduced on its own; tensors sharing memory (reduced as gloo does, once per
@@ -506,7 +540,7 @@ class BackendOxcclCpp : public c10d::Backend {
       if (dt < 0) return delegate("allreduce_coalesced", tensors, opts);
       calls.push_back({Kind::AllReduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, 0});
     }
-    return run("all_reduce", calls, tensors, OpType::ALLREDUCE_COALESCED);
+    return run("all_reduce", calls, tensors, OpType::ALLREDUCE_COALESCED, opts.asyncOp);
   }
 
   // One tensor (several: gloo's tensors[rootTensor] into every one, in Python).
@@ -517,7 +551,7 @@ class BackendOxcclCpp : public c10d::Backend {
     auto& t = tensors[0];
     std::vector<Call> calls{{Kind::Broadcast, t.data_ptr(), t.data_ptr(), t.nbytes(), oxcclUint8, oxcclSum,
                              int(opts.rootRank)}};
-    return run("broadcast", calls, tensors, OpType::BROADCAST);
+    return run("broadcast", calls, tensors, OpType::BROADCAST, opts.asyncOp);
   }
 
   c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
@@ -530,7 +564,7 @@ class BackendOxcclCpp : public c10d::Backend {
     int dt = dtypeOf(t);
     if (dt < 0) return delegate("reduce", tensors, opts);
     std::vector<Call> calls{{Kind::Reduce, t.data_ptr(), t.data_ptr(), size_t(t.numel()), dt, op, int(opts.rootRank)}};
-    return run("reduce", calls, tensors, OpType::REDUCE);
+    return run("reduce", calls, tensors, OpType::REDUCE, opts.asyncOp);
   }
 
   c10::intrusive_ptr<Work> all_gather_single(at::Tensor& output, at::Tensor& input,
@@ -539,7 +573,7 @@ class BackendOxcclCpp : public c10d::Backend {
     std::vector<at::Tensor> outs{output}, ins{input};
     std::vector<Call> calls;
     if (!gatherCall(output, input, calls)) return delegate("_allgather_base", output, input, opts);
-    return run("all_gather_into_tensor", calls, outs, OpType::_ALLGATHER_BASE, &ins);
+    return run("all_gather_into_tensor", calls, outs, OpType::_ALLGATHER_BASE, opts.asyncOp, &ins);
   }
 
   c10::intrusive_ptr<Work> all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
@@ -551,7 +585,7 @@ class BackendOxcclCpp : public c10d::Backend {
       if (!gatherCall(outputs[i], inputs[i], calls))
         return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
     if (outputs.size() != inputs.size()) return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
-    return run("all_gather_into_tensor", calls, outputs, OpType::COALESCED, &inputs);
+    return run("all_gather_into_tensor", calls, outputs, OpType::COALESCED, opts.asyncOp, &inputs);
   }
 
   // One input (several: gloo's form, every input of every rank in each output list, in
@@ -559,7 +593,7 @@ class BackendOxcclCpp : public c10d::Backend {
   c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                      const c10d::AllgatherOptions& opts) override {
     seq_++;
-    if (inputs.size() != 1 || outputs.size() != 1) return delegate("allgather", outputs, inputs, opts);
+    if (inputs.size() != 1 || outputs.size() != 1 || opts.asyncOp) return delegate("allgather", outputs, inputs, opts);
     auto w = gatherEach(outputs, inputs);
     return w ? w : delegate("allgather", outputs, inputs, opts);
   }
@@ -570,7 +604,7 @@ class BackendOxcclCpp : public c10d::Backend {
                                                const c10d::AllgatherOptions& opts) override {
     seq_++;
     size_t n = size_t(getSize()), k = inputs.size();
-    bool ok = k > 0 && outputs.size() == n;
+    bool ok = k > 0 && outputs.size() == n && !opts.asyncOp;
     for (size_t r = 0; ok && r < n; r++) ok = outputs[r].size() == k;
     c10::intrusive_ptr<Work> w;
     if (ok) {
@@ -588,7 +622,7 @@ class BackendOxcclCpp : public c10d::Backend {
     std::vector<Call> calls;
     std::vector<at::Tensor> outs{output}, ins{input};
     if (!scatterCall(output, input, opts, calls)) return delegate("_reduce_scatter_base", output, input, opts);
-    return run("reduce_scatter_tensor", calls, outs, OpType::_REDUCE_SCATTER_BASE, &ins);
+    return run("reduce_scatter_tensor", calls, outs, OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, &ins);
   }
 
   c10::intrusive_ptr<Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
@@ -599,7 +633,7 @@ class BackendOxcclCpp : public c10d::Backend {
     bool ok = outputs.size() == inputs.size();
     for (size_t i = 0; ok && i < outputs.size(); i++) ok = scatterCall(outputs[i], inputs[i], opts, calls);
     if (!ok) return delegate("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
-    return run("reduce_scatter_tensor", calls, outputs, OpType::COALESCED, &inputs);
+    return run("reduce_scatter_tensor", calls, outputs, OpType::COALESCED, opts.asyncOp, &inputs);
   }
 
   c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -626,7 +660,7 @@ class BackendOxcclCpp : public c10d::Backend {
       calls.push_back({Kind::ReduceScatter, stacked.back().data_ptr(), outputs[i].data_ptr(),
                        size_t(outputs[i].numel()), dtypeOf(outputs[i]), op, 0});
     }
-    return run("reduce_scatter", calls, outputs, OpType::REDUCE_SCATTER, &stacked);
+    return run("reduce_scatter", calls, outputs, OpType::REDUCE_SCATTER, opts.asyncOp, &stacked);
   }
 
   c10::intrusive_ptr<Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
@@ -650,14 +684,14 @@ class BackendOxcclCpp : public c10d::Backend {
     std::vector<Call> calls{{Kind::AllToAll, input.data_ptr(), output.data_ptr(), input.nbytes() / size_t(n),
                              oxcclUint8, oxcclSum, 0}};
     std::vector<at::Tensor> outs{output}, ins{input};
-    return run("all_to_all_single", calls, outs, OpType::ALLTOALL_BASE, &ins);
+    return run("all_to_all_single", calls, outs, OpType::ALLTOALL_BASE, opts.asyncOp, &ins);
   }
 
-  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions&) override {
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override {
     seq_++;
     std::vector<Call> calls{{Kind::Barrier, nullptr, nullptr, 0, oxcclUint8, oxcclSum, 0}};
     std::vector<at::Tensor> none;
-    return run("barrier", calls, none, OpType::BARRIER, nullptr, /*forceInline=*/true);
+    return run("barrier", calls, none, OpType::BARRIER, opts.asyncOp);
   }
 
   // -- delegated (the Python backend checks the root and the tensors before any data moves)
@@ -840,16 +874,19 @@ class BackendOxcclCpp : public c10d::Backend {
     if (r != oxcclSuccess) raise(r, api_->get_last_error());
   }
 
-  // Runs `calls` in order: inline when small, else queued as one group. `extra`: tensors the
-  // queued calls read besides `result` (inputs, temporaries), kept alive until they finish.
+  // Runs `calls` in order: inline when small and not asynchronous (`async`: torch's
+  // opts.asyncOp, set by async_op=True and by torch's own callers such as DDP and functional
+  // collectives), else queued as one group, so that an asynchronous call returns before the
+  // peers arrive at every size (as gloo's). `extra`: tensors the queued calls read besides
+  // `result` (inputs, temporaries), kept alive until they finish.
   c10::intrusive_ptr<Work> run(const char* what, std::vector<Call>& calls, std::vector<at::Tensor>& result,
-                               OpType type, std::vector<at::Tensor>* extra = nullptr, bool forceInline = false) {
+                               OpType type, bool async, std::vector<at::Tensor>* extra = nullptr) {
     flushHeld();
     size_t bytes = 0;
     for (auto& t : result) bytes += t.nbytes();
     if (extra)
       for (auto& t : *extra) bytes = std::max(bytes, t.nbytes());
-    if (forceInline || bytes <= kInlineMaxBytes) {
+    if (!async && bytes <= kInlineMaxBytes) {
       for (auto& c : calls) check(issue(c));
       return c10::make_intrusive<DoneWork>(result, type);
     }
