@@ -283,6 +283,9 @@ fn accept_burst(
                 if stream.set_nonblocking(true).is_err() {
                     continue;
                 }
+                // Handshake and join messages are small and answered at once: send each
+                // without waiting for the peer's ACK of the last (Nagle's algorithm).
+                let _ = stream.set_nodelay(true);
                 make_room(pending, from.ip(), strangers);
                 pending.push(Pending {
                     stream,

@@ -81,6 +81,9 @@ impl Dial<'_> {
             match (self.connect)(self.addr, left.min(ATTEMPT_TIMEOUT)) {
                 Ok(s) => {
                     refused_since = None;
+                    // The handshake and what follows it (the rendezvous join) are small
+                    // messages each answered at once: no Nagle delay behind an unacked one.
+                    let _ = s.set_nodelay(true);
                     // An acceptor that takes the connection and says nothing (another
                     // program on the port, a stopped rank 0) would keep this rank silent
                     // until the deadline: say so every HANDSHAKE_TICK (`round` reports it
