@@ -9,11 +9,10 @@
 //!
 //! A transfer goes this way when it is at least [`LEND_MIN`] bytes and the receiver may read
 //! the sender's memory (the kernel's ptrace rules, `OXCCL_CMA`): both ends of a link learn
-//! that alike at connection time ([`agree`]), so both decide alike for every transfer.
+//! that alike at connection time ([`Probe`]), so both decide alike for every transfer.
 
 use crate::base::cross_memory::read_remote;
 use crate::base::error::Result;
-use crate::bootstrap::Exchange;
 use crate::transport::LinkError;
 
 /// Smallest transfer lent instead of copied through the ring. Both ends of a link must use
@@ -47,42 +46,70 @@ pub(crate) fn parse(d: &[u8; DESC_BYTES], want: usize) -> Result<(u64, u64), Lin
     Ok((addr, len))
 }
 
-/// Which shared-memory peers may lend to this rank and borrow from it: for each of `peers`
-/// (`(rank, pid)`), `(this rank may read the peer's memory, the peer may read this rank's)`.
-/// Collective over `ex` (two exchanges) when `allow`; all false without exchanging otherwise
-/// (`allow` must be alike on every rank).
-pub(crate) fn agree(
-    ex: &mut dyn Exchange,
-    peers: &[(usize, u32)],
-    tag: u64,
-    allow: bool,
-) -> Result<Vec<(bool, bool)>> {
-    if !allow {
-        return Ok(vec![(false, false); peers.len()]);
-    }
-    let (rank, world) = (ex.rank(), ex.world_size());
-    // A value at an address peers try to read: it tells whether they may.
-    let value = 0x6c65_6e64_u64 ^ tag;
-    let probe = Box::new(std::sync::atomic::AtomicU64::new(value));
-    let all = ex.allgather(&(probe.as_ptr() as u64).to_le_bytes())?;
-    let mut readable = vec![0u8; world];
-    for &(p, pid) in peers {
-        let addr = all
-            .get(p)
-            .and_then(|m| m.get(..8))
-            .map_or(0, |m| u64::from_le_bytes(m.try_into().expect("8 bytes")));
-        let mut v = [0u8; 8];
-        if addr != 0 && read_remote(pid, addr, &mut v).is_ok() && u64::from_ne_bytes(v) == value {
-            readable[p] = 1;
+/// This rank's side of the agreement on which shared-memory peers may lend to this rank and
+/// borrow from it, carried by the two exchanges that set up the segments (no exchange of its
+/// own): the first carries [`Probe::addr`], the address of a value peers try to read; between
+/// the two, [`Probe::check`] reads each peer's; the second carries what each rank could read,
+/// and [`verdicts`] turns that into each link's `(may borrow, may lend)`. The probe must live
+/// until the second exchange has returned (every peer has read it by then).
+pub(crate) struct Probe {
+    /// The value at the published address (alike on every rank: derived from the tag).
+    value: u64,
+    /// `None` when lending is off (`OXCCL_CMA=0`, alike on every rank): address 0.
+    cell: Option<Box<std::sync::atomic::AtomicU64>>,
+}
+
+impl Probe {
+    /// A probe for the communicator of `tag`; `allow` must be alike on every rank.
+    pub(crate) fn new(tag: u64, allow: bool) -> Probe {
+        let value = 0x6c65_6e64_u64 ^ tag;
+        Probe {
+            value,
+            cell: allow.then(|| Box::new(std::sync::atomic::AtomicU64::new(value))),
         }
     }
-    let all = ex.allgather(&readable)?;
-    drop(probe);
-    Ok(peers
+
+    /// The address peers read (0: lending is off).
+    pub(crate) fn addr(&self) -> u64 {
+        self.cell.as_ref().map_or(0, |c| c.as_ptr() as u64)
+    }
+
+    /// Which ranks' memory this rank may read: one byte per rank of a world of `world`
+    /// (1: readable), for `peers` (`(rank, pid)`) given every rank's [`Probe::addr`] in
+    /// `addrs` (missing or 0: not readable).
+    pub(crate) fn check(&self, world: usize, peers: &[(usize, u32)], addrs: &[u64]) -> Vec<u8> {
+        let mut readable = vec![0u8; world];
+        if self.cell.is_none() {
+            return readable;
+        }
+        for &(p, pid) in peers {
+            let addr = addrs.get(p).copied().unwrap_or(0);
+            let mut v = [0u8; 8];
+            if p < world
+                && addr != 0
+                && read_remote(pid, addr, &mut v).is_ok()
+                && u64::from_ne_bytes(v) == self.value
+            {
+                readable[p] = 1;
+            }
+        }
+        readable
+    }
+}
+
+/// For each of `peers`: `(this rank may read the peer's memory, the peer may read this
+/// rank's)`, from this rank's [`Probe::check`] (`mine`) and every rank's (`all`, by rank).
+pub(crate) fn verdicts(
+    rank: usize,
+    peers: &[(usize, u32)],
+    mine: &[u8],
+    all: &[Vec<u8>],
+) -> Vec<(bool, bool)> {
+    peers
         .iter()
         .map(|&(p, _)| {
             let theirs = all.get(p).and_then(|m| m.get(rank)) == Some(&1);
-            (readable[p] == 1, theirs)
+            (mine.get(p) == Some(&1), theirs)
         })
-        .collect())
+        .collect()
 }

@@ -166,7 +166,7 @@ pub fn connect(
     tag: u64,
     cfg: &Config,
 ) -> Result<Vec<(usize, Box<dyn Link>)>> {
-    let mut links = match connect_as(ex, peers, tag, cfg, Sharing::Memfd)? {
+    let links = match connect_as(ex, peers, tag, cfg, Sharing::Memfd)? {
         Some(links) => links,
         None => {
             tracing::info!(
@@ -191,16 +191,24 @@ pub fn connect(
             })?
         }
     };
-    // Which links may carry large messages single-copy (collective, like everything above).
-    let lending = lend::agree(ex, peers, tag, cfg.cma)?;
-    for ((_, link), (borrow, lend)) in links.iter_mut().zip(lending) {
-        link.may_borrow = borrow;
-        link.may_lend = lend;
-    }
     Ok(links
         .into_iter()
         .map(|(p, l)| (p, Box::new(l) as Box<dyn Link>))
         .collect())
+}
+
+/// Splits each rank's message of an exchange into its first `k` bytes (fewer when it is
+/// shorter: then it is also the rest) and the rest.
+fn split_prefixes(all: Vec<Vec<u8>>, k: usize) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    all.into_iter()
+        .map(|mut m| {
+            if m.len() < k {
+                return (Vec::new(), m);
+            }
+            let rest = m.split_off(k);
+            (m, rest)
+        })
+        .unzip()
 }
 
 /// Links by peer rank.
@@ -218,6 +226,9 @@ fn connect_as(
     let rank = ex.rank();
     let world = ex.world_size();
     let pid = std::process::id();
+    let t0 = std::time::Instant::now();
+    // Which links may carry large messages single-copy, agreed within the two exchanges below.
+    let probe = lend::Probe::new(tag, cfg.cma);
 
     // Phase 1: create this rank's segment (or fail), then tell everyone.
     let mut local_err: Option<Error> = None;
@@ -250,7 +261,15 @@ fn connect_as(
         (Some(e), _) => Err(e.to_string()),
         (None, s) => Ok(s.as_ref().map(|s| s.token())),
     };
-    let all = ex.allgather(&status_msg(&st1))?;
+    let t_create = t0.elapsed();
+    let mut msg1 = probe.addr().to_le_bytes().to_vec();
+    msg1.extend_from_slice(&status_msg(&st1));
+    let (probes, all) = split_prefixes(ex.allgather(&msg1)?, 8);
+    let probe_addrs: Vec<u64> = probes
+        .iter()
+        .map(|p| p.as_slice().try_into().map_or(0, u64::from_le_bytes))
+        .collect();
+    let t_ex1 = t0.elapsed();
     if let Some(e) = local_err {
         return Err(e);
     }
@@ -323,9 +342,13 @@ fn connect_as(
         Err(OpenError::Refused(m)) => [&[ST_REFUSED][..], m.as_bytes()].concat(),
         Err(OpenError::Failed(m) | OpenError::Gone(m)) => status_msg(&Err(m.clone())),
     };
-    let all2 = ex.allgather(&st2);
+    let readable = probe.check(world, peers, &probe_addrs);
+    let t_open = t0.elapsed();
+    let all2 = ex.allgather(&[&readable[..], &st2].concat());
+    let t_ex2 = t0.elapsed();
     let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
-    let all2 = all2?;
+    let (all_readable, all2) = split_prefixes(all2?, world);
+    let lending = lend::verdicts(rank, peers, &readable, &all_readable);
     if let Some(e) = peer_failure(rank, &all2, "open the shared-memory segments of its peers") {
         return Err(e);
     }
@@ -350,7 +373,9 @@ fn connect_as(
         None => return Ok(Some(Vec::new())),
     };
     let mut links: Links = Vec::with_capacity(peers.len());
-    for (i, (&(p, ppid), (remote, ring_idx, same_ns))) in peers.iter().zip(opened).enumerate() {
+    for (i, ((&(p, ppid), (remote, ring_idx, same_ns)), (may_borrow, may_lend))) in
+        peers.iter().zip(opened).zip(lending).enumerate()
+    {
         let (rc, rd, rcap) = own.ring(i as u32);
         remote.prefault_ring(ring_idx);
         let (tc, td, tcap) = remote.ring(ring_idx);
@@ -369,8 +394,8 @@ fn connect_as(
                 rustix::process::Pid::from_raw(ppid as i32)
             },
             read_pid: ppid,
-            may_lend: false,
-            may_borrow: false,
+            may_lend,
+            may_borrow,
             lending: None,
             borrowed: None,
             tx,
@@ -380,7 +405,18 @@ fn connect_as(
         };
         links.push((p, link));
     }
-    tracing::debug!(rank, npeers = peers.len(), path = %own.path().display(), "shm links ready");
+    let us = |d: std::time::Duration| d.as_micros() as u64;
+    tracing::debug!(
+        rank,
+        npeers = peers.len(),
+        path = %own.path().display(),
+        create_us = us(t_create),
+        exchange1_us = us(t_ex1),
+        open_us = us(t_open),
+        exchange2_us = us(t_ex2),
+        links_us = us(t0.elapsed()),
+        "shm links ready"
+    );
     Ok(Some(links))
 }
 
