@@ -3,11 +3,12 @@
 //! for links made elsewhere.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::base::error::{Error, Result};
-use crate::base::param::Config;
+use crate::base::param::{Config, TransportChoice};
 use crate::base::wait::Spin;
 use crate::bootstrap::topo::{self, Topology};
 use crate::bootstrap::{Bootstrap, LaunchEnv, UniqueId};
@@ -53,8 +54,12 @@ impl Communicator {
                 msg: format!("rank {rank} is not in a world of {world_size} rank(s)"),
             });
         }
+        // When each phase ended, for the `init phases` debug line (start-up cost, docs/scale.md).
+        let t0 = Instant::now();
         let mut boot = Bootstrap::init(id, rank, world_size, &cfg)?;
+        let t_rendezvous = t0.elapsed();
         let cfg = agree_on_settings(&mut boot, cfg)?;
+        let t_settings = t0.elapsed();
         let forced_algo = parse_algo(&cfg)?;
         let peers = boot.peers().to_vec();
         let topo = Topology::new(&peers);
@@ -78,7 +83,18 @@ impl Communicator {
         let tag = boot.comm_tag();
         let secret = *boot.secret();
         let shm_links = shm::connect(&mut boot, &shm_peers, tag, &cfg)?;
-        let tcp_links = tcp::connect(&mut boot, &tcp_peers, &secret, &cfg)?;
+        let t_shm = t0.elapsed();
+        // Every rank decides alike whether any rank has a TCP peer (the peer table, the
+        // topology and the transport are the same everywhere): when none has, skip the
+        // transport's exchange of listen addresses (a round trip through rank 0).
+        let tcp_anywhere =
+            world_size > 1 && (cfg.transport == TransportChoice::Tcp || topo.hosts.len() > 1);
+        let tcp_links = if tcp_anywhere {
+            tcp::connect(&mut boot, &tcp_peers, &secret, &cfg)?
+        } else {
+            Vec::new()
+        };
+        let t_tcp = t0.elapsed();
         // Every rank on this host, talking through shared memory: set up the direct area for
         // the one-shot and single-copy algorithms (all ranks decide alike: same topology).
         let direct = if world_size > 1 && tcp_peers.is_empty() {
@@ -88,6 +104,7 @@ impl Communicator {
         } else {
             None
         };
+        let t_direct = t0.elapsed();
         let mut links: Vec<Option<Box<dyn Link>>> = (0..world_size).map(|_| None).collect();
         // Every link counts its bytes and progress for the status agent.
         let mut stats: Vec<Option<Arc<LinkStats>>> = (0..world_size).map(|_| None).collect();
@@ -101,6 +118,17 @@ impl Communicator {
         comm.local_size = topo.local_size(rank);
         comm.spin = Spin::from_config(&comm.cfg, comm.local_size);
         comm.guard = Supervisor::with_bootstrap(&mut boot, &comm.cfg, &stats)?;
+        let us = |d: std::time::Duration| d.as_micros() as u64;
+        debug!(
+            rank,
+            rendezvous_us = us(t_rendezvous),
+            settings_us = us(t_settings),
+            shm_us = us(t_shm),
+            tcp_us = us(t_tcp),
+            direct_us = us(t_direct),
+            supervisor_us = us(t0.elapsed()),
+            "init phases (time from the start of init to the end of each)"
+        );
         comm.topo = Some(Arc::new(topo));
         comm.state
             .get_mut()
