@@ -113,3 +113,38 @@ pub(crate) fn verdicts(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_reads_peers_and_verdicts_pair_both_directions() {
+        let me = std::process::id();
+        let a = Probe::new(7, true);
+        let b = Probe::new(7, true);
+        assert_ne!(a.addr(), 0);
+        // Rank 0 (a) reads rank 1's probe (b) in this very process: readable; rank 2 has no
+        // address; rank 3 published the address of a value of another communicator.
+        let other = Probe::new(8, true);
+        let addrs = [a.addr(), b.addr(), 0, other.addr()];
+        let peers = [(1, me), (2, me), (3, me)];
+        let mine = a.check(4, &peers, &addrs);
+        assert_eq!(mine, vec![0, 1, 0, 0]);
+        // Rank 1 could read rank 0, rank 2 could not, rank 3 could.
+        let all = vec![mine.clone(), vec![1, 0, 0, 0], vec![0; 4], vec![1, 0, 0, 0]];
+        assert_eq!(
+            verdicts(0, &peers, &mine, &all),
+            vec![(true, true), (false, false), (false, true)]
+        );
+    }
+
+    #[test]
+    fn a_probe_that_is_off_publishes_nothing_and_reads_nothing() {
+        let on = Probe::new(7, true);
+        let off = Probe::new(7, false);
+        assert_eq!(off.addr(), 0);
+        let me = std::process::id();
+        assert_eq!(off.check(2, &[(1, me)], &[0, on.addr()]), vec![0, 0]);
+    }
+}
