@@ -1472,6 +1472,18 @@ else:
     sys.meta_path.insert(0, _AfterImport(_TRACE_RULES, _skip_in_dynamo))
 
 
+def _c_api_version() -> int:
+    """The version of the library's C function table (``oxcclApi_t.version``, its first field),
+    read from the capsule ``oxccl._oxccl._C_API`` the C++ backend is handed."""
+    import ctypes
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    table = get(_oxccl._C_API, b"oxccl._C_API")
+    return int(ctypes.c_uint32.from_address(table).value)
+
+
 def _load_cpp() -> Any:
     """The C++ backend's module (oxccl/csrc/backend.cpp), or None: then a one-line warning,
     and the Python backend serves. The module is the one built for this torch and oxccl in the
@@ -1483,7 +1495,6 @@ def _load_cpp() -> Any:
         return None
     if choice != "cpp":
         raise InvalidArgumentError(f"OXCCL_TORCH_BACKEND={choice!r}: expected 'cpp' or 'python'")
-    import importlib.util
     import warnings
 
     from . import build_torch_ext
@@ -1506,7 +1517,10 @@ def _load_cpp() -> Any:
             sys.modules.pop(name, None)
             why = f"{path} does not load: {e}"
         else:
-            return module
+            have, want = _c_api_version(), getattr(module, "API_VERSION", None)
+            if have == want:
+                return module
+            why = f"{path} was built for the C API version {want}, the library has {have}: rebuild it"
     warnings.warn(
         f"oxccl: the C++ torch backend is not available ({why}); using the Python backend, which "
         "costs ~30 us more per call",

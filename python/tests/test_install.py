@@ -60,8 +60,10 @@ def venv(tmp_path_factory):
     ours = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "torch"))]
     with open(os.path.join(site, "zz_reuse.pth"), "w") as f:
         f.write("\n".join(ours) + "\n")
-    maturin = shutil.which("maturin") or os.path.join(os.path.dirname(sys.executable), "maturin")
-    if not os.path.exists(maturin):
+    candidates = [os.path.join(os.path.dirname(sys.executable), "maturin")]
+    candidates += [os.path.join(p, "..", "..", "..", "bin", "maturin") for p in ours]
+    maturin = shutil.which("maturin") or next((c for c in candidates if os.path.exists(c)), None)
+    if maturin is None:
         pytest.skip("no maturin executable")
     env = dict(os.environ, CARGO_TARGET_DIR=os.path.join(REPO, "python", "target"))
     env["PATH"] = os.path.dirname(maturin) + os.pathsep + env.get("PATH", "")
