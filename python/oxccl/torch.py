@@ -1504,7 +1504,7 @@ def _load_cpp() -> Any:
         path = build_torch_ext.find_or_build()
     except build_torch_ext.BuildUnavailable as e:
         why = str(e)
-    except ValueError as e:  # a malformed OXCCL_TORCH_EXT_* variable
+    except ValueError as e:  # a malformed OXCCL_TORCH_EXT_BUILD or OXCCL_TORCH_EXT_TIMEOUT
         raise InvalidArgumentError(str(e)) from None
     else:
         try:
