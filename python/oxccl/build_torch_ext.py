@@ -236,6 +236,10 @@ def find_or_build() -> str:
                 raise BuildUnavailable(
                     f"the build was not done within OXCCL_TORCH_EXT_TIMEOUT={timeout:g} s (log: {log_path})"
                 ) from None
+            except BaseException:  # interrupted (Ctrl-C): no compiler outlives the import
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
             why = f"exit status {rc}"
         found = usable(into, k)
         if rc == 0 and found:

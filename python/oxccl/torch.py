@@ -1504,6 +1504,8 @@ def _load_cpp() -> Any:
         path = build_torch_ext.find_or_build()
     except build_torch_ext.BuildUnavailable as e:
         why = str(e)
+    except OSError as e:  # the cache cannot be written (a full disk, a read-only home)
+        why = f"cannot build it into the cache {build_torch_ext.cache_root()}: {e}"
     except ValueError as e:  # a malformed OXCCL_TORCH_EXT_BUILD or OXCCL_TORCH_EXT_TIMEOUT
         raise InvalidArgumentError(str(e)) from None
     else:
