@@ -27,7 +27,7 @@ by ``work.wait(timeout=)`` when given (an ``oxccl.TimeoutError``). torch wraps a
 backend's Work in its own object, whose ``is_completed()`` stays False: poll
 ``work.get_future().done()`` (the C++ backend answers it).
 
-The C++ backend (``oxccl/csrc/backend.cpp``, ``python -m oxccl.build_torch_ext``) is what
+The C++ backend (``oxccl/csrc/backend.cpp``, built on first import) is what
 ``register_backend`` hands torch when it is built (see ``_wrap``): it holds this Python
 backend, runs the hot collectives through the library's C ABI on this backend's
 communicator, and delegates everything else here.
@@ -1472,27 +1472,63 @@ else:
     sys.meta_path.insert(0, _AfterImport(_TRACE_RULES, _skip_in_dynamo))
 
 
+def _c_api_version() -> int:
+    """The version of the library's C function table (``oxcclApi_t.version``, its first field),
+    read from the capsule ``oxccl._oxccl._C_API`` the C++ backend is handed."""
+    import ctypes
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    table = get(_oxccl._C_API, b"oxccl._C_API")
+    return int(ctypes.c_uint32.from_address(table).value)
+
+
 def _load_cpp() -> Any:
-    """The C++ backend's module (oxccl/csrc/backend.cpp, built by ``python -m
-    oxccl.build_torch_ext``), or None: then a one-line warning, and the Python backend serves.
-    ``OXCCL_TORCH_BACKEND=python`` chooses the Python backend without a warning."""
+    """The C++ backend's module (oxccl/csrc/backend.cpp), or None: then a one-line warning,
+    and the Python backend serves. The module is the one built for this torch and oxccl in the
+    package (``python -m oxccl.build_torch_ext``) or in the cache, else it is built into the
+    cache now, once (see :mod:`oxccl.build_torch_ext`). ``OXCCL_TORCH_BACKEND=python`` chooses
+    the Python backend without a warning."""
     choice = os.environ.get("OXCCL_TORCH_BACKEND", "cpp").lower()
     if choice == "python":
         return None
     if choice != "cpp":
         raise InvalidArgumentError(f"OXCCL_TORCH_BACKEND={choice!r}: expected 'cpp' or 'python'")
-    try:
-        from . import _torch_backend  # type: ignore[attr-defined]
-    except ImportError as e:
-        import warnings
+    import warnings
 
-        warnings.warn(
-            f"oxccl: the C++ torch backend is not built ({e}); using the Python backend, which costs "
-            "~30 us more per call: run `python -m oxccl.build_torch_ext`",
-            stacklevel=3,
-        )
-        return None
-    return _torch_backend
+    from . import build_torch_ext
+
+    name = f"{__package__}.{build_torch_ext.NAME}"
+    try:
+        path = build_torch_ext.find_or_build()
+    except build_torch_ext.BuildUnavailable as e:
+        why = str(e)
+    except OSError as e:  # the cache cannot be written (a full disk, a read-only home)
+        why = f"cannot build it into the cache {build_torch_ext.cache_root()}: {e}"
+    except ValueError as e:  # a malformed OXCCL_TORCH_EXT_BUILD or OXCCL_TORCH_EXT_TIMEOUT
+        raise InvalidArgumentError(str(e)) from None
+    else:
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        except ImportError as e:
+            sys.modules.pop(name, None)
+            why = f"{path} does not load: {e}"
+        else:
+            have, want = _c_api_version(), getattr(module, "API_VERSION", None)
+            if have == want:
+                return module
+            why = f"{path} was built for the C API version {want}, the library has {have}: rebuild it"
+    warnings.warn(
+        f"oxccl: the C++ torch backend is not available ({why}); using the Python backend, which "
+        "costs ~30 us more per call",
+        stacklevel=3,
+    )
+    return None
 
 
 _CPP = _load_cpp()

@@ -562,6 +562,30 @@ pub const TORCH_BACKEND: Param = p(
     Python,
     "which torch backend import oxccl.torch puts first",
 );
+/// `OXCCL_TORCH_EXT_BUILD`.
+pub const TORCH_EXT_BUILD: Param = p(
+    "OXCCL_TORCH_EXT_BUILD",
+    Kind::Bool,
+    "1",
+    Python,
+    "build the C++ torch backend on first import when no usable build exists",
+);
+/// `OXCCL_TORCH_EXT_DIR`.
+pub const TORCH_EXT_DIR: Param = p(
+    "OXCCL_TORCH_EXT_DIR",
+    TEXT,
+    "~/.cache/oxccl/torch-ext",
+    Python,
+    "the cache the C++ torch backend is built into on first import",
+);
+/// `OXCCL_TORCH_EXT_TIMEOUT`.
+pub const TORCH_EXT_TIMEOUT: Param = p(
+    "OXCCL_TORCH_EXT_TIMEOUT",
+    secs(false, 1e7),
+    "600",
+    Python,
+    "bounds the C++ torch backend's build on import and the wait for another rank's",
+);
 /// `OXCCL_ROOT_IP`.
 pub const ROOT_IP: Param = p(
     "OXCCL_ROOT_IP",
@@ -645,6 +669,9 @@ pub const PARAMS: &[Param] = &[
     TORCH_ALLOCATOR,
     TORCH_SHM_MIN,
     TORCH_BACKEND,
+    TORCH_EXT_BUILD,
+    TORCH_EXT_DIR,
+    TORCH_EXT_TIMEOUT,
     ROOT_IP,
     BIN,
     CLUSTER_RATE,

@@ -1,0 +1,143 @@
+"""One-step install: ``pip install ./python`` in a fresh venv gives the C++ torch backend with
+no second command (built once, on first ``import oxccl.torch``, into the cache), and the
+Python backend with a warning when it cannot be built."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, free_port
+
+torch = pytest.importorskip("torch")
+
+BUILDING = "oxccl: building the C++ torch backend"
+
+WORKER = r"""
+import os, sys, warnings
+warnings.simplefilter("always")
+import torch, torch.distributed as dist
+import oxccl, oxccl.torch as ot
+print("FILE", oxccl.__file__, flush=True)
+if os.environ.get("EXPECT_CPP") == "0":
+    assert ot._CPP is None
+    print("OK python", flush=True)
+    sys.exit(0)
+assert ot._CPP is not None, "no C++ backend"
+print("CPP", ot._CPP.__file__, flush=True)
+dist.init_process_group("oxccl")
+be = dist.group.WORLD._get_backend(torch.device("cpu"))
+assert isinstance(be, ot._CPP.BackendOxcclCpp), type(be)
+t = torch.full((1000,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+assert torch.equal(t, torch.full((1000,), 3.0)), t[:4]
+x = torch.full((64,), float(dist.get_rank() + 1), dtype=torch.bfloat16)
+ot.inference_all_reduce(x)
+assert torch.equal(x, torch.full((64,), 3.0, dtype=torch.bfloat16)), x[:4]
+dist.destroy_process_group()
+print("OK cpp", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    """A fresh venv reusing this one's packages (torch, maturin, pip) through a .pth, with
+    ./python installed by pip (the Rust build reuses python/target)."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    pytest.importorskip("maturin")
+    root = tmp_path_factory.mktemp("install")
+    env_dir = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=60)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()
+    ours = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "torch"))]
+    with open(os.path.join(site, "zz_reuse.pth"), "w") as f:
+        f.write("\n".join(ours) + "\n")
+    candidates = [os.path.join(os.path.dirname(sys.executable), "maturin")]
+    candidates += [os.path.join(p, "..", "..", "..", "bin", "maturin") for p in ours]
+    maturin = shutil.which("maturin") or next((c for c in candidates if os.path.exists(c)), None)
+    if maturin is None:
+        pytest.skip("no maturin executable")
+    env = dict(os.environ, CARGO_TARGET_DIR=os.path.join(REPO, "python", "target"))
+    env["PATH"] = os.path.dirname(maturin) + os.pathsep + env.get("PATH", "")
+    env.pop("PYTHONPATH", None)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index", os.path.join(REPO, "python")],
+        env=env, capture_output=True, text=True, timeout=900, cwd=str(root),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(f"pip install: {time.monotonic() - t0:.1f} s")
+    assert not [n for n in os.listdir(os.path.join(site, "oxccl")) if n.startswith("_torch_backend")]
+    return root, str(py)
+
+
+def run_ranks(py, cwd, n, env, timeout=600):
+    port = free_port()
+    procs = []
+    for r in range(n):
+        e = dict(os.environ)
+        e.pop("PYTHONPATH", None)
+        e.update(
+            RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OXCCL_TIMEOUT="60", OMP_NUM_THREADS="1",
+            OXCCL_SECRET="5f3c2a1b0e9d8c7b6a5f4e3d2c1b0a99",
+        )
+        e.update(env)
+        procs.append(subprocess.Popen([py, "-c", WORKER], env=e, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+        outs.append((p.returncode, out))
+    for r, (rc, out) in enumerate(outs):
+        assert rc == 0, f"rank {r} exit {rc}:\n{out}"
+    return [out for _, out in outs]
+
+
+def test_pip_install_builds_the_cpp_backend_once(venv):
+    root, py = venv
+    cache = root / "cache"
+    env = {"OXCCL_TORCH_EXT_DIR": str(cache), "OXCCL_TORCH_BACKEND": "cpp"}
+    t0 = time.monotonic()
+    outs = run_ranks(py, str(root), 2, env)
+    print(f"first import (2 ranks, one build): {time.monotonic() - t0:.1f} s")
+    text = "".join(outs)
+    assert text.count(BUILDING) == 1, text
+    for out in outs:
+        assert "OK cpp" in out and "Python backend" not in out, out
+        assert f"FILE {root}" in out, out  # the fresh venv's oxccl, not this one's
+        assert f"CPP {cache}" in out, out
+    built = [d for d in cache.iterdir() if d.is_dir()]
+    assert len(built) == 1 and any(n.name.startswith("_torch_backend") for n in built[0].iterdir()), built
+    # Again: the cache serves, with no build.
+    outs = run_ranks(py, str(root), 2, env)
+    text = "".join(outs)
+    assert BUILDING not in text and text.count("OK cpp") == 2, text
+
+
+def test_fallbacks_warn(venv):
+    root, py = venv
+    # Auto-build off, empty cache: the Python backend, with a warning.
+    outs = run_ranks(py, str(root), 1, {"OXCCL_TORCH_EXT_DIR": str(root / "off"), "OXCCL_TORCH_EXT_BUILD": "0", "EXPECT_CPP": "0"})
+    assert "OXCCL_TORCH_EXT_BUILD=0" in outs[0] and "using the Python backend" in outs[0], outs[0]
+    assert not (root / "off").exists()
+    # A failing compiler: one failed build, a warning, the Python backend; the next import
+    # does not retry.
+    env = {"OXCCL_TORCH_EXT_DIR": str(root / "broken"), "CXX": "/bin/false", "CC": "/bin/false", "EXPECT_CPP": "0"}
+    outs = run_ranks(py, str(root), 1, env, timeout=300)
+    assert outs[0].count(BUILDING) == 1 and "the build failed" in outs[0], outs[0]
+    outs = run_ranks(py, str(root), 1, env, timeout=300)
+    assert BUILDING not in outs[0] and "an earlier build failed" in outs[0], outs[0]
