@@ -31,7 +31,14 @@ def _compile_available():
     return None
 
 
-@pytest.mark.parametrize("n,backend,compiler", [(2, "cpp", "inductor"), (3, "cpp", "aot_eager"), (2, "python", "aot_eager")])
+# The Python backend's compiled case (aot_eager, 2 ranks, ~45 s, its Python-registered fake
+# kernels) runs only with OXCCL_TEST_SLOW=1, for test.sh's time budget.
+_COMPILED = [(2, "cpp", "inductor"), (3, "cpp", "aot_eager")]
+if os.environ.get("OXCCL_TEST_SLOW") == "1":
+    _COMPILED.append((2, "python", "aot_eager"))
+
+
+@pytest.mark.parametrize("n,backend,compiler", _COMPILED)
 def test_compiled_matches_eager(n, backend, compiler):
     why = _compile_available()
     if why is not None:
@@ -42,7 +49,7 @@ def test_compiled_matches_eager(n, backend, compiler):
         assert "inference compile ok" in out, out
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # 3 ranks: two survivors; 2 ranks (~16 s) adds nothing more
 def test_peer_exit_raises_within_timeout(n):
     timeout = 10
     res = launch(n, script=WORKER, args=["dies"], env={"OXCCL_TIMEOUT": str(timeout)}, timeout=120, expect_ok=False)
