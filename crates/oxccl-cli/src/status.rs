@@ -7,6 +7,7 @@
 //! derived from `OXCCL_ROOT`/`MASTER_ADDR:MASTER_PORT` and the launcher's job id as the job
 //! derived it). Anything else on the port is reported as not this job's agent.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -51,25 +52,37 @@ fn fetch(addr: SocketAddr, secret: &[u8; 16], timeout: Duration) -> Result<Value
     Ok(v)
 }
 
+/// Every link's counters in an answer: (rank, peer) -> (bytes sent, bytes received), read
+/// once per table.
+type Counters = HashMap<(u64, u64), (Option<u64>, Option<u64>)>;
+
+fn counters(ranks: &[Value]) -> Counters {
+    let mut c = Counters::new();
+    for r in ranks {
+        let Some(rank) = r["rank"].as_u64() else {
+            continue;
+        };
+        for l in r["links"].as_array().into_iter().flatten() {
+            if let Some(peer) = l["peer"].as_u64() {
+                c.insert((rank, peer), (l["sent"].as_u64(), l["received"].as_u64()));
+            }
+        }
+    }
+    c
+}
+
 /// Bytes rank `from` handed to its link to `to` that `to` has not taken yet (`None` where a
 /// side did not answer or does not count its link). The two counters are read a few
 /// milliseconds apart: a busy link may show bytes that have just arrived.
-fn in_flight(ranks: &[Value], from: u64, to: u64) -> Option<u64> {
-    let link = |r: u64, peer: u64| {
-        ranks.iter().find(|x| x["rank"].as_u64() == Some(r))?["links"]
-            .as_array()?
-            .iter()
-            .find(|l| l["peer"].as_u64() == Some(peer))
-            .cloned()
-    };
-    let sent = link(from, to)?["sent"].as_u64()?;
-    let taken = link(to, from)?["received"].as_u64()?;
+fn in_flight(c: &Counters, from: u64, to: u64) -> Option<u64> {
+    let sent = c.get(&(from, to))?.0?;
+    let taken = c.get(&(to, from))?.1?;
     Some(sent.saturating_sub(taken))
 }
 
 /// The links worth a line under a rank that is in a call: bytes in flight either way, or no
 /// progress for over a second while the call has run that long. At most four, then a count.
-fn link_lines(r: &Value, ranks: &[Value]) -> Vec<String> {
+fn link_lines(r: &Value, c: &Counters) -> Vec<String> {
     let Some(me) = r["rank"].as_u64() else {
         return Vec::new();
     };
@@ -82,8 +95,8 @@ fn link_lines(r: &Value, ranks: &[Value]) -> Vec<String> {
         let Some(peer) = l["peer"].as_u64() else {
             continue;
         };
-        let out = in_flight(ranks, me, peer).unwrap_or(0);
-        let back = in_flight(ranks, peer, me).unwrap_or(0);
+        let out = in_flight(c, me, peer).unwrap_or(0);
+        let back = in_flight(c, peer, me).unwrap_or(0);
         let ago = l["progress_ms_ago"].as_u64();
         let idle = running > 1000 && ago.is_none_or(|a| a > 1000);
         if out == 0 && back == 0 && !idle {
@@ -105,8 +118,8 @@ fn link_lines(r: &Value, ranks: &[Value]) -> Vec<String> {
     lines
 }
 
-/// One rank's line of the table (`ranks`: every rank's answer, for the links' far ends).
-fn rank_line(r: &Value, ranks: &[Value]) -> String {
+/// One rank's line of the table (`c`: every rank's link counters, for the links' far ends).
+fn rank_line(r: &Value, c: &Counters) -> String {
     let rank = r["rank"].as_u64().map_or("?".into(), |n| n.to_string());
     if r["alive"] != Value::Bool(true) {
         return format!(
@@ -157,7 +170,7 @@ fn rank_line(r: &Value, ranks: &[Value]) -> String {
             c["health"].as_str().unwrap_or("?")
         );
     }
-    for l in link_lines(r, ranks) {
+    for l in link_lines(r, c) {
         line += &format!("\n{:>7}{l}", "");
     }
     if let Some(errs) = r["recent_errors"].as_array() {
@@ -194,15 +207,16 @@ fn table(v: &Value, with_times: bool) -> String {
         "{:>5}  {:<5}  {:<7}  {:<20}  {:<48}  {:<20}  {}\n",
         "rank", "alive", "pid", "host", "now", "last completed", "health"
     );
-    let ranks: Vec<Value> = v["ranks"].as_array().cloned().unwrap_or_default();
-    for r in &ranks {
+    let ranks: &[Value] = v["ranks"].as_array().map_or(&[], Vec::as_slice);
+    let c = counters(ranks);
+    for r in ranks {
         let mut r = r.clone();
         if !with_times {
             if let Some(c) = r.get_mut("current").and_then(Value::as_object_mut) {
                 c.insert("running_ms".into(), Value::String("…".into()));
             }
         }
-        s += &rank_line(&r, &ranks);
+        s += &rank_line(&r, &c);
         s.push('\n');
     }
     s

@@ -646,7 +646,7 @@ impl Bootstrap {
             return;
         };
         let start = Instant::now();
-        await_readable(s, start + timeout, every, &|_| say(start.elapsed()));
+        await_readable(s, start + timeout, every, say);
         let left = timeout.saturating_sub(start.elapsed());
         let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
     }

@@ -58,6 +58,11 @@ pub(crate) enum OpenError {
 /// token carries).
 pub(crate) fn open_token(tok: &str, pid: u32) -> Result<OwnedFd, OpenError> {
     let bad = || OpenError::Failed(format!("malformed segment token {tok:?}"));
+    let gone = || {
+        OpenError::Gone(format!(
+            "its process {pid} is gone (it died during start-up)"
+        ))
+    };
     let mut it = tok.strip_prefix("fd:").ok_or_else(bad)?.split(':');
     let (Some(p), Some(n), None) = (it.next(), it.next(), it.next()) else {
         return Err(bad());
@@ -71,9 +76,7 @@ pub(crate) fn open_token(tok: &str, pid: u32) -> Result<OwnedFd, OpenError> {
     let rpid = rustix::process::Pid::from_raw(pid as i32).ok_or_else(bad)?;
     let pidfd = rustix::process::pidfd_open(rpid, rustix::process::PidfdFlags::empty()).map_err(
         |e| match e {
-            rustix::io::Errno::SRCH => OpenError::Gone(format!(
-                "its process {pid} is gone (it died during start-up)"
-            )),
+            rustix::io::Errno::SRCH => gone(),
             rustix::io::Errno::NOSYS | rustix::io::Errno::PERM | rustix::io::Errno::ACCESS => {
                 OpenError::Refused(format!("pidfd_open({pid}): {e}"))
             }
@@ -92,9 +95,7 @@ pub(crate) fn open_token(tok: &str, pid: u32) -> Result<OwnedFd, OpenError> {
                 ))
             })
         }
-        Err(rustix::io::Errno::SRCH) => Err(OpenError::Gone(format!(
-            "its process {pid} is gone (it died during start-up)"
-        ))),
+        Err(rustix::io::Errno::SRCH) => Err(gone()),
         Err(rustix::io::Errno::BADF) => Err(OpenError::Failed(format!(
             "pid {pid} no longer holds descriptor {n} (it gave up the start-up)"
         ))),
