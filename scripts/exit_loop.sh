@@ -10,6 +10,10 @@
 #   scripts/exit_loop.sh 1000                   # prints a tally; exit status 1 on any failure
 #   OXCCL_TORCH_BACKEND=python scripts/exit_loop.sh 100
 #
+# Every rank here is a fresh interpreter (about 3 CPU-seconds of `import torch` each);
+# scripts/exit_loop_fork.py runs the same scenario with the ranks forked from a parent that
+# imported torch once, for counts in the thousands.
+#
 # Each run is bounded by EXIT_LOOP_TIMEOUT seconds (default 120). Needs the venv scripts/test.sh
 # builds (.venv with torch and oxccl, the C++ backend built); PYTHON overrides the interpreter.
 set -uo pipefail
