@@ -54,9 +54,10 @@ enum Cmd {
 }
 
 fn main() {
-    // Commands that start ranks check every variable they and the library read, once, before
-    // anything runs (also before clap reads the variables some flags default to): a refused
-    // value is one line naming it, the value and the range.
+    // Commands that start ranks (and `sim`, which reads the model's variables as ranks do)
+    // check every variable they and the library read, once, before anything runs (also
+    // before clap reads the variables some flags default to): a refused value is one line
+    // naming it, the value and the range.
     let sub = std::env::args_os().nth(1);
     if ["perf", "run", "tune", "sim"]
         .iter()

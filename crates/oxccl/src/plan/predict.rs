@@ -1,5 +1,5 @@
 //! Predictions for clusters this host cannot run: the time of each all-reduce algorithm on
-//! `H` hosts of `L` ranks, from the run-time cost model ([`crate::plan::cost`]), and the
+//! `H` hosts of `L` ranks, from the run-time cost model (`plan/cost.rs`), and the
 //! algorithm a communicator of that shape would choose (the same choice function the
 //! library calls for every call). `oxccl sim` prints them.
 
