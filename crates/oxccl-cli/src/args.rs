@@ -34,6 +34,14 @@ pub fn bytes(min: u64, max: u64) -> impl Fn(&str) -> Result<usize, String> + Clo
     }
 }
 
+/// A number above 0 (fractions allowed), at most `max`.
+pub fn number(max: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
+    move |s| match parse(Kind::Number { max }, s)? {
+        Value::Number(x) => Ok(x),
+        v => Err(format!("{v:?} is not a number")),
+    }
+}
+
 /// Seconds above 0 (fractions allowed), at most `max`.
 pub fn seconds(max: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
     move |s| match parse(Kind::Seconds { zero: false, max }, s)? {
@@ -83,6 +91,13 @@ mod tests {
         assert_eq!(seconds(10.0)("1.5").unwrap(), 1.5);
         for bad in ["0", "1e99", "inf", "NaN", "-1"] {
             assert!(seconds(10.0)(bad).unwrap_err().contains("above 0"), "{bad}");
+        }
+        assert_eq!(number(10.0)("2.5").unwrap(), 2.5);
+        for bad in ["0", "-1", "11", "inf", "NaN", "x", ""] {
+            assert!(
+                number(10.0)(bad).unwrap_err().contains("at most 10"),
+                "{bad}"
+            );
         }
         assert_eq!(word(&["auto", "tcp"])("TCP").unwrap(), "tcp");
         assert!(algo("ring").is_ok() && algo("nope").unwrap_err().contains("nope"));

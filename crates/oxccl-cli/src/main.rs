@@ -5,11 +5,13 @@
 //! - `oxccl info`: what this host offers (see `info.rs`).
 //! - `oxccl trace FILES...`: merges flight recorder files (see `trace.rs`).
 //! - `oxccl status ADDR`: asks a running job where every rank is (see `status.rs`).
+//! - `oxccl sim`: predicts all_reduce on larger clusters from the cost model (see `sim.rs`).
 
 mod args;
 mod info;
 mod launch;
 mod perf;
+mod sim;
 mod status;
 mod trace;
 mod tune;
@@ -46,14 +48,18 @@ enum Cmd {
     /// Ask a running job (started with OXCCL_STATUS) where every rank is: alive, current
     /// call and sequence number, last completed call, ranks behind, recent errors.
     Status(status::Args),
+    /// Predict all_reduce on clusters larger than this one (2 to 4096 hosts and more) from
+    /// the library's cost model: each algorithm's time, the one it would choose, busbw.
+    Sim(sim::Args),
 }
 
 fn main() {
-    // Commands that start ranks check every variable they and the library read, once, before
-    // anything runs (also before clap reads the variables some flags default to): a refused
-    // value is one line naming it, the value and the range.
+    // Commands that start ranks (and `sim`, which reads the model's variables as ranks do)
+    // check every variable they and the library read, once, before anything runs (also
+    // before clap reads the variables some flags default to): a refused value is one line
+    // naming it, the value and the range.
     let sub = std::env::args_os().nth(1);
-    if ["perf", "run", "tune"]
+    if ["perf", "run", "tune", "sim"]
         .iter()
         .any(|c| sub.as_deref() == Some(c.as_ref()))
     {
@@ -71,6 +77,7 @@ fn main() {
         Cmd::Info => info::main(),
         Cmd::Trace(a) => trace::main(a),
         Cmd::Status(a) => status::main(a),
+        Cmd::Sim(a) => sim::main(a),
     };
     std::process::exit(code);
 }

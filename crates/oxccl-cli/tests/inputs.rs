@@ -1,5 +1,5 @@
 //! Every input has a clear error, never a panic, an abort or a hang: each `OXCCL_*` variable
-//! of the table and each value-taking flag of `oxccl perf/run/tune/status` gets garbage,
+//! of the table and each value-taking flag of `oxccl perf/run/tune/status/sim` gets garbage,
 //! negative, zero, huge (1e99, 2^64-1, 2^64) and empty values in a real `oxccl` process.
 //! A refused value must end the process with status 2 (or 1 where the library refuses it at
 //! init) and a line naming the variable or flag; an accepted one must run.
@@ -275,6 +275,18 @@ fn flags() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {
         (vec!["tune", "--dry-run"], "--max-bytes", "--max-bytes"),
         (vec!["status", "127.0.0.1:9"], "--timeout", "--timeout"),
         (vec!["status", "127.0.0.1:9"], "--watch", "--watch"),
+        (vec!["sim", "--hosts", "2", "-e", "8"], "--minbytes", "-b"),
+        (vec!["sim", "--hosts", "2"], "--maxbytes", "-e"),
+        (vec!["sim", "--hosts", "2", "-e", "8"], "--stepfactor", "-f"),
+        (vec!["sim", "-e", "8"], "--hosts", "--hosts"),
+        (
+            vec!["sim", "-e", "8"],
+            "--ranks-per-host",
+            "--ranks-per-host",
+        ),
+        (vec!["sim", "-e", "8"], "--net-gbps", "--net-gbps"),
+        (vec!["sim", "-e", "8"], "--net-lat-us", "--net-lat-us"),
+        (vec!["sim", "-e", "8"], "--coll", "--coll"),
     ]
 }
 

@@ -67,5 +67,6 @@ pub use direct::shared_pool::{PoolStats, SharedPool};
 pub use exec::p2p::P2pOp;
 pub use half::{bf16, f16};
 pub use observe::status;
+pub use plan::predict;
 pub use sched::{Algo, CollKind};
 pub use transport::shm::segment_bytes as shm_segment_bytes;

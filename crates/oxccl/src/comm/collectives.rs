@@ -28,7 +28,7 @@ struct Call {
 
 impl Communicator {
     fn cost_model(&self) -> crate::plan::cost::CostModel {
-        crate::plan::cost::CostModel::default().with_net(self.cfg.net_gbps, self.cfg.net_lat_us)
+        crate::plan::cost::CostModel::for_config(&self.cfg)
     }
 
     fn bad(&self, call: &'static str, seq: u64, msg: String) -> Error {

@@ -86,6 +86,12 @@ impl CostModel {
     /// Buffers up to this size count as cache-resident ([`cached_gbps`](Self::cached_gbps)).
     pub(crate) const CACHE_BYTES: usize = 1 << 20;
 
+    /// The model a communicator with `cfg` uses: the defaults, with `OXCCL_NET_GBPS` and
+    /// `OXCCL_NET_LAT_US` where set.
+    pub(crate) fn for_config(cfg: &crate::base::param::Config) -> Self {
+        Self::default().with_net(cfg.net_gbps, cfg.net_lat_us)
+    }
+
     /// The model with the network's latency and bandwidth replaced where given.
     pub(crate) fn with_net(mut self, gbps: Option<f64>, lat_us: Option<f64>) -> Self {
         if let Some(g) = gbps {

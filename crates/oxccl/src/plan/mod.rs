@@ -2,4 +2,5 @@
 //! collective and size.
 
 pub(crate) mod cost;
+pub mod predict;
 pub(crate) mod tune;
