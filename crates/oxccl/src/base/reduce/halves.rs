@@ -712,6 +712,32 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_subnormal_result_in_any_block() {
+        // One subnormal (or, for the product, underflowing) result at each position of
+        // 101 elements: in either block of the two-block steps, the single block after them,
+        // or the rest; among results that round normally.
+        let n = 101;
+        for fmt in [BF16, F16] {
+            let (one, tiny) = if fmt == BF16 {
+                (0x3f80, [0x0001, 0x0002, 0x8003, 0x0081, 0x8081])
+            } else {
+                (0x3c00, [0x0001, 0x0002, 0x8003, 0x0401, 0x8401])
+            };
+            for p in 0..n {
+                for (k, &t) in tiny.iter().enumerate() {
+                    let mut x = vec![one; n];
+                    let mut y = vec![one | 0x0001; n];
+                    x[p] = t;
+                    y[p] = tiny[(k + 1) % tiny.len()] ^ 0x8000;
+                    for op in OPS {
+                        check_all(fmt, op, &x, &y).unwrap();
+                    }
+                }
+            }
+        }
+    }
+
     /// Every pair of f16 values, every operation: the f16 arithmetic of
     /// [`Path::Avx512Fp16`] gives the bits of the f32 arithmetic of [`Path::Avx512`] (itself
     /// checked against the reference above), both NaN operands aside. Seconds in release,

@@ -176,8 +176,9 @@ const INTERLEAVE: [i16; 32] = {
 /// Each 64-byte block is split without shuffles into its even elements (shifted up to f32)
 /// and its odd ones (masked: already f32), combined, and rounded back by `vcvtne2ps2bf16`,
 /// whose halves one `vpermw` interleaves. That instruction rounds as `bf16_narrow` does
-/// (nearest even, a NaN kept quiet) except that it flushes subnormal inputs to zero: a block
-/// with a subnormal result is rounded with the integer code instead.
+/// (nearest even, a NaN kept quiet) except that it flushes subnormal inputs to zero. A sum
+/// that is subnormal is exact (its top bits are taken instead, see `sum_out`); for the other
+/// operations a block with a subnormal result is rounded with the integer code instead.
 ///
 /// # Safety
 /// The processor has AVX-512 F, BW, DQ and BF16; `x` and `s` are valid for reading and `d`
@@ -192,16 +193,20 @@ pub(super) unsafe fn reduce512bf16<const OP: u8>(
 ) -> usize {
     let whole = n / 32 * 32;
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let exp = _mm512_set1_epi16(0x7f80);
     // SAFETY: reads the 64 bytes of a constant array.
     let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
-    let mut i = 0;
-    while i < whole {
-        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), which the
-        // caller guarantees readable at `x`, `s` and writable at `d`. The transmute is
-        // between two 64-byte vector types (32 bf16 as 32 words).
-        unsafe {
-            let va = _mm512_loadu_si512(x.add(2 * i).cast());
-            let vb = _mm512_loadu_si512(s.add(2 * i).cast());
+    // The even and odd elements of the block at element `i`, combined in f32.
+    macro_rules! halves {
+        ($i:expr) => {{
+            // SAFETY: the callers below keep elements i..i + 32 within the first n, which
+            // the caller guarantees readable at `x` and `s`.
+            let (va, vb) = unsafe {
+                (
+                    _mm512_loadu_si512(x.add(2 * $i).cast()),
+                    _mm512_loadu_si512(s.add(2 * $i).cast()),
+                )
+            };
             let even = op512!(
                 OP,
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(va)),
@@ -212,39 +217,82 @@ pub(super) unsafe fn reduce512bf16<const OP: u8>(
                 _mm512_castsi512_ps(_mm512_and_si512(va, high)),
                 _mm512_castsi512_ps(_mm512_and_si512(vb, high))
             );
-            let out = if OP == SUM {
-                // A subnormal f32 sum of two bf16 values is exact, and a multiple of the
-                // smallest bf16 subnormal: its top 16 bits are the result. The converted word
-                // has a zero exponent exactly where the sum is zero or subnormal (a normal
-                // sum rounds to a normal), so those words (rare) take the top bits instead.
-                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
-                let out = _mm512_permutexvar_epi16(idx, h);
-                let tiny = _mm512_testn_epi16_mask(out, _mm512_set1_epi16(0x7f80));
-                if tiny == 0 {
-                    out
-                } else {
-                    let top = _mm512_ternarylogic_epi32::<0xea>(
-                        _mm512_castps_si512(odd),
-                        high,
-                        _mm512_srli_epi32::<16>(_mm512_castps_si512(even)),
-                    );
-                    _mm512_mask_blend_epi16(tiny, out, top)
-                }
+            (even, odd)
+        }};
+    }
+    // Both halves rounded by `vcvtne2ps2bf16` (even elements in the low 16 words).
+    macro_rules! convert {
+        ($even:expr, $odd:expr) => {{
+            let h: __m512bh = _mm512_cvtne2ps_pbh($odd, $even);
+            // SAFETY: between two 64-byte vector types (32 bf16 as 32 words).
+            unsafe { std::mem::transmute::<__m512bh, __m512i>(h) }
+        }};
+    }
+    // A block of sums from `convert` interleaved back. A subnormal f32 sum of two bf16
+    // values is exact, and a multiple of the smallest bf16 subnormal: its top 16 bits are the
+    // result. The converted word has a zero exponent exactly where the sum is zero or
+    // subnormal (which the instruction flushes; a normal sum rounds to a normal), so those
+    // words take the top bits instead.
+    macro_rules! sum_out {
+        ($h:expr, $even:expr, $odd:expr) => {{
+            let out = _mm512_permutexvar_epi16(idx, $h);
+            let tiny = _mm512_testn_epi16_mask(out, exp);
+            if tiny == 0 {
+                out
             } else {
-                let sub =
-                    _mm512_fpclass_ps_mask::<0x20>(even) | _mm512_fpclass_ps_mask::<0x20>(odd);
-                if sub == 0 {
-                    let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
-                    _mm512_permutexvar_epi16(idx, h)
-                } else {
-                    _mm512_or_si512(
-                        bf16_bits512!(even),
-                        _mm512_slli_epi32::<16>(bf16_bits512!(odd)),
-                    )
-                }
+                let top = _mm512_ternarylogic_epi32::<0xea>(
+                    _mm512_castps_si512($odd),
+                    high,
+                    _mm512_srli_epi32::<16>(_mm512_castps_si512($even)),
+                );
+                _mm512_mask_blend_epi16(tiny, out, top)
+            }
+        }};
+    }
+    let mut i = 0;
+    if OP == SUM {
+        // Two blocks a step, one test of both for a zero exponent (rare) before interleaving.
+        let pairs = n / 64 * 64;
+        while i < pairs {
+            let (e0, o0) = halves!(i);
+            let (e1, o1) = halves!(i + 32);
+            let (h0, h1) = (convert!(e0, o0), convert!(e1, o1));
+            let tiny = _mm512_testn_epi16_mask(h0, exp) | _mm512_testn_epi16_mask(h1, exp);
+            let (r0, r1) = if tiny == 0 {
+                (
+                    _mm512_permutexvar_epi16(idx, h0),
+                    _mm512_permutexvar_epi16(idx, h1),
+                )
+            } else {
+                (sum_out!(h0, e0, o0), sum_out!(h1, e1, o1))
             };
-            _mm512_storeu_si512(d.add(2 * i).cast(), out);
+            // SAFETY: elements i..i + 64 lie within the first n (i + 64 <= pairs <= n),
+            // writable at `d` (caller); both blocks were read above.
+            unsafe {
+                _mm512_storeu_si512(d.add(2 * i).cast(), r0);
+                _mm512_storeu_si512(d.add(2 * i + 64).cast(), r1);
+            }
+            i += 64;
         }
+    }
+    while i < whole {
+        let (even, odd) = halves!(i);
+        let out = if OP == SUM {
+            sum_out!(convert!(even, odd), even, odd)
+        } else {
+            let sub = _mm512_fpclass_ps_mask::<0x20>(even) | _mm512_fpclass_ps_mask::<0x20>(odd);
+            if sub == 0 {
+                _mm512_permutexvar_epi16(idx, convert!(even, odd))
+            } else {
+                _mm512_or_si512(
+                    bf16_bits512!(even),
+                    _mm512_slli_epi32::<16>(bf16_bits512!(odd)),
+                )
+            }
+        };
+        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), writable
+        // at `d` (caller); the block was read above.
+        unsafe { _mm512_storeu_si512(d.add(2 * i).cast(), out) };
         i += 32;
     }
     whole
