@@ -4,8 +4,10 @@
 //! caller finishes the rest with the portable code. Loads and stores are unaligned.
 //! bf16 widens by a shift and narrows with the integer rounding of `bf16_narrow` (the
 //! AVX-512 BF16 instruction `vcvtneps2bf16` flushes subnormal results to zero, so it is not
-//! used); f16 converts with `vcvtph2ps`/`vcvtps2ph` (round to nearest even).
+//! used); f16 converts with `vcvtph2ps`/`vcvtps2ph` (round to nearest even), or, with
+//! AVX-512 FP16, is combined natively (`reduce512fp16`).
 
+use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::halves::{BF16, DIV, MAX, MIN, PROD, SUM};
@@ -174,8 +176,9 @@ const INTERLEAVE: [i16; 32] = {
 /// Each 64-byte block is split without shuffles into its even elements (shifted up to f32)
 /// and its odd ones (masked: already f32), combined, and rounded back by `vcvtne2ps2bf16`,
 /// whose halves one `vpermw` interleaves. That instruction rounds as `bf16_narrow` does
-/// (nearest even, a NaN kept quiet) except that it flushes subnormal inputs to zero: a block
-/// with a subnormal result is rounded with the integer code instead.
+/// (nearest even, a NaN kept quiet) except that it flushes subnormal inputs to zero. A sum
+/// that is subnormal is exact (its top bits are taken instead, see `sum_out`); for the other
+/// operations a block with a subnormal result is rounded with the integer code instead.
 ///
 /// # Safety
 /// The processor has AVX-512 F, BW, DQ and BF16; `x` and `s` are valid for reading and `d`
@@ -190,16 +193,20 @@ pub(super) unsafe fn reduce512bf16<const OP: u8>(
 ) -> usize {
     let whole = n / 32 * 32;
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let exp = _mm512_set1_epi16(0x7f80);
     // SAFETY: reads the 64 bytes of a constant array.
     let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
-    let mut i = 0;
-    while i < whole {
-        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), which the
-        // caller guarantees readable at `x`, `s` and writable at `d`. The transmute is
-        // between two 64-byte vector types (32 bf16 as 32 words).
-        unsafe {
-            let va = _mm512_loadu_si512(x.add(2 * i).cast());
-            let vb = _mm512_loadu_si512(s.add(2 * i).cast());
+    // The even and odd elements of the block at element `i`, combined in f32.
+    macro_rules! halves {
+        ($i:expr) => {{
+            // SAFETY: the callers below keep elements i..i + 32 within the first n, which
+            // the caller guarantees readable at `x` and `s`.
+            let (va, vb) = unsafe {
+                (
+                    _mm512_loadu_si512(x.add(2 * $i).cast()),
+                    _mm512_loadu_si512(s.add(2 * $i).cast()),
+                )
+            };
             let even = op512!(
                 OP,
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(va)),
@@ -210,18 +217,176 @@ pub(super) unsafe fn reduce512bf16<const OP: u8>(
                 _mm512_castsi512_ps(_mm512_and_si512(va, high)),
                 _mm512_castsi512_ps(_mm512_and_si512(vb, high))
             );
+            (even, odd)
+        }};
+    }
+    // Both halves rounded by `vcvtne2ps2bf16` (even elements in the low 16 words).
+    macro_rules! convert {
+        ($even:expr, $odd:expr) => {{
+            let h: __m512bh = _mm512_cvtne2ps_pbh($odd, $even);
+            // SAFETY: between two 64-byte vector types (32 bf16 as 32 words).
+            unsafe { std::mem::transmute::<__m512bh, __m512i>(h) }
+        }};
+    }
+    // A block of sums from `convert` interleaved back. A subnormal f32 sum of two bf16
+    // values is exact, and a multiple of the smallest bf16 subnormal: its top 16 bits are the
+    // result. The converted word has a zero exponent exactly where the sum is zero or
+    // subnormal (which the instruction flushes; a normal sum rounds to a normal), so those
+    // words take the top bits instead.
+    macro_rules! sum_out {
+        ($h:expr, $even:expr, $odd:expr) => {{
+            let out = _mm512_permutexvar_epi16(idx, $h);
+            let tiny = _mm512_testn_epi16_mask(out, exp);
+            if tiny == 0 {
+                out
+            } else {
+                let top = _mm512_ternarylogic_epi32::<0xea>(
+                    _mm512_castps_si512($odd),
+                    high,
+                    _mm512_srli_epi32::<16>(_mm512_castps_si512($even)),
+                );
+                _mm512_mask_blend_epi16(tiny, out, top)
+            }
+        }};
+    }
+    let mut i = 0;
+    if OP == SUM {
+        // Two blocks a step, one test of both for a zero exponent (rare) before interleaving.
+        let pairs = n / 64 * 64;
+        while i < pairs {
+            let (e0, o0) = halves!(i);
+            let (e1, o1) = halves!(i + 32);
+            let (h0, h1) = (convert!(e0, o0), convert!(e1, o1));
+            let tiny = _mm512_testn_epi16_mask(h0, exp) | _mm512_testn_epi16_mask(h1, exp);
+            let (r0, r1) = if tiny == 0 {
+                (
+                    _mm512_permutexvar_epi16(idx, h0),
+                    _mm512_permutexvar_epi16(idx, h1),
+                )
+            } else {
+                (sum_out!(h0, e0, o0), sum_out!(h1, e1, o1))
+            };
+            // SAFETY: elements i..i + 64 lie within the first n (i + 64 <= pairs <= n),
+            // writable at `d` (caller); both blocks were read above.
+            unsafe {
+                _mm512_storeu_si512(d.add(2 * i).cast(), r0);
+                _mm512_storeu_si512(d.add(2 * i + 64).cast(), r1);
+            }
+            i += 64;
+        }
+    }
+    while i < whole {
+        let (even, odd) = halves!(i);
+        let out = if OP == SUM {
+            sum_out!(convert!(even, odd), even, odd)
+        } else {
             let sub = _mm512_fpclass_ps_mask::<0x20>(even) | _mm512_fpclass_ps_mask::<0x20>(odd);
-            let out = if sub == 0 {
-                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
-                _mm512_permutexvar_epi16(idx, h)
+            if sub == 0 {
+                _mm512_permutexvar_epi16(idx, convert!(even, odd))
             } else {
                 _mm512_or_si512(
                     bf16_bits512!(even),
                     _mm512_slli_epi32::<16>(bf16_bits512!(odd)),
                 )
-            };
-            _mm512_storeu_si512(d.add(2 * i).cast(), out);
-        }
+            }
+        };
+        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), writable
+        // at `d` (caller); the block was read above.
+        unsafe { _mm512_storeu_si512(d.add(2 * i).cast(), out) };
+        i += 32;
+    }
+    whole
+}
+
+/// One AVX-512 FP16 instruction `$ins z, x, y` on 32 f16 lanes (intrinsics for it are not
+/// stable under the crate's MSRV, inline assembly is), with `$tail` appended (`{rn-sae}`:
+/// round to nearest even whatever MXCSR says, and raise no exception).
+macro_rules! ph {
+    ($ins:literal, $x:expr, $y:expr $(, $tail:literal)?) => {{
+        let (x, y): (__m512i, __m512i) = ($x, $y);
+        let z: __m512i;
+        // SAFETY: the caller runs with AVX-512 FP16 (its function's target features); the
+        // instruction only reads and writes the named vector registers.
+        unsafe {
+            asm!(
+                concat!($ins, " {z}, {x}, {y}" $(, $tail)?),
+                z = lateout(zmm_reg) z,
+                x = in(zmm_reg) x,
+                y = in(zmm_reg) y,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+        z
+    }};
+}
+
+/// `min`/`max` on 32 f16 lanes as `halves::apply` computes them (through f32, whose widening
+/// quiets a NaN): `vminph(y, x)` is `y < x ? y : x` and gives `x` when either is NaN; where `x`
+/// is NaN, `y` plus -0 (itself, or quieted if a NaN) is taken instead.
+macro_rules! minmax_ph {
+    ($ins:literal, $x:expr, $y:expr) => {{
+        let (x, y): (__m512i, __m512i) = ($x, $y);
+        let m = ph!($ins, y, x);
+        let q = ph!("vaddph", y, _mm512_set1_epi16(0x8000_u16 as i16), ", {{rn-sae}}");
+        let nan: __mmask32;
+        // SAFETY: as in `ph!`: AVX-512 FP16, registers only.
+        unsafe {
+            asm!(
+                "vcmpph {k}, {x}, {x}, 3",
+                k = lateout(kreg) nan,
+                x = in(zmm_reg) x,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+        _mm512_mask_blend_epi16(nan, m, q)
+    }};
+}
+
+/// f16 `d[i] = x[i] ⊕ s[i]` in f16 arithmetic for the first `n / 32 * 32` elements; returns
+/// that count.
+///
+/// This gives the bits of `halves::apply` in f32 rounded to f16. Min and max return an
+/// operand (quieted if a NaN, as the f32 widening does). A product of two f16 values has at
+/// most 22 significant bits and lies within f32's normal range, so the f32 product is exact
+/// and rounding it once to f16 is what `vmulph` does. A sum is exact in f32 unless its
+/// operands' exponents differ by more than 13; then f32 rounds it (24 bits) before f16 does
+/// (11 bits), and a double rounding to nearest is innocuous when the first precision is at
+/// least twice the second plus two (24 >= 2 * 11 + 2; Figueroa, "When is double rounding
+/// innocuous?", 1995), so the two roundings give the correctly rounded sum, as `vaddph` does.
+/// A f16 subnormal result is a normal f32, and FP16 instructions ignore MXCSR's DAZ and FTZ.
+/// The exhaustive test `f16_native_equals_through_f32_every_pair` checks sum and product on
+/// all 2^32 pairs.
+///
+/// # Safety
+/// The processor has AVX-512 F, BW and FP16; `x` and `s` are valid for reading and `d` for
+/// writing `2n` bytes; `x` may equal `d` (each block is read before it is written), no other
+/// overlap.
+#[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
+pub(super) unsafe fn reduce512fp16<const OP: u8>(
+    d: *mut u8,
+    x: *const u8,
+    s: *const u8,
+    n: usize,
+) -> usize {
+    let whole = n / 32 * 32;
+    let mut i = 0;
+    while i < whole {
+        // SAFETY: elements i..i + 32 lie within the first n (i + 32 <= whole <= n), which the
+        // caller guarantees readable at `x` and `s`.
+        let (a, b) = unsafe {
+            (
+                _mm512_loadu_si512(x.add(2 * i).cast()),
+                _mm512_loadu_si512(s.add(2 * i).cast()),
+            )
+        };
+        let r = match OP {
+            SUM => ph!("vaddph", a, b, ", {{rn-sae}}"),
+            PROD => ph!("vmulph", a, b, ", {{rn-sae}}"),
+            MIN => minmax_ph!("vminph", a, b),
+            _ => minmax_ph!("vmaxph", a, b),
+        };
+        // SAFETY: as above, writable at `d`.
+        unsafe { _mm512_storeu_si512(d.add(2 * i).cast(), r) };
         i += 32;
     }
     whole
