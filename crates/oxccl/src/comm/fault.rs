@@ -217,6 +217,9 @@ impl SupervisorPrep {
                 g.health.clone(),
                 WatchSettings {
                     heartbeat: cfg.heartbeat,
+                    // Ranks leave init at different times (no exchange ends it): a peer's
+                    // first heartbeat may come as late as init's own bound.
+                    first_heard: cfg.timeout,
                 },
                 Box::new(move || rec.dump("failure reported by the watchdog")),
             )
