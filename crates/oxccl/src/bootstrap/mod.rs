@@ -8,6 +8,7 @@
 //! their links: every rank sends its contribution to rank 0, which sends the concatenation
 //! back.
 
+pub(crate) mod carry;
 pub(crate) mod env;
 pub mod local;
 mod root_join;
@@ -254,6 +255,8 @@ pub(crate) struct Bootstrap {
     report_every: Option<Duration>,
     links: Links,
     seq: u64,
+    /// What rank 0 sent with the peer table ([`Bootstrap::init_saying`]).
+    root_says: Vec<u8>,
 }
 
 impl std::fmt::Debug for Bootstrap {
@@ -284,11 +287,25 @@ impl Bootstrap {
     /// and fails with [`Error::Rendezvous`] when two connections claim one rank or a rank
     /// has another world size (telling the ranks already joined). The other ranks connect
     /// with retries until `cfg.timeout`, then fail with [`Error::Connect`].
+    #[cfg(test)]
     pub(crate) fn init(
         id: &UniqueId,
         rank: usize,
         world_size: usize,
         cfg: &Config,
+    ) -> Result<Bootstrap> {
+        Self::init_saying(id, rank, world_size, cfg, &[])
+    }
+
+    /// As [`init`](Self::init); rank 0 also sends `says` to every rank with the peer table
+    /// (what it says elsewhere is ignored): [`root_says`](Self::root_says), with no exchange
+    /// of its own (the communicator's settings, `comm/settings.rs`).
+    pub(crate) fn init_saying(
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+        cfg: &Config,
+        says: &[u8],
     ) -> Result<Bootstrap> {
         if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
             let msg = if world_size > MAX_WORLD_SIZE {
@@ -326,6 +343,7 @@ impl Bootstrap {
             report_every: cfg.startup_report,
             links: Links::Root(Vec::new()),
             seq: 0,
+            root_says: says.to_vec(),
         };
         if rank == 0 {
             b.init_root(me, deadline, cfg)?;
@@ -493,6 +511,11 @@ impl Bootstrap {
         for p in &peers {
             p.encode(&mut table);
         }
+        if table.len() + 4 + self.root_says.len() > MAX_FRAME {
+            return Err(self.rz_err("the peer table exceeds the bootstrap frame limit"));
+        }
+        table.extend_from_slice(&(self.root_says.len() as u32).to_le_bytes());
+        table.extend_from_slice(&self.root_says);
         for r in 0..conns.len() {
             if let Some(s) = &mut conns[r] {
                 if let Err(e) =
@@ -617,6 +640,11 @@ impl Bootstrap {
                 _ => return Err(self.proto(0, "init", "malformed peer table")),
             }
         }
+        let says = take_u32(&mut r).and_then(|len| take(&mut r, len as usize));
+        match says {
+            Some(says) if r.is_empty() => self.root_says = says.to_vec(),
+            _ => return Err(self.proto(0, "init", "malformed peer table")),
+        }
         drop(d);
         set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
         self.peers = peers;
@@ -722,6 +750,12 @@ impl Bootstrap {
         &self.peers
     }
 
+    /// What rank 0 sent with the peer table ([`init_saying`](Self::init_saying)); rank 0's
+    /// own `says`.
+    pub(crate) fn root_says(&self) -> &[u8] {
+        &self.root_says
+    }
+
     /// The communicator's secret (from the [`UniqueId`]).
     pub(crate) fn secret(&self) -> &[u8; 16] {
         &self.secret
@@ -748,6 +782,7 @@ impl Bootstrap {
     }
 
     /// Forwards to [`Exchange::allgather`].
+    #[cfg(test)]
     pub(crate) fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         <Self as Exchange>::allgather(self, mine)
     }

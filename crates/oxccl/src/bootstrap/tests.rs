@@ -69,6 +69,22 @@ fn four_ranks_init_and_allgather() {
     }
 }
 
+/// What rank 0 says at init reaches every rank with the peer table; what the others say is
+/// ignored; exchanges after it are unaffected.
+#[test]
+fn rank_0_says_something_to_every_rank_with_the_peer_table() {
+    let id = loopback_id();
+    let heard = ranks(3, move |r| {
+        let says = vec![r as u8 + 10; 1000 * (r + 1)];
+        let mut b = Bootstrap::init_saying(&id, r, 3, &cfg(20_000), &says).unwrap();
+        check_allgathers(&mut b);
+        b.root_says().to_vec()
+    });
+    for h in heard {
+        assert_eq!(h, vec![10u8; 1000]);
+    }
+}
+
 /// A rank that is slow to reach an exchange: rank 0 says, every period, which rank it waits
 /// for, and the others say they wait for rank 0's answer; the exchange then completes.
 #[test]

@@ -80,16 +80,11 @@ impl Supervisor {
         }
     }
 
-    /// For a communicator made by a rendezvous. Collective (one exchange): opens this rank's
-    /// listener for a later [`Communicator::shrink`] and tells the others where, then hands
-    /// the rendezvous connections to a new watchdog.
-    /// `stats` holds the counters of this rank's link to each peer (none for itself), shown
-    /// by the status agent.
-    pub(crate) fn with_bootstrap(
-        boot: &mut Bootstrap,
-        cfg: &Config,
-        stats: &[Option<Arc<LinkStats>>],
-    ) -> Result<Supervisor> {
+    /// For a communicator made by a rendezvous, first step: opens this rank's listener for a
+    /// later [`Communicator::shrink`] and says where in [`SupervisorPrep::message`], which
+    /// every rank must exchange (`comm/init.rs` has it ride in the shared-memory transport's
+    /// first exchange) and hand to [`SupervisorPrep::finish`].
+    pub(crate) fn prepare(boot: &Bootstrap, cfg: &Config) -> SupervisorPrep {
         let (rank, nranks) = (boot.rank(), boot.world_size());
         let mut g = Supervisor::local(rank, nranks, cfg);
         g.recorder = Recorder::new(
@@ -119,7 +114,56 @@ impl Supervisor {
         };
         let mut mine = port.to_le_bytes().to_vec();
         mine.extend_from_slice(&status_port.to_le_bytes());
-        let ports = boot.allgather(&mine)?;
+        SupervisorPrep {
+            g,
+            listener,
+            status,
+            mine,
+        }
+    }
+}
+
+/// A [`Supervisor`] half made ([`Supervisor::prepare`]): waiting for every rank's ports.
+pub(crate) struct SupervisorPrep {
+    g: Supervisor,
+    listener: std::io::Result<TcpListener>,
+    status: StatusPlan,
+    mine: Vec<u8>,
+}
+
+impl SupervisorPrep {
+    /// This rank's message: its shrink listener's and status agent's ports.
+    pub(crate) fn message(&self) -> Vec<u8> {
+        self.mine.clone()
+    }
+
+    /// Second step, with every rank's [`message`](Self::message) `ports`: records the
+    /// others' addresses, starts the status agent and hands the rendezvous connections to a
+    /// new watchdog. `stats` holds the counters of this rank's link to each peer (none for
+    /// itself), shown by the status agent.
+    pub(crate) fn finish(
+        self,
+        boot: &mut Bootstrap,
+        cfg: &Config,
+        stats: &[Option<Arc<LinkStats>>],
+        ports: Vec<Vec<u8>>,
+    ) -> Result<Supervisor> {
+        let SupervisorPrep {
+            mut g,
+            listener,
+            status,
+            ..
+        } = self;
+        let (rank, nranks) = (boot.rank(), boot.world_size());
+        if ports.len() != nranks {
+            return Err(Error::Protocol {
+                rank,
+                peer: 0,
+                call: "init",
+                seq: 0,
+                msg: format!("{} port messages for {nranks} ranks", ports.len()),
+            });
+        }
         let status_addrs: Vec<Option<SocketAddr>> = ports
             .iter()
             .zip(boot.peers())
@@ -173,6 +217,9 @@ impl Supervisor {
                 g.health.clone(),
                 WatchSettings {
                     heartbeat: cfg.heartbeat,
+                    // Ranks leave init at different times (no exchange ends it): a peer's
+                    // first heartbeat may come as late as init's own bound.
+                    first_heard: cfg.timeout,
                 },
                 Box::new(move || rec.dump("failure reported by the watchdog")),
             )
@@ -185,7 +232,9 @@ impl Supervisor {
         }
         Ok(g)
     }
+}
 
+impl Supervisor {
     /// The health shared with the executor.
     pub(crate) fn health(&self) -> &Health {
         &self.health

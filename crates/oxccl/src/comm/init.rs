@@ -10,10 +10,11 @@ use tracing::{debug, info};
 use crate::base::error::{Error, Result};
 use crate::base::param::{Config, TransportChoice};
 use crate::base::wait::Spin;
+use crate::bootstrap::carry::{Carrier, Rider};
 use crate::bootstrap::topo::{self, Topology};
 use crate::bootstrap::{Bootstrap, LaunchEnv, UniqueId};
-use crate::comm::fault::Supervisor;
-use crate::comm::settings::agree_on_settings;
+use crate::comm::fault::{Supervisor, SupervisorPrep};
+use crate::comm::settings::{agree_on_settings, encode_settings};
 use crate::comm::{Communicator, State};
 use crate::direct::link::Direct;
 use crate::fault::fingerprint::Sequencer;
@@ -56,9 +57,10 @@ impl Communicator {
         }
         // When each phase ended, for the `init phases` debug line (start-up cost, docs/scale.md).
         let t0 = Instant::now();
-        let mut boot = Bootstrap::init(id, rank, world_size, &cfg)?;
+        // Rank 0's settings ride with the peer table: every rank takes them.
+        let mut boot = Bootstrap::init_saying(id, rank, world_size, &cfg, &encode_settings(&cfg))?;
         let t_rendezvous = t0.elapsed();
-        let cfg = agree_on_settings(&mut boot, cfg)?;
+        let cfg = agree_on_settings(&boot, cfg)?;
         let t_settings = t0.elapsed();
         let forced_algo = parse_algo(&cfg)?;
         let peers = boot.peers().to_vec();
@@ -82,7 +84,29 @@ impl Communicator {
         );
         let tag = boot.comm_tag();
         let secret = *boot.secret();
-        let shm_links = shm::connect(&mut boot, &shm_peers, tag, &cfg)?;
+        // The supervisor's ports and the direct area (every rank on this host, talking
+        // through shared memory: the one-shot and single-copy algorithms; all ranks decide
+        // alike, same topology) ride in the shared-memory transport's two exchanges.
+        let (direct, direct_msg) = if world_size > 1 && tcp_peers.is_empty() {
+            let pids: Vec<u32> = peers.iter().map(|p| p.pid).collect();
+            let (setup, msg) = crate::direct::shm::Setup::start(rank, &pids, tag, cfg.cma);
+            (Some(setup), msg)
+        } else {
+            (None, Vec::new())
+        };
+        let mut rider = InitRider {
+            supervisor: Some(Supervisor::prepare(&boot, &cfg)),
+            ports: None,
+            direct,
+            direct_msg,
+            done: None,
+        };
+        let shm_links = {
+            let mut carrier = Carrier::new(&mut boot, &mut rider);
+            let links = shm::connect(&mut carrier, &shm_peers, tag, &cfg)?;
+            carrier.finish()?;
+            links
+        };
         let t_shm = t0.elapsed();
         // Every rank decides alike whether any rank has a TCP peer (the peer table, the
         // topology and the transport are the same everywhere): when none has, skip the
@@ -95,15 +119,11 @@ impl Communicator {
             Vec::new()
         };
         let t_tcp = t0.elapsed();
-        // Every rank on this host, talking through shared memory: set up the direct area for
-        // the one-shot and single-copy algorithms (all ranks decide alike: same topology).
-        let direct = if world_size > 1 && tcp_peers.is_empty() {
-            let pids: Vec<u32> = peers.iter().map(|p| p.pid).collect();
-            crate::direct::shm::connect(&mut boot, &pids, tag, cfg.cma)?
-                .map(|d| Box::new(d) as Box<dyn Direct>)
-        } else {
-            None
-        };
+        let direct = rider
+            .done
+            .take()
+            .flatten()
+            .map(|d| Box::new(d) as Box<dyn Direct>);
         let t_direct = t0.elapsed();
         let mut links: Vec<Option<Box<dyn Link>>> = (0..world_size).map(|_| None).collect();
         // Every link counts its bytes and progress for the status agent.
@@ -117,7 +137,17 @@ impl Communicator {
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
         comm.spin = Spin::from_config(&comm.cfg, comm.local_size);
-        comm.guard = Supervisor::with_bootstrap(&mut boot, &comm.cfg, &stats)?;
+        let (prep, ports) = (rider.supervisor.take(), rider.ports.take());
+        let (Some(prep), Some(ports)) = (prep, ports) else {
+            return Err(Error::Protocol {
+                rank,
+                peer: 0,
+                call: "init",
+                seq: 0,
+                msg: "the supervisor's ports were not exchanged".into(),
+            });
+        };
+        comm.guard = prep.finish(&mut boot, &comm.cfg, &stats, ports)?;
         let us = |d: std::time::Duration| d.as_micros() as u64;
         debug!(
             rank,
@@ -219,6 +249,72 @@ impl Communicator {
             .unwrap_or_else(|e| e.into_inner())
             .direct = Some(direct);
         self
+    }
+}
+
+/// What rides in the shared-memory transport's two exchanges at init ([`Carrier`]): round 0
+/// carries the supervisor's ports and the direct area's first message, round 1 the direct
+/// area's verdict. Each round's message: the ports' length (`u16`), the ports, the direct
+/// area's message.
+struct InitRider {
+    supervisor: Option<SupervisorPrep>,
+    /// Every rank's ports, once round 0 arrived.
+    ports: Option<Vec<Vec<u8>>>,
+    /// The direct area being set up (none when it is not planned).
+    direct: Option<crate::direct::shm::Setup>,
+    /// The direct area's message for the next round.
+    direct_msg: Vec<u8>,
+    /// The direct area, once round 1 arrived (`Some(None)`: some rank could not set it up).
+    done: Option<Option<crate::direct::shm::ShmDirect>>,
+}
+
+impl Rider for InitRider {
+    fn message(&mut self, round: usize) -> Vec<u8> {
+        let ports = match (round, &self.supervisor) {
+            (0, Some(s)) => s.message(),
+            _ => Vec::new(),
+        };
+        let direct = match (round, &self.direct) {
+            (0 | 1, Some(_)) => std::mem::take(&mut self.direct_msg),
+            _ => Vec::new(),
+        };
+        let mut msg = (ports.len() as u16).to_le_bytes().to_vec();
+        msg.extend_from_slice(&ports);
+        msg.extend_from_slice(&direct);
+        msg
+    }
+
+    fn arrived(&mut self, round: usize, all: Vec<Vec<u8>>) {
+        let (ports, direct): (Vec<Vec<u8>>, Vec<Vec<u8>>) = all
+            .into_iter()
+            .map(|mut m| {
+                let len = m
+                    .get(..2)
+                    .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]) as usize);
+                let len = len.min(m.len().saturating_sub(2));
+                let direct = m.split_off((2 + len).min(m.len()));
+                m.drain(..2.min(m.len()));
+                (m, direct)
+            })
+            .unzip();
+        match round {
+            0 => {
+                self.ports = Some(ports);
+                if let Some(d) = &mut self.direct {
+                    self.direct_msg = d.opened(&direct);
+                }
+            }
+            1 => {
+                if let Some(d) = self.direct.take() {
+                    self.done = Some(d.finish(&direct));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn wants_more(&self, round: usize) -> bool {
+        round < 2
     }
 }
 

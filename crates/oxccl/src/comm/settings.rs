@@ -1,8 +1,9 @@
 //! The settings every rank must share, agreed at init.
 //!
 //! Every setting that decides which algorithm or transport runs must be the same on every
-//! rank, or ranks would run different schedules and wait for each other forever. At init each
-//! rank sends its [`Agreed`] settings to the others ([`Agreed::encode`]); rank 0's win, and a
+//! rank, or ranks would run different schedules and wait for each other forever. At init rank
+//! 0 sends its [`Agreed`] settings ([`Agreed::encode`]) to every rank with the rendezvous's
+//! peer table (no exchange of its own); rank 0's win, and a
 //! rank whose environment said otherwise logs a warning naming the setting and both values
 //! ([`Agreed::differences`]).
 
@@ -135,11 +136,17 @@ impl Agreed {
     }
 }
 
-/// Rank 0's agreed settings in place of `cfg`'s own (see the module documentation).
-pub(super) fn agree_on_settings(boot: &mut Bootstrap, cfg: Config) -> Result<Config> {
+/// This rank's settings as rank 0 needs to send them with the peer table
+/// ([`Bootstrap::init_saying`]).
+pub(super) fn encode_settings(cfg: &Config) -> Vec<u8> {
+    Agreed::of(cfg).encode()
+}
+
+/// Rank 0's agreed settings in place of `cfg`'s own (see the module documentation): what
+/// rank 0 sent with the peer table ([`encode_settings`]), so no exchange of its own.
+pub(super) fn agree_on_settings(boot: &Bootstrap, cfg: Config) -> Result<Config> {
     let mine = Agreed::of(&cfg);
-    let all = crate::bootstrap::Exchange::allgather(boot, &mine.encode())?;
-    let root = Agreed::decode(&all[0]).map_err(|msg| Error::Protocol {
+    let root = Agreed::decode(boot.root_says()).map_err(|msg| Error::Protocol {
         rank: boot.rank(),
         peer: 0,
         call: "init",

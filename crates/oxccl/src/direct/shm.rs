@@ -26,9 +26,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use rustix::fs::FallocateFlags;
 
 use crate::base::cross_memory::{read_remote, write_remote};
-use crate::base::error::Result;
 use crate::base::wait::Doorbell;
-use crate::bootstrap::Exchange;
 use crate::direct::link::{Direct, EventRecord};
 use crate::direct::shared_buffer::{PeerMapping, Region, PEER_MAPPED_BYTES, PEER_MAPPINGS};
 use crate::fault::fingerprint::HEADER_BYTES;
@@ -195,102 +193,157 @@ fn open(path: &str, rank: usize, pid: u32) -> std::result::Result<Area, String> 
     Ok(area)
 }
 
-/// Sets up direct access among all `n` ranks of a single-host communicator: collective, every
-/// rank calls it. `pid_of[r]` is rank r's process id. Returns `None` (and logs why) where it
-/// cannot be set up on some rank; the ring algorithms then do all the work.
-pub(crate) fn connect(
-    ex: &mut dyn Exchange,
-    pid_of: &[u32],
+/// Sets up direct access among all `n` ranks of a single-host communicator, in steps around
+/// two exchanges made elsewhere (`comm/init.rs` has them ride in the shared-memory
+/// transport's): [`start`](Self::start) gives the first message, [`opened`](Self::opened)
+/// takes every rank's and gives the second, [`finish`](Self::finish) takes every rank's second
+/// and returns `None` (logging why) where some rank could not set it up; the ring algorithms
+/// then do all the work. Collective: every rank of the host runs every step.
+pub(crate) struct Setup {
+    rank: usize,
+    n: usize,
     tag: u64,
+    pid_of: Vec<u32>,
+    mine: std::result::Result<(Area, OwnedFd), String>,
+    /// A value whose address peers read and write (the same bytes back), to learn whether
+    /// CMA works. Atomic: peers write it behind the compiler's back.
+    probe: Box<AtomicU64>,
     allow_cma: bool,
-) -> Result<Option<ShmDirect>> {
-    let (rank, n) = (ex.rank(), ex.world_size());
-    let mine = create(&format!("oxccl-{tag:016x}-d{rank}"), rank);
-    // A probe value whose address peers read and write (the same bytes back), to learn whether
-    // CMA works. Atomic: peers write it behind the compiler's back.
-    let probe = Box::new(std::sync::atomic::AtomicU64::new(0x0c5a_u64 ^ tag));
-    let msg = match &mine {
-        Ok((_, fd)) => format!(
-            "ok {} {} {}",
-            probe.as_ptr() as usize,
-            crate::transport::shm::pid_namespace(),
-            handoff::token(fd)
-        ),
-        Err(e) => format!("err {e}"),
-    };
-    let all = ex.allgather(msg.as_bytes())?;
-    let mut areas: Vec<Option<Area>> = (0..n).map(|_| None).collect();
-    let mut failure = mine.as_ref().err().cloned();
-    let mut cma_ok = allow_cma;
-    let mut probes = vec![0u64; n];
-    let my_ns = crate::transport::shm::pid_namespace();
-    // Pids mean something here only for peers in this pid namespace.
-    let mut pids: Vec<Option<rustix::process::Pid>> = vec![None; n];
-    for (r, m) in all.iter().enumerate() {
-        let m = String::from_utf8_lossy(m);
-        let mut it = m.splitn(4, ' ');
-        match (it.next(), it.next(), it.next(), it.next()) {
-            (Some("ok"), Some(addr), Some(ns), Some(p)) if r != rank => match open(p, r, pid_of[r])
-            {
-                Ok(a) => {
-                    areas[r] = Some(a);
-                    probes[r] = addr.parse().unwrap_or(0);
-                    if ns == my_ns && !my_ns.is_empty() {
-                        pids[r] = rustix::process::Pid::from_raw(pid_of[r] as i32);
-                    } else {
-                        cma_ok = false;
+    /// After [`opened`](Self::opened): every rank's area, by rank.
+    areas: Vec<Option<Area>>,
+    pids: Vec<Option<rustix::process::Pid>>,
+    failure: Option<String>,
+    cma_ok: bool,
+    /// The area's memfd stays open until every peer has copied it (the verdict).
+    my_fd: Option<OwnedFd>,
+}
+
+impl Setup {
+    /// Creates this rank's area; returns the setup and this rank's first message.
+    pub(crate) fn start(
+        rank: usize,
+        pid_of: &[u32],
+        tag: u64,
+        allow_cma: bool,
+    ) -> (Setup, Vec<u8>) {
+        let n = pid_of.len();
+        let mine = create(&format!("oxccl-{tag:016x}-d{rank}"), rank);
+        let probe = Box::new(AtomicU64::new(0x0c5a_u64 ^ tag));
+        let msg = match &mine {
+            Ok((_, fd)) => format!(
+                "ok {} {} {}",
+                probe.as_ptr() as usize,
+                crate::transport::shm::pid_namespace(),
+                handoff::token(fd)
+            ),
+            Err(e) => format!("err {e}"),
+        };
+        let setup = Setup {
+            rank,
+            n,
+            tag,
+            pid_of: pid_of.to_vec(),
+            mine,
+            probe,
+            allow_cma,
+            areas: (0..n).map(|_| None).collect(),
+            pids: vec![None; n],
+            failure: None,
+            cma_ok: false,
+            my_fd: None,
+        };
+        (setup, msg.into_bytes())
+    }
+
+    /// Opens every peer's area from their first messages `all` and probes CMA; returns this
+    /// rank's verdict (the second message).
+    pub(crate) fn opened(&mut self, all: &[Vec<u8>]) -> Vec<u8> {
+        let (rank, n, tag) = (self.rank, self.n, self.tag);
+        let pid_of = &self.pid_of;
+        let mut areas: Vec<Option<Area>> = (0..n).map(|_| None).collect();
+        let mine = std::mem::replace(&mut self.mine, Err(String::new()));
+        let mut failure = mine.as_ref().err().cloned();
+        let mut cma_ok = self.allow_cma;
+        let mut probes = vec![0u64; n];
+        let my_ns = crate::transport::shm::pid_namespace();
+        // Pids mean something here only for peers in this pid namespace.
+        let mut pids: Vec<Option<rustix::process::Pid>> = vec![None; n];
+        if all.len() != n {
+            failure = failure.or(Some(format!("{} first messages for {n} ranks", all.len())));
+        }
+        for (r, m) in all.iter().enumerate().take(n) {
+            let m = String::from_utf8_lossy(m);
+            let mut it = m.splitn(4, ' ');
+            match (it.next(), it.next(), it.next(), it.next()) {
+                (Some("ok"), Some(addr), Some(ns), Some(p)) if r != rank => {
+                    match open(p, r, pid_of[r]) {
+                        Ok(a) => {
+                            areas[r] = Some(a);
+                            probes[r] = addr.parse().unwrap_or(0);
+                            if ns == my_ns && !my_ns.is_empty() {
+                                pids[r] = rustix::process::Pid::from_raw(pid_of[r] as i32);
+                            } else {
+                                cma_ok = false;
+                            }
+                        }
+                        Err(e) => failure = failure.or(Some(e)),
                     }
                 }
-                Err(e) => failure = failure.or(Some(e)),
-            },
-            (Some("ok"), _, _, _) => {}
-            _ => failure = failure.or(Some(format!("rank {r}: {m}"))),
-        }
-    }
-    // The area's memfd stays open until every peer has copied it (the verdict below).
-    let mut my_fd = None;
-    if let Ok((a, fd)) = mine {
-        areas[rank] = Some(a);
-        my_fd = Some(fd);
-    }
-    if cma_ok {
-        for (r, &addr) in probes.iter().enumerate() {
-            if r == rank || failure.is_some() {
-                continue;
-            }
-            let mut v = [0u8; 8];
-            // Read the peer's probe, then write the same bytes back: both directions must work
-            // (writing the value it already holds leaves it intact for the other readers).
-            if read_remote(pid_of[r], addr, &mut v).is_err()
-                || u64::from_ne_bytes(v) != 0x0c5a_u64 ^ tag
-                || write_remote(pid_of[r], addr, &v).is_err()
-            {
-                cma_ok = false;
+                (Some("ok"), _, _, _) => {}
+                _ => failure = failure.or(Some(format!("rank {r}: {m}"))),
             }
         }
+        if let Ok((a, fd)) = mine {
+            areas[rank] = Some(a);
+            self.my_fd = Some(fd);
+        }
+        if cma_ok {
+            for (r, &addr) in probes.iter().enumerate() {
+                if r == rank || failure.is_some() {
+                    continue;
+                }
+                let mut v = [0u8; 8];
+                // Read the peer's probe, then write the same bytes back: both directions must
+                // work (writing the value it already holds leaves it intact for the others).
+                if read_remote(pid_of[r], addr, &mut v).is_err()
+                    || u64::from_ne_bytes(v) != 0x0c5a_u64 ^ tag
+                    || write_remote(pid_of[r], addr, &v).is_err()
+                {
+                    cma_ok = false;
+                }
+            }
+        }
+        let verdict = vec![u8::from(failure.is_none()), u8::from(cma_ok)];
+        self.areas = areas;
+        self.pids = pids;
+        self.failure = failure;
+        self.cma_ok = cma_ok;
+        verdict
     }
-    let verdict = [u8::from(failure.is_none()), u8::from(cma_ok)];
-    let all = ex.allgather(&verdict)?;
-    drop(probe);
-    drop(my_fd);
-    if let Some(f) = failure.or_else(|| {
-        all.iter()
-            .any(|v| v.first() != Some(&1))
-            .then(|| "a peer failed".to_string())
-    }) {
-        tracing::warn!(rank, "shared-memory direct algorithms disabled: {f}");
-        return Ok(None);
+
+    /// The direct area from every rank's verdict `all`, or `None` (logged) if any rank failed.
+    pub(crate) fn finish(self, all: &[Vec<u8>]) -> Option<ShmDirect> {
+        let rank = self.rank;
+        drop(self.probe);
+        drop(self.my_fd);
+        if let Some(f) = self.failure.or_else(|| {
+            (all.len() != self.n || all.iter().any(|v| v.first() != Some(&1)))
+                .then(|| "a peer failed".to_string())
+        }) {
+            tracing::warn!(rank, "shared-memory direct algorithms disabled: {f}");
+            return None;
+        }
+        let cma = all.iter().all(|v| v.get(1) == Some(&1));
+        tracing::info!(rank, cma, "shared-memory direct area ready");
+        Some(ShmDirect {
+            rank,
+            areas: self.areas,
+            pids: self.pids,
+            event: 0,
+            cma,
+            mapped: (0..self.n).map(|_| (None, Vec::new())).collect(),
+        })
     }
-    let cma = all.iter().all(|v| v.get(1) == Some(&1));
-    tracing::info!(rank, cma, "shared-memory direct area ready");
-    Ok(Some(ShmDirect {
-        rank,
-        areas,
-        pids,
-        event: 0,
-        cma,
-        mapped: (0..n).map(|_| (None, Vec::new())).collect(),
-    }))
 }
 
 impl ShmDirect {

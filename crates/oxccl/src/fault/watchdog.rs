@@ -28,6 +28,10 @@ use crate::fault::health::Failure;
 pub struct WatchSettings {
     /// A peer silent this long is lost (`None`: heartbeats are sent but not required).
     pub heartbeat: Option<Duration>,
+    /// A peer not heard from yet is lost after this long instead, where it is longer than
+    /// `heartbeat`: it may still be finishing its init (its links, its segments) after the
+    /// last exchange through rank 0, and ranks leave init at different times.
+    pub first_heard: Duration,
 }
 
 impl WatchSettings {
@@ -66,6 +70,8 @@ struct Peer {
     peer: usize,
     buf: Vec<u8>,
     last_seen: Instant,
+    /// Whether anything came from it yet.
+    heard: bool,
     /// Closed, lost or said goodbye: no longer watched.
     done: bool,
 }
@@ -76,6 +82,7 @@ struct Peer {
 pub(crate) struct Watch {
     is_root: bool,
     heartbeat: Option<Duration>,
+    first_heard: Duration,
     period: Duration,
     next_beat: Instant,
     peers: Vec<Peer>,
@@ -101,6 +108,7 @@ impl Watch {
         Watch {
             is_root: rank == 0,
             heartbeat: settings.heartbeat,
+            first_heard: settings.first_heard,
             period: settings.period(),
             next_beat: now,
             peers: peers
@@ -109,6 +117,7 @@ impl Watch {
                     peer,
                     buf: Vec::new(),
                     last_seen: now,
+                    heard: false,
                     done: false,
                 })
                 .collect(),
@@ -198,6 +207,7 @@ impl Watch {
         let p = &mut self.peers[conn];
         p.buf.extend_from_slice(bytes);
         p.last_seen = now;
+        p.heard = true;
     }
 
     /// Connection `conn` was closed by the other side.
@@ -251,7 +261,8 @@ impl Watch {
         p.buf.drain(..used.min(p.buf.len()));
         if let Some(h) = self.heartbeat {
             let silent = now.saturating_duration_since(p.last_seen);
-            if !p.done && silent > h {
+            let limit = if p.heard { h } else { h.max(self.first_heard) };
+            if !p.done && silent > limit {
                 p.done = true;
                 self.lost.push((
                     p.peer,
@@ -348,6 +359,7 @@ mod tests {
     fn settings() -> WatchSettings {
         WatchSettings {
             heartbeat: Some(HB),
+            first_heard: Duration::ZERO,
         }
     }
 
@@ -384,12 +396,48 @@ mod tests {
         w.handle_timeout(t0 + HB / 8);
         assert_eq!(flush(&mut w, |_| true).len(), 2);
         assert!(w.end_round().is_empty());
-        let lazy = WatchSettings { heartbeat: None };
+        let lazy = WatchSettings {
+            heartbeat: None,
+            first_heard: Duration::ZERO,
+        };
         assert_eq!(lazy.period(), Duration::from_millis(500));
         let fast = WatchSettings {
             heartbeat: Some(Duration::from_millis(1)),
+            first_heard: Duration::ZERO,
         };
         assert_eq!(fast.period(), Duration::from_millis(10));
+    }
+
+    /// A peer not heard from yet (still in its init) has `first_heard`, not the heartbeat;
+    /// once heard, the heartbeat applies.
+    #[test]
+    fn a_peer_not_heard_from_yet_has_the_longer_first_wait() {
+        let t0 = Instant::now();
+        let s = WatchSettings {
+            heartbeat: Some(HB),
+            first_heard: 3 * HB,
+        };
+        let mut w = Watch::new(0, &[1, 2], s, t0);
+        w.handle_data(1, &Frame::Heartbeat.encode(), t0);
+        let t1 = t0 + 2 * HB;
+        w.input_done(0, t1);
+        w.input_done(1, t1);
+        let lost: Vec<usize> = w
+            .end_round()
+            .iter()
+            .map(|f| match f {
+                Failure::Lost { peer, .. } => *peer,
+                _ => usize::MAX,
+            })
+            .collect();
+        assert_eq!(
+            lost,
+            [2],
+            "heard from: the heartbeat applies; not heard: not yet lost"
+        );
+        let mut w = Watch::new(0, &[1], s, t0);
+        w.input_done(0, t0 + 3 * HB + Duration::from_millis(1));
+        assert_eq!(w.end_round().len(), 1, "silent past first_heard: lost");
     }
 
     #[test]
@@ -440,7 +488,11 @@ mod tests {
     #[test]
     fn without_heartbeat_timeout_silence_is_fine() {
         let t0 = Instant::now();
-        let mut w = Watch::new(3, &[0], WatchSettings { heartbeat: None }, t0);
+        let settings = WatchSettings {
+            heartbeat: None,
+            first_heard: Duration::ZERO,
+        };
+        let mut w = Watch::new(3, &[0], settings, t0);
         w.input_done(0, t0 + Duration::from_secs(3600));
         assert!(w.end_round().is_empty());
         assert!(w.is_watched(0));

@@ -1,7 +1,6 @@
 //! Shared-memory transport between ranks of one host.
 //!
-//! Each rank creates one segment that it owns (memory reserved up front with `fallocate`),
-//! holding a header, the rank's [`Doorbell`](crate::base::wait::Doorbell) and one incoming
+//! Each rank creates one segment that it owns, holding a header, the rank's [`Doorbell`](crate::base::wait::Doorbell) and one incoming
 //! single-producer/single-consumer byte ring per shared-memory peer (the owner reads, the
 //! peer writes). [`connect`] creates it, hands it to the peers and maps every peer's: by
 //! default the segment is a memfd whose descriptor peers copy (`pidfd_getfd`), so no file
@@ -10,7 +9,11 @@
 //! `connect` returns, even if the process is killed (`handoff.rs`).
 //!
 //! A [`ShmLink`] to peer `p` writes into the ring for this rank in `p`'s segment and reads
-//! the ring from `p` in this rank's segment. Whoever makes progress another rank may wait for
+//! the ring from `p` in this rank's segment. The segment's header and control pages are
+//! allocated (`fallocate`) when it is made; a ring's data is allocated by its producer as its
+//! writes first reach it ([`RING_FIRST`] bytes at `connect`, then doubling up to the
+//! capacity), with `MADV_POPULATE_WRITE`, so that a new communicator costs a few pages per
+//! peer and shared memory that cannot be had is an error, never a SIGBUS. Whoever makes progress another rank may wait for
 //! rings that rank's doorbell: the producer after writing (the consumer's), the consumer after
 //! freeing space (the producer's). So a rank sleeps on its own doorbell for everything, and
 //! [`Link::send_wait`] and [`Link::recv_wait`] both return it.
@@ -50,6 +53,10 @@ pub fn segment_bytes(npeers: usize, ring_bytes: usize, budget: u64) -> Option<u6
     let cap = segment::budgeted_capacity(nrings, ring_bytes, budget)?;
     segment::SegLayout::new(nrings, cap).map(|l| l.total)
 }
+
+/// Bytes of a ring's data its producer allocates at [`connect`]; beyond them it allocates as
+/// its writes reach them, doubling ([`ShmLink`]).
+pub(crate) const RING_FIRST: u64 = 64 << 10;
 
 /// Status bytes of the out-of-band messages of [`connect`].
 const ST_NONE: u8 = 0;
@@ -377,8 +384,11 @@ fn connect_as(
         peers.iter().zip(opened).zip(lending).enumerate()
     {
         let (rc, rd, rcap) = own.ring(i as u32);
-        remote.prefault_ring(ring_idx);
         let (tc, td, tcap) = remote.ring(ring_idx);
+        let tx_ready = RING_FIRST.min(tcap);
+        remote
+            .populate_ring(ring_idx, 0, tx_ready)
+            .map_err(|m| shm_err(rank, format!("the ring to rank {p}: {m}")))?;
         // SAFETY: the rings lie inside mappings that the link keeps alive through its Arcs
         // (fields `own` and `remote`, dropped after the ends are no longer used); ring `i` of
         // this rank's segment is read only by this link (one link per peer, one ring per
@@ -399,6 +409,8 @@ fn connect_as(
             lending: None,
             borrowed: None,
             tx,
+            tx_ring: ring_idx,
+            tx_ready,
             rx,
             own: own.clone(),
             remote,
@@ -441,6 +453,10 @@ pub struct ShmLink {
     /// The message borrowed now: its address in the peer (its descriptor is still in the ring).
     borrowed: Option<u64>,
     tx: Producer,
+    /// The index of `tx`'s ring in the peer's segment.
+    tx_ring: u32,
+    /// Bytes of `tx`'s data allocated so far, from its start ([`Segment::populate_ring`]).
+    tx_ready: u64,
     rx: Consumer,
     // Declared after the ring ends: the mappings outlive every use of them.
     own: Arc<Segment>,
@@ -455,6 +471,35 @@ impl ShmLink {
 
     fn closed(&self, what: &str) -> LinkError {
         LinkError::Closed(format!("rank {} {what}", self.peer))
+    }
+
+    /// Allocates more of the ring to the peer before a write of up to `len` bytes would reach
+    /// data not allocated yet (positions only grow, so the data used is `[0, head + len)`
+    /// until it wraps): at least double what is allocated, up to the capacity.
+    fn grow_for(&mut self, len: usize) -> std::result::Result<(), LinkError> {
+        let cap = self.remote.ring_capacity();
+        let want = self.tx.head().saturating_add(len as u64).min(cap);
+        if want <= self.tx_ready {
+            return Ok(());
+        }
+        let to = want
+            .max(self.tx_ready.saturating_mul(2))
+            .checked_next_power_of_two()
+            .unwrap_or(cap)
+            .min(cap);
+        self.remote
+            .populate_ring(self.tx_ring, self.tx_ready, to)
+            .map_err(|m| {
+                LinkError::Io(std::io::Error::new(
+                    std::io::ErrorKind::OutOfMemory,
+                    format!(
+                        "rank {}: the shared-memory ring to rank {}: {m}",
+                        self.rank, self.peer
+                    ),
+                ))
+            })?;
+        self.tx_ready = to;
+        Ok(())
     }
 
     /// `Closed` if the peer closed its end and nothing it sent is left to read.
@@ -475,6 +520,7 @@ impl Link for ShmLink {
         if self.tx.consumer_closed() {
             return Err(self.closed("closed its end of the shared-memory link"));
         }
+        self.grow_for(data.len())?;
         let n = self.tx.write(data)?;
         if n > 0 {
             self.remote.doorbell().ring();
@@ -511,6 +557,7 @@ impl Link for ShmLink {
             // Another message is still lent: it goes first (stream order).
             Some(_) => return Ok(false),
             None => {
+                self.grow_for(lend::DESC_BYTES)?;
                 if !self
                     .tx
                     .write_whole(&lend::descriptor(addr, src.len() as u64))?
@@ -691,6 +738,53 @@ mod tests {
                 assert!(left.is_empty(), "{sharing:?}: left {left:?}");
                 assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
             }
+        }
+    }
+
+    /// Rings allocated as they are first written: many times their capacity, in writes of
+    /// every size (some beyond what is allocated, some wrapping), arrive intact.
+    #[test]
+    fn bytes_arrive_intact_while_rings_grow_and_wrap() {
+        let mut tag_bytes = [0u8; 8];
+        getrandom::fill(&mut tag_bytes).unwrap();
+        let tag = u64::from_le_bytes(tag_bytes);
+        let pid = std::process::id();
+        let cfg = Config {
+            shm_ring_bytes: 1 << 20,
+            ..Config::default()
+        };
+        let total: usize = 3 << 20;
+        let pattern = |i: usize| (i * 7 + i / 251) as u8;
+        let ts: Vec<_> = LocalExchange::group(2)
+            .into_iter()
+            .map(|mut ex| {
+                let cfg = cfg.clone();
+                std::thread::spawn(move || {
+                    let peer = 1 - ex.rank();
+                    let mut links = connect_as(&mut ex, &[(peer, pid)], tag, &cfg, Sharing::Memfd)
+                        .unwrap()
+                        .unwrap();
+                    let link = &mut links[0].1;
+                    let msg: Vec<u8> = (0..total).map(pattern).collect();
+                    let (mut sent, mut got, mut chunk) = (0, Vec::new(), 1usize);
+                    while sent < total || got.len() < total {
+                        if sent < total {
+                            let end = (sent + chunk).min(total);
+                            sent += link.try_send(&msg[sent..end]).unwrap();
+                            chunk = chunk * 3 % 300_007 + 1;
+                        }
+                        link.try_recv(&mut |d| {
+                            got.extend_from_slice(d);
+                            d.len()
+                        })
+                        .unwrap();
+                    }
+                    got == msg
+                })
+            })
+            .collect();
+        for t in ts {
+            assert!(t.join().unwrap());
         }
     }
 

@@ -225,11 +225,13 @@ fn map_with(fd: impl AsFd, len: u64, path: &Path, flags: MapFlags) -> Result<Non
 }
 
 impl Segment {
-    /// Creates, sizes (really allocating the memory) and maps a new segment, with one ring per
+    /// Creates, sizes and maps a new segment, with one ring per
     /// entry of `producers` (the producer's rank), and fills its header: a memfd named `name`
     /// ([`Sharing::Memfd`]) or a file [`handoff::named_path`]`(name)` in `/dev/shm`, locked by
     /// this process while it exists ([`handoff::create_locked`]). Rings hold `ring_bytes`,
-    /// less where the segment would exceed `budget` bytes ([`budgeted_capacity`]).
+    /// less where the segment would exceed `budget` bytes ([`budgeted_capacity`]). Only the
+    /// header and the rings' control pages are allocated (`fallocate`); ring data is
+    /// allocated by producers ([`populate_ring`](Self::populate_ring)).
     pub(crate) fn create(
         sharing: Sharing,
         name: &str,
@@ -285,25 +287,55 @@ impl Segment {
         let path = path.as_path();
         let dir = SHM_DIR;
         let pid = std::process::id();
-        match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total) {
-            Ok(()) => {}
-            Err(rustix::io::Errno::NOSPC) => {
-                return Err(space_message(
-                    dir,
-                    layout.total,
-                    free_bytes(dir).unwrap_or(0),
-                    cap,
-                    nrings,
-                ));
+        let no_space =
+            || space_message(dir, layout.total, free_bytes(dir).unwrap_or(0), cap, nrings);
+        // Sized, but only the header, the directory and the rings' control pages are
+        // allocated here: a ring's data is allocated by its producer as it first writes
+        // there ([`Segment::populate_ring`]), so a new communicator costs a few pages per
+        // peer, not a full ring per peer (docs/scale.md, "Start-up and new groups").
+        rustix::fs::ftruncate(&fd, layout.total).map_err(|e| io_msg("ftruncate", path, e))?;
+        let mut meta = vec![(0, layout.rings_offset)];
+        meta.extend((0..nrings).map(|i| (layout.ring_offset(i), PAGE)));
+        for (at, len) in meta {
+            match rustix::fs::fallocate(&fd, FallocateFlags::empty(), at, len) {
+                Ok(()) | Err(rustix::io::Errno::OPNOTSUPP) => {}
+                Err(rustix::io::Errno::NOSPC) => return Err(no_space()),
+                Err(e) => return Err(io_msg("fallocate", path, e)),
             }
-            Err(rustix::io::Errno::OPNOTSUPP) => {
-                // Not tmpfs (an unusual SHM_DIR): fall back to a plain size.
-                rustix::fs::ftruncate(&fd, layout.total)
-                    .map_err(|e| io_msg("ftruncate", path, e))?;
-            }
-            Err(e) => return Err(io_msg("fallocate", path, e)),
         }
-        let base = map(&fd, layout.total, path)?;
+        let base = map_with(&fd, layout.total, path, MapFlags::empty())?;
+        // SAFETY: the header page lies inside the fresh mapping of `layout.total` bytes;
+        // populating changes no byte.
+        let probe = unsafe {
+            rustix::mm::madvise(
+                base.as_ptr().cast(),
+                PAGE as usize,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        };
+        if probe.is_err() {
+            // A kernel without MADV_POPULATE_WRITE (before 5.14): producers could not
+            // allocate ring memory with an error instead of SIGBUS, so allocate it all now.
+            tracing::debug!(
+                rank = owner_rank,
+                "MADV_POPULATE_WRITE: {probe:?}; rings allocated up front"
+            );
+            match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total) {
+                Ok(()) | Err(rustix::io::Errno::OPNOTSUPP) => {}
+                Err(rustix::io::Errno::NOSPC) => {
+                    // SAFETY: `base` was mapped above with `layout.total` bytes, unused since.
+                    let _ =
+                        unsafe { rustix::mm::munmap(base.as_ptr().cast(), layout.total as usize) };
+                    return Err(no_space());
+                }
+                Err(e) => {
+                    // SAFETY: as above.
+                    let _ =
+                        unsafe { rustix::mm::munmap(base.as_ptr().cast(), layout.total as usize) };
+                    return Err(io_msg("fallocate", path, e));
+                }
+            }
+        }
         let named = guard.is_some();
         std::mem::forget(guard);
         let seg = Segment {
@@ -472,29 +504,55 @@ impl Segment {
         }
     }
 
-    /// Maps in (best effort, `MADV_POPULATE_WRITE`) the header page and ring `i`, the parts
-    /// of a peer's segment this rank writes, so that the first messages take no page faults.
-    pub(crate) fn prefault_ring(&self, i: u32) {
-        assert!(i < self.layout.nrings);
-        let off = self.layout.ring_offset(i) as usize;
-        let len = (self.layout.stride) as usize;
-        for (at, n) in [(0usize, PAGE as usize), (off, len)] {
+    /// Bytes of each ring's data.
+    pub(crate) fn ring_capacity(&self) -> u64 {
+        self.layout.cap
+    }
+
+    /// Allocates and maps in (`MADV_POPULATE_WRITE`) bytes `[from, to)` of ring `i`'s data,
+    /// and with `from == 0` also the header page and the ring's control page: what a
+    /// producer does before it first writes there. Memory that cannot be had is an error
+    /// here (`/dev/shm` or the memory limit full), never a SIGBUS on a later write. `Ok` on
+    /// a kernel without `MADV_POPULATE_WRITE`, where [`create`](Self::create) allocated
+    /// every ring up front.
+    pub(crate) fn populate_ring(&self, i: u32, from: u64, to: u64) -> Result<(), String> {
+        assert!(i < self.layout.nrings && from <= to && to <= self.layout.cap);
+        let off = self.layout.ring_offset(i);
+        let mut parts = vec![(off + PAGE + from, to - from)];
+        if from == 0 {
+            parts.extend([(0, PAGE), (off, PAGE)]);
+        }
+        for (at, n) in parts {
+            if n == 0 {
+                continue;
+            }
             // SAFETY: `[at, at + n)` lies inside this live mapping (the header page, or ring
-            // `i`'s control page and data, inside the validated layout); populating pages of a
+            // `i`'s control page or data, inside the validated layout); populating pages of a
             // shared file mapping changes no byte.
             let r = unsafe {
                 rustix::mm::madvise(
-                    self.base.as_ptr().add(at).cast(),
-                    n,
+                    self.base.as_ptr().add(at as usize).cast(),
+                    n as usize,
                     rustix::mm::Advice::LinuxPopulateWrite,
                 )
             };
-            if let Err(e) = r {
-                // Older kernels (before 5.14) lack it: the pages fault in on first use.
-                tracing::debug!(path = %self.path.display(), "MADV_POPULATE_WRITE: {e}");
-                return;
+            match r {
+                Ok(()) => {}
+                // Not supported: the owner found so too and allocated everything.
+                Err(rustix::io::Errno::INVAL) => return Ok(()),
+                Err(e) => {
+                    return Err(format!(
+                        "cannot allocate {} bytes of the ring in {} (MADV_POPULATE_WRITE: {e}): \
+                         shared memory is exhausted (/dev/shm full or the memory limit reached); \
+                         lower OXCCL_SHM_RING_BYTES or OXCCL_SHM_BUDGET_BYTES, free memory, or \
+                         set OXCCL_TRANSPORT=tcp",
+                        to - from,
+                        self.path.display()
+                    ))
+                }
             }
         }
+        Ok(())
     }
 
     /// The pid its creator wrote into the header.
@@ -691,6 +749,55 @@ mod tests {
         own.unlink().unwrap();
         assert!(!own.token().starts_with("fd:"));
         assert!(std::fs::read_dir(SHM_DIR).unwrap().count() <= before);
+    }
+
+    /// A new segment allocates its header and control pages only; a producer's
+    /// `populate_ring` allocates ring data, in the owner's file, as far as it asks.
+    #[test]
+    fn ring_data_is_allocated_by_its_producer_as_far_as_it_asks() {
+        let cap: u64 = 1 << 20;
+        let own = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("lazy"),
+            7,
+            0,
+            &[1, 2],
+            cap as usize,
+            0,
+        )
+        .unwrap();
+        let allocated = |s: &Segment| {
+            let g = s.fd.lock().unwrap();
+            rustix::fs::fstat(g.as_ref().unwrap()).unwrap().st_blocks as u64 * 512
+        };
+        let meta = 3 * PAGE;
+        // Whether this kernel has MADV_POPULATE_WRITE, asked of a page of anonymous memory.
+        let f = rustix::fs::memfd_create("probe", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&f, PAGE).unwrap();
+        let m = map_with(&f, PAGE, Path::new("probe"), MapFlags::empty()).unwrap();
+        // SAFETY: `m` is a fresh mapping of one page, unmapped right after.
+        let lazy = unsafe {
+            let r = rustix::mm::madvise(
+                m.as_ptr().cast(),
+                PAGE as usize,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            );
+            let _ = rustix::mm::munmap(m.as_ptr().cast(), PAGE as usize);
+            r.is_ok()
+        };
+        if !lazy {
+            // A kernel without it: everything was allocated up front.
+            assert!(allocated(&own) >= 2 * cap);
+            return;
+        }
+        assert_eq!(allocated(&own), meta);
+        let fd = handoff::open_token(&own.token(), std::process::id()).unwrap();
+        let peer = Segment::open_fd(fd, Path::new("peer"), 7, 0).unwrap();
+        let ring = peer.find_ring(2).unwrap();
+        peer.populate_ring(ring, 0, 64 << 10).unwrap();
+        assert_eq!(allocated(&own), meta + (64 << 10));
+        peer.populate_ring(ring, 64 << 10, cap).unwrap();
+        assert_eq!(allocated(&own), meta + cap);
     }
 
     #[test]
