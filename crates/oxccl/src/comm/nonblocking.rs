@@ -13,6 +13,13 @@
 //! or not: `comm.all_reduce_async(a)` then `comm.broadcast(b)` reduces `a` first on every
 //! rank. As with NCCL, every rank must queue the same calls in the same order.
 //!
+//! Where a call runs: on the worker, or on a thread that waits for it. [`Work::wait`] (and a
+//! blocking call's wait for its turn) runs a call that has not started itself when nothing
+//! queued before it is still to run, which spares the hand-over to the worker and back (two
+//! futex wake-ups) in the common "queue, then wait at once"; the worker, woken for a fresh
+//! call, leaves it to such a waiter for `HELP_GRACE` (30 µs) first. Calls still run one at a
+//! time and in order.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use oxccl::{Communicator, ReduceOp};
