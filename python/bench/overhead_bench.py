@@ -5,6 +5,7 @@ bare binding, in one run.
     python python/bench/overhead_bench.py [--iters 2000] [--rounds 5]
     python python/bench/overhead_bench.py --layers     # one rank: the cost of each layer
     python python/bench/overhead_bench.py --async-op   # dist.all_reduce(x, async_op=True).wait()
+    python python/bench/overhead_bench.py --both --paths "oxccl C++,oxccl Python"   # sync and async side by side
 
 Starts 2 ranks on this host (subprocesses), one TCPStore, a gloo default group, an "oxccl"
 group with the C++ backend (oxccl/csrc, when built), one with the Python backend, and, on the
@@ -42,7 +43,7 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def rank_main(iters, rounds, async_op=False):
+def rank_main(iters, rounds, async_op=False, both=False, only=None):
     import torch
     import torch.distributed as dist
 
@@ -59,8 +60,8 @@ def rank_main(iters, rounds, async_op=False):
     backend = ox._get_backend(torch.device("cpu"))
     comm = getattr(backend, "python_backend", backend).comm
 
-    def torch_path(group):
-        if async_op:  # queued at every size (torch's opts.asyncOp), then waited for
+    def torch_path(group, async_=async_op):
+        if async_:  # queued at every size (torch's opts.asyncOp), then waited for
 
             def f(x):
                 dist.all_reduce(x, group=group, async_op=True).wait()
@@ -78,13 +79,21 @@ def rank_main(iters, rounds, async_op=False):
     def binding_path(x):
         comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), x.numel() * 4), True)
 
-    paths = [
-        ("gloo", torch_path(gloo)),
-        ("oxccl C++" if cpp is not None else "oxccl C++ (not built)", torch_path(ox)),
-        ("oxccl Python", torch_path(ox_py)),
-        ("oxccl.Comm", comm_path),
-        ("binding", binding_path),
+    torch_paths = [
+        ("gloo", gloo),
+        ("oxccl C++" if cpp is not None else "oxccl C++ (not built)", ox),
+        ("oxccl Python", ox_py),
     ]
+    if both:  # each torch path blocking, then with async_op=True and wait()
+        paths = []
+        for name, group in torch_paths:
+            paths.append((name, torch_path(group, False)))
+            paths.append((name + " async", torch_path(group, True)))
+    else:
+        paths = [(name, torch_path(group)) for name, group in torch_paths]
+    paths += [("oxccl.Comm", comm_path), ("binding", binding_path)]
+    if only:  # --paths: the named ones (by prefix), in this order
+        paths = [p for p in paths if any(p[0].startswith(o) for o in only)]
     rows = []
     for label, numel in SIZES:
         x = torch.ones(numel, dtype=torch.float32)
@@ -105,6 +114,8 @@ def rank_main(iters, rounds, async_op=False):
     if r == 0:
         names = [p[0] for p in paths]
         kind = "all_reduce(async_op=True).wait() (torch paths)" if async_op else "blocking all_reduce"
+        if both:
+            kind = "all_reduce, blocking and (async) with async_op=True then wait()"
         print(f"median µs per {kind} (p10-p90), 2 ranks, {rounds} rounds x {iters} calls (4 MB: fewer)")
         print("| size | " + " | ".join(names) + " |")
         print("|---" * (len(names) + 1) + "|")
@@ -112,6 +123,14 @@ def rank_main(iters, rounds, async_op=False):
             cells = [f"{statistics.median(d[nm]):.1f} ({_pct(d[nm], 0.1):.1f}-{_pct(d[nm], 0.9):.1f})" for nm in names]
             print(f"| {label} | " + " | ".join(cells) + " |")
         med = statistics.median
+        if both or only:
+            pairs = [(nm, nm + " async") for nm in names if nm + " async" in names]
+            if pairs:
+                print("async/blocking (median): " + "; ".join(
+                    f"{label}: " + ", ".join(f"{a} {med(d[b]) / med(d[a]):.2f}x" for a, b in pairs) for label, d in rows
+                ))
+            dist.destroy_process_group()
+            return
         c = names[1]
         print("ratios (median): " + "; ".join(
             f"{label}: gloo/C++ {med(d['gloo']) / med(d[c]):.1f}x, Python/C++ {med(d['oxccl Python']) / med(d[c]):.2f}x, "
@@ -176,13 +195,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", action="store_true", help="one rank: the cost of each layer")
     ap.add_argument("--async-op", action="store_true", help="the torch paths with async_op=True, then wait()")
+    ap.add_argument("--both", action="store_true", help="every torch path blocking and with async_op=True")
+    ap.add_argument("--paths", default="", help="comma-separated path names (prefixes) to run, e.g. 'oxccl C++,oxccl Python'")
+    ap.add_argument("--sizes", default="", help="comma-separated size labels to run, e.g. '4 B,16 KB'")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.layers:
         layers(a.iters)
         return
     if a.rank:
-        rank_main(a.iters, a.rounds, a.async_op)
+        only = [p.strip() for p in a.paths.split(",") if p.strip()]
+        if a.sizes:
+            keep = [z.strip() for z in a.sizes.split(",")]
+            SIZES[:] = [z for z in SIZES if z[0] in keep]
+        rank_main(a.iters, a.rounds, a.async_op, a.both, only)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,6 +218,8 @@ def main():
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         extra = ["--async-op"] if a.async_op else []
+        extra += ["--both"] if a.both else []
+        extra += ["--paths", a.paths, "--sizes", a.sizes]
         procs.append(subprocess.Popen([sys.executable, __file__, "--rank", "--iters", str(a.iters), "--rounds", str(a.rounds), *extra], env=env))
     rc = [p.wait(timeout=1800) for p in procs]
     sys.exit(max(rc))

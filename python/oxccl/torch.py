@@ -796,15 +796,21 @@ class BackendOxccl(_C10dBackend):
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         self._seq += 1
-        if len(tensors) == 1 and not self._held and (opts is None or (opts.reduceOp == _SUM and not opts.asyncOp)):
-            # fast path (a tensor-parallel step's small sums): the checks of _buf, inline
+        if len(tensors) == 1 and not self._held and (opts is None or opts.reduceOp == _SUM):
+            # fast path (a tensor-parallel step's small sums, DDP's buckets): the checks of
+            # _buf; inline when blocking and small, else queued as `_run` does
             t = tensors[0]
             dt = _DTYPES.get(t.dtype)
-            if dt is not None and t.layout == _STRIDED and t.is_cpu and t.nbytes <= INLINE_MAX_BYTES and t.is_contiguous():
+            if dt is not None and t.layout == _STRIDED and t.is_cpu and t.is_contiguous():
                 n = t.nbytes
+                queue = opts is not None and opts.asyncOp
                 try:
-                    self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
-                    return _DoneWork(tensors)
+                    if not queue and n <= INLINE_MAX_BYTES:
+                        self._raw.call("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True)
+                        return _DoneWork(tensors)
+                    if queue:
+                        h = self._raw.call_async("all_reduce", dt, "sum", 0, 0, (0, 0), (t.data_ptr(), n), True, t, None)
+                        return _JobWork(_Job(self, "all_reduce", (h,), tensors))
                 except InvalidArgumentError:
                     pass  # the general path below says which call failed
         self._nonempty("allreduce", tensors)

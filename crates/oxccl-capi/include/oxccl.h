@@ -50,9 +50,10 @@ typedef struct oxcclWork* oxcclWork_t;
 #define OXCCL_UNIQUE_ID_BYTES 128
 typedef struct { char internal[OXCCL_UNIQUE_ID_BYTES]; } oxcclUniqueId;
 
-/* Called once a work has finished, on the library's stream thread (or at once on the
- * registering thread if it already had). Must return promptly, must not throw, and must not
- * wait on work of the same communicator. */
+/* Called once a work has finished, on the thread that ran it: the library's stream thread, or
+ * a thread in oxcclWorkWait that ran it itself (see there); at once on the registering thread
+ * if it had already finished. Must return promptly, must not throw, and must not wait on work
+ * of the same communicator. */
 typedef void (*oxcclWorkCallback)(void* arg, oxcclResult_t result);
 
 const char* oxcclGetLastError(void);
@@ -96,7 +97,9 @@ oxcclResult_t oxcclGroupStart(void);
 oxcclResult_t oxcclGroupEnd(oxcclWork_t* work);
 
 /* Waits at most timeout_s seconds (negative: the communicator's timeout): the work's result,
- * or oxcclTimeout if still running (the work stays valid). */
+ * or oxcclTimeout if still running (the work stays valid). A wait at least as long as the
+ * work's own bound (the communicator's timeout for each call in it) runs a work that has not
+ * started, when nothing queued before it is still to run, on the calling thread. */
 oxcclResult_t oxcclWorkWait(const oxcclWork_t work, double timeout_s);
 /* *done = 1 and the work's result once finished; *done = 0 and oxcclSuccess before. */
 oxcclResult_t oxcclWorkTest(const oxcclWork_t work, int* done);

@@ -2,6 +2,7 @@
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -10,8 +11,9 @@ use oxccl::Communicator;
 use crate::comm::Call;
 use crate::result::{guard, oxcclResult_t, set_last_error, CError};
 
-/// A completion callback: `cb(arg, result)`, on the library's stream thread (or on the
-/// registering thread if the work had already finished). `oxcclGetLastError` on that thread
+/// A completion callback: `cb(arg, result)`, on the thread that ran the work (the library's
+/// stream thread, or a thread waiting for it that ran it itself, see [`oxcclWorkWait`]), or on
+/// the registering thread if the work had already finished. `oxcclGetLastError` on that thread
 /// gives the failure's text. It must return promptly, must not unwind, and must not wait on
 /// work of the same communicator.
 pub type oxcclWorkCallback = Option<extern "C" fn(arg: *mut c_void, result: oxcclResult_t)>;
@@ -20,19 +22,27 @@ pub type oxcclWorkCallback = Option<extern "C" fn(arg: *mut c_void, result: oxcc
 pub(crate) struct WorkState {
     inner: Mutex<Inner>,
     done: Condvar,
+    /// The result is in (read without the lock by waiters that spin).
+    finished: AtomicBool,
     rank: usize,
     timeout: Duration,
+    /// Calls in the job: each is bounded by `timeout`.
+    calls: usize,
 }
 
 #[derive(Default)]
 struct Inner {
     result: Option<Result<(), CError>>,
     callback: Option<(extern "C" fn(*mut c_void, oxcclResult_t), usize)>,
+    /// Threads asleep on `done`.
+    waiters: usize,
 }
 
 /// A queued job's handle (`oxcclWork_t` points to one).
 pub struct oxcclWork {
     state: Arc<WorkState>,
+    /// The library's handle of the job (to run it on a waiting thread, see `wait`).
+    work: oxccl::Work<()>,
 }
 
 impl WorkState {
@@ -45,13 +55,15 @@ impl WorkState {
         let state = Arc::new(WorkState {
             inner: Mutex::new(Inner::default()),
             done: Condvar::new(),
+            finished: AtomicBool::new(false),
             rank: comm.rank(),
             timeout: comm.config().timeout,
+            calls: calls.len(),
         });
         let job = Arc::clone(&state);
         let calls = SendCalls(calls);
-        // The library's own handle is not needed: the job reports to `state`.
-        drop(comm.submit(move |c| {
+        // The job reports to `state`; the library's handle only serves to run it early.
+        let work = comm.submit(move |c| {
             let calls = calls;
             let r = catch_unwind(AssertUnwindSafe(|| {
                 for call in calls.0 {
@@ -70,8 +82,8 @@ impl WorkState {
             };
             job.finish(r);
             Ok(())
-        }));
-        oxcclWork { state }
+        });
+        oxcclWork { state, work }
     }
 
     /// Stores the result, wakes waiters, runs the callback.
@@ -79,9 +91,12 @@ impl WorkState {
         let cb = {
             let mut g = self.lock();
             g.result = Some(r.clone());
+            self.finished.store(true, Ordering::Release);
+            if g.waiters > 0 {
+                self.done.notify_all();
+            }
             g.callback.take()
         };
-        self.done.notify_all();
         if let Some((f, arg)) = cb {
             call_back(f, arg, &r);
         }
@@ -119,7 +134,18 @@ impl oxcclWork {
         } else {
             s.timeout
         };
-        let deadline = Instant::now() + limit;
+        let start = Instant::now();
+        let deadline = start + limit;
+        // A wait that allows the job its whole bound (each call's timeout) runs a job that
+        // has not started here, sparing the hand-over to the stream thread and back; a shorter
+        // one must return on time, so it leaves the job to the stream.
+        let bound = s
+            .timeout
+            .saturating_mul(u32::try_from(s.calls).unwrap_or(u32::MAX));
+        let ran = limit >= bound && self.work.run_here();
+        if !ran {
+            spin_until(&s.finished, WAIT_SPIN.min(limit), start);
+        }
         let mut g = s.lock();
         loop {
             if let Some(r) = &g.result {
@@ -136,12 +162,31 @@ impl oxcclWork {
                     ),
                 ));
             }
+            g.waiters += 1;
             g = s
                 .done
                 .wait_timeout(g, deadline - now)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            g.waiters -= 1;
         }
+    }
+}
+
+/// How long a waiter polls for a running job's end (yielding the core between polls) before
+/// it sleeps: a small call ends within it, and is not woken by a system call.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `done` (yielding the core) until `limit` after `start`; true once it holds.
+fn spin_until(done: &AtomicBool, limit: Duration, start: Instant) -> bool {
+    loop {
+        if done.load(Ordering::Acquire) {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::yield_now();
     }
 }
 
@@ -152,7 +197,10 @@ fn work<'a>(w: *const oxcclWork) -> Result<&'a oxcclWork, CError> {
 
 /// `oxcclWorkWait`: waits for the work, at most `timeout_s` seconds (negative: the
 /// communicator's timeout); returns its result, or `oxcclTimeout` if it is still running (the
-/// work stays valid: wait again or free it).
+/// work stays valid: wait again or free it). A wait of at least the work's own bound (the
+/// communicator's timeout per call in it) runs the work on the calling thread when it has not
+/// started and nothing queued before it is still to run: its completion callback then runs on
+/// this thread.
 #[no_mangle]
 pub extern "C" fn oxcclWorkWait(w: *const oxcclWork, timeout_s: f64) -> oxcclResult_t {
     guard(|| work(w)?.wait(timeout_s))

@@ -105,6 +105,61 @@ fn many_queued_calls_and_handles_dropped_early() {
     });
 }
 
+/// A waiter runs a queued call that has not started itself (`Work::run_here`, done by
+/// `wait`), only when nothing queued before it is still to run, and calls still run in
+/// queue order wherever they run.
+#[test]
+fn a_waiter_runs_a_call_not_yet_started_in_order() {
+    ranks(2, TransportChoice::Shm, |comm| {
+        use std::sync::mpsc;
+        use std::sync::Mutex;
+        let r = comm.rank();
+        // An earlier call still running: the later one is not run by its waiter.
+        let (tx, rx) = mpsc::channel::<()>();
+        let rx = Mutex::new(rx);
+        let first = comm.submit(move |c| {
+            rx.lock().unwrap().recv().unwrap();
+            c.barrier()
+        });
+        let second = comm.all_reduce_async(vec![r as u32 + 1; 5], ReduceOp::Sum);
+        std::thread::sleep(Duration::from_millis(50)); // the stream has taken `first` by now
+        assert!(!second.run_here(), "ran ahead of a running call");
+        tx.send(()).unwrap();
+        assert_eq!(second.wait().unwrap(), vec![3; 5]);
+        first.wait().unwrap();
+        // Queue-and-wait at once, many times: calls run in order, and some on this thread
+        // (the stream leaves a fresh call to a waiter for a moment; 200 tries all missing it
+        // would mean the waiter never runs one).
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let me = std::thread::current().id();
+        let mut here = 0;
+        for i in 0..200u32 {
+            let o = Arc::clone(&order);
+            let w = comm.submit(move |c| {
+                let mut x = [i + r as u32];
+                c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+                o.lock().unwrap().push(i);
+                Ok((x[0], std::thread::current().id()))
+            });
+            let (x, ran_on) = w.wait().unwrap();
+            assert_eq!(x, 2 * i + 1);
+            here += usize::from(ran_on == me);
+        }
+        assert_eq!(*order.lock().unwrap(), (0..200).collect::<Vec<_>>());
+        assert!(here > 0, "no call ran on its waiting thread");
+        // A blocking call after queued ones runs them first (here or on the stream).
+        let w1 = comm.all_reduce_async(vec![1u8; 3], ReduceOp::Sum);
+        let w2 = comm.broadcast_async(vec![r as u16; 2], 1);
+        let mut b = [r as u64];
+        comm.all_reduce_in_place(&mut b, ReduceOp::Max).unwrap();
+        assert!(w1.is_completed() && w2.is_completed());
+        assert_eq!(
+            (w1.wait().unwrap(), w2.wait().unwrap(), b),
+            (vec![2; 3], vec![1; 2], [1])
+        );
+    });
+}
+
 #[test]
 fn errors_come_back_through_the_handle() {
     ranks(2, TransportChoice::Tcp, |comm| {

@@ -15,7 +15,9 @@
 // and return a QueuedWork: is_completed() asks the library, wait() is bounded by the group's
 // timeout (or wait(timeout=)), and its future is completed by a completion thread of this
 // file, never by the library's stream thread, so a then() callback may itself run
-// collectives.
+// collectives. A wait() without a shorter timeout runs a queued call that has not started
+// yet itself (oxcclWorkWait), and a call without a future lets go of its tensors in its
+// QueuedWork: `async_op=True` then `wait()` costs no thread hop in the common case.
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
@@ -193,7 +195,10 @@ class DoneWork : public Work {
   std::vector<at::Tensor> result_;
 };
 
-// What a queued call and its completion share.
+// What a queued call and its completion share. Two holders: the QueuedWork (`owned`) and the
+// completion (`pending`: the library's callback, then the completion task it may hand over
+// to); the last to let go deletes it, under `m`, and never on the library's stream thread (see
+// QueuedWork::onComplete).
 struct Completion {
   std::mutex m;
   bool done = false;
@@ -202,6 +207,8 @@ struct Completion {
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   bool marked = false;  // fut has been completed (by the completion task, wait or getFuture)
   std::vector<at::Tensor> keep;  // the call's tensors, alive until it has finished
+  bool owned = true;    // the QueuedWork still exists
+  bool pending = true;  // the completion (callback or its task) still holds this
 };
 
 void completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, oxcclResult_t code,
@@ -219,19 +226,33 @@ class QueuedWork : public Work {
   QueuedWork(const oxcclApi_t* api, oxcclWork_t w, std::vector<at::Tensor> result, OpType type,
              double timeout_s, int rank, std::string what)
       : Work(rank, type), api_(api), w_(w), result_(std::move(result)), timeout_s_(timeout_s),
-        rank_(rank), what_(std::move(what)), c_(std::make_shared<Completion>()) {
+        rank_(rank), what_(std::move(what)), c_(new Completion()) {
     c_->keep = result_;
-    // The library calls back on its stream thread: hand over to a completion thread there.
-    auto* ticket = new std::shared_ptr<Completion>(c_);
     completers().begin();
-    oxcclResult_t r = api_->work_on_complete(w_, &QueuedWork::onComplete, ticket);
-    if (r != oxcclSuccess) {  // cannot happen for a fresh work; keep its tensors for good
-      delete ticket;
+    oxcclResult_t r = api_->work_on_complete(w_, &QueuedWork::onComplete, c_);
+    if (r != oxcclSuccess) {  // cannot happen for a fresh work; keep it and its tensors for good
+      c_ = new Completion();
+      c_->pending = false;
       completers().end();
     }
   }
 
-  ~QueuedWork() override { api_->work_free(w_); }
+  ~QueuedWork() override {
+    api_->work_free(w_);
+    std::vector<at::Tensor> keep;
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(c_->m);
+      c_->owned = false;
+      last = !c_->pending;
+      if (last) {  // the call has finished and its completion let go: let go here
+        keep.swap(c_->keep);
+        fut = std::move(c_->fut);
+      }
+    }
+    if (last) delete c_;  // else the completion task deletes it
+  }
 
   bool isCompleted() override {
     int done = 0;
@@ -257,7 +278,9 @@ class QueuedWork : public Work {
     if (timeout.count() < 0) return waitNow();
     bool explicit_ = timeout != ::kNoTimeout && timeout.count() > 0;
     double t = explicit_ ? timeout.count() / 1000.0 : timeout_s_;
-    oxcclResult_t r = api_->work_wait(w_, t);  // torch calls wait without the GIL
+    // torch calls wait without the GIL. A wait as long as the call's own bound runs a call
+    // that has not started on this thread (oxcclWorkWait).
+    oxcclResult_t r = api_->work_wait(w_, t);
     if (r == oxcclSuccess) {
       settleIfDone();  // as gloo's: once wait() has returned, the future is done too
       return true;
@@ -332,29 +355,49 @@ class QueuedWork : public Work {
     completeFuture(fut, r, msg, result_);
   }
 
+  // The library's completion callback: on the thread that ran the call (its stream thread, or
+  // a thread in wait() that ran it). When nothing is to be done but letting go of the tensors
+  // and the QueuedWork still exists, the QueuedWork does that later, on its own thread: no
+  // hand-over. Otherwise (a future to complete, whose then() callbacks may run collectives;
+  // or the QueuedWork gone, so this is the last holder of tensors whose release may need the
+  // GIL) a completion thread does it: never the stream thread.
   static void onComplete(void* arg, oxcclResult_t code) {
-    auto* ticket = static_cast<std::shared_ptr<Completion>*>(arg);
+    auto* c = static_cast<Completion*>(arg);
     std::string msg = code == oxcclSuccess ? std::string() : std::string(g_api->get_last_error());
-    completers().push([ticket, code, msg] {
+    bool handOver;
+    {
+      std::lock_guard<std::mutex> lock(c->m);
+      c->done = true;
+      c->code = code;
+      c->msg = msg;
+      handOver = !c->owned || (c->fut && !c->marked);
+      if (!handOver) c->pending = false;  // the QueuedWork lets go (and deletes c) on its thread
+    }
+    if (!handOver) {  // c may be gone already: not touched again
+      completers().end();
+      return;
+    }
+    completers().push([c, code, msg] {
       struct Ended {  // counted done once the tensors and the future are let go of
         ~Ended() { completers().end(); }
       } ended;
-      std::unique_ptr<std::shared_ptr<Completion>> own(ticket);
-      auto& c = **own;
       c10::intrusive_ptr<c10::ivalue::Future> fut;
       std::vector<at::Tensor> keep;
+      c10::intrusive_ptr<c10::ivalue::Future> drop;
+      bool last;
       {
-        std::lock_guard<std::mutex> lock(c.m);
-        c.done = true;
-        c.code = code;
-        c.msg = msg;
-        if (c.fut && !c.marked) {
-          c.marked = true;
-          fut = c.fut;
+        std::lock_guard<std::mutex> lock(c->m);
+        if (c->fut && !c->marked) {
+          c->marked = true;
+          fut = c->fut;
         }
-        keep.swap(c.keep);
+        keep.swap(c->keep);
+        c->pending = false;
+        last = !c->owned;
+        if (last) drop = std::move(c->fut);
       }
       if (fut) completeFuture(fut, code, msg, keep);
+      if (last) delete c;
     });
   }
 
@@ -364,7 +407,7 @@ class QueuedWork : public Work {
   double timeout_s_;
   int rank_;
   std::string what_;
-  std::shared_ptr<Completion> c_;
+  Completion* c_;
 };
 
 

@@ -13,6 +13,13 @@
 //! or not: `comm.all_reduce_async(a)` then `comm.broadcast(b)` reduces `a` first on every
 //! rank. As with NCCL, every rank must queue the same calls in the same order.
 //!
+//! Where a call runs: on the worker, or on a thread that waits for it. [`Work::wait`] (and a
+//! blocking call's wait for its turn) runs a call that has not started itself when nothing
+//! queued before it is still to run, which spares the hand-over to the worker and back (two
+//! futex wake-ups) in the common "queue, then wait at once"; the worker, woken for a fresh
+//! call, leaves it to such a waiter for `HELP_GRACE` (30 µs) first. Calls still run one at a
+//! time and in order.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use oxccl::{Communicator, ReduceOp};
@@ -24,11 +31,12 @@
 //! # Ok(()) }
 //! ```
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use crate::base::dtype::{DataType, Element};
@@ -46,22 +54,67 @@ struct Queue {
     submitted: u64,
     /// Jobs finished (in order: job k finishes before job k + 1 starts).
     done: u64,
+    /// A job is running: on the worker, or on a thread that waits for it ([`Work::wait`]
+    /// runs a job that has not started, when nothing runs before it, itself).
+    running: bool,
+    /// The worker sleeps on [`Shared::work`] (push wakes it only then).
+    worker_parked: bool,
+    /// Threads asleep on [`Shared::progress`].
+    progress_waiters: usize,
     /// Set when the communicator is dropped: the worker exits once the queue is empty.
     closed: bool,
 }
 
 struct Shared {
     queue: Mutex<Queue>,
-    /// Signals the worker (a job was queued, or the queue closed).
+    /// Signals the worker (a job was queued, a job run elsewhere finished, or the queue
+    /// closed).
     work: Condvar,
     /// Signals waiters of [`Stream::wait_turn`] (a job finished).
     progress: Condvar,
-    worker: OnceLock<ThreadId>,
+}
+
+thread_local! {
+    /// The stream whose job this thread is running (its worker's whole life, or while it runs
+    /// a job it waits for): its blocking calls are in their turn already.
+    static RUNNING: Cell<*const Shared> = const { Cell::new(std::ptr::null()) };
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes job `k` to run on this thread if it is next and nothing runs (the worker has not
+    /// taken it).
+    fn take_if_next(&self, k: u64) -> Option<Job> {
+        let mut q = self.lock();
+        if q.running || q.done != k {
+            return None;
+        }
+        // Jobs are taken in order and `done` counts those finished: with none running, job
+        // `done` is at the front.
+        let job = q.jobs.pop_front()?;
+        q.running = true;
+        Some(job)
+    }
+
+    /// Runs a job taken from the queue on this thread, then counts it done.
+    fn run_taken(self: &Arc<Self>, job: Job) {
+        let mine = Arc::as_ptr(self);
+        let before = RUNNING.with(|r| r.replace(mine));
+        // A job never unwinds (submit catches panics), but stay alive if one did.
+        let _ = catch_unwind(AssertUnwindSafe(job));
+        RUNNING.with(|r| r.set(before));
+        let mut q = self.lock();
+        q.running = false;
+        q.done += 1;
+        if q.progress_waiters > 0 {
+            self.progress.notify_all();
+        }
+        if q.worker_parked && (!q.jobs.is_empty() || q.closed) {
+            self.work.notify_one();
+        }
     }
 }
 
@@ -81,7 +134,6 @@ impl Stream {
             queue: Mutex::new(Queue::default()),
             work: Condvar::new(),
             progress: Condvar::new(),
-            worker: OnceLock::new(),
         });
         // Two threads may race to start the queue: only the winner's worker is spawned.
         let mine = Arc::clone(&shared);
@@ -103,7 +155,8 @@ impl Stream {
         Ok(self.shared.get().expect("set above"))
     }
 
-    fn push(&self, rank: usize, job: Job) -> Result<()> {
+    /// Queues `job`; returns the queue and the job's number.
+    fn push(&self, rank: usize, job: Job) -> Result<(Arc<Shared>, u64)> {
         let shared = self.shared(rank)?;
         let mut q = shared.lock();
         if q.closed {
@@ -113,24 +166,39 @@ impl Stream {
             });
         }
         q.jobs.push_back(job);
+        let k = q.submitted;
         q.submitted += 1;
-        shared.work.notify_one();
-        Ok(())
+        if q.worker_parked && !q.running {
+            shared.work.notify_one();
+        }
+        Ok((Arc::clone(shared), k))
     }
 
-    /// Waits until every call queued so far has finished. Returns at once on the worker
-    /// thread itself (which runs the queued calls) and when nothing was ever queued.
+    /// Waits until every call queued so far has finished, running those not yet started on
+    /// this thread when nothing runs before them. Returns at once on a thread running one of
+    /// this stream's calls (its worker) and when nothing was ever queued.
     pub(crate) fn wait_turn(&self) {
         let Some(shared) = self.shared.get() else {
             return;
         };
-        if shared.worker.get() == Some(&std::thread::current().id()) {
+        if RUNNING.with(|r| r.get()) == Arc::as_ptr(shared) {
             return;
         }
         let mut q = shared.lock();
         let target = q.submitted;
         while q.done < target && !(q.closed && q.jobs.is_empty()) {
+            if !q.running {
+                if let Some(job) = q.jobs.pop_front() {
+                    q.running = true;
+                    drop(q);
+                    shared.run_taken(job);
+                    q = shared.lock();
+                    continue;
+                }
+            }
+            q.progress_waiters += 1;
             q = shared.progress.wait(q).unwrap_or_else(|e| e.into_inner());
+            q.progress_waiters -= 1;
         }
     }
 
@@ -156,33 +224,117 @@ impl Drop for Stream {
     }
 }
 
+/// How long the worker, woken for a fresh job, leaves it to a thread that may be about to wait
+/// for it (and then runs it itself, [`Work::run_here`]) before taking it. The common
+/// "queue a small call, wait for it at once" then costs no hand-over to the worker and back
+/// (each a futex wake-up; on a loaded 2-core host 20-40 µs, measured in python/README's
+/// overhead section), while a call nobody waits for yet starts this much later.
+const HELP_GRACE: Duration = Duration::from_micros(30);
+
 fn worker(shared: Arc<Shared>) {
-    let _ = shared.worker.set(std::thread::current().id());
+    RUNNING.with(|r| r.set(Arc::as_ptr(&shared)));
     loop {
         let job = {
             let mut q = shared.lock();
+            let mut woke = false;
             loop {
-                if let Some(j) = q.jobs.pop_front() {
-                    break j;
+                if !q.running {
+                    if woke && !q.jobs.is_empty() {
+                        // Woken for a fresh job: give a thread about to wait for it the
+                        // chance to run it itself first (see HELP_GRACE).
+                        woke = false;
+                        let k = q.done;
+                        drop(q);
+                        let start = Instant::now();
+                        loop {
+                            std::thread::yield_now();
+                            if start.elapsed() >= HELP_GRACE {
+                                break;
+                            }
+                            let g = shared.lock();
+                            if g.running || g.done != k {
+                                break;
+                            }
+                        }
+                        q = shared.lock();
+                        continue;
+                    }
+                    if let Some(j) = q.jobs.pop_front() {
+                        q.running = true;
+                        break j;
+                    }
+                    if q.closed {
+                        return;
+                    }
                 }
-                if q.closed {
-                    return;
-                }
+                q.worker_parked = true;
                 q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                q.worker_parked = false;
+                woke = true;
             }
         };
-        // A job never unwinds (submit catches panics), but stay alive if one did.
-        let _ = catch_unwind(AssertUnwindSafe(job));
-        let mut q = shared.lock();
-        q.done += 1;
-        shared.progress.notify_all();
+        shared.run_taken(job);
+        // run_taken restored RUNNING to this stream (it was set on entry).
     }
 }
 
 /// What a [`Work`] and its job share.
 struct Slot<T> {
-    result: Mutex<Option<Result<T>>>,
+    state: Mutex<SlotState<T>>,
     ready: Condvar,
+    /// The result is in: read without the lock by waiters that spin.
+    finished: AtomicBool,
+}
+
+struct SlotState<T> {
+    result: Option<Result<T>>,
+    /// Threads asleep on [`Slot::ready`] (the job notifies only then).
+    waiters: usize,
+}
+
+impl<T> Slot<T> {
+    fn new() -> Self {
+        Slot {
+            state: Mutex::new(SlotState {
+                result: None,
+                waiters: 0,
+            }),
+            ready: Condvar::new(),
+            finished: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SlotState<T>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set(&self, res: Result<T>) {
+        let mut g = self.lock();
+        g.result = Some(res);
+        self.finished.store(true, Ordering::Release);
+        if g.waiters > 0 {
+            self.ready.notify_all();
+        }
+    }
+}
+
+/// How long a waiter polls for a running call's end (yielding the core between polls) before
+/// it sleeps: a small call ends within it, and the waiter is not woken by a system call
+/// (tens of µs on a loaded host).
+const WAIT_SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `done` (yielding the core) for at most `limit`; true once it holds.
+fn spin_until(done: &AtomicBool, limit: Duration) -> bool {
+    let start = Instant::now();
+    loop {
+        if done.load(Ordering::Acquire) {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::yield_now();
+    }
 }
 
 /// The handle of a queued call ([`Communicator::submit`] and the `*_async` methods).
@@ -192,6 +344,8 @@ struct Slot<T> {
 #[must_use = "a Work handle carries the call's result and buffers"]
 pub struct Work<T> {
     slot: Arc<Slot<T>>,
+    /// The stream and the job's number in it (None: it could not be queued).
+    queued: Option<(Arc<Shared>, u64)>,
 }
 
 impl<T> std::fmt::Debug for Work<T> {
@@ -203,47 +357,70 @@ impl<T> std::fmt::Debug for Work<T> {
 }
 
 impl<T> Work<T> {
-    fn lock(&self) -> MutexGuard<'_, Option<Result<T>>> {
-        self.slot.result.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// True once the call has finished (successfully or not); never blocks.
     pub fn is_completed(&self) -> bool {
-        self.lock().is_some()
+        self.slot.finished.load(Ordering::Acquire)
+    }
+
+    /// Runs the call on this thread now if it has not started and nothing queued before it is
+    /// still to run (the stream thread has not taken it yet); true if it did. The call is
+    /// then finished when this returns, bounded as any call by the communicator's timeout.
+    /// A waiter that may wait that long calls this first to spare the hand-over to and from
+    /// the stream thread ([`wait`](Self::wait) does).
+    pub fn run_here(&self) -> bool {
+        let Some((shared, k)) = &self.queued else {
+            return false;
+        };
+        match shared.take_if_next(*k) {
+            Some(job) => {
+                shared.run_taken(job);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Waits for the call to finish and returns its result (for the typed `*_async` calls,
-    /// the buffers they took).
+    /// the buffers they took). A call that has not started when nothing runs before it is
+    /// run on this thread ([`run_here`](Self::run_here)).
     pub fn wait(self) -> Result<T> {
-        let mut r = self.lock();
+        if !self.run_here() {
+            spin_until(&self.slot.finished, WAIT_SPIN);
+        }
+        let mut g = self.slot.lock();
         loop {
-            if let Some(res) = r.take() {
+            if let Some(res) = g.result.take() {
                 return res;
             }
-            r = self.slot.ready.wait(r).unwrap_or_else(|e| e.into_inner());
+            g.waiters += 1;
+            g = self.slot.ready.wait(g).unwrap_or_else(|e| e.into_inner());
+            g.waiters -= 1;
         }
     }
 
     /// Waits at most `timeout`: `Ok(result)` if the call finished, else `Err(self)` to wait
-    /// again later.
+    /// again later. Never runs the call on this thread.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Self> {
         let deadline = Instant::now() + timeout;
+        spin_until(&self.slot.finished, WAIT_SPIN.min(timeout));
         {
-            let mut r = self.lock();
+            let mut g = self.slot.lock();
             loop {
-                if let Some(res) = r.take() {
+                if let Some(res) = g.result.take() {
                     return Ok(res);
                 }
                 let now = Instant::now();
                 if now >= deadline {
                     break;
                 }
-                r = self
+                g.waiters += 1;
+                g = self
                     .slot
                     .ready
-                    .wait_timeout(r, deadline - now)
+                    .wait_timeout(g, deadline - now)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
+                g.waiters -= 1;
             }
         }
         Err(self)
@@ -262,10 +439,7 @@ impl Communicator {
         R: Send + 'static,
         F: FnOnce(&Communicator) -> Result<R> + Send + 'static,
     {
-        let slot = Arc::new(Slot {
-            result: Mutex::new(None),
-            ready: Condvar::new(),
-        });
+        let slot = Arc::new(Slot::new());
         let done = Arc::clone(&slot);
         let comm = Arc::clone(self);
         let rank = self.rank();
@@ -284,13 +458,18 @@ impl Communicator {
             // Release the communicator before reporting: whoever waits may drop its own
             // reference next and expects the communicator to go away.
             drop(comm);
-            *done.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(res);
-            done.ready.notify_all();
+            done.set(res);
         });
-        if let Err(e) = self.stream.push(rank, job) {
-            *slot.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(Err(e));
+        match self.stream.push(rank, job) {
+            Ok(queued) => Work {
+                slot,
+                queued: Some(queued),
+            },
+            Err(e) => {
+                slot.set(Err(e));
+                Work { slot, queued: None }
+            }
         }
-        Work { slot }
     }
 
     /// Waits until every call queued so far on this communicator has finished (as
