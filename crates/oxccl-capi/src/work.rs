@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use oxccl::Communicator;
+use oxccl::{spin_until, Communicator, WAIT_SPIN};
 
 use crate::comm::Call;
 use crate::result::{guard, oxcclResult_t, set_last_error, CError};
@@ -170,23 +170,6 @@ impl oxcclWork {
                 .0;
             g.waiters -= 1;
         }
-    }
-}
-
-/// How long a waiter polls for a running job's end (yielding the core between polls) before
-/// it sleeps: a small call ends within it, and is not woken by a system call.
-const WAIT_SPIN: Duration = Duration::from_micros(50);
-
-/// Polls `done` (yielding the core) until `limit` after `start`; true once it holds.
-fn spin_until(done: &AtomicBool, limit: Duration, start: Instant) -> bool {
-    loop {
-        if done.load(Ordering::Acquire) {
-            return true;
-        }
-        if start.elapsed() >= limit {
-            return false;
-        }
-        std::thread::yield_now();
     }
 }
 

@@ -58,6 +58,7 @@ pub use base::mem::check_fits;
 pub use base::op::ReduceOp;
 pub use base::param::table as params;
 pub use base::param::{parse_bytes, Config, TransportChoice, Tuning};
+pub use base::wait::{spin_until, WAIT_SPIN};
 pub use bootstrap::{default_ip, local_host_id, UniqueId};
 pub use comm::check;
 pub use comm::nonblocking::{RawBufs, Work};

@@ -38,7 +38,7 @@
 //! `for i in $(seq 600); do OXCCL_MEMBARRIER=1 target/debug/deps/shm_stress-* stress_rounded_ring || echo lost; done`.
 
 use std::os::fd::{BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -402,6 +402,25 @@ pub(crate) unsafe fn poll_fds(
     match rustix::event::poll(&mut pfds, Some(&ts)) {
         Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+/// How long a waiter for a queued call polls for its end (yielding the core between polls)
+/// before it sleeps: a small call ends within it, and the waiter is not woken by a system
+/// call (tens of µs on a loaded host). Used by [`crate::Work`] and the C ABI's work.
+pub const WAIT_SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `done` (yielding the core between polls) until `limit` has passed since `start`;
+/// true once `done` holds.
+pub fn spin_until(done: &AtomicBool, limit: Duration, start: Instant) -> bool {
+    loop {
+        if done.load(Ordering::Acquire) {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::yield_now();
     }
 }
 

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use crate::base::dtype::{DataType, Element};
 use crate::base::error::{Error, Result};
 use crate::base::op::ReduceOp;
+use crate::base::wait::{spin_until, WAIT_SPIN};
 use crate::comm::{ByteBufs, Communicator};
 use crate::sched::CollKind;
 
@@ -318,25 +319,6 @@ impl<T> Slot<T> {
     }
 }
 
-/// How long a waiter polls for a running call's end (yielding the core between polls) before
-/// it sleeps: a small call ends within it, and the waiter is not woken by a system call
-/// (tens of µs on a loaded host).
-const WAIT_SPIN: Duration = Duration::from_micros(50);
-
-/// Polls `done` (yielding the core) for at most `limit`; true once it holds.
-fn spin_until(done: &AtomicBool, limit: Duration) -> bool {
-    let start = Instant::now();
-    loop {
-        if done.load(Ordering::Acquire) {
-            return true;
-        }
-        if start.elapsed() >= limit {
-            return false;
-        }
-        std::thread::yield_now();
-    }
-}
-
 /// The handle of a queued call ([`Communicator::submit`] and the `*_async` methods).
 ///
 /// Dropping it does not cancel the call: it still runs, in its turn, and what it owns is
@@ -385,7 +367,7 @@ impl<T> Work<T> {
     /// run on this thread ([`run_here`](Self::run_here)).
     pub fn wait(self) -> Result<T> {
         if !self.run_here() {
-            spin_until(&self.slot.finished, WAIT_SPIN);
+            spin_until(&self.slot.finished, WAIT_SPIN, Instant::now());
         }
         let mut g = self.slot.lock();
         loop {
@@ -402,7 +384,7 @@ impl<T> Work<T> {
     /// again later. Never runs the call on this thread.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Self> {
         let deadline = Instant::now() + timeout;
-        spin_until(&self.slot.finished, WAIT_SPIN.min(timeout));
+        spin_until(&self.slot.finished, WAIT_SPIN.min(timeout), Instant::now());
         {
             let mut g = self.slot.lock();
             loop {
