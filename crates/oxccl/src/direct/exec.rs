@@ -65,16 +65,28 @@ fn mismatch(
 
 /// For the link executor: a peer among `waiting` that has published a direct event this rank
 /// has not is running a direct-area call while this rank runs a link call — a mismatch,
-/// described by the header the peer published with that event.
+/// described by the header the peer published with that event — unless bytes from it wait
+/// unread on its link (`unread(peer)`).
+///
+/// A peer that has finished this call (its last bytes written into the link) and gone on to
+/// a direct-area call is not a mismatch while this rank, late, has not yet taken those bytes:
+/// the peer writes its bytes before it publishes the event (release), and the event is read
+/// here (acquire) before `unread` looks at the link, so a peer seen in the direct area whose
+/// link holds nothing unread sent nothing more for this call. (Found at 32 ranks on 2 cores:
+/// rank 0, asleep past a slice in a one-element ring all-reduce, blamed rank 31, which had
+/// sent its last block and entered the next call's barrier.)
 pub(crate) fn direct_mismatch(
     d: &dyn Direct,
     waiting: &[usize],
     print: &CallPrint,
     rank: usize,
     seq: u64,
+    mut unread: impl FnMut(usize) -> bool,
 ) -> Option<Error> {
     let next = d.event() + 1;
-    let peer = *waiting.iter().find(|&&p| d.reached(p, next))?;
+    let peer = *waiting
+        .iter()
+        .find(|&&p| d.reached(p, next) && !unread(p))?;
     // The peer's call starts at `next` (its header travels with its first event).
     Some(mismatch(print, &d.peer_header(peer, next), rank, peer, seq))
 }

@@ -540,8 +540,11 @@ impl Runner<'_, '_, '_> {
                 }
             }
             if let (Some(d), Some(print)) = (ctx.guard.direct, ctx.guard.print) {
+                let links = &mut ctx.links;
                 if let Some(e) =
-                    crate::direct::exec::direct_mismatch(d, pending, print, id.rank, id.seq)
+                    crate::direct::exec::direct_mismatch(d, pending, print, id.rank, id.seq, |p| {
+                        unread(links, p)
+                    })
                 {
                     return Err(e);
                 }
@@ -549,6 +552,19 @@ impl Runner<'_, '_, '_> {
             Ok(())
         })
     }
+}
+
+/// Whether bytes from `peer` wait unread on its link (peeked: nothing is taken).
+pub(crate) fn unread(links: &mut [Option<Box<dyn Link>>], peer: usize) -> bool {
+    let Some(link) = links.get_mut(peer).and_then(|l| l.as_mut()) else {
+        return false;
+    };
+    let mut seen = false;
+    let _ = link.try_recv(&mut |b: &[u8]| {
+        seen |= !b.is_empty();
+        0
+    });
+    seen
 }
 
 /// Stores `bytes` (whole elements) at `off` of a receive's destination `d`, or reduces them

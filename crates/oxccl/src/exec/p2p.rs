@@ -250,9 +250,14 @@ impl Ctx<'_> {
                         // Not the peers only a receive from any source waits for: those may
                         // rightly be in a collective meanwhile.
                         let named = waiting_on(ops, &st.done, &st.inc, me, false);
-                        if let Some(e) =
-                            crate::direct::exec::direct_mismatch(d, &named, print, id.rank, id.seq)
-                        {
+                        if let Some(e) = crate::direct::exec::direct_mismatch(
+                            d,
+                            &named,
+                            print,
+                            id.rank,
+                            id.seq,
+                            |p| super::unread(links, p),
+                        ) {
                             return Err(e);
                         }
                     }
