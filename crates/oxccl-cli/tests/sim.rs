@@ -47,21 +47,19 @@ fn f(v: &Value, k: &str) -> f64 {
 
 #[test]
 fn rows_are_consistent() {
-    let r = rows(
-        &[
-            "--hosts",
-            "2-8,3",
-            "--ranks-per-host",
-            "2",
-            "-b",
-            "8",
-            "-e",
-            "64M",
-            "-f",
-            "8",
-        ],
-        &[],
-    );
+    let args = [
+        "--hosts",
+        "2-8,3",
+        "--ranks-per-host",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "64M",
+        "-f",
+        "8",
+    ];
+    let r = rows(&args, &[]);
     // Hosts 2, 4, 8, 3; sizes 8 B .. 16 MB by 8.
     assert_eq!(r.len(), 4 * 8);
     for row in &r {
@@ -86,21 +84,7 @@ fn rows_are_consistent() {
         assert_eq!(f(row, "net_gbps"), 1.2);
     }
     // The table has the same rows, one block per host count.
-    let t = sim(
-        &[
-            "--hosts",
-            "2-8,3",
-            "--ranks-per-host",
-            "2",
-            "-b",
-            "8",
-            "-e",
-            "64M",
-            "-f",
-            "8",
-        ],
-        &[],
-    );
+    let t = sim(&args, &[]);
     assert_eq!(t.lines().filter(|l| !l.starts_with('#')).count(), r.len());
     assert_eq!(
         t.matches("# 4 hosts x 2 rank(s) = 8 ranks").count(),
