@@ -663,3 +663,197 @@ mod tests {
         assert_eq!(*out.borrow(), data);
     }
 }
+
+/// The between-sleeps check against a peer seen in the direct area, with the interleavings
+/// forced: the peer acts (writes its link bytes, publishes its next call's first event) at
+/// the moment this rank's check first looks at the direct area.
+#[cfg(test)]
+mod direct_race_tests {
+    use super::*;
+    use crate::base::dtype::DataType;
+    use crate::direct::link::{mem_group, Direct, EventRecord, MemDirect};
+    use crate::fault::fingerprint::{Fingerprint, Header, HEADER_BYTES};
+    use crate::sched::{Buf, BufRange, Combine, Schedule, Xfer};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    /// What the peer does when this rank first asks whether it has reached an event.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum PeerAct {
+        /// Writes the rest of its bytes for this call, then enters a direct-area call (the
+        /// race d0a4434 fixed: it finished this call; this rank has not yet taken its bytes).
+        FinishThenDirect,
+        /// Enters a direct-area call without sending this call's bytes (a real mismatch).
+        DirectInstead,
+    }
+
+    /// Rank 0's direct area, with the peer (rank 1) acting inside `reached`.
+    struct HookDirect {
+        mine: MemDirect,
+        peer: Mutex<(MemDirect, Box<dyn Link>)>,
+        act: PeerAct,
+        bytes: Vec<u8>,
+        fired: AtomicBool,
+        barrier: [u8; HEADER_BYTES],
+    }
+
+    impl Direct for HookDirect {
+        fn slot_bytes(&self) -> usize {
+            self.mine.slot_bytes()
+        }
+        fn publish(&mut self, data: &[u8], record: &EventRecord) -> u64 {
+            self.mine.publish(data, record)
+        }
+        fn reached(&self, peer: usize, e: u64) -> bool {
+            if !self.fired.swap(true, Ordering::SeqCst) {
+                let mut g = self.peer.lock().unwrap();
+                let (d, link) = &mut *g;
+                if self.act == PeerAct::FinishThenDirect {
+                    // Its last bytes first (the link's release), then the event (the
+                    // direct area's release), as the real executors do.
+                    assert_eq!(link.try_send(&self.bytes).unwrap(), self.bytes.len());
+                }
+                let rec = EventRecord {
+                    header: self.barrier,
+                    ..Default::default()
+                };
+                d.publish(&[], &rec);
+            }
+            self.mine.reached(peer, e)
+        }
+        fn event(&self) -> u64 {
+            self.mine.event()
+        }
+        fn peer_slot(&self, peer: usize, e: u64, len: usize) -> &[u8] {
+            self.mine.peer_slot(peer, e, len)
+        }
+        fn peer_record(&self, peer: usize, e: u64) -> EventRecord {
+            self.mine.peer_record(peer, e)
+        }
+        fn read_peer(&self, peer: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+            self.mine.read_peer(peer, addr, dst)
+        }
+        fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()> {
+            self.mine.write_peer(peer, addr, src)
+        }
+        fn can_read_peers(&self) -> bool {
+            true
+        }
+        fn doorbell(&self) -> &Doorbell {
+            self.mine.doorbell()
+        }
+        fn check_alive(&self, peer: usize) -> Result<(), LinkError> {
+            self.mine.check_alive(peer)
+        }
+    }
+
+    /// Rank 0 runs a link call (one receive of `n` u64 from rank 1, call #2) while rank 1
+    /// acts as `act` once rank 0 has slept past a slice. Returns rank 0's result and output.
+    fn run(act: PeerAct, n: usize) -> (Result<()>, Vec<u64>) {
+        let mut links = crate::transport::mem::group(2, 1 << 20);
+        let (_, peer_link) = links[1].pop().unwrap();
+        let (_, my_link) = links[0].pop().unwrap();
+        let mut my_links: Vec<Option<Box<dyn Link>>> = vec![None, Some(my_link)];
+        let mut areas = mem_group(2);
+        let peer_area = areas.pop().unwrap();
+        let my_area = areas.pop().unwrap();
+        let fp = |kind, count| Fingerprint {
+            kind,
+            dtype: DataType::ALL
+                .iter()
+                .position(|&d| d == DataType::U64)
+                .unwrap() as u8,
+            op: 0,
+            count,
+            root: 0,
+        };
+        let print = CallPrint {
+            fp: fp(1, n as u64),
+            send_seq: 2,
+            recv_seq: 2,
+            call_seq: 2,
+        };
+        // What rank 1 sends: the call's header, then its data.
+        let theirs = CallPrint {
+            send_seq: 2,
+            ..print
+        };
+        let mut bytes = theirs.header().to_vec();
+        let data: Vec<u64> = (0..n as u64).map(|i| i * 3 + 1).collect();
+        bytes.extend(data.iter().flat_map(|v| v.to_ne_bytes()));
+        let barrier = Header {
+            fp: fp(7, 0),
+            mseq: 3,
+        }
+        .encode();
+        let direct = HookDirect {
+            mine: my_area,
+            peer: Mutex::new((peer_area, peer_link)),
+            act,
+            bytes,
+            fired: AtomicBool::new(false),
+            barrier,
+        };
+        let mut sched = Schedule::new("test");
+        let len = n * 8;
+        sched.push_xfers([Xfer::Recv {
+            peer: 1,
+            dst: BufRange::new(Buf::Output, 0, len),
+            combine: Combine::Store,
+        }]);
+        let mut ctx = Ctx {
+            rank: 0,
+            links: &mut my_links,
+            dtype: DataType::U64,
+            op: ReduceOp::Sum,
+            nranks: 2,
+            spin: Spin::new(1),
+            timeout: Duration::from_secs(2),
+            call: "all_reduce",
+            seq: 2,
+            single_copy: false,
+            guard: FaultHooks {
+                print: Some(&print),
+                direct: Some(&direct),
+                ..Default::default()
+            },
+        };
+        let mut out = vec![0u64; n];
+        let res = {
+            // SAFETY: u64 has no invalid bit patterns; the byte view covers `out` exactly.
+            let out_b =
+                unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), len) };
+            let mut bufs = Buffers::new(&[], out_b);
+            execute(&mut ctx, &sched, &mut bufs, &mut Vec::new())
+        };
+        assert!(direct.fired.load(Ordering::SeqCst), "the check never ran");
+        (res, out)
+    }
+
+    #[test]
+    fn a_peer_that_finished_and_entered_a_direct_call_is_no_mismatch() {
+        let (res, out) = run(PeerAct::FinishThenDirect, 1);
+        res.expect("rank 1 finished this call before its barrier: not a mismatch");
+        assert_eq!(out, vec![1]);
+        let (res, out) = run(PeerAct::FinishThenDirect, 4096);
+        res.expect("a larger last message");
+        assert_eq!(out, (0..4096).map(|i| i * 3 + 1).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn a_peer_in_a_direct_call_instead_is_a_mismatch() {
+        let (res, _) = run(PeerAct::DirectInstead, 1);
+        match res {
+            Err(Error::Mismatch {
+                rank: 0,
+                peer: 1,
+                seq: 2,
+                theirs,
+                ..
+            }) => {
+                assert!(theirs.contains("barrier"), "{theirs}")
+            }
+            other => panic!("expected a mismatch naming rank 1's barrier, got {other:?}"),
+        }
+    }
+}
