@@ -114,9 +114,10 @@ fn status_shows_who_is_behind() {
             let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
             let in_6th = |r: usize| v["ranks"][r]["current"]["seq"] == CALLS as u64 + 1;
             // Seen once in test.sh at load: a sample showing ranks 0 and 1 in call #6 with
-            // max_seq 5 and nobody behind (not explained yet: the agent computes max_seq
-            // from the same answers). Rank 2 stays stopped, so ask again until the agent
-            // says call #6 too (bounded below); then it must name rank 2 as behind.
+            // max_seq 5 and nobody behind (the agent took the highest call from its first
+            // answers only and did not redo it after asking ranks 0 and 1 again: fixed, see
+            // observe::status::settle). Ask again until the agent says call #6 too (bounded
+            // below); then it must name rank 2 as behind.
             if in_6th(0) && in_6th(1) && v["max_seq"] == CALLS as u64 + 1 {
                 break v;
             }

@@ -25,7 +25,7 @@
 //! the asked rank checks every other rank's answer the same way.
 //!
 //! "Behind" is decided at one moment: the asked rank gathers every rank's state; a rank whose
-//! last started call is below the highest one seen is asked again (a few times, within
+//! last started call is below the highest one seen (taken anew after each round) is asked again (a few times, within
 //! [`SETTLE`]) and reported behind only if it still has not reached that call, so a healthy
 //! job whose ranks are a call apart for a microsecond shows nobody behind.
 //!
@@ -694,6 +694,63 @@ fn gather(sh: &Shared, m: &Member, ranks: &[usize]) -> Vec<Result<String, String
     answers
 }
 
+/// Decides who is behind from every rank's first answer (`answers`, by rank), asking the
+/// ranks below the highest call seen again (`again`, answers in the order asked) every 20 ms
+/// within `settle`. Returns the answers last seen, the highest call they reach, and the ranks
+/// behind: those without an answer, and those whose last answer is below the highest call
+/// seen when it was asked for.
+///
+/// The highest call is taken anew after each round: ranks asked again may have gone on
+/// past it (a sample once showed ranks 0 and 1 in call #6, asked again, with the highest
+/// call still the 5 of the first answers and nobody behind, while rank 2, stopped after
+/// call #5, was).
+fn settle(
+    mut answers: Vec<Result<String, String>>,
+    mut again: impl FnMut(&[usize]) -> Vec<Result<String, String>>,
+    settle: Duration,
+) -> (Vec<Result<String, String>>, u64, Vec<usize>) {
+    let reached =
+        |a: &Result<String, String>| a.as_ref().ok().and_then(|s| number_of(s, "reached"));
+    let max_of =
+        |answers: &[Result<String, String>]| answers.iter().filter_map(reached).max().unwrap_or(0);
+    // Per rank: the highest call seen when its last answer was asked for.
+    let mut target = vec![max_of(&answers); answers.len()];
+    // One moment: a rank below the highest call seen may only be a call behind for an instant;
+    // ask it again until it reaches that call or `settle` passes. Past `settle`, one last
+    // round asks only the ranks never asked against the highest call seen (so that one
+    // slow round does not leave a rank judged against an older one).
+    let start = Instant::now();
+    let mut last_round = false;
+    loop {
+        let max = max_of(&answers);
+        let mut lagging: Vec<usize> = (0..answers.len())
+            .filter(|&r| answers[r].is_ok() && reached(&answers[r]).is_some_and(|x| x < max))
+            .collect();
+        if start.elapsed() >= settle {
+            lagging.retain(|&r| target[r] < max);
+            if last_round {
+                break;
+            }
+            last_round = true;
+        }
+        if lagging.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        for (r, a) in lagging.iter().zip(again(&lagging)) {
+            if a.is_ok() {
+                answers[*r] = a;
+                target[*r] = max;
+            }
+        }
+    }
+    let behind = (0..answers.len())
+        .filter(|&r| reached(&answers[r]).is_none_or(|x| x < target[r]))
+        .collect();
+    let max = max_of(&answers);
+    (answers, max, behind)
+}
+
 /// Every rank's state of this process's first communicator, gathered from their agents
 /// (each bounded by [`IO_TIMEOUT`]; ranks that seem behind asked again within [`SETTLE`]),
 /// as one JSON object.
@@ -708,33 +765,9 @@ fn job_json(sh: &Shared) -> String {
     };
     drop(members);
     let all: Vec<usize> = (0..m.src.nranks).collect();
-    let mut answers = gather(sh, &m, &all);
-    let reached =
-        |a: &Result<String, String>| a.as_ref().ok().and_then(|s| number_of(s, "reached"));
-    let max = answers.iter().filter_map(reached).max().unwrap_or(0);
-    // One moment: a rank below the highest call seen may only be a call behind for an instant;
-    // ask it again until it reaches that call or SETTLE passes.
-    let start = Instant::now();
-    loop {
-        let lagging: Vec<usize> = (0..answers.len())
-            .filter(|&r| answers[r].is_ok() && reached(&answers[r]).is_some_and(|x| x < max))
-            .collect();
-        if lagging.is_empty() || start.elapsed() >= SETTLE {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-        for (r, a) in lagging.iter().zip(gather(sh, &m, &lagging)) {
-            if a.is_ok() {
-                answers[*r] = a;
-            }
-        }
-    }
-    let behind: Vec<String> = answers
-        .iter()
-        .enumerate()
-        .filter(|(_, a)| reached(a).is_none_or(|r| r < max))
-        .map(|(i, _)| i.to_string())
-        .collect();
+    let first = gather(sh, &m, &all);
+    let (answers, max, behind) = settle(first, |ranks| gather(sh, &m, ranks), SETTLE);
+    let behind: Vec<String> = behind.iter().map(|r| r.to_string()).collect();
     let mut s = format!(
         "{{\"world_size\":{},\"comm\":\"{:016x}\",\"asked_rank\":{},\"time_us\":{},\"max_seq\":{max},\"behind\":[{}],\"ranks\":[",
         m.src.nranks,
@@ -1017,6 +1050,67 @@ mod tests {
         drop(second);
         drop(a);
         assert_eq!(StatusAgent::running(|x| x == addr), None);
+    }
+
+    /// A rank's answer reaching call `seq`.
+    fn at(seq: u64) -> Result<String, String> {
+        Ok(format!("{{\"alive\":true,\"reached\":{seq}}}"))
+    }
+
+    #[test]
+    fn the_highest_call_is_taken_after_asking_again() {
+        // The sample seen once: rank 2 had begun call #5 while ranks 0 and 1 finished call
+        // #4; asked again, 0 and 1 are in call #6, waiting for rank 2, stopped in call #5.
+        let mut asked = Vec::new();
+        let (answers, max, behind) = settle(
+            vec![at(4), at(4), at(5)],
+            |ranks| {
+                asked.push(ranks.to_vec());
+                ranks
+                    .iter()
+                    .map(|&r| at(if r == 2 { 5 } else { 6 }))
+                    .collect()
+            },
+            Duration::from_millis(100),
+        );
+        assert_eq!(asked[0], vec![0, 1]);
+        assert_eq!(asked[1], vec![2], "{asked:?}");
+        assert_eq!((max, behind), (6, vec![2]));
+        assert_eq!(answers[0], at(6));
+        // Past the settle time after one round: rank 2 is still asked once against call #6.
+        let (_, max, behind) = settle(
+            vec![at(4), at(4), at(5)],
+            |ranks| {
+                std::thread::sleep(Duration::from_millis(30));
+                ranks
+                    .iter()
+                    .map(|&r| at(if r == 2 { 5 } else { 6 }))
+                    .collect()
+            },
+            Duration::from_millis(10),
+        );
+        assert_eq!((max, behind), (6, vec![2]));
+    }
+
+    #[test]
+    fn a_busy_healthy_job_has_nobody_behind() {
+        // Every rank asked again has gone one call past the highest seen: a chase, cut at the
+        // settle time; nobody is behind what it was asked against.
+        let mut top = 9;
+        let (answers, max, behind) = settle(
+            vec![at(7), at(9), at(8), Err("no answer".into())],
+            |ranks| {
+                top += 1;
+                ranks.iter().map(|_| at(top)).collect()
+            },
+            Duration::from_millis(100),
+        );
+        assert_eq!(behind, vec![3], "only the rank that never answered");
+        assert_eq!(max, top);
+        assert!(answers
+            .iter()
+            .filter_map(|a| a.as_ref().ok())
+            .all(|a| number_of(a, "reached").is_some()));
     }
 
     #[test]
