@@ -471,9 +471,14 @@ fn time_calls_cpu(
     let iters = match iters {
         Some(n) => n,
         None => {
-            // Time growing batches until one lasts 2 ms; every rank must run the same count,
-            // so each decision uses the slowest rank's time.
+            // Time growing batches until two in a row of the same size last 2 ms each, and
+            // size the row by the faster: one batch that caught a preemption (milliseconds
+            // on a loaded host) would otherwise set a row of 1 µs calls to the minimum
+            // count, which one more preemption then dominates (docs/algorithms.md, one-shot).
+            // Every rank must run the same count, so each decision uses the slowest rank's
+            // time.
             let mut k = 1;
+            let mut long: Option<f64> = None;
             loop {
                 let t = Instant::now();
                 for _ in 0..k {
@@ -482,9 +487,15 @@ fn time_calls_cpu(
                 let mut secs = [t.elapsed().as_secs_f64()];
                 comm.all_reduce_in_place(&mut secs, ReduceOp::Max)?;
                 if secs[0] >= 0.002 || k >= MAX_ITERS {
-                    break ((ADAPTIVE_TARGET_SECS * k as f64 / secs[0].max(1e-9)) as usize)
+                    if let (None, false) = (long, k >= MAX_ITERS) {
+                        long = Some(secs[0]);
+                        continue;
+                    }
+                    let secs = long.map_or(secs[0], |l| l.min(secs[0]));
+                    break ((ADAPTIVE_TARGET_SECS * k as f64 / secs.max(1e-9)) as usize)
                         .clamp(MIN_ITERS, MAX_ITERS);
                 }
+                long = None;
                 k *= 4;
             }
         }

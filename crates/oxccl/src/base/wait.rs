@@ -245,6 +245,58 @@ impl Backoff {
     }
 }
 
+/// A spin budget learned across the waits of one rank's calls: how long spinning pays off
+/// while the peers keep their current cadence.
+///
+/// Spinning is worth its CPU only if the awaited peer arrives within the spin. When it does
+/// not, wait after wait (a peer that is runnable but has no CPU: queued behind another task,
+/// or on this very CPU, where a yield need not hand the CPU over), every call costs the whole
+/// budget before the rank sleeps and so frees its CPU, and two ranks taking turns at this
+/// keep each other slow: a convoy (seen at 146-158 µs per 8-512 B all_reduce at a load
+/// average of 1, about the time 2000 checks with a yield every 64 take here, against 0.5 µs
+/// in step). So a wait that spins out its budget quarters the next wait's, down to
+/// [`MIN`](Self::MIN) checks, and a wait whose peer arrives while it spins doubles it back, up
+/// to the configured budget: a convoy ends within a few calls, and ranks in step keep the
+/// full spin. It changes only when a rank sleeps, never whether a wait is bounded.
+#[derive(Debug, Clone, Copy)]
+pub struct Cadence {
+    budget: u32,
+}
+
+impl Default for Cadence {
+    fn default() -> Self {
+        Cadence::new()
+    }
+}
+
+impl Cadence {
+    /// The smallest learned budget: one yield period of a rank with a core of its own.
+    pub const MIN: u32 = Spin::YIELD_EVERY;
+
+    /// Nothing learned yet: the configured budget.
+    pub const fn new() -> Cadence {
+        Cadence { budget: u32::MAX }
+    }
+
+    /// The policy of the next wait: `spin`, its budget at most the learned one.
+    pub fn spin(&self, spin: Spin) -> Spin {
+        Spin {
+            budget: spin.budget.min(self.budget),
+            ..spin
+        }
+    }
+
+    /// A wait spun out the budget of `spin` (what [`spin`](Self::spin) gave) and slept.
+    pub fn ran_out(&mut self, spin: Spin) {
+        self.budget = (spin.budget / 4).max(Self::MIN.min(spin.budget));
+    }
+
+    /// A wait's peer arrived while it spun.
+    pub fn caught(&mut self) {
+        self.budget = self.budget.saturating_mul(2);
+    }
+}
+
 /// How long one sleep lasts at most before a waiting call re-checks its deadline and that the
 /// peers it waits for are alive.
 pub(crate) const SLEEP_SLICE: Duration = Duration::from_millis(50);
@@ -273,6 +325,8 @@ pub(crate) struct CallId {
 #[derive(Debug)]
 pub(crate) struct Waiter {
     backoff: Backoff,
+    /// The policy each wait starts with ([`rearm`](Self::rearm)).
+    base: Spin,
     timeout: Duration,
     id: CallId,
     /// When the call started, for its deadline (`None`: not yet; it starts the first time
@@ -289,6 +343,7 @@ impl Waiter {
     pub(crate) fn new(id: CallId, spin: Spin, timeout: Duration, started: bool) -> Waiter {
         Waiter {
             backoff: Backoff::new(spin),
+            base: spin,
             timeout,
             id,
             start: started.then(Instant::now),
@@ -304,15 +359,26 @@ impl Waiter {
     /// Begins another wait of the same call (the next event): spinning again, checking a
     /// slice after its first sleep; the deadline stays the call's.
     pub(crate) fn rearm(&mut self) {
-        self.backoff.reset();
+        self.backoff = Backoff::new(self.base);
         self.last_check = None;
     }
 
-    /// As [`rearm`](Self::rearm), spinning by `spin` (the next step, whose links may all be
-    /// sockets: [`Spin::for_sockets`]).
+    /// As [`rearm`](Self::rearm), spinning by `spin` from now on (the next step, whose links
+    /// may all be sockets: [`Spin::for_sockets`]).
     pub(crate) fn rearm_spinning(&mut self, spin: Spin) {
+        self.base = spin;
+        self.rearm();
+    }
+
+    /// The policy each wait starts with.
+    pub(crate) fn base(&self) -> Spin {
+        self.base
+    }
+
+    /// Spins by `spin` for the rest of this wait only (the next [`rearm`](Self::rearm)
+    /// returns to [`base`](Self::base)), counting afresh.
+    pub(crate) fn spin_this_wait(&mut self, spin: Spin) {
         self.backoff = Backoff::new(spin);
-        self.last_check = None;
     }
 
     /// Call after a round that made progress: spin afresh.
@@ -445,6 +511,69 @@ mod tests {
         };
         assert_eq!(Spin::from_config(&forced, cpus + 1).yield_every, 8);
         assert_eq!(Spin::from_config(&forced, 1).yield_every, 8);
+    }
+
+    #[test]
+    fn cadence_shrinks_while_waits_spin_out_and_grows_back_while_peers_arrive() {
+        let full = Spin::new(2000);
+        let mut c = Cadence::new();
+        assert_eq!(c.spin(full), full, "nothing learned: the configured budget");
+        let mut budgets = Vec::new();
+        for _ in 0..5 {
+            let s = c.spin(full);
+            budgets.push(s.budget);
+            c.ran_out(s);
+        }
+        assert_eq!(budgets, [2000, 500, 125, 64, 64], "quartered down to MIN");
+        assert_eq!(c.spin(full).yield_every, full.yield_every);
+        for _ in 0..6 {
+            c.caught();
+        }
+        assert_eq!(
+            c.spin(full).budget,
+            2000,
+            "doubled back, never above the configured"
+        );
+        c.ran_out(c.spin(Spin::new(0)));
+        assert_eq!(c.spin(Spin::new(0)).budget, 0, "a zero budget stays zero");
+        assert_eq!(c.spin(Spin::new(40)).budget, 0);
+        let mut c = Cadence::new();
+        c.ran_out(Spin::new(40));
+        assert_eq!(
+            c.spin(full).budget,
+            40,
+            "MIN never exceeds the budget that ran out"
+        );
+        for _ in 0..64 {
+            c.caught();
+        }
+        assert_eq!(
+            c.spin(full).budget,
+            2000,
+            "saturates instead of overflowing"
+        );
+    }
+
+    #[test]
+    fn a_waits_own_spinning_lasts_that_wait_only() {
+        let id = CallId {
+            rank: 0,
+            call: "test",
+            seq: 1,
+        };
+        let mut w = Waiter::new(id, Spin::new(3), Duration::from_secs(1), false);
+        w.spin_this_wait(Spin::new(1));
+        assert!(w.spin());
+        assert!(!w.spin(), "one round of this wait's budget");
+        w.rearm();
+        assert_eq!(w.base(), Spin::new(3));
+        assert!(
+            w.spin() && w.spin() && w.spin() && !w.spin(),
+            "the base budget again"
+        );
+        w.rearm_spinning(Spin::new(1));
+        w.rearm();
+        assert!(w.spin() && !w.spin(), "rearm_spinning sets the base");
     }
 
     #[test]

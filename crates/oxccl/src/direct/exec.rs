@@ -199,21 +199,45 @@ impl DirectCtx<'_> {
     }
 
     /// Waits until every peer has published event `e`.
+    ///
+    /// How it spins adapts to the peers (a convoy of ranks that each spin out their budget
+    /// before the other can run is what it avoids): the budget is the one learned across
+    /// this rank's waits ([`Cadence`](crate::base::wait::Cadence)), and a wait for a peer that
+    /// last published from this rank's CPU yields at every check, since that peer can only
+    /// run once this rank leaves the CPU.
     pub(crate) fn wait_all(&mut self, e: u64) -> Result<()> {
         let n = self.nranks;
         let id = self.wait.id();
         let me = id.rank;
         let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));
         self.wait.rearm();
+        // What this wait spins by once its first check has failed; whether it slept.
+        let mut spin = None;
+        let mut slept = false;
         loop {
-            let Some(_) = pending(&*self.direct) else {
+            let Some(p) = pending(&*self.direct) else {
+                if let (Some(_), false) = (spin, slept) {
+                    self.direct.cadence().caught();
+                }
                 if let Some(v) = self.step_ends.as_mut() {
                     v.push(Instant::now());
                 }
                 return Ok(());
             };
+            if spin.is_none() {
+                let mut s = self.direct.cadence().spin(self.wait.base());
+                if self.direct.peer_shares_cpu(p) {
+                    s.yield_every = 1;
+                }
+                self.wait.spin_this_wait(s);
+                spin = Some(s);
+            }
             if self.wait.spin() {
                 continue;
+            }
+            if let (Some(s), false) = (spin, slept) {
+                self.direct.cadence().ran_out(s);
+                slept = true;
             }
             {
                 let bell = self.direct.doorbell();
@@ -419,5 +443,60 @@ mod tests {
             }) => {}
             other => panic!("expected a mismatch naming rank 1, got {other:?}"),
         }
+    }
+}
+
+/// The direct executor's learned spin (`Cadence`) against a late peer.
+#[cfg(test)]
+mod cadence_tests {
+    use super::*;
+    use crate::base::wait::{Cadence, Spin};
+    use crate::direct::link::mem_group;
+    use std::time::Duration;
+
+    /// A rank whose peer publishes each event long after the rank has spun out its budget
+    /// learns to spin less (the convoy of `Cadence`), and its waits still end.
+    #[test]
+    fn waits_for_a_late_peer_learn_a_shorter_spin() {
+        let mut g = mem_group(2);
+        let mut late = g.pop().expect("two");
+        let mut d = g.pop().expect("two");
+        const EVENTS: u64 = 8;
+        let peer = std::thread::spawn(move || {
+            for _ in 0..EVENTS {
+                std::thread::sleep(Duration::from_millis(20));
+                late.publish(&[], &EventRecord::default());
+            }
+            late
+        });
+        let base = Spin::new(2000);
+        let id = CallId {
+            rank: 0,
+            call: "test",
+            seq: 1,
+        };
+        let mut cx = DirectCtx {
+            direct: &mut d,
+            nranks: 2,
+            wait: Waiter::new(id, base, Duration::from_secs(30), true),
+            print: None,
+            health: None,
+            links: None,
+            step_ends: None,
+            nt_bytes: 0,
+        };
+        for _ in 0..EVENTS {
+            let e = cx.direct.publish(&[], &EventRecord::default());
+            cx.wait_all(e).expect("the peer publishes every event");
+        }
+        let learned = cx.direct.cadence().spin(base).budget;
+        // Every wait (20 ms) outlasts 2000 checks unless this thread lost its CPU meanwhile,
+        // which the doubling of a caught wait undoes at most once per wait.
+        assert!(
+            learned < base.budget,
+            "learned {learned} after {EVENTS} spun-out waits"
+        );
+        assert!(learned >= Cadence::MIN);
+        let _ = peer.join();
     }
 }

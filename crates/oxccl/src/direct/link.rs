@@ -21,7 +21,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::base::wait::Doorbell;
+use crate::base::wait::{Cadence, Doorbell};
 use crate::direct::shared_buffer::Region;
 use crate::fault::fingerprint::HEADER_BYTES;
 use crate::transport::LinkError;
@@ -170,6 +170,17 @@ pub trait Direct: Send {
 
     /// An error if `peer` is known to be gone.
     fn check_alive(&self, peer: usize) -> Result<(), LinkError>;
+
+    /// Whether `peer` last published from the CPU this rank last published from: then it
+    /// can only run when this rank leaves the CPU, and spinning for it is lost time. A hint
+    /// (never decides correctness); `false` where unknown.
+    fn peer_shares_cpu(&self, peer: usize) -> bool {
+        let _ = peer;
+        false
+    }
+
+    /// The spin budget this rank has learned across its waits ([`Cadence`]).
+    fn cadence(&mut self) -> &mut Cadence;
 }
 
 /// Slot capacity of the in-memory implementation.
@@ -188,6 +199,7 @@ pub struct MemDirect {
     rank: usize,
     areas: Arc<Vec<MemArea>>,
     event: u64,
+    cadence: Cadence,
 }
 
 /// `n` handles for `n` threads.
@@ -211,6 +223,7 @@ pub fn mem_group(n: usize) -> Vec<MemDirect> {
             rank,
             areas: areas.clone(),
             event: 0,
+            cadence: Cadence::new(),
         })
         .collect()
 }
@@ -302,6 +315,10 @@ impl Direct for MemDirect {
             )));
         }
         Ok(())
+    }
+
+    fn cadence(&mut self) -> &mut Cadence {
+        &mut self.cadence
     }
 }
 

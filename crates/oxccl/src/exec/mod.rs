@@ -745,6 +745,9 @@ mod direct_race_tests {
         fn check_alive(&self, peer: usize) -> Result<(), LinkError> {
             self.mine.check_alive(peer)
         }
+        fn cadence(&mut self) -> &mut crate::base::wait::Cadence {
+            self.mine.cadence()
+        }
     }
 
     /// Rank 0 runs a link call (one receive of `n` u64 from rank 1, call #2) while rank 1
