@@ -204,7 +204,8 @@ fn measure_rates(
     sizes: &[usize],
     times: &[[Option<f64>; 3]],
 ) -> Result<oxccl::Rates, String> {
-    let (reduce_gbps, ..) = oxccl::calibrate::memory_gbps();
+    let memory = oxccl::calibrate::memory_gbps();
+    let reduce_gbps = memory.0;
     let ring = |i: usize| times.get(i).and_then(|r| r[1]);
     let last = sizes.len().saturating_sub(1);
     let (lat, gbps) = match (ring(0), ring(last)) {
@@ -223,5 +224,5 @@ fn measure_rates(
             sizes.get(last).copied().unwrap_or(0)
         )
     })?;
-    oxccl::calibrate::measure(lat, gbps).map_err(|e| e.to_string())
+    oxccl::calibrate::measure(memory, lat, gbps).map_err(|e| e.to_string())
 }

@@ -210,10 +210,10 @@ pub fn shm_link(
     (moving > 0.0).then(|| (alpha, steps * s / n / moving / 1e3))
 }
 
-/// Every rate of [`Rates`]: memory and TCP measured here, the shared-memory link as given
-/// (from [`shm_link`]).
-pub fn measure(shm_lat_us: f64, shm_gbps: f64) -> Result<Rates> {
-    let (reduce_gbps, reduce_cached_gbps, copy_gbps, copy_cached_gbps) = memory_gbps();
+/// Every rate of [`Rates`]: the memory rates as [`memory_gbps`] measured them, the
+/// shared-memory link as given (from [`shm_link`]), the TCP stack measured here.
+pub fn measure(memory: (f64, f64, f64, f64), shm_lat_us: f64, shm_gbps: f64) -> Result<Rates> {
+    let (reduce_gbps, reduce_cached_gbps, copy_gbps, copy_cached_gbps) = memory;
     Ok(Rates {
         shm_lat_us,
         shm_gbps,
