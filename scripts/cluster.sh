@@ -24,7 +24,8 @@
 #   scripts/cluster.sh torchrun        only the torchrun launch
 #
 # Settings: OXCCL_BIN (default target/release/oxccl), OXCCL_CLUSTER_RATE (10gbit),
-# OXCCL_CLUSTER_MTU (9000; 1500 for standard frames), GLOO_PY (python with torch; default
+# OXCCL_CLUSTER_MTU (9000; 1500 for standard frames), OXCCL_CLUSTER_SSAI (when set, each host's
+# net.ipv4.tcp_slow_start_after_idle: 0 keeps an idle connection's congestion window), GLOO_PY (python with torch; default
 # ~/.cache/oxccl-anchors/venv/bin/python), ANCHORS (../shared/anchors).
 #
 # Addresses are 10.77.0.K+1/24, inside namespaces this script creates (named oxc<pid>-...),
@@ -100,6 +101,8 @@ up() {
     ip netns add "$h"
     ip link add eth0 netns "$h" mtu "$MTU" type veth peer name "p$k" netns "${P}sw" mtu "$MTU"
     ip -n "$h" link set lo up
+    [ -z "${OXCCL_CLUSTER_SSAI:-}" ] ||
+      ip netns exec "$h" sysctl -qw net.ipv4.tcp_slow_start_after_idle="$OXCCL_CLUSTER_SSAI"
     ip -n "$h" addr add "$NET.$((k + 1))/24" dev eth0
     ip -n "$h" link set eth0 up
     ip -n "${P}sw" link set "p$k" master br0

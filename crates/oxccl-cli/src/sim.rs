@@ -41,6 +41,17 @@ pub struct Args {
     /// run-time model's (OXCCL_NET_LAT_US, else 30).
     #[arg(long, value_parser = args::number(1e9))]
     net_lat_us: Option<f64>,
+    /// The tune file whose measured rates (shared-memory link, reduction, TCP stack; written
+    /// by `oxccl tune`) the model uses. Default: the file `oxccl tune` writes
+    /// (OXCCL_TUNE_FILE, else ~/.cache/oxccl/tune.conf), the built-in rates where it is
+    /// missing or has none.
+    #[arg(long)]
+    tune_file: Option<std::path::PathBuf>,
+    /// Cores shared by all ranks of all hosts (emulated hosts on one machine, as
+    /// scripts/cluster.sh makes): every CPU term is ranks/cpus times slower where there are
+    /// more ranks than cores. Default: each rank has a core of its own.
+    #[arg(long, value_parser = args::number(1e6))]
+    cpus: Option<f64>,
     /// Smallest size in bytes (K, M, G suffixes; at most 1024G).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = args::bytes(1, args::MAX_PERF_BYTES))]
     minbytes: usize,
@@ -68,6 +79,10 @@ struct Row {
     bytes: usize,
     net_gbps: f64,
     net_lat_us: f64,
+    /// `[per-message µs, GB/s per core]` of the TCP stack charged (null: not charged).
+    tcp: Option<(f64, f64)>,
+    /// Cores shared by all ranks (`--cpus`; null: one per rank).
+    cpus: Option<f64>,
     /// Predicted microseconds per algorithm name (null: does not run on this shape).
     predicted_us: serde_json::Map<String, serde_json::Value>,
     algo: &'static str,
@@ -163,9 +178,27 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<(), String> {
     let hosts = host_counts(&a.hosts, a.ranks_per_host)?;
     let sizes = sizes(a.minbytes, a.maxbytes, a.stepfactor)?;
     let cfg = oxccl::Config::from_env().map_err(|e| e.to_string())?;
-    let p = Predictor::from_config(&cfg)
-        .map_err(|e| e.to_string())?
-        .with_net(a.net_gbps, a.net_lat_us);
+    let mut p = Predictor::from_config(&cfg).map_err(|e| e.to_string())?;
+    let rates_from = match &a.tune_file {
+        Some(f) => {
+            let t = oxccl::Tuning::read(f)
+                .map_err(|e| format!("--tune-file: {e}"))?
+                .ok_or_else(|| format!("--tune-file {}: no such file", f.display()))?;
+            let r = t.rates.ok_or_else(|| {
+                format!(
+                    "--tune-file {}: no measured rates (written by an older `oxccl tune`: rerun it)",
+                    f.display()
+                )
+            })?;
+            p = p.with_rates(&r);
+            format!("measured, {}", f.display())
+        }
+        None => match (&cfg.rates, oxccl::Tuning::path()) {
+            (Some(_), Some(f)) => format!("measured, {}", f.display()),
+            _ => "built-in (no tune file with rates: run `oxccl tune`)".to_string(),
+        },
+    };
+    let p = p.with_net(a.net_gbps, a.net_lat_us).with_cpus(a.cpus);
     let (lat, gbps) = p.net();
     let (shm_lat, shm_gbps) = p.shm();
     let (mem, cached) = p.local();
@@ -175,9 +208,18 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<(), String> {
             out,
             "# oxccl sim: {} float sum, predicted by the cost model (nothing runs)\n\
              # network {lat} us + {gbps} GB/s ({:.1} Gbit/s) per host link; shared memory \
-             {shm_lat} us + {shm_gbps} GB/s; reduce/copy {mem} GB/s ({cached} in cache)",
+             {shm_lat:.2} us + {shm_gbps:.2} GB/s; reduce {mem:.2} GB/s ({cached:.2} in cache)\n\
+             # TCP stack {}; rates: {rates_from}; cores: {}",
             a.coll,
-            gbps * 8.0
+            gbps * 8.0,
+            p.tcp().map_or_else(
+                || "not charged".to_string(),
+                |(l, g)| format!("{l:.1} us per message, {g:.2} GB/s per core")
+            ),
+            a.cpus.map_or_else(
+                || "one per rank".to_string(),
+                |c| format!("{c} shared by all ranks")
+            ),
         )
         .map_err(io)?;
     }
@@ -215,6 +257,8 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<(), String> {
                     bytes,
                     net_gbps: gbps,
                     net_lat_us: lat,
+                    tcp: p.tcp(),
+                    cpus: a.cpus,
                     predicted_us: pr
                         .times_us
                         .iter()

@@ -1,5 +1,7 @@
 //! `oxccl tune`: measures this host and saves where one intra-host algorithm overtakes
-//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::Tuning`].
+//! another (one-shot, ring, single-copy all_reduce), for [`oxccl::Tuning`], and the rates
+//! the multi-host cost model uses (shared-memory link, reduction and copy, the TCP stack:
+//! [`oxccl::Rates`], read by every communicator and by `oxccl sim`).
 
 use std::io::Write;
 
@@ -100,6 +102,8 @@ fn rank_main(a: &Args) -> Result<(), String> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // The rates below are one process's: no other rank runs meanwhile.
+    drop(comm);
     if rank != 0 {
         return Ok(());
     }
@@ -151,11 +155,23 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let cma_min = (0..sizes.len())
         .find(|&i| times[i..].iter().all(|r| best(r) == 2))
         .map_or(oxccl::params::MAX_THRESHOLD as usize, |i| sizes[i]);
+    let _ = writeln!(out, "# oneshot_max={oneshot_max} cma_min={cma_min}");
+    let rates = measure_rates(n, &sizes, &times)?;
+    let _ = writeln!(
+        out,
+        "# rates for the multi-host cost model (oxccl sim): {}",
+        rates
+            .entries()
+            .iter()
+            .map(|(k, v)| format!("{k}={v:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     let t = Tuning {
         oneshot_max,
         cma_min,
+        rates: Some(rates),
     };
-    let _ = writeln!(out, "# oneshot_max={oneshot_max} cma_min={cma_min}");
     if a.dry_run {
         return Ok(());
     }
@@ -178,4 +194,35 @@ fn rank_main(a: &Args) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let _ = writeln!(out, "# saved to {}", path.display());
     Ok(())
+}
+
+/// The cost model's rates: the shared-memory link from the ring's times at the smallest
+/// and the largest size measured (`calibrate::shm_link`), reduction, copy and the TCP stack
+/// measured in this process (`calibrate::measure`).
+fn measure_rates(
+    n: usize,
+    sizes: &[usize],
+    times: &[[Option<f64>; 3]],
+) -> Result<oxccl::Rates, String> {
+    let memory = oxccl::calibrate::memory_gbps();
+    let reduce_gbps = memory.0;
+    let ring = |i: usize| times.get(i).and_then(|r| r[1]);
+    let last = sizes.len().saturating_sub(1);
+    let (lat, gbps) = match (ring(0), ring(last)) {
+        (Some(small), Some(big)) => {
+            oxccl::calibrate::shm_link(n, small, sizes[last], big, reduce_gbps)
+        }
+        _ => None,
+    }
+    .ok_or_else(|| {
+        format!(
+            "the ring's times ({:?} us at {} B, {:?} us at {} B, {n} ranks) give no shared-memory \
+             link: measure with --ranks 2 or more and a larger --max-bytes",
+            ring(0),
+            sizes.first().copied().unwrap_or(0),
+            ring(last),
+            sizes.get(last).copied().unwrap_or(0)
+        )
+    })?;
+    oxccl::calibrate::measure(memory, lat, gbps).map_err(|e| e.to_string())
 }

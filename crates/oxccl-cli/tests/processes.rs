@@ -503,6 +503,23 @@ fn tune_measures_and_saves() {
         saved.oneshot_max <= 64 << 10,
         "one-shot cannot carry more than a slot: {saved:?}"
     );
+    // The cost model's rates, measured and saved, and what `oxccl sim` reads.
+    let rates = saved.rates.expect("tune saves the cost model's rates");
+    for (k, v) in rates.entries() {
+        assert!(v.is_finite() && v > 0.0, "{k}={v}");
+        assert!(stdout.contains(&format!("{k}=")), "{k}: {stdout}");
+    }
+    let sim = Command::new(OXCCL)
+        .args(["sim", "--hosts", "2", "-b", "1M", "-e", "1M", "--tune-file"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_ok(&sim, "sim --tune-file");
+    let table = String::from_utf8_lossy(&sim.stdout);
+    assert!(
+        table.contains(&format!("rates: measured, {}", file.display())),
+        "{table}"
+    );
     let _ = std::fs::remove_file(file);
 }
 

@@ -143,3 +143,85 @@ fn environment_and_flags_reach_the_model() {
     assert_eq!(r[0]["algo"], "ordered");
     assert!(r[0]["time_us"].is_null());
 }
+
+/// A tune file as `oxccl tune` writes it, with the TCP stack moving `tcp_gbps` per core.
+fn tune_file(name: &str, tcp_gbps: f64) -> std::path::PathBuf {
+    let f = std::env::temp_dir().join(format!("oxccl-sim-{name}-{}.conf", std::process::id()));
+    std::fs::write(
+        &f,
+        format!(
+            "# test\noneshot_max=8192\ncma_min=65536\nshm_lat_us=2\nshm_gbps=4\n\
+             reduce_gbps=3\nreduce_cached_gbps=30\ncopy_gbps=3\ncopy_cached_gbps=30\n\
+             tcp_lat_us=5\ntcp_gbps={tcp_gbps}\n"
+        ),
+    )
+    .unwrap();
+    f
+}
+
+#[test]
+fn tune_file_rates_reach_the_model() {
+    let file = tune_file("rates", 0.25);
+    let path = file.to_str().unwrap();
+    let base = [
+        "--hosts",
+        "4",
+        "-b",
+        "16M",
+        "-e",
+        "16M",
+        "--net-gbps",
+        "1.25",
+    ];
+    let without = rows(&base, &[]);
+    assert!(without[0]["tcp"].is_null(), "{without:?}");
+    let mut args = base.to_vec();
+    args.extend(["--tune-file", path]);
+    let with = rows(&args, &[]);
+    // The stack's 0.25 GB/s per core, not the 1.25 GB/s link, bounds the ring's bytes: its
+    // time is 2(n-1) steps of 4 MB at 0.25 GB/s plus the reduction at 3 GB/s.
+    assert_eq!(with[0]["tcp"], serde_json::json!([5.0, 0.25]));
+    let s = 16.0 * 1048576.0;
+    let ring = with[0]["predicted_us"]["ring"].as_f64().unwrap();
+    let want = 6.0 * (30.0 + s / 4.0 / 250.0) + 3.0 * s / 4.0 / 3e3;
+    assert!((ring - want).abs() < 1e-6 * want, "{ring} {want}");
+    assert!(f(&with[0], "time_us") > 3.0 * f(&without[0], "time_us"));
+    // The default is the file `oxccl tune` writes (OXCCL_TUNE_FILE).
+    let env = rows(&base, &[("OXCCL_TUNE_FILE", path)]);
+    assert_eq!(env[0]["predicted_us"], with[0]["predicted_us"]);
+    let t = sim(&args, &[]);
+    assert!(t.contains(&format!("rates: measured, {path}")), "{t}");
+    assert!(
+        t.contains("TCP stack 5.0 us per message, 0.25 GB/s per core"),
+        "{t}"
+    );
+    // Ranks sharing cores: every CPU term slower, the choice unchanged.
+    args.extend(["--cpus", "1"]);
+    let shared = rows(&args, &[]);
+    assert_eq!(shared[0]["algo"], with[0]["algo"]);
+    assert!(f(&shared[0], "time_us") > 3.0 * f(&with[0], "time_us"));
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn tune_file_refused_with_a_reason() {
+    let run = |file: &std::path::Path| {
+        let out = Command::new(OXCCL)
+            .args(["sim", "--hosts", "2", "-b", "8", "-e", "8", "--tune-file"])
+            .arg(file)
+            .env("OXCCL_TUNE_FILE", "")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let missing = std::env::temp_dir().join("oxccl-sim-no-such-file.conf");
+    assert!(run(&missing).contains("no such file"));
+    let old = tune_file("old", 1.0);
+    std::fs::write(&old, "oneshot_max=8192\ncma_min=65536\n").unwrap();
+    assert!(run(&old).contains("no measured rates"), "{}", run(&old));
+    std::fs::write(&old, "oneshot_max=8192\ncma_min=65536\ntcp_gbps=1\n").unwrap();
+    let e = run(&old);
+    assert!(e.contains("--tune-file") && e.contains("missing"), "{e}");
+    let _ = std::fs::remove_file(old);
+}

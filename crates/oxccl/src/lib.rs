@@ -57,7 +57,7 @@ pub use base::error::{blamed_rank, explain_os_error, rank_list, Error, FailureKi
 pub use base::mem::check_fits;
 pub use base::op::ReduceOp;
 pub use base::param::table as params;
-pub use base::param::{parse_bytes, Config, TransportChoice, Tuning};
+pub use base::param::{parse_bytes, Config, Rates, TransportChoice, Tuning};
 pub use base::wait::{spin_until, WAIT_SPIN};
 pub use bootstrap::{default_ip, local_host_id, UniqueId};
 pub use comm::check;
@@ -68,6 +68,6 @@ pub use direct::shared_pool::{PoolStats, SharedPool};
 pub use exec::p2p::P2pOp;
 pub use half::{bf16, f16};
 pub use observe::status;
-pub use plan::predict;
+pub use plan::{calibrate, predict};
 pub use sched::{Algo, CollKind};
 pub use transport::shm::segment_bytes as shm_segment_bytes;

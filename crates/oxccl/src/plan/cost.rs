@@ -55,6 +55,14 @@ pub(crate) struct CostModel {
     /// The same while a call's buffer fits in the core's caches (at most
     /// [`CACHE_BYTES`](Self::CACHE_BYTES)).
     pub cached_gbps: f64,
+    /// The TCP stack on this host's CPU (measured by `oxccl tune`): per-message cost and the
+    /// bytes one core moves through it per second, sending and receiving. `None`: not
+    /// charged (the network's own latency and bandwidth only).
+    pub tcp: Option<LinkCost>,
+    /// Ranks per core (at least 1): every CPU term (shared-memory link, reduction, TCP
+    /// stack) is that many times slower. 1 where each rank has a core of its own; `oxccl sim
+    /// --cpus` sets it for emulated hosts that share one machine's cores.
+    pub cpu_share: f64,
 }
 
 impl Default for CostModel {
@@ -70,6 +78,8 @@ impl Default for CostModel {
             },
             local_gbps: 2.0,
             cached_gbps: 10.0,
+            tcp: None,
+            cpu_share: 1.0,
         }
     }
 }
@@ -89,7 +99,47 @@ impl CostModel {
     /// The model a communicator with `cfg` uses: the defaults, with `OXCCL_NET_GBPS` and
     /// `OXCCL_NET_LAT_US` where set.
     pub(crate) fn for_config(cfg: &crate::base::param::Config) -> Self {
-        Self::default().with_net(cfg.net_gbps, cfg.net_lat_us)
+        let m = match &cfg.rates {
+            Some(r) => Self::default().with_rates(r),
+            None => Self::default(),
+        };
+        m.with_net(cfg.net_gbps, cfg.net_lat_us)
+    }
+
+    /// The model with this host's measured rates (`oxccl tune`) in place of the built-in
+    /// ones: the shared-memory link, reduction (float32 sum), and the TCP stack's cost.
+    pub(crate) fn with_rates(mut self, r: &crate::base::param::Rates) -> Self {
+        self.shm = LinkCost {
+            alpha_us: r.shm_lat_us,
+            gbps: r.shm_gbps,
+        };
+        self.local_gbps = r.reduce_gbps;
+        self.cached_gbps = r.reduce_cached_gbps;
+        self.tcp = Some(LinkCost {
+            alpha_us: r.tcp_lat_us,
+            gbps: r.tcp_gbps,
+        });
+        self
+    }
+
+    /// Microseconds of one network step moving `bytes`: the link's latency or the TCP
+    /// stack's per-message cost, whichever is larger, and the bytes at the link's rate or
+    /// the rate the stack moves them on a (shared) core, whichever is slower: the link and
+    /// the CPU work at the same time, the slower one bounds the step.
+    fn net_step_us(&self, bytes: f64) -> f64 {
+        let c = self.cpu_share.max(1.0);
+        match self.tcp {
+            None => self.net.time_us(bytes),
+            Some(t) => {
+                let gbps = self.net.gbps.min(t.gbps / c);
+                self.net.alpha_us.max(t.alpha_us * c) + bytes / (gbps * 1e3)
+            }
+        }
+    }
+
+    /// Microseconds of one shared-memory step moving `bytes` (all CPU: slower by the share).
+    fn shm_step_us(&self, bytes: f64) -> f64 {
+        self.shm.time_us(bytes) * self.cpu_share.max(1.0)
     }
 
     /// The model with the network's latency and bandwidth replaced where given.
@@ -110,7 +160,6 @@ impl CostModel {
         let h = topo.hosts.len();
         let l = topo.hosts.iter().map(Vec::len).max().unwrap_or(1);
         let s = bytes as f64;
-        let link = if h > 1 { self.net } else { self.shm };
         // Local work runs at cache speed while the whole buffer fits in the caches: the tree,
         // which reduces the whole buffer at every step, was charged 5-10 times its measured
         // local cost at 64-256 KB with the memory rate (4 x 1 emulated hosts).
@@ -119,18 +168,25 @@ impl CostModel {
         } else {
             self.local_gbps
         };
-        let mem = |bytes: f64| bytes / (mu * 1e3);
+        let mem = |bytes: f64| bytes / (mu * 1e3) * self.cpu_share.max(1.0);
+        let step = |bytes: f64| {
+            if h > 1 {
+                self.net_step_us(bytes)
+            } else {
+                self.shm_step_us(bytes)
+            }
+        };
         let nf = n as f64;
         match algo {
-            Algo::Ring => Some(2.0 * (nf - 1.0) * link.time_us(s / nf) + (nf - 1.0) * mem(s / nf)),
+            Algo::Ring => Some(2.0 * (nf - 1.0) * step(s / nf) + (nf - 1.0) * mem(s / nf)),
             Algo::Hier => {
                 if topo.hosts.iter().any(|x| x.len() != l) {
                     return None;
                 }
                 let (lf, hf) = (l as f64, h as f64);
-                let local = 2.0 * (lf - 1.0) * self.shm.time_us(s / lf) + mem(s * (lf - 1.0) / lf);
+                let local = 2.0 * (lf - 1.0) * self.shm_step_us(s / lf) + mem(s * (lf - 1.0) / lf);
                 let net =
-                    2.0 * (hf - 1.0) * self.net.time_us(s / hf) + mem(s * (hf - 1.0) / (hf * lf));
+                    2.0 * (hf - 1.0) * self.net_step_us(s / hf) + mem(s * (hf - 1.0) / (hf * lf));
                 // Pipelined in K chunks: the local phases of neighbouring chunks overlap the
                 // network phase; about one chunk's worth stays exposed.
                 let k = crate::sched::allreduce_hier::chunks(bytes) as f64;
@@ -141,20 +197,16 @@ impl CostModel {
                 let pf = p as f64;
                 // Step k of each phase moves S/2^(k+1); the owner reduces (P-1)/P of S.
                 let phase: f64 = (0..p.ilog2())
-                    .map(|k| link.time_us(s / f64::from(k + 1).exp2()))
+                    .map(|k| step(s / f64::from(k + 1).exp2()))
                     .sum();
-                let pairs = if n == p {
-                    0.0
-                } else {
-                    2.0 * link.time_us(s) + mem(s)
-                };
+                let pairs = if n == p { 0.0 } else { 2.0 * step(s) + mem(s) };
                 Some(2.0 * phase + mem(s * (pf - 1.0) / pf) + pairs)
             }
             Algo::Tree => {
                 let net_steps = ceil_log2(h) + if h.is_power_of_two() { 0.0 } else { 2.0 };
                 Some(
-                    2.0 * ceil_log2(l) * (self.shm.time_us(s) + mem(s))
-                        + net_steps * (self.net.time_us(s) + mem(s)),
+                    2.0 * ceil_log2(l) * (self.shm_step_us(s) + mem(s))
+                        + net_steps * (self.net_step_us(s) + mem(s)),
                 )
             }
             _ => None,
@@ -308,5 +360,71 @@ mod tests {
         let uneven = topo(vec![0, 0, 1, 2]);
         assert_eq!(m.0.all_reduce_us(Algo::Hier, 1 << 20, &uneven), None);
         assert_ne!(m.choose(ar, 64 << 20, Some(&uneven), None), Algo::Hier);
+    }
+
+    fn rates(tcp_lat_us: f64, tcp_gbps: f64) -> crate::base::param::Rates {
+        crate::base::param::Rates {
+            shm_lat_us: 4.0,
+            shm_gbps: 3.0,
+            reduce_gbps: 2.0,
+            reduce_cached_gbps: 10.0,
+            copy_gbps: 4.0,
+            copy_cached_gbps: 20.0,
+            tcp_lat_us,
+            tcp_gbps,
+        }
+    }
+
+    #[test]
+    fn the_cpu_bounds_a_step_when_slower_than_the_link() {
+        let four = topo(vec![0, 1, 2, 3]);
+        let base = CostModel::default().with_net(Some(1.25), Some(30.0));
+        // The built-in rates and a TCP stack faster than the link: the same predictions
+        // (the link bounds every step).
+        let fast = base.with_rates(&rates(5.0, 4.0));
+        for algo in [Algo::Ring, Algo::Tree, Algo::HalvingDoubling] {
+            for bytes in [8, 64 << 10, 16 << 20] {
+                assert_eq!(
+                    fast.all_reduce_us(algo, bytes, &four),
+                    base.all_reduce_us(algo, bytes, &four),
+                    "{algo:?} {bytes}"
+                );
+            }
+        }
+        // A stack that moves 0.5 GB/s per core bounds the ring's bytes: 2(n-1) steps of
+        // S/n at 0.5 GB/s instead of 1.25, the reduction as before.
+        let slow = base.with_rates(&rates(5.0, 0.5));
+        let s = (16 << 20) as f64;
+        let ring = |m: &CostModel, gbps: f64| {
+            let got = m.all_reduce_us(Algo::Ring, 16 << 20, &four).unwrap();
+            let want = 6.0 * (30.0 + s / 4.0 / (gbps * 1e3)) + 3.0 * s / 4.0 / 2e3;
+            assert!((got - want).abs() < 1e-6 * want, "{got} {want}");
+        };
+        ring(&base, 1.25);
+        ring(&slow, 0.5);
+        // A per-message cost above the link's latency replaces it.
+        let costly = base.with_rates(&rates(50.0, 4.0));
+        let extra = costly.all_reduce_us(Algo::Ring, 8, &four).unwrap()
+            - base.all_reduce_us(Algo::Ring, 8, &four).unwrap();
+        assert!((extra - 6.0 * (50.0 - 30.0)).abs() < 1e-9, "{extra}");
+        // Ranks sharing cores: every CPU term slower by the share; a link-bound step is
+        // unchanged until the shared stack is slower than the link.
+        let shared = CostModel {
+            cpu_share: 4.0,
+            ..fast
+        };
+        let big = 16 << 20;
+        let t_fast = fast.all_reduce_us(Algo::Ring, big, &four).unwrap();
+        let t_shared = shared.all_reduce_us(Algo::Ring, big, &four).unwrap();
+        let want = 6.0 * (30.0 + s / 4.0 / (1e3 * 4.0 / 4.0)) + 4.0 * 3.0 * s / 4.0 / 2e3;
+        assert!(t_shared > t_fast && (t_shared - want).abs() < 1e-6 * want);
+        let two_by_two = topo(vec![0, 0, 1, 1]);
+        assert!(
+            shared.all_reduce_us(Algo::Hier, big, &two_by_two).unwrap()
+                > fast.all_reduce_us(Algo::Hier, big, &two_by_two).unwrap()
+        );
+        // Without measured rates nothing of the TCP stack is charged.
+        assert_eq!(CostModel::default().tcp, None);
+        assert_eq!(fast.shm.alpha_us, 4.0);
     }
 }

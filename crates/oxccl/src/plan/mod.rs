@@ -1,6 +1,7 @@
 //! Choosing how to run a call: the cost model and the tuner that picks an algorithm per
 //! collective and size.
 
+pub mod calibrate;
 pub(crate) mod cost;
 pub mod predict;
 pub(crate) mod tune;

@@ -4,7 +4,7 @@
 //! library calls for every call). `oxccl sim` prints them.
 
 use crate::base::error::{Error, Result};
-use crate::base::param::Config;
+use crate::base::param::{Config, Rates};
 use crate::bootstrap::topo::Topology;
 use crate::plan::cost::CostModel;
 use crate::plan::tune;
@@ -24,6 +24,8 @@ pub struct Predictor {
     oneshot_max: usize,
     cma_min: usize,
     deterministic: bool,
+    /// Cores shared by every rank of the cluster ([`Predictor::with_cpus`]).
+    cpus: Option<f64>,
 }
 
 /// One prediction: every modelled algorithm's time and the one the library would run.
@@ -57,6 +59,7 @@ impl Predictor {
             oneshot_max: cfg.oneshot_max,
             cma_min: cfg.cma_min,
             deterministic: cfg.deterministic,
+            cpus: None,
         })
     }
 
@@ -65,6 +68,32 @@ impl Predictor {
     pub fn with_net(mut self, gbps: Option<f64>, lat_us: Option<f64>) -> Predictor {
         self.model = self.model.with_net(gbps, lat_us);
         self
+    }
+
+    /// The same with this host's measured rates (the tune file's, `oxccl tune`) in place of
+    /// the ones `cfg` gave (its tune file's, or the built-in values).
+    pub fn with_rates(mut self, rates: &Rates) -> Predictor {
+        let (net, share) = (self.model.net, self.model.cpu_share);
+        self.model = CostModel::default().with_rates(rates);
+        self.model.net = net;
+        self.model.cpu_share = share;
+        self
+    }
+
+    /// The same for emulated hosts that share `cpus` cores in all (every host's ranks and
+    /// TCP stack on one machine): every CPU term is `ranks / cpus` times slower where there
+    /// are more ranks than cores. `None`: each rank has a core of its own. Only the times
+    /// change; the choice stays the run-time one (a communicator does not know its hosts
+    /// share cores).
+    pub fn with_cpus(mut self, cpus: Option<f64>) -> Predictor {
+        self.cpus = cpus.filter(|c| *c > 0.0);
+        self
+    }
+
+    /// `(per-message µs, GB/s)` of the TCP stack the model charges (`None`: not charged,
+    /// no measured rates).
+    pub fn tcp(&self) -> Option<(f64, f64)> {
+        self.model.tcp.map(|t| (t.alpha_us, t.gbps))
     }
 
     /// `(latency µs, GB/s)` of the network link the model assumes.
@@ -93,9 +122,13 @@ impl Predictor {
         bytes: usize,
     ) -> Result<Prediction> {
         let topo = block_topology(hosts, ranks_per_host)?;
+        let mut timed = self.model;
+        if let Some(c) = self.cpus {
+            timed.cpu_share = (topo.host_of.len() as f64 / c).max(1.0);
+        }
         let times_us: Vec<(Algo, Option<f64>)> = MODELLED
             .iter()
-            .map(|&a| (a, self.model.all_reduce_us(a, bytes, &topo)))
+            .map(|&a| (a, timed.all_reduce_us(a, bytes, &topo)))
             .collect();
         // What a communicator of this shape knows when it chooses (collectives.rs): ranks on
         // several hosts have no direct area.
@@ -239,5 +272,61 @@ mod tests {
             assert!(p.all_reduce(h, l, 8).is_err(), "{h}x{l}");
         }
         assert!(p.all_reduce(2, 32_768, 8).is_ok());
+    }
+
+    #[test]
+    fn rates_and_shared_cores() {
+        let p = Predictor::from_config(&Config::default()).unwrap();
+        assert_eq!(p.tcp(), None);
+        let r = Rates {
+            shm_lat_us: 2.0,
+            shm_gbps: 5.0,
+            reduce_gbps: 3.0,
+            reduce_cached_gbps: 30.0,
+            copy_gbps: 3.0,
+            copy_cached_gbps: 30.0,
+            tcp_lat_us: 6.0,
+            tcp_gbps: 0.8,
+        };
+        // The same rates through the config (the tune file) and through with_rates.
+        let via_cfg = Predictor::from_config(&Config {
+            rates: Some(r),
+            ..Config::default()
+        })
+        .unwrap();
+        let measured = p.clone().with_rates(&r);
+        assert_eq!(measured.tcp(), Some((6.0, 0.8)));
+        assert_eq!(
+            (measured.shm(), measured.local()),
+            ((2.0, 5.0), (3.0, 30.0))
+        );
+        for bytes in [8, 1 << 20, 64 << 20] {
+            assert_eq!(
+                via_cfg.all_reduce(4, 2, bytes).unwrap(),
+                measured.all_reduce(4, 2, bytes).unwrap()
+            );
+        }
+        // The network given on the command line survives the rates, in either order.
+        let net = p.clone().with_net(Some(0.125), Some(40.0)).with_rates(&r);
+        assert_eq!(net.net(), (40.0, 0.125));
+        // 8 ranks on 2 shared cores: slower, but the choice is the run-time one.
+        let shared = measured.clone().with_cpus(Some(2.0));
+        for bytes in [8, 1 << 20, 64 << 20] {
+            let (a, b) = (
+                measured.all_reduce(8, 1, bytes).unwrap(),
+                shared.all_reduce(8, 1, bytes).unwrap(),
+            );
+            assert_eq!(a.chosen, b.chosen);
+            assert!(b.chosen_us.unwrap() > a.chosen_us.unwrap(), "{bytes}");
+        }
+        // As many cores as ranks: no change.
+        assert_eq!(
+            measured
+                .clone()
+                .with_cpus(Some(8.0))
+                .all_reduce(8, 1, 1 << 20)
+                .unwrap(),
+            measured.all_reduce(8, 1, 1 << 20).unwrap()
+        );
     }
 }

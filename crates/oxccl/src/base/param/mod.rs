@@ -130,6 +130,9 @@ pub struct Config {
     pub net_gbps: Option<f64>,
     /// `OXCCL_NET_LAT_US`: network latency per step in microseconds for the cost model.
     pub net_lat_us: Option<f64>,
+    /// The cost model's rates measured by `oxccl tune` on this host (the tune file's
+    /// `Tuning::rates`); `None`: the model's built-in values.
+    pub rates: Option<Rates>,
     /// `OXCCL_TCP_STREAMS`: TCP connections per pair of ranks on different hosts, striped.
     /// Default 1.
     pub tcp_streams: usize,
@@ -181,6 +184,7 @@ impl Default for Config {
             metrics_port: None,
             net_gbps: None,
             net_lat_us: None,
+            rates: None,
             tcp_streams: 1,
             tcp_dead_after: Duration::from_secs(20),
             startup_report: Some(Duration::from_secs(10)),
@@ -240,12 +244,63 @@ fn last_level_cache() -> Option<usize> {
 /// What `oxccl tune` measured on this host: the sizes where one algorithm overtakes another.
 /// Saved as `key=value` lines in `OXCCL_TUNE_FILE` (default `~/.cache/oxccl/tune.conf`) and
 /// read by [`Config::from_env`]; `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` override it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Tuning {
     /// Largest input (bytes) that one-shot handles fastest.
     pub oneshot_max: usize,
     /// Smallest input (bytes) from which single-copy is fastest.
     pub cma_min: usize,
+    /// The rates the multi-host cost model uses (`plan/cost.rs`), measured on this host;
+    /// `None` in files written before `oxccl tune` measured them.
+    pub rates: Option<Rates>,
+}
+
+/// What one rank does per second on this host, measured by `oxccl tune` for the cost
+/// model of multi-host all_reduce (`plan/cost.rs`) and `oxccl sim`: the shared-memory
+/// link, reduction and copy of float32 sums, and the TCP stack over loopback. Rates are in
+/// GB/s (1e9 bytes per second), latencies in microseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// Per-step latency of the shared-memory link (from the ring's time at 8 B).
+    pub shm_lat_us: f64,
+    /// Bandwidth of the shared-memory link (from the ring's time at the largest size).
+    pub shm_gbps: f64,
+    /// `dst += src` of float32 on buffers larger than the caches (bytes of `dst` per second).
+    pub reduce_gbps: f64,
+    /// The same on buffers that fit in the caches.
+    pub reduce_cached_gbps: f64,
+    /// Memory copy on buffers larger than the caches.
+    pub copy_gbps: f64,
+    /// Memory copy on buffers that fit in the caches.
+    pub copy_cached_gbps: f64,
+    /// One-way time of a small message over loopback TCP (half a ping-pong's round trip).
+    pub tcp_lat_us: f64,
+    /// Bytes per second one core moves through the TCP stack, sending and receiving
+    /// (one thread writing to and reading from one loopback connection).
+    pub tcp_gbps: f64,
+}
+
+/// A [`Rates`] field, for reading and writing the file.
+type RateField = fn(&mut Rates) -> &mut f64;
+
+impl Rates {
+    /// The file's keys, in the order they are written, with each field.
+    const KEYS: [(&'static str, RateField); 8] = [
+        ("shm_lat_us", |r| &mut r.shm_lat_us),
+        ("shm_gbps", |r| &mut r.shm_gbps),
+        ("reduce_gbps", |r| &mut r.reduce_gbps),
+        ("reduce_cached_gbps", |r| &mut r.reduce_cached_gbps),
+        ("copy_gbps", |r| &mut r.copy_gbps),
+        ("copy_cached_gbps", |r| &mut r.copy_cached_gbps),
+        ("tcp_lat_us", |r| &mut r.tcp_lat_us),
+        ("tcp_gbps", |r| &mut r.tcp_gbps),
+    ];
+
+    /// Every rate as `(key, value)`, in the file's order.
+    pub fn entries(&self) -> Vec<(&'static str, f64)> {
+        let mut r = *self;
+        Self::KEYS.iter().map(|(k, f)| (*k, *f(&mut r))).collect()
+    }
 }
 
 impl Tuning {
@@ -264,10 +319,16 @@ impl Tuning {
 
     /// The saved tuning, if any; a malformed file is an error naming it.
     pub fn load() -> Result<Option<Tuning>> {
-        let Some(path) = Self::path() else {
-            return Ok(None);
-        };
-        let text = match std::fs::read_to_string(&path) {
+        match Self::path() {
+            Some(path) => Self::read(&path),
+            None => Ok(None),
+        }
+    }
+
+    /// The tuning saved in `path` (`None` when there is no such file); a malformed file is
+    /// an error naming it.
+    pub fn read(path: &std::path::Path) -> Result<Option<Tuning>> {
+        let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::Env(format!("{}: {e}", path.display()))),
@@ -283,6 +344,17 @@ impl Tuning {
     /// Parses the `key=value` form (`#` starts a comment).
     pub fn parse(text: &str) -> std::result::Result<Tuning, String> {
         let (mut oneshot, mut cma) = (None, None);
+        let mut rates = Rates {
+            shm_lat_us: f64::NAN,
+            shm_gbps: f64::NAN,
+            reduce_gbps: f64::NAN,
+            reduce_cached_gbps: f64::NAN,
+            copy_gbps: f64::NAN,
+            copy_cached_gbps: f64::NAN,
+            tcp_lat_us: f64::NAN,
+            tcp_gbps: f64::NAN,
+        };
+        let mut rates_seen = 0;
         for line in text
             .lines()
             .map(|l| l.split('#').next().unwrap_or("").trim())
@@ -291,6 +363,25 @@ impl Tuning {
             let (k, v) = line
                 .split_once('=')
                 .ok_or_else(|| format!("'{line}' is not key=value"))?;
+            if let Some((key, field)) = Rates::KEYS.iter().find(|(key, _)| *key == k.trim()) {
+                let x: f64 = v
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|x: &f64| x.is_finite() && *x > 0.0 && *x <= 1e9)
+                    .ok_or_else(|| {
+                        format!(
+                            "{key}={}: expected a number above 0, at most 1e9",
+                            table::shown(v.trim())
+                        )
+                    })?;
+                let slot = field(&mut rates);
+                if slot.is_nan() {
+                    rates_seen += 1;
+                }
+                *slot = x;
+                continue;
+            }
             let (key, param) = match k.trim() {
                 "oneshot_max" => ("oneshot_max", &table::ONESHOT_MAX),
                 "cma_min" => ("cma_min", &table::CMA_MIN),
@@ -313,18 +404,40 @@ impl Tuning {
                 other => return Err(format!("unknown key '{other}'")),
             }
         }
+        // The rates come all together or not at all (files of older versions have none).
+        let rates = match rates_seen {
+            0 => None,
+            n if n == Rates::KEYS.len() => Some(rates),
+            _ => {
+                let missing: Vec<&str> = rates
+                    .entries()
+                    .into_iter()
+                    .filter(|(_, v)| v.is_nan())
+                    .map(|(k, _)| k)
+                    .collect();
+                return Err(format!("{} missing", missing.join(", ")));
+            }
+        };
         Ok(Tuning {
             oneshot_max: oneshot.ok_or("oneshot_max missing")?,
             cma_min: cma.ok_or("cma_min missing")?,
+            rates,
         })
     }
 
     /// The file's text.
     pub fn render(&self, comment: &str) -> String {
-        format!(
+        let mut s = format!(
             "# {comment}\noneshot_max={}\ncma_min={}\n",
             self.oneshot_max, self.cma_min
-        )
+        );
+        if let Some(r) = &self.rates {
+            s.push_str("# rates for the multi-host cost model (oxccl sim, plan/cost.rs)\n");
+            for (k, v) in r.entries() {
+                s.push_str(&format!("{k}={v}\n"));
+            }
+        }
+        s
     }
 }
 
@@ -341,6 +454,7 @@ impl Config {
         if let Some(t) = Tuning::load()? {
             c.oneshot_max = t.oneshot_max;
             c.cma_min = t.cma_min;
+            c.rates = t.rates;
         }
         if let Some(t) = TIMEOUT.seconds()? {
             c.timeout = t;
@@ -430,14 +544,46 @@ mod tests {
         let t = Tuning {
             oneshot_max: 4096,
             cma_min: 1 << 20,
+            rates: None,
         };
         assert_eq!(Tuning::parse(&t.render("measured")).unwrap(), t);
+        // With the cost model's rates: every one reads back; all or none must be there.
+        let rates = Rates {
+            shm_lat_us: 1.5,
+            shm_gbps: 3.25,
+            reduce_gbps: 2.0,
+            reduce_cached_gbps: 9.5,
+            copy_gbps: 4.0,
+            copy_cached_gbps: 20.0,
+            tcp_lat_us: 12.125,
+            tcp_gbps: 1.75,
+        };
+        let full = Tuning {
+            rates: Some(rates),
+            ..t.clone()
+        };
+        let text = full.render("measured");
+        assert_eq!(Tuning::parse(&text).unwrap(), full);
+        assert!(text.contains("tcp_gbps=1.75\n"), "{text}");
+        let partial: String = text
+            .lines()
+            .filter(|l| !l.starts_with("tcp_"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let e = Tuning::parse(&partial).unwrap_err();
+        assert!(e.contains("tcp_lat_us, tcp_gbps missing"), "{e}");
+        for bad in ["0", "-1", "nan", "inf", "x", "2e9"] {
+            let e = Tuning::parse(&text.replace("tcp_gbps=1.75", &format!("tcp_gbps={bad}")))
+                .unwrap_err();
+            assert!(e.starts_with("tcp_gbps="), "{bad}: {e}");
+        }
         assert!(Tuning::parse("oneshot_max=1\n").is_err());
         assert!(Tuning::parse("oneshot_max=1\ncma_min=2\nfoo=3").is_err());
         // "never" as oxccl tune writes it reads back
         let never = Tuning {
             oneshot_max: 0,
             cma_min: table::MAX_THRESHOLD as usize,
+            rates: None,
         };
         assert_eq!(Tuning::parse(&never.render("never")).unwrap(), never);
     }
