@@ -54,10 +54,11 @@ pub(crate) struct Header {
     tag: AtomicU64,
     /// Most bytes the segment may allocate (`OXCCL_SHM_BUDGET_BYTES`; 0: no limit).
     budget: AtomicU64,
-    /// Bytes allocated: the header pages and control pages (by the owner), and the ring data
-    /// its producers allocated ([`Segment::grow_ring`]); only ever grows, by compare-and-swap,
-    /// as producers in several processes grow their rings at once.
-    allocated: AtomicU64,
+    /// Pages allocated (low 32 bits: the header and control pages by the owner, and the ring
+    /// data its producers allocated, [`Segment::grow_ring`]) and rings with no data yet (high
+    /// 32 bits), in one word so that producers in several processes growing rings at once
+    /// update both by one compare-and-swap.
+    state: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == DOORBELL_OFFSET);
@@ -114,6 +115,16 @@ impl SegLayout {
     fn ring_offset(&self, i: u32) -> u64 {
         self.rings_offset + self.stride * i as u64
     }
+}
+
+/// The header's allocation word: `pages` allocated (low 32 bits), `empty` rings (high 32).
+fn pack(pages: u64, empty: u64) -> u64 {
+    (empty << 32) | (pages & 0xffff_ffff)
+}
+
+/// `(pages, empty)` of [`pack`].
+fn unpack(s: u64) -> (u64, u64) {
+    (s & 0xffff_ffff, s >> 32)
 }
 
 /// Ring capacity for a requested size: the next power of two, at least [`MIN_RING`].
@@ -408,7 +419,8 @@ impl Segment {
         h.total_bytes.store(layout.total, Ordering::Relaxed);
         h.tag.store(tag, Ordering::Relaxed);
         h.budget.store(budget, Ordering::Relaxed);
-        h.allocated.store(meta, Ordering::Relaxed);
+        h.state
+            .store(pack(meta / PAGE, nrings as u64), Ordering::Relaxed);
         for (i, &p) in producers.iter().enumerate() {
             let p = u32::try_from(p).map_err(|_| format!("rank {p} is too large"))?;
             seg.directory(i as u32).store(p, Ordering::Relaxed);
@@ -609,31 +621,49 @@ impl Segment {
     /// does, after charging them (whole pages) to the segment's budget, which the producers of
     /// all its rings share: a compare-and-swap on the header's count, so that producers in
     /// several processes growing rings at once never take it past the budget together.
+    ///
+    /// Growth keeps room for the rings that have no data yet: it is refused where it would
+    /// leave less than [`RING_MIN`] for each of them, so that the first rings written cannot
+    /// take what the others need to work at all. A ring's first [`RING_MIN`] bytes (`from ==
+    /// 0`) need only the budget itself.
     pub(crate) fn grow_ring(&self, i: u32, from: u64, to: u64) -> Result<(), GrowError> {
-        let pages = |x: u64| align_up(x, PAGE).unwrap_or(u64::MAX);
+        let pages = |x: u64| align_up(x, PAGE).unwrap_or(u64::MAX) / PAGE;
         let needed = pages(to).saturating_sub(pages(from));
-        self.charge(needed)?;
+        let first = from == 0 && to > 0;
+        self.charge(needed, first, pages(RING_MIN.min(self.layout.cap)))?;
         self.populate_ring(i, from, to).map_err(|m| {
-            self.header().allocated.fetch_sub(needed, Ordering::AcqRel);
+            let _ = self
+                .header()
+                .state
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                    let (p, e) = unpack(s);
+                    Some(pack(p.saturating_sub(needed), e + first as u64))
+                });
             GrowError::Memory(m)
         })
     }
 
-    /// Adds `n` bytes to the header's count of bytes allocated, unless that would exceed the
-    /// budget.
-    fn charge(&self, n: u64) -> Result<(), GrowError> {
+    /// Adds `n` pages to the header's count of pages allocated (and, for a ring's `first`
+    /// data, takes it off the count of rings with none), unless that would exceed the budget
+    /// or, beyond a first `min` pages, leave less than `min` pages for each ring with none.
+    fn charge(&self, n: u64, first: bool, min: u64) -> Result<(), GrowError> {
         let h = self.header();
-        let budget = h.budget.load(Ordering::Relaxed);
-        h.allocated
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |a| {
-                let b = a.checked_add(n)?;
-                (budget == 0 || b <= budget).then_some(b)
+        let budget = h.budget.load(Ordering::Relaxed) / PAGE;
+        let unlimited = h.budget.load(Ordering::Relaxed) == 0;
+        h.state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                let (p, e) = unpack(s);
+                let e = e.checked_sub(first as u64)?;
+                let p = p.checked_add(n).filter(|&p| p < 1 << 32)?;
+                let fair = p.saturating_add(e.saturating_mul(min)) <= budget;
+                let minimum = first && n <= min && p <= budget;
+                (unlimited || fair || minimum).then_some(pack(p, e))
             })
             .map(|_| ())
-            .map_err(|allocated| GrowError::Budget {
-                allocated,
-                budget,
-                needed: n,
+            .map_err(|s| GrowError::Budget {
+                allocated: unpack(s).0 * PAGE,
+                budget: h.budget.load(Ordering::Relaxed),
+                needed: n * PAGE,
             })
     }
 
@@ -652,7 +682,7 @@ impl Segment {
     pub(crate) fn allocation(&self) -> (u64, u64) {
         let h = self.header();
         (
-            h.allocated.load(Ordering::Acquire),
+            unpack(h.state.load(Ordering::Acquire)).0 * PAGE,
             h.budget.load(Ordering::Relaxed),
         )
     }
@@ -903,9 +933,9 @@ mod tests {
     }
 
     /// Eight producers (threads, each with its own mapping of the segment, as peers in other
-    /// processes have) grow their rings a page at a time until the budget refuses: together
-    /// they allocate exactly the budget, never more, and the header's count matches the
-    /// memory the segment really holds.
+    /// processes have) make their rings and then grow them a page at a time until the budget
+    /// refuses: together they allocate exactly the budget, never more, and the header's count
+    /// matches the memory the segment really holds.
     #[test]
     fn producers_growing_rings_at_once_never_take_the_segment_past_its_budget() {
         let cap: u64 = 1 << 20;
@@ -929,16 +959,20 @@ mod tests {
         }
         assert_eq!(own.allocation(), (meta, budget));
         let token = own.token();
+        let started = std::sync::Barrier::new(producers.len());
         let grown: Vec<u64> = std::thread::scope(|s| {
             let hs: Vec<_> = producers
                 .iter()
                 .map(|&p| {
-                    let token = &token;
+                    let (token, started) = (&token, &started);
                     s.spawn(move || {
                         let fd = handoff::open_token(token, std::process::id()).unwrap();
                         let seg = Segment::open_fd(fd, Path::new("peer"), 9, 0).unwrap();
                         let ring = seg.find_ring(p).unwrap();
-                        let mut ready = 0;
+                        // Every ring first gets a page: then none is kept room for.
+                        seg.grow_ring(ring, 0, PAGE).unwrap();
+                        started.wait();
+                        let mut ready = PAGE;
                         // The budget shrank the rings to 64 KiB (16 pages) each.
                         assert_eq!(seg.layout.cap, BUDGET_FLOOR);
                         while ready < seg.layout.cap {
@@ -967,6 +1001,58 @@ mod tests {
         let g = own.fd.lock().unwrap();
         let held = rustix::fs::fstat(g.as_ref().unwrap()).unwrap().st_blocks as u64 * 512;
         assert_eq!(held, budget, "memory the segment holds");
+    }
+
+    /// Growth keeps 16 KiB for each ring that has nothing yet; a ring's first 16 KiB need only
+    /// the budget.
+    #[test]
+    fn growth_leaves_room_for_the_rings_not_written_yet() {
+        let k = 1u64 << 10;
+        let meta = SegLayout::new(3, 1 << 20).unwrap().meta_bytes();
+        let budget = meta + 96 * k;
+        let own = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("fair"),
+            3,
+            0,
+            &[1, 2, 3],
+            1 << 20,
+            budget,
+        )
+        .unwrap();
+        if own.allocation().1 == 0 {
+            return;
+        }
+        // Ring 0 may take 64 KiB (32 left for rings 1 and 2), not 128 nor 80.
+        assert!(matches!(
+            own.grow_ring(0, 0, 128 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        assert!(matches!(
+            own.grow_ring(0, 0, 80 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        own.grow_ring(0, 0, 64 * k).unwrap();
+        assert!(matches!(
+            own.grow_ring(0, 64 * k, 68 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        // Ring 1 gets its 16 KiB, but not 20: ring 2's 16 are kept.
+        assert!(matches!(
+            own.grow_ring(1, 0, 20 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        own.grow_ring(1, 0, 16 * k).unwrap();
+        own.grow_ring(2, 0, 16 * k).unwrap();
+        assert_eq!(own.allocation(), (budget, budget));
+        assert_eq!(
+            own.grow_ring(2, 16 * k, 20 * k),
+            Err(GrowError::Budget {
+                allocated: budget,
+                budget,
+                needed: 4 * k
+            })
+        );
     }
 
     #[test]
