@@ -834,6 +834,12 @@ mod loom_tests {
     /// consumer takes at most `take` bytes per call and must get every byte, in order, before
     /// it sees the close.
     fn model(cap: u64, total: u8, chunk: usize, take: usize) {
+        model_shrunk(cap, total, chunk, take, None)
+    }
+
+    /// As [`model`]; with `shrink = Some((k, l))` the producer first writes `k` bytes whole,
+    /// then shrinks the ring to `l` ([`Producer::limit_to`]) while the consumer reads.
+    fn model_shrunk(cap: u64, total: u8, chunk: usize, take: usize, shrink: Option<(usize, u64)>) {
         let mut b = loom::model::Builder::new();
         b.preemption_bound = Some(3);
         b.check(move || {
@@ -844,6 +850,11 @@ mod loom_tests {
                 let _keep = r2;
                 let src: Vec<u8> = (1..=total).collect();
                 let mut sent = 0;
+                if let Some((k, l)) = shrink {
+                    assert_eq!(p.write(&src[..k]).unwrap(), k);
+                    sent = k;
+                    assert!(p.limit_to(l));
+                }
                 while sent < src.len() {
                     let end = (sent + chunk).min(src.len());
                     let n = p.write(&src[sent..end]).unwrap();
@@ -884,5 +895,10 @@ mod loom_tests {
     #[test]
     fn loom_ring_exact_fill() {
         model(2, 5, 2, 2);
+    }
+
+    #[test]
+    fn loom_ring_shrunk_while_read() {
+        model_shrunk(8, 6, 2, 1, Some((2, 2)));
     }
 }
