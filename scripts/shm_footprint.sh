@@ -5,7 +5,8 @@
 #   BIN defaults to target/release/oxccl, RANKS to "2 4 8 16 32", PERF_ARGS to
 #   "all_reduce -b 8 -e 1M -c 1". Each run: Shmem before (baseline), then sampled every 50 ms
 #   while `BIN perf PERF_ARGS --ranks N` runs; the table gives the peak increase over the
-#   baseline (MiB), that divided by N, and the run's wall time. Other processes' shared memory
+#   baseline (MiB), that divided by N, the run's wall time, its exit status and perf's count of
+#   wrong elements (`Out of bounds values`; - when perf printed none). Other processes' shared memory
 #   moves the numbers: run it on a quiet machine. OXCCL_* variables in the environment apply.
 #   FOOTPRINT_TIMEOUT (seconds, default 600) bounds each run.
 set -euo pipefail
@@ -19,7 +20,7 @@ perf_args=("$@")
 [ ${#perf_args[@]} -gt 0 ] || perf_args=(all_reduce -b 8 -e 1M -c 1)
 shmem_kib() { awk '/^Shmem:/ {print $2}' /proc/meminfo; }
 printf '# %s perf %s --ranks N\n' "$bin" "${perf_args[*]}"
-printf '%6s %14s %14s %10s %6s\n' ranks peak_add_MiB per_rank_MiB wall_s rc
+printf '%6s %14s %14s %10s %6s %6s\n' ranks peak_add_MiB per_rank_MiB wall_s rc wrong
 for n in "${ranks[@]}"; do
   base=$(shmem_kib)
   peak=$base
@@ -34,8 +35,9 @@ for n in "${ranks[@]}"; do
   rc=0
   wait "$pid" || rc=$?
   end=$(date +%s.%N)
-  awk -v n="$n" -v b="$base" -v p="$peak" -v s="$start" -v e="$end" -v rc="$rc" \
-    'BEGIN { a = (p - b) / 1024; printf "%6d %14.1f %14.2f %10.1f %6d\n", n, a, a / n, e - s, rc }'
+  wrong=$(awk '/Out of bounds values/ {print $7; exit}' /tmp/shm_footprint.$$.out)
+  awk -v n="$n" -v b="$base" -v p="$peak" -v s="$start" -v e="$end" -v rc="$rc" -v w="${wrong:--}" \
+    'BEGIN { a = (p - b) / 1024; printf "%6d %14.1f %14.2f %10.1f %6d %6s\n", n, a, a / n, e - s, rc, w }'
   if [ "$rc" -ne 0 ]; then tail -5 /tmp/shm_footprint.$$.out >&2; fi
 done
 rm -f /tmp/shm_footprint.$$.out

@@ -64,6 +64,10 @@ pub enum LinkError {
     /// An operating-system error.
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// The link needs memory that a limit keeps from it (the peer's shared-memory budget):
+    /// what, and what to raise.
+    #[error("{0}")]
+    Resource(String),
 }
 
 impl LinkError {
@@ -90,6 +94,10 @@ impl LinkError {
                 call,
                 seq,
                 reason,
+            },
+            LinkError::Resource(msg) => Error::SharedMemory {
+                rank,
+                msg: format!("{call} (call #{seq}): the link to rank {peer}: {msg}"),
             },
             LinkError::Io(e) => Error::PeerLost {
                 rank,

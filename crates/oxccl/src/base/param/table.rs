@@ -204,7 +204,7 @@ pub const SHM_BUDGET_BYTES: Param = p(
     bytes(0, 1 << 40),
     "12M",
     Comm,
-    "ring bytes per rank: rings shrink (to 64K at least) to fit; 0: no budget",
+    "shared memory per rank, enforced: rings shrink (to 64K) to fit, stop growing at it; 0: none",
 );
 /// `OXCCL_SPIN`.
 pub const SPIN: Param = p(

@@ -11,9 +11,13 @@
 //! A [`ShmLink`] to peer `p` writes into the ring for this rank in `p`'s segment and reads
 //! the ring from `p` in this rank's segment. The segment's header and control pages are
 //! allocated (`fallocate`) when it is made; a ring's data is allocated by its producer as its
-//! writes first reach it ([`RING_FIRST`] bytes at `connect`, then doubling up to the
+//! writes first reach it ([`RING_FIRST`] bytes at its first write, then doubling up to the
 //! capacity), with `MADV_POPULATE_WRITE`, so that a new communicator costs a few pages per
-//! peer and shared memory that cannot be had is an error, never a SIGBUS. Whoever makes progress another rank may wait for
+//! peer, a ring no call writes costs no data at all, and shared memory that cannot be had is
+//! an error, never a SIGBUS. What a segment allocates, all its rings together, is held within
+//! `OXCCL_SHM_BUDGET_BYTES` (a count in its header that producers grow by compare-and-swap):
+//! a ring the budget cannot grow further keeps the size it has ([`ShmLink`]); one that cannot
+//! get even [`segment::RING_MIN`] bytes fails the call with an error naming the variable. Whoever makes progress another rank may wait for
 //! rings that rank's doorbell: the producer after writing (the consumer's), the consumer after
 //! freeing space (the producer's). So a rank sleeps on its own doorbell for everything, and
 //! [`Link::send_wait`] and [`Link::recv_wait`] both return it.
@@ -45,17 +49,20 @@ pub fn segment_name(tag: u64, rank: usize) -> String {
     format!("{tag:016x}-{rank}")
 }
 
-/// Bytes of shared memory one rank reserves for `npeers` shared-memory peers with rings of
-/// `ring_bytes` (rounded up to a power of two) under a per-rank budget of `budget` bytes
-/// (`OXCCL_SHM_BUDGET_BYTES`, 0: none), or `None` if out of range.
+/// Most bytes of shared memory one rank's segment holds for `npeers` shared-memory peers
+/// with rings of `ring_bytes` (rounded up to a power of two) under a per-rank budget of
+/// `budget` bytes (`OXCCL_SHM_BUDGET_BYTES`, 0: none, every ring full), or `None` if out of
+/// range.
 pub fn segment_bytes(npeers: usize, ring_bytes: usize, budget: u64) -> Option<u64> {
     let nrings = u32::try_from(npeers).ok()?;
     let cap = segment::budgeted_capacity(nrings, ring_bytes, budget)?;
-    segment::SegLayout::new(nrings, cap).map(|l| l.total)
+    let total = segment::SegLayout::new(nrings, cap)?.total;
+    Some(if budget > 0 { total.min(budget) } else { total })
 }
 
-/// Bytes of a ring's data its producer allocates at [`connect`]; beyond them it allocates as
-/// its writes reach them, doubling ([`ShmLink`]).
+/// Bytes of a ring's data its producer allocates at its first write (less, down to
+/// [`segment::RING_MIN`], where the budget is short); beyond them it allocates as its writes
+/// reach them, doubling ([`ShmLink`]).
 pub(crate) const RING_FIRST: u64 = 64 << 10;
 
 /// Status bytes of the out-of-band messages of [`connect`].
@@ -385,7 +392,8 @@ fn connect_as(
     {
         let (rc, rd, rcap) = own.ring(i as u32);
         let (tc, td, tcap) = remote.ring(ring_idx);
-        let tx_ready = RING_FIRST.min(tcap);
+        // The header and control pages only (the owner allocated them): data on first write.
+        let tx_ready = 0;
         remote
             .populate_ring(ring_idx, 0, tx_ready)
             .map_err(|m| shm_err(rank, format!("the ring to rank {p}: {m}")))?;
@@ -475,31 +483,87 @@ impl ShmLink {
 
     /// Allocates more of the ring to the peer before a write of up to `len` bytes would reach
     /// data not allocated yet (positions only grow, so the data used is `[0, head + len)`
-    /// until it wraps): at least double what is allocated, up to the capacity.
+    /// until it wraps): at least double what is allocated ([`RING_FIRST`] the first time), up
+    /// to the capacity. Where the peer's segment budget cannot give that much, less (halving,
+    /// not below [`segment::RING_MIN`]) and the ring keeps that size for good
+    /// ([`Producer::limit_to`]): writes then wait for the peer to drain it, which is only
+    /// slower. An error only when a ring that has nothing yet cannot get its minimum.
     fn grow_for(&mut self, len: usize) -> std::result::Result<(), LinkError> {
-        let cap = self.remote.ring_capacity();
+        let cap = self.tx.capacity();
         let want = self.tx.head().saturating_add(len as u64).min(cap);
         if want <= self.tx_ready {
             return Ok(());
         }
-        let to = want
+        let floor = segment::RING_MIN.min(cap);
+        let mut to = want
             .max(self.tx_ready.saturating_mul(2))
+            .max(RING_FIRST)
             .checked_next_power_of_two()
             .unwrap_or(cap)
             .min(cap);
-        self.remote
-            .populate_ring(self.tx_ring, self.tx_ready, to)
-            .map_err(|m| {
-                LinkError::Io(std::io::Error::new(
-                    std::io::ErrorKind::OutOfMemory,
-                    format!(
-                        "rank {}: the shared-memory ring to rank {}: {m}",
-                        self.rank, self.peer
-                    ),
-                ))
-            })?;
-        self.tx_ready = to;
-        Ok(())
+        loop {
+            match self.remote.grow_ring(self.tx_ring, self.tx_ready, to) {
+                Ok(()) => {
+                    self.tx_ready = to;
+                    if to < want {
+                        // `head <= ` what was allocated before `< to`: always accepted.
+                        self.tx.limit_to(to);
+                        self.note_limited(want);
+                    }
+                    return Ok(());
+                }
+                Err(segment::GrowError::Budget { .. })
+                    if to / 2 > self.tx_ready && to / 2 >= floor =>
+                {
+                    to /= 2
+                }
+                Err(segment::GrowError::Budget { .. })
+                    if self.tx_ready > 0 && self.tx.limit_to(self.tx_ready) =>
+                {
+                    self.note_limited(want);
+                    return Ok(());
+                }
+                Err(segment::GrowError::Budget {
+                    allocated,
+                    budget,
+                    needed,
+                }) => {
+                    let (nrings, all) = self.remote.all_rings_minimum();
+                    return Err(LinkError::Resource(format!(
+                        "rank {}'s shared-memory segment cannot hold a ring for rank {}: the ring's \
+                         first {needed} bytes would take the segment past its budget \
+                         (OXCCL_SHM_BUDGET_BYTES={budget} bytes, {allocated} allocated to \
+                         control pages and the rings of its other peers); raise \
+                         OXCCL_SHM_BUDGET_BYTES (a call that talks to all {nrings} peers at \
+                         once needs at least {all}; 0: no limit) or set OXCCL_TRANSPORT=tcp",
+                        self.peer, self.rank
+                    )));
+                }
+                Err(segment::GrowError::Memory(m)) => {
+                    return Err(LinkError::Io(std::io::Error::new(
+                        std::io::ErrorKind::OutOfMemory,
+                        format!(
+                            "rank {}: the shared-memory ring to rank {}: {m}",
+                            self.rank, self.peer
+                        ),
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Says (once per link: a ring shrinks once) that the budget stopped this ring's growth.
+    fn note_limited(&self, want: u64) {
+        let (allocated, budget) = self.remote.allocation();
+        tracing::debug!(
+            rank = self.rank,
+            peer = self.peer,
+            ring = self.tx.capacity(),
+            want,
+            allocated,
+            budget,
+            "shared-memory ring kept at its size: the peer's segment is at OXCCL_SHM_BUDGET_BYTES"
+        );
     }
 
     /// `Closed` if the peer closed its end and nothing it sent is left to read.
@@ -742,15 +806,24 @@ mod tests {
     }
 
     /// Rings allocated as they are first written: many times their capacity, in writes of
-    /// every size (some beyond what is allocated, some wrapping), arrive intact.
+    /// every size (some beyond what is allocated, some wrapping), arrive intact; also where
+    /// the segment's budget (one header page, one control page and 40 KiB) stops a ring at
+    /// 32 KiB, which then carries everything at that size, the segment never past its budget.
     #[test]
     fn bytes_arrive_intact_while_rings_grow_and_wrap() {
+        for (budget, ring) in [(0usize, 1u64 << 20), ((8 + 40) << 10, 32 << 10)] {
+            rings_grow_and_wrap(budget, ring);
+        }
+    }
+
+    fn rings_grow_and_wrap(budget: usize, ring: u64) {
         let mut tag_bytes = [0u8; 8];
         getrandom::fill(&mut tag_bytes).unwrap();
         let tag = u64::from_le_bytes(tag_bytes);
         let pid = std::process::id();
         let cfg = Config {
             shm_ring_bytes: 1 << 20,
+            shm_budget_bytes: budget,
             ..Config::default()
         };
         let total: usize = 3 << 20;
@@ -779,18 +852,23 @@ mod tests {
                         })
                         .unwrap();
                     }
+                    let (allocated, b) = link.remote.allocation();
+                    assert!(b == 0 || allocated <= b, "{allocated} of {b}");
+                    if b > 0 {
+                        assert_eq!(link.tx.capacity(), ring, "budget {budget}");
+                    }
                     got == msg
                 })
             })
             .collect();
         for t in ts {
-            assert!(t.join().unwrap());
+            assert!(t.join().unwrap(), "budget {budget}");
         }
     }
 
-    /// Under the default budget a rank's segment holds at most `OXCCL_SHM_BUDGET_BYTES` of
-    /// ring data however many local peers it has (up to 192), plus a 4 KiB control page per
-    /// ring; 2 to 4 ranks keep their full `OXCCL_SHM_RING_BYTES` rings.
+    /// Under the default budget a rank's segment holds at most `OXCCL_SHM_BUDGET_BYTES`,
+    /// control pages included, however many local peers it has; 2 to 4 ranks keep their full
+    /// `OXCCL_SHM_RING_BYTES` rings.
     #[test]
     fn a_ranks_segment_does_not_grow_with_the_rank_count() {
         let cfg = Config::default();
@@ -798,12 +876,11 @@ mod tests {
         let bytes = |peers: usize| segment_bytes(peers, cfg.shm_ring_bytes, budget).unwrap();
         let unbudgeted = |peers: usize| segment_bytes(peers, cfg.shm_ring_bytes, 0).unwrap();
         for peers in 1..=3 {
-            assert_eq!(bytes(peers), unbudgeted(peers), "{peers} peers");
+            assert_eq!(bytes(peers), unbudgeted(peers).min(budget), "{peers} peers");
         }
-        let pages = |peers: usize| 4096 * (peers as u64 + 1);
-        for peers in [4, 7, 8, 15, 31, 63, 127, 191] {
+        for peers in [4, 7, 8, 15, 31, 63, 127, 191, 1000] {
             let b = bytes(peers);
-            assert!(b <= budget + pages(peers), "{peers} peers: {b} bytes");
+            assert!(b <= budget, "{peers} peers: {b} bytes");
         }
         // 32 ranks: a rank reserves less than at 4 ranks, where 4 MiB rings were already kept.
         assert!(bytes(31) < bytes(3), "{} vs {}", bytes(31), bytes(3));

@@ -21,6 +21,14 @@
 //! [`LinkError::Protocol`], never a panic or an out-of-bounds access.
 //!
 //! `u64` byte counters cannot wrap in practice (2^64 bytes is 584 years at 1 TB/s).
+//!
+//! **Shrinking once.** A producer that cannot have memory for the rest of the data area (the
+//! segment's budget, `segment.rs`) may, while every byte it ever wrote lies below a power of
+//! two `L < cap` (`head <= L` in the first pass), make `L` the ring's capacity for good
+//! ([`Producer::limit_to`]): it stores `L` in the control block's `limit` before any `head`
+//! beyond `L`, so a consumer that loads (Acquire) such a `head` then reads the new `limit`
+//! too. Below `L` both capacities give every position the same offset, so bytes already
+//! written stay where the consumer looks for them.
 
 use std::ptr::NonNull;
 
@@ -53,11 +61,13 @@ struct TailLine {
 struct FlagLine {
     producer_closed: AtomicU32,
     consumer_closed: AtomicU32,
+    /// The capacity the producer shrank the ring to; 0: the capacity it was made with.
+    limit: AtomicU64,
 }
 
 /// The control block of one ring, at a fixed `repr(C)` layout in shared memory: `head` at
-/// offset 0, `tail` at 128, the two `closed` flags at 256 and 260. All zero is the initial
-/// state (empty ring, both sides open).
+/// offset 0, `tail` at 128, the two `closed` flags at 256 and 260, `limit` at 264. All zero
+/// is the initial state (empty ring, both sides open, full capacity).
 #[repr(C)]
 pub(crate) struct RingCtrl {
     head: HeadLine,
@@ -142,6 +152,7 @@ impl RingCtrl {
             flags: FlagLine {
                 producer_closed: AtomicU32::new(0),
                 consumer_closed: AtomicU32::new(0),
+                limit: AtomicU64::new(0),
             },
         }
     }
@@ -167,6 +178,9 @@ pub(crate) struct Consumer {
     tail: u64,
     /// The last `head` loaded from the producer.
     cached_head: u64,
+    /// Whether `cap` is final: the producer shrank the ring, or wrote past the first pass
+    /// (after which it may not shrink it), so `limit` need not be loaded again.
+    cap_final: bool,
 }
 
 // SAFETY: a Producer/Consumer only holds pointers into a mapping that its owner (ShmLink)
@@ -192,6 +206,28 @@ impl Producer {
             head: 0,
             cached_tail: 0,
         }
+    }
+
+    /// The ring's capacity now (its capacity at `new`, or what [`limit_to`](Self::limit_to)
+    /// made it).
+    pub(crate) fn capacity(&self) -> u64 {
+        self.cap
+    }
+
+    /// Makes `limit` the ring's capacity for good, so that the data area beyond it is never
+    /// touched. Only while every byte written lies below it: `limit` a power of two, at
+    /// most the capacity, at least `head`; false (nothing changed) otherwise.
+    pub(crate) fn limit_to(&mut self, limit: u64) -> bool {
+        if !limit.is_power_of_two() || limit > self.cap || self.head > limit {
+            return false;
+        }
+        if limit < self.cap {
+            // Before any `head` beyond `limit` (Release below, in `write`): a consumer that
+            // loads such a head sees this store.
+            self.ctrl().flags.limit.store(limit, Ordering::Release);
+            self.cap = limit;
+        }
+        true
     }
 
     fn ctrl(&self) -> &RingCtrl {
@@ -306,6 +342,7 @@ impl Consumer {
             cap,
             tail: 0,
             cached_head: 0,
+            cap_final: false,
         }
     }
 
@@ -319,6 +356,23 @@ impl Consumer {
     /// than `cap` ahead of `tail`.
     fn reload_head(&mut self) -> Result<(), LinkError> {
         let h = self.ctrl().head.head.load(Ordering::Acquire);
+        if !self.cap_final {
+            // After the Acquire of `head`: a limit stored before it is seen ("Shrinking once").
+            let l = self.ctrl().flags.limit.load(Ordering::Acquire);
+            if l != 0 {
+                if !l.is_power_of_two() || l > self.cap || self.tail > l {
+                    return Err(LinkError::Protocol(format!(
+                        "shared-memory ring: producer limit {l} with tail {} (capacity {})",
+                        self.tail, self.cap
+                    )));
+                }
+                self.cap = l;
+                self.cap_final = true;
+            } else if h > self.cap {
+                // Wrapped at the full capacity: the producer can no longer shrink it.
+                self.cap_final = true;
+            }
+        }
         if h < self.cached_head || h - self.tail > self.cap {
             return Err(LinkError::Protocol(format!(
                 "shared-memory ring: producer head {h} outside [{}, {}] (capacity {})",
@@ -670,6 +724,69 @@ pub(crate) mod tests {
         let mut p = t.join().unwrap();
         assert_eq!(p.in_flight().unwrap(), 0);
     }
+
+    /// A ring shrunk in its first pass, while the consumer reads concurrently: every byte
+    /// arrives in order and nothing beyond the new capacity is ever written; shrinking below
+    /// what was written, to a non-power of two, or above the capacity is refused.
+    #[test]
+    fn a_ring_shrunk_in_its_first_pass_keeps_every_byte_and_its_bounds() {
+        let r = std::sync::Arc::new(HeapRing::new(1024));
+        // SAFETY: the data area has 1024 bytes; nobody else touches it yet.
+        unsafe { std::ptr::write_bytes(r.data().as_ptr(), 0xEE, 1024) };
+        let (mut p, mut c) = r.ends();
+        const TOTAL: u64 = 1 << 20;
+        let byte = |i: u64| (i * 31 % 251) as u8;
+        let first: Vec<u8> = (0..100).map(byte).collect();
+        assert_eq!(p.write(&first).unwrap(), 100);
+        assert!(!p.limit_to(64), "100 bytes written: 64 would move them");
+        assert!(!p.limit_to(192) && !p.limit_to(2048));
+        let t = std::thread::spawn(move || {
+            assert!(p.limit_to(128));
+            assert_eq!(p.capacity(), 128);
+            let mut sent = 100u64;
+            let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+            while sent < TOTAL {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let n = (rng % 300 + 1).min(TOTAL - sent);
+                let buf: Vec<u8> = (sent..sent + n).map(byte).collect();
+                let mut off = 0;
+                while off < buf.len() {
+                    let k = p.write(&buf[off..]).unwrap();
+                    if k == 0 {
+                        std::thread::yield_now();
+                    }
+                    off += k;
+                }
+                sent += n;
+            }
+            p
+        });
+        let mut got = 0u64;
+        while got < TOTAL {
+            let k = c
+                .read(&mut |b| {
+                    for (i, &x) in b.iter().enumerate() {
+                        assert_eq!(x, byte(got + i as u64), "byte {}", got + i as u64);
+                    }
+                    got += b.len() as u64;
+                    b.len()
+                })
+                .unwrap();
+            if k == 0 {
+                std::thread::yield_now();
+            }
+        }
+        let mut p = t.join().unwrap();
+        assert_eq!(p.in_flight().unwrap(), 0);
+        // SAFETY: both ends are idle; the area has 1024 bytes.
+        let rest = unsafe { std::slice::from_raw_parts(r.data().as_ptr().add(128), 1024 - 128) };
+        assert!(
+            rest.iter().all(|&b| b == 0xEE),
+            "bytes beyond the limit written"
+        );
+    }
 }
 
 /// Model checking of the index protocol with loom: every interleaving (up to a preemption
@@ -717,6 +834,12 @@ mod loom_tests {
     /// consumer takes at most `take` bytes per call and must get every byte, in order, before
     /// it sees the close.
     fn model(cap: u64, total: u8, chunk: usize, take: usize) {
+        model_shrunk(cap, total, chunk, take, None)
+    }
+
+    /// As [`model`]; with `shrink = Some((k, l))` the producer first writes `k` bytes whole,
+    /// then shrinks the ring to `l` ([`Producer::limit_to`]) while the consumer reads.
+    fn model_shrunk(cap: u64, total: u8, chunk: usize, take: usize, shrink: Option<(usize, u64)>) {
         let mut b = loom::model::Builder::new();
         b.preemption_bound = Some(3);
         b.check(move || {
@@ -727,6 +850,11 @@ mod loom_tests {
                 let _keep = r2;
                 let src: Vec<u8> = (1..=total).collect();
                 let mut sent = 0;
+                if let Some((k, l)) = shrink {
+                    assert_eq!(p.write(&src[..k]).unwrap(), k);
+                    sent = k;
+                    assert!(p.limit_to(l));
+                }
                 while sent < src.len() {
                     let end = (sent + chunk).min(src.len());
                     let n = p.write(&src[sent..end]).unwrap();
@@ -767,5 +895,10 @@ mod loom_tests {
     #[test]
     fn loom_ring_exact_fill() {
         model(2, 5, 2, 2);
+    }
+
+    #[test]
+    fn loom_ring_shrunk_while_read() {
+        model_shrunk(8, 6, 2, 1, Some((2, 2)));
     }
 }

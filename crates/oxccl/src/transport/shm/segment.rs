@@ -4,7 +4,7 @@
 //!
 //! | offset | size | content |
 //! |---|---|---|
-//! | 0 | 128 | [`Header`]: magic `"OXCCLSHM"`, version, owner pid and rank, ring count and capacity, total size, tag |
+//! | 0 | 128 | [`Header`]: magic `"OXCCLSHM"`, version, owner pid and rank, ring count and capacity, total size, tag, budget, bytes allocated |
 //! | 128 | 128 | the owner's [`Doorbell`] |
 //! | 256 | 4 × nrings | ring directory: the producer rank of ring `i` |
 //! | `rings_offset` (page aligned) | `stride` × nrings | rings: a 4 KiB page holding the [`RingCtrl`], then `cap` data bytes (rounded up to a page) |
@@ -24,7 +24,7 @@ use crate::base::wait::Doorbell;
 /// `"OXCCLSHM"` as a little-endian `u64`.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"OXCCLSHM");
 /// Layout version; bump on any change of the layout or the ring protocol.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Where segments live.
 pub(crate) const SHM_DIR: &str = "/dev/shm";
 /// File-name prefix of every segment.
@@ -52,6 +52,13 @@ pub(crate) struct Header {
     ring_capacity: AtomicU64,
     total_bytes: AtomicU64,
     tag: AtomicU64,
+    /// Most bytes the segment may allocate (`OXCCL_SHM_BUDGET_BYTES`; 0: no limit).
+    budget: AtomicU64,
+    /// Pages allocated (low 32 bits: the header and control pages by the owner, and the ring
+    /// data its producers allocated, [`Segment::grow_ring`]) and rings with no data yet (high
+    /// 32 bits), in one word so that producers in several processes growing rings at once
+    /// update both by one compare-and-swap.
+    state: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == DOORBELL_OFFSET);
@@ -98,10 +105,26 @@ impl SegLayout {
         })
     }
 
+    /// Bytes the owner allocates when it makes the segment: the header and directory pages,
+    /// and each ring's control page.
+    pub(crate) fn meta_bytes(&self) -> u64 {
+        self.rings_offset + PAGE * self.nrings as u64
+    }
+
     /// Offset of ring `i`'s control block (its data follows one page later).
     fn ring_offset(&self, i: u32) -> u64 {
         self.rings_offset + self.stride * i as u64
     }
+}
+
+/// The header's allocation word: `pages` allocated (low 32 bits), `empty` rings (high 32).
+fn pack(pages: u64, empty: u64) -> u64 {
+    (empty << 32) | (pages & 0xffff_ffff)
+}
+
+/// `(pages, empty)` of [`pack`].
+fn unpack(s: u64) -> (u64, u64) {
+    (s & 0xffff_ffff, s >> 32)
 }
 
 /// Ring capacity for a requested size: the next power of two, at least [`MIN_RING`].
@@ -112,16 +135,41 @@ pub(crate) fn ring_capacity(requested: usize) -> Option<u64> {
     (c <= MAX_RING).then_some(c)
 }
 
-/// Smallest capacity the per-rank budget shrinks a ring to (64 KiB): with more peers than
-/// `budget / BUDGET_FLOOR` the rings outgrow the budget by that much per peer.
+/// Smallest ring a producer makes when the segment's budget is short ([`Segment::grow_ring`]
+/// fails below it): 16 KiB of data and its 4 KiB control page per peer, so that a call talking
+/// to every peer fits the default 12 MiB budget up to about 600 local ranks.
+pub(crate) const RING_MIN: u64 = 16 << 10;
+
+/// Why [`Segment::grow_ring`] did not grow a ring.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum GrowError {
+    /// The segment's budget would be exceeded: it has `allocated` of `budget` bytes and the
+    /// growth needs `needed` more.
+    Budget {
+        /// Bytes the segment has allocated.
+        allocated: u64,
+        /// Its budget (`OXCCL_SHM_BUDGET_BYTES`).
+        budget: u64,
+        /// Bytes the growth would add.
+        needed: u64,
+    },
+    /// The memory could not be had (`/dev/shm` full, the memory limit): the message.
+    Memory(String),
+}
+
+/// Smallest capacity the per-rank budget shrinks a ring to (64 KiB). With more peers than
+/// `budget / BUDGET_FLOOR` their rings could outgrow the budget if all were filled; the
+/// allocation count ([`Segment::grow_ring`]) keeps them from it: rings stop growing (down to
+/// [`RING_MIN`]) once the budget is spent.
 pub(crate) const BUDGET_FLOOR: u64 = 64 << 10;
 
 /// Capacity of each of a segment's `nrings` rings: `requested` rounded up to a power of two
 /// ([`ring_capacity`]), halved while the rings' data (`nrings` × capacity) would exceed
 /// `budget` bytes (`OXCCL_SHM_BUDGET_BYTES`; 0: no budget), but never below [`BUDGET_FLOOR`]
-/// (nor above the requested capacity). Each ring also has a 4 KiB control page, outside the
-/// budget. Under the defaults (12 MiB, 4 MiB rings) 2 to 4 ranks keep 4 MiB rings, and the
-/// rings of a rank stay within the budget up to 192 peers.
+/// (nor above the requested capacity). This is the most a ring may grow to; what the rings
+/// of a segment allocate together, with their control pages, is held within the budget by
+/// [`Segment::grow_ring`]. Under the defaults (12 MiB, 4 MiB rings) 2 to 4 ranks keep 4 MiB
+/// rings.
 pub(crate) fn budgeted_capacity(nrings: u32, requested: usize, budget: u64) -> Option<u64> {
     let mut cap = ring_capacity(requested)?;
     if budget == 0 {
@@ -253,12 +301,25 @@ impl Segment {
         })?;
         let owner_rank_u32 =
             u32::try_from(owner_rank).map_err(|_| format!("rank {owner_rank} is too large"))?;
-        if budget > 0 && cap.saturating_mul(nrings as u64) > budget {
+        let meta = layout.meta_bytes();
+        if budget > 0 && meta > budget {
+            return Err(format!(
+                "{nrings} shared-memory peers need {meta} bytes of control pages (4 KiB each, \
+                 and the header) before any ring data, more than OXCCL_SHM_BUDGET_BYTES={budget}; \
+                 raise OXCCL_SHM_BUDGET_BYTES (at least {}, or 0 for no limit) or set \
+                 OXCCL_TRANSPORT=tcp",
+                meta + nrings as u64 * RING_MIN.min(cap)
+            ));
+        }
+        let all_peers = meta.saturating_add((nrings as u64).saturating_mul(RING_MIN.min(cap)));
+        if budget > 0 && all_peers > budget {
             tracing::warn!(
                 rank = owner_rank,
-                "{nrings} shared-memory peers need {} bytes of rings of {cap} bytes (the smallest \
-                 the budget shrinks them to), more than OXCCL_SHM_BUDGET_BYTES={budget}",
-                cap.saturating_mul(nrings as u64)
+                "{nrings} shared-memory peers: a call that talks to all of them at once \
+                 (all_to_all) needs {all_peers} bytes of this rank's segment ({} KiB per ring at \
+                 least), more than OXCCL_SHM_BUDGET_BYTES={budget}, and will fail; raise it for \
+                 such calls",
+                RING_MIN.min(cap) >> 10
             );
         }
         crate::base::mem::check_fits(
@@ -294,9 +355,9 @@ impl Segment {
         // there ([`Segment::populate_ring`]), so a new communicator costs a few pages per
         // peer, not a full ring per peer (docs/scale.md, "Start-up and new groups").
         rustix::fs::ftruncate(&fd, layout.total).map_err(|e| io_msg("ftruncate", path, e))?;
-        let mut meta = vec![(0, layout.rings_offset)];
-        meta.extend((0..nrings).map(|i| (layout.ring_offset(i), PAGE)));
-        for (at, len) in meta {
+        let mut meta_parts = vec![(0, layout.rings_offset)];
+        meta_parts.extend((0..nrings).map(|i| (layout.ring_offset(i), PAGE)));
+        for (at, len) in meta_parts {
             match rustix::fs::fallocate(&fd, FallocateFlags::empty(), at, len) {
                 Ok(()) | Err(rustix::io::Errno::OPNOTSUPP) => {}
                 Err(rustix::io::Errno::NOSPC) => return Err(no_space()),
@@ -313,7 +374,10 @@ impl Segment {
                 rustix::mm::Advice::LinuxPopulateWrite,
             )
         };
+        let mut budget = budget;
         if probe.is_err() {
+            // Everything is allocated below: nothing is left to charge (`grow_ring`).
+            budget = 0;
             // A kernel without MADV_POPULATE_WRITE (before 5.14): producers could not
             // allocate ring memory with an error instead of SIGBUS, so allocate it all now.
             tracing::debug!(
@@ -354,6 +418,9 @@ impl Segment {
         h.ring_capacity.store(cap, Ordering::Relaxed);
         h.total_bytes.store(layout.total, Ordering::Relaxed);
         h.tag.store(tag, Ordering::Relaxed);
+        h.budget.store(budget, Ordering::Relaxed);
+        h.state
+            .store(pack(meta / PAGE, nrings as u64), Ordering::Relaxed);
         for (i, &p) in producers.iter().enumerate() {
             let p = u32::try_from(p).map_err(|_| format!("rank {p} is too large"))?;
             seg.directory(i as u32).store(p, Ordering::Relaxed);
@@ -504,11 +571,6 @@ impl Segment {
         }
     }
 
-    /// Bytes of each ring's data.
-    pub(crate) fn ring_capacity(&self) -> u64 {
-        self.layout.cap
-    }
-
     /// Allocates and maps in (`MADV_POPULATE_WRITE`) bytes `[from, to)` of ring `i`'s data,
     /// and with `from == 0` also the header page and the ring's control page: what a
     /// producer does before it first writes there. Memory that cannot be had is an error
@@ -553,6 +615,76 @@ impl Segment {
             }
         }
         Ok(())
+    }
+
+    /// Allocates bytes `[from, to)` of ring `i`'s data as [`populate_ring`](Self::populate_ring)
+    /// does, after charging them (whole pages) to the segment's budget, which the producers of
+    /// all its rings share: a compare-and-swap on the header's count, so that producers in
+    /// several processes growing rings at once never take it past the budget together.
+    ///
+    /// Growth keeps room for the rings that have no data yet: it is refused where it would
+    /// leave less than [`RING_MIN`] for each of them, so that the first rings written cannot
+    /// take what the others need to work at all. A ring's first [`RING_MIN`] bytes (`from ==
+    /// 0`) need only the budget itself.
+    pub(crate) fn grow_ring(&self, i: u32, from: u64, to: u64) -> Result<(), GrowError> {
+        let pages = |x: u64| align_up(x, PAGE).unwrap_or(u64::MAX) / PAGE;
+        let needed = pages(to).saturating_sub(pages(from));
+        let first = from == 0 && to > 0;
+        self.charge(needed, first, pages(RING_MIN.min(self.layout.cap)))?;
+        self.populate_ring(i, from, to).map_err(|m| {
+            let _ = self
+                .header()
+                .state
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                    let (p, e) = unpack(s);
+                    Some(pack(p.saturating_sub(needed), e + first as u64))
+                });
+            GrowError::Memory(m)
+        })
+    }
+
+    /// Adds `n` pages to the header's count of pages allocated (and, for a ring's `first`
+    /// data, takes it off the count of rings with none), unless that would exceed the budget
+    /// or, beyond a first `min` pages, leave less than `min` pages for each ring with none.
+    fn charge(&self, n: u64, first: bool, min: u64) -> Result<(), GrowError> {
+        let h = self.header();
+        let budget = h.budget.load(Ordering::Relaxed) / PAGE;
+        let unlimited = h.budget.load(Ordering::Relaxed) == 0;
+        h.state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                let (p, e) = unpack(s);
+                let e = e.checked_sub(first as u64)?;
+                let p = p.checked_add(n).filter(|&p| p < 1 << 32)?;
+                let fair = p.saturating_add(e.saturating_mul(min)) <= budget;
+                let minimum = first && n <= min && p <= budget;
+                (unlimited || fair || minimum).then_some(pack(p, e))
+            })
+            .map(|_| ())
+            .map_err(|s| GrowError::Budget {
+                allocated: unpack(s).0 * PAGE,
+                budget: h.budget.load(Ordering::Relaxed),
+                needed: n * PAGE,
+            })
+    }
+
+    /// The segment's ring count, and the bytes it allocates when every ring has
+    /// [`RING_MIN`] bytes of data (what a call talking to all peers at once needs).
+    pub(crate) fn all_rings_minimum(&self) -> (u32, u64) {
+        let l = &self.layout;
+        (
+            l.nrings,
+            l.meta_bytes() + l.nrings as u64 * align_up(RING_MIN.min(l.cap), PAGE).unwrap_or(0),
+        )
+    }
+
+    /// Bytes the segment has allocated (header, control pages and ring data) and its budget
+    /// (0: none).
+    pub(crate) fn allocation(&self) -> (u64, u64) {
+        let h = self.header();
+        (
+            unpack(h.state.load(Ordering::Acquire)).0 * PAGE,
+            h.budget.load(Ordering::Relaxed),
+        )
     }
 
     /// The pid its creator wrote into the header.
@@ -798,6 +930,172 @@ mod tests {
         assert_eq!(allocated(&own), meta + (64 << 10));
         peer.populate_ring(ring, 64 << 10, cap).unwrap();
         assert_eq!(allocated(&own), meta + cap);
+    }
+
+    /// Eight producers (threads, each with its own mapping of the segment, as peers in other
+    /// processes have) make their rings and then grow them a page at a time until the budget
+    /// refuses: together they allocate exactly the budget, never more, and the header's count
+    /// matches the memory the segment really holds.
+    #[test]
+    fn producers_growing_rings_at_once_never_take_the_segment_past_its_budget() {
+        let cap: u64 = 1 << 20;
+        let producers: Vec<usize> = (1..=8).collect();
+        let meta = SegLayout::new(8, cap).unwrap().meta_bytes();
+        assert_eq!(meta, PAGE + 8 * PAGE);
+        // Room for 37 pages of ring data, shared by 8 rings of 256 pages each.
+        let budget = meta + 37 * PAGE;
+        let own = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("budget"),
+            9,
+            0,
+            &producers,
+            cap as usize,
+            budget,
+        )
+        .unwrap();
+        if own.allocation().1 == 0 {
+            return; // no MADV_POPULATE_WRITE: everything was allocated up front
+        }
+        assert_eq!(own.allocation(), (meta, budget));
+        let token = own.token();
+        let started = std::sync::Barrier::new(producers.len());
+        let grown: Vec<u64> = std::thread::scope(|s| {
+            let hs: Vec<_> = producers
+                .iter()
+                .map(|&p| {
+                    let (token, started) = (&token, &started);
+                    s.spawn(move || {
+                        let fd = handoff::open_token(token, std::process::id()).unwrap();
+                        let seg = Segment::open_fd(fd, Path::new("peer"), 9, 0).unwrap();
+                        let ring = seg.find_ring(p).unwrap();
+                        // Every ring first gets a page: then none is kept room for.
+                        seg.grow_ring(ring, 0, PAGE).unwrap();
+                        started.wait();
+                        let mut ready = PAGE;
+                        // The budget shrank the rings to 64 KiB (16 pages) each.
+                        assert_eq!(seg.layout.cap, BUDGET_FLOOR);
+                        while ready < seg.layout.cap {
+                            match seg.grow_ring(ring, ready, ready + PAGE) {
+                                Ok(()) => ready += PAGE,
+                                Err(GrowError::Budget {
+                                    allocated,
+                                    budget: b,
+                                    needed,
+                                }) => {
+                                    assert_eq!((b, needed), (budget, PAGE));
+                                    assert!(allocated + needed > budget);
+                                    return ready;
+                                }
+                                Err(e) => panic!("{e:?}"),
+                            }
+                        }
+                        ready
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(grown.iter().sum::<u64>(), 37 * PAGE, "{grown:?}");
+        assert_eq!(own.allocation(), (budget, budget));
+        let g = own.fd.lock().unwrap();
+        let held = rustix::fs::fstat(g.as_ref().unwrap()).unwrap().st_blocks as u64 * 512;
+        assert_eq!(held, budget, "memory the segment holds");
+    }
+
+    /// Growth keeps 16 KiB for each ring that has nothing yet; a ring's first 16 KiB need only
+    /// the budget.
+    #[test]
+    fn growth_leaves_room_for_the_rings_not_written_yet() {
+        let k = 1u64 << 10;
+        let meta = SegLayout::new(3, 1 << 20).unwrap().meta_bytes();
+        let budget = meta + 96 * k;
+        let own = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("fair"),
+            3,
+            0,
+            &[1, 2, 3],
+            1 << 20,
+            budget,
+        )
+        .unwrap();
+        if own.allocation().1 == 0 {
+            return;
+        }
+        // Ring 0 may take 64 KiB (32 left for rings 1 and 2), not 128 nor 80.
+        assert!(matches!(
+            own.grow_ring(0, 0, 128 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        assert!(matches!(
+            own.grow_ring(0, 0, 80 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        own.grow_ring(0, 0, 64 * k).unwrap();
+        assert!(matches!(
+            own.grow_ring(0, 64 * k, 68 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        // Ring 1 gets its 16 KiB, but not 20: ring 2's 16 are kept.
+        assert!(matches!(
+            own.grow_ring(1, 0, 20 * k),
+            Err(GrowError::Budget { .. })
+        ));
+        own.grow_ring(1, 0, 16 * k).unwrap();
+        own.grow_ring(2, 0, 16 * k).unwrap();
+        assert_eq!(own.allocation(), (budget, budget));
+        assert_eq!(
+            own.grow_ring(2, 16 * k, 20 * k),
+            Err(GrowError::Budget {
+                allocated: budget,
+                budget,
+                needed: 4 * k
+            })
+        );
+    }
+
+    #[test]
+    fn a_budget_below_the_control_pages_is_an_error_naming_it() {
+        let e = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("tiny"),
+            1,
+            0,
+            &[1, 2, 3],
+            1 << 20,
+            3 * PAGE,
+        )
+        .unwrap_err();
+        for want in [
+            "3 shared-memory peers need 16384 bytes of control pages",
+            "OXCCL_SHM_BUDGET_BYTES=12288",
+            "at least 65536",
+        ] {
+            assert!(e.contains(want), "{want:?} missing from: {e}");
+        }
+        // Exactly the control pages: made, with nothing left for ring data.
+        let s = Segment::create(
+            Sharing::Memfd,
+            &tmp_name("tiny"),
+            1,
+            0,
+            &[1, 2, 3],
+            1 << 20,
+            4 * PAGE,
+        )
+        .unwrap();
+        if s.allocation().1 > 0 {
+            let r = s.find_ring(2).unwrap();
+            assert_eq!(
+                s.grow_ring(r, 0, PAGE),
+                Err(GrowError::Budget {
+                    allocated: 4 * PAGE,
+                    budget: 4 * PAGE,
+                    needed: PAGE
+                })
+            );
+        }
     }
 
     #[test]
