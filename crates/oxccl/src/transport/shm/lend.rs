@@ -49,8 +49,10 @@ pub(crate) fn parse(d: &[u8; DESC_BYTES], want: usize) -> Result<(u64, u64), Lin
 /// This rank's side of the agreement on which shared-memory peers may lend to this rank and
 /// borrow from it, carried by the two exchanges that set up the segments (no exchange of its
 /// own): the first carries [`Probe::addr`], the address of a value peers try to read; between
-/// the two, [`Probe::check`] reads each peer's; the second carries what each rank could read,
-/// and [`verdicts`] turns that into each link's `(may borrow, may lend)`. The probe must live
+/// the two, [`Probe::check`] reads each peer's, and each rank records what it could read of a
+/// peer in the control page of the ring that peer writes in its segment; after the second
+/// (which carries nothing of it), each rank reads its peers' verdicts about it there, and
+/// [`verdicts`] turns both into each link's `(may borrow, may lend)`. The probe must live
 /// until the second exchange has returned (every peer has read it by then).
 pub(crate) struct Probe {
     /// The value at the published address (alike on every rank: derived from the tag).
@@ -98,19 +100,14 @@ impl Probe {
 }
 
 /// For each of `peers`: `(this rank may read the peer's memory, the peer may read this
-/// rank's)`, from this rank's [`Probe::check`] (`mine`) and every rank's (`all`, by rank).
-pub(crate) fn verdicts(
-    rank: usize,
-    peers: &[(usize, u32)],
-    mine: &[u8],
-    all: &[Vec<u8>],
-) -> Vec<(bool, bool)> {
+/// rank's)`, from this rank's [`Probe::check`] (`mine`, by rank) and each peer's verdict
+/// about this rank (`theirs`, in the order of `peers`: what the peer recorded in the control
+/// page of the ring this rank writes, `Segment::set_verdict`).
+pub(crate) fn verdicts(peers: &[(usize, u32)], mine: &[u8], theirs: &[bool]) -> Vec<(bool, bool)> {
     peers
         .iter()
-        .map(|&(p, _)| {
-            let theirs = all.get(p).and_then(|m| m.get(rank)) == Some(&1);
-            (mine.get(p) == Some(&1), theirs)
-        })
+        .zip(theirs)
+        .map(|(&(p, _), &theirs)| (mine.get(p) == Some(&1), theirs))
         .collect()
 }
 
@@ -132,9 +129,8 @@ mod tests {
         let mine = a.check(4, &peers, &addrs);
         assert_eq!(mine, vec![0, 1, 0, 0]);
         // Rank 1 could read rank 0, rank 2 could not, rank 3 could.
-        let all = vec![mine.clone(), vec![1, 0, 0, 0], vec![0; 4], vec![1, 0, 0, 0]];
         assert_eq!(
-            verdicts(0, &peers, &mine, &all),
+            verdicts(&peers, &mine, &[true, false, true]),
             vec![(true, true), (false, false), (false, true)]
         );
     }

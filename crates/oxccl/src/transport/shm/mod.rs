@@ -357,12 +357,18 @@ fn connect_as(
         Err(OpenError::Failed(m) | OpenError::Gone(m)) => status_msg(&Err(m.clone())),
     };
     let readable = probe.check(world, peers, &probe_addrs);
+    // This rank's verdict about each peer goes into the control page of the ring that peer
+    // writes (ring `i` is `peers[i]`'s); the peer reads it there after the exchange below.
+    if let Some(own) = &own {
+        for (i, &(p, _)) in peers.iter().enumerate() {
+            own.set_verdict(i as u32, readable[p] == 1);
+        }
+    }
     let t_open = t0.elapsed();
-    let all2 = ex.allgather(&[&readable[..], &st2].concat());
+    let all2 = ex.allgather(&st2);
     let t_ex2 = t0.elapsed();
     let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
-    let (all_readable, all2) = split_prefixes(all2?, world);
-    let lending = lend::verdicts(rank, peers, &readable, &all_readable);
+    let all2 = all2?;
     if let Some(e) = peer_failure(rank, &all2, "open the shared-memory segments of its peers") {
         return Err(e);
     }
@@ -386,6 +392,12 @@ fn connect_as(
         Some(o) => o,
         None => return Ok(Some(Vec::new())),
     };
+    // Each peer recorded its verdict about this rank before the exchange above returned.
+    let theirs: Vec<bool> = opened
+        .iter()
+        .map(|(remote, ring_idx, _)| remote.verdict(*ring_idx))
+        .collect();
+    let lending = lend::verdicts(peers, &readable, &theirs);
     let mut links: Links = Vec::with_capacity(peers.len());
     for (i, ((&(p, ppid), (remote, ring_idx, same_ns)), (may_borrow, may_lend))) in
         peers.iter().zip(opened).zip(lending).enumerate()

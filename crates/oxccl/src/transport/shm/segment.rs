@@ -12,7 +12,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use rustix::fs::{FallocateFlags, Mode, OFlags};
 use rustix::mm::{MapFlags, ProtFlags};
@@ -64,6 +64,12 @@ pub(crate) struct Header {
 const _: () = assert!(std::mem::size_of::<Header>() == DOORBELL_OFFSET);
 const _: () = assert!(std::mem::size_of::<Doorbell>() <= 128);
 const _: () = assert!(std::mem::size_of::<RingCtrl>() as u64 <= PAGE);
+/// Where in a ring's control page, after the [`RingCtrl`], the owner's lending verdict about
+/// the ring's producer lies (one byte: 1 when the owner could read the producer's memory,
+/// `lend::Probe::check`): the producer reads it there instead of getting every rank's
+/// verdicts through the bootstrap (docs/scale.md, "Start-up").
+const VERDICT_OFFSET: usize = 2048;
+const _: () = assert!(std::mem::size_of::<RingCtrl>() <= VERDICT_OFFSET);
 
 /// Offsets and sizes of a segment with `nrings` rings of `cap` bytes each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -569,6 +575,29 @@ impl Segment {
             let data = NonNull::new_unchecked(self.base.as_ptr().add(off + PAGE as usize));
             (ctrl, data, self.layout.cap)
         }
+    }
+
+    fn verdict_cell(&self, i: u32) -> &AtomicU8 {
+        assert!(i < self.layout.nrings);
+        let off = self.layout.ring_offset(i) as usize + VERDICT_OFFSET;
+        // SAFETY: ring `i < nrings` has its 4 KiB control page at `ring_offset(i)` (validated
+        // layout, allocated at creation); `VERDICT_OFFSET` lies inside it, after the
+        // RingCtrl; the byte is only accessed through atomics.
+        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU8>() }
+    }
+
+    /// The owner's side: records in ring `i`'s control page whether the owner could read its
+    /// producer's memory (`lend::Probe::check`). Stored before the exchange that follows the
+    /// probe, read by the producer ([`verdict`](Self::verdict)) after it.
+    pub(crate) fn set_verdict(&self, i: u32, readable: bool) {
+        self.verdict_cell(i)
+            .store(u8::from(readable), Ordering::Release);
+    }
+
+    /// The producer's side: what the owner recorded with [`set_verdict`](Self::set_verdict)
+    /// in ring `i` (false until it did).
+    pub(crate) fn verdict(&self, i: u32) -> bool {
+        self.verdict_cell(i).load(Ordering::Acquire) == 1
     }
 
     /// Allocates and maps in (`MADV_POPULATE_WRITE`) bytes `[from, to)` of ring `i`'s data,
