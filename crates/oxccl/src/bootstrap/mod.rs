@@ -2,15 +2,18 @@
 //!
 //! Rank 0 hosts the rendezvous at the address in the [`UniqueId`] (or `MASTER_ADDR:MASTER_PORT`
 //! / `OXCCL_ROOT` under a launcher). Every rank connects to it, proves that it knows the
-//! secret ([`auth`]), and sends its [`PeerInfo`]; rank 0 answers with everyone's. The
-//! connections stay open for the life of the communicator and carry small out-of-band
+//! secret ([`auth`]), and sends its [`PeerInfo`] and the port of its exchange listener; rank
+//! 0 answers each with the addresses of the ranks it exchanges with. The small out-of-band
 //! exchanges ([`Exchange::allgather`], [`Exchange::barrier`]) that transports use to set up
-//! their links: every rank sends its contribution to rank 0, which sends the concatenation
-//! back.
+//! their links, the peer table first, then go directly between ranks, Bruck's allgather in
+//! `ceil(log2 n)` rounds (`mesh.rs`): O(log n) messages and connections and O(n) bytes at
+//! every rank. The connections to rank 0 stay open for the life of the communicator (the
+//! watchdog's) and during init carry only failures.
 
 pub(crate) mod carry;
 pub(crate) mod env;
 pub mod local;
+mod mesh;
 mod root_join;
 pub(crate) mod topo;
 mod unique_id;
@@ -40,7 +43,7 @@ pub(crate) const MAX_FRAME: usize = 256 << 20;
 const MAX_JOIN: usize = 64 << 10;
 /// Longest host id or host name a [`PeerInfo`] may carry.
 const MAX_NAME: usize = 4096;
-const JOIN_VERSION: u8 = 1;
+const JOIN_VERSION: u8 = 2;
 
 /// What each rank tells the others at rendezvous.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,14 +94,17 @@ impl PeerInfo {
     }
 }
 
-/// Parses a join message (what each rank sends rank 0): version, world size, [`PeerInfo`].
-pub(crate) fn parse_join(join: &[u8]) -> Option<(usize, PeerInfo)> {
+/// Parses a join message (what each rank sends rank 0): version, world size, [`PeerInfo`],
+/// the port of the rank's exchange listener (`u16`, 0 in a world of one).
+pub(crate) fn parse_join(join: &[u8]) -> Option<(usize, PeerInfo, u16)> {
     let mut r = join;
     if take(&mut r, 1)?[0] != JOIN_VERSION {
         return None;
     }
     let ws = take_u32(&mut r)? as usize;
-    Some((ws, PeerInfo::decode(&mut r)?))
+    let info = PeerInfo::decode(&mut r)?;
+    let port = u16::from_le_bytes(take(&mut r, 2)?.try_into().ok()?);
+    r.is_empty().then_some((ws, info, port))
 }
 
 fn take<'a>(r: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
@@ -257,6 +263,14 @@ pub(crate) struct Bootstrap {
     seq: u64,
     /// What rank 0 sent with the peer table ([`Bootstrap::init_saying`]).
     root_says: Vec<u8>,
+    /// The exchange connections (`mesh.rs`); `None` in a world of one and after
+    /// [`take_connections`](Self::take_connections).
+    mesh: Option<mesh::Mesh>,
+    /// What this rank's exchanges sent, for the `bootstrap traffic` debug line.
+    traffic: mesh::Traffic,
+    /// Set once the peer table is exchanged: from then on the connections to rank 0 belong
+    /// to the watchdogs (which start as each rank's init ends), not to the exchanges.
+    joined: bool,
 }
 
 impl std::fmt::Debug for Bootstrap {
@@ -344,11 +358,60 @@ impl Bootstrap {
             links: Links::Root(Vec::new()),
             seq: 0,
             root_says: says.to_vec(),
+            mesh: None,
+            traffic: mesh::Traffic::default(),
+            joined: false,
         };
-        if rank == 0 {
-            b.init_root(me, deadline, cfg)?;
+        // The listener for the exchange links, open before joining: rank 0 gives its port to
+        // the ranks that dial it.
+        let listener = if world_size > 1 {
+            Some(mesh::listen(me.ip).map_err(|source| Error::Io {
+                rank,
+                context: format!("listening on {} for the bootstrap's exchange links", me.ip),
+                source,
+            })?)
         } else {
-            b.init_member(me, deadline, cfg)?;
+            None
+        };
+        let port = match &listener {
+            Some(l) => l.local_addr().map(|a| a.port()).unwrap_or(0),
+            None => 0,
+        };
+        let to = if rank == 0 {
+            b.init_root(me.clone(), port, deadline, cfg)?
+        } else {
+            b.init_member(me.clone(), port, deadline, cfg)?
+        };
+        // The peer table is the first exchange, over the exchange links.
+        let table = match listener {
+            None => Ok(vec![me]),
+            Some(l) => b
+                .connect_mesh(l, &to, deadline + MEMBER_GRACE)
+                .and_then(|m| {
+                    b.mesh = Some(m);
+                    let mut mine = Vec::new();
+                    me.encode(&mut mine);
+                    b.allgather_mesh(&mine, 0, "init")
+                })
+                .and_then(|all| {
+                    all.iter()
+                        .enumerate()
+                        .map(|(i, m)| match PeerInfo::decode(&mut &m[..]) {
+                            Some(p) if p.rank == i => Ok(p),
+                            _ => Err(b.proto(i, "init", "malformed peer table entry")),
+                        })
+                        .collect()
+                }),
+        };
+        match table {
+            Ok(t) => {
+                b.peers = t;
+                b.joined = true;
+            }
+            Err(e) => {
+                b.spread_failure(&e);
+                return Err(e);
+            }
         }
         tracing::debug!(
             "rank {rank}/{world_size}: rendezvous at {} complete",
@@ -410,7 +473,15 @@ impl Bootstrap {
         }
     }
 
-    fn init_root(&mut self, me: PeerInfo, deadline: Instant, cfg: &Config) -> Result<()> {
+    /// Rank 0's side of the rendezvous: admits every rank, then answers each with the
+    /// addresses it dials for the exchanges; returns its own.
+    fn init_root(
+        &mut self,
+        me: PeerInfo,
+        port: u16,
+        deadline: Instant,
+        cfg: &Config,
+    ) -> Result<Vec<SocketAddr>> {
         let n = self.world_size;
         let listener = self.bind_root()?;
         let mut join = RootJoin {
@@ -418,6 +489,7 @@ impl Bootstrap {
             root: self.root,
             conns: (0..n).map(|_| None).collect(),
             infos: vec![None; n],
+            ports: vec![0; n],
             joined: 1,
             offender: None,
             start: Instant::now(),
@@ -425,6 +497,7 @@ impl Bootstrap {
             next_report: None,
         };
         join.infos[0] = Some(me);
+        join.ports[0] = port;
         join.next_report = cfg.startup_report.map(|p| join.start + p);
         if n > 1 {
             let keys = accept::Keys {
@@ -503,28 +576,42 @@ impl Bootstrap {
             drop(listener);
         }
         let RootJoin {
-            mut conns, infos, ..
+            mut conns,
+            infos,
+            ports,
+            ..
         } = join;
-        let peers: Vec<PeerInfo> = infos.into_iter().flatten().collect();
-        let mut table = vec![0u8];
-        table.extend_from_slice(&(n as u32).to_le_bytes());
-        for p in &peers {
-            p.encode(&mut table);
+        let addrs: Vec<SocketAddr> = infos
+            .iter()
+            .zip(&ports)
+            .map(|(i, &port)| SocketAddr::new(i.as_ref().map_or(self.root.ip(), |i| i.ip), port))
+            .collect();
+        if 1 + 4 + 4 + self.root_says.len() + 19 * mesh::rounds(n) > MAX_FRAME {
+            return Err(self.rz_err("rank 0's settings exceed the bootstrap frame limit"));
         }
-        if table.len() + 4 + self.root_says.len() > MAX_FRAME {
-            return Err(self.rz_err("the peer table exceeds the bootstrap frame limit"));
-        }
-        table.extend_from_slice(&(self.root_says.len() as u32).to_le_bytes());
-        table.extend_from_slice(&self.root_says);
+        // Each rank's answer: the addresses of the ranks it sends to, one per round, and rank
+        // 0's settings (O(log n) bytes, not the whole peer table: that is the first exchange).
+        let answer = |r: usize| {
+            let mut a = vec![0u8];
+            a.extend_from_slice(&(n as u32).to_le_bytes());
+            for k in 0..mesh::rounds(n) {
+                let to = addrs[mesh::sends_to(r, k, n)];
+                encode_ip(to.ip(), &mut a);
+                a.extend_from_slice(&to.port().to_le_bytes());
+            }
+            a.extend_from_slice(&(self.root_says.len() as u32).to_le_bytes());
+            a.extend_from_slice(&self.root_says);
+            a
+        };
         for r in 0..conns.len() {
             if let Some(s) = &mut conns[r] {
                 if let Err(e) =
-                    set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &table))
+                    set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &answer(r)))
                 {
                     let err = self.lost(r, "init", e);
                     // Rank r died after joining: tell the others that it is r, not rank 0.
-                    // Those below r have the table and read this as the answer to their
-                    // first exchange; those above still wait for the table.
+                    // Those below r have their answer and read this while they make their
+                    // exchange links; those above still wait for it.
                     let mut report = (r as u32).to_le_bytes().to_vec();
                     report.extend_from_slice(err.to_string().as_bytes());
                     let mut as_exchange = SEQ_LOST.to_le_bytes().to_vec();
@@ -538,12 +625,21 @@ impl Bootstrap {
                 }
             }
         }
-        self.peers = peers;
         self.links = Links::Root(conns);
-        Ok(())
+        Ok((0..mesh::rounds(n))
+            .map(|k| addrs[mesh::sends_to(0, k, n)])
+            .collect())
     }
 
-    fn init_member(&mut self, me: PeerInfo, deadline: Instant, cfg: &Config) -> Result<()> {
+    /// A member's side of the rendezvous: joins, and returns the addresses it dials for the
+    /// exchanges (rank 0's answer).
+    fn init_member(
+        &mut self,
+        me: PeerInfo,
+        port: u16,
+        deadline: Instant,
+        cfg: &Config,
+    ) -> Result<Vec<SocketAddr>> {
         let addr = self.root.to_string();
         let hello = Hello {
             rank: self.rank,
@@ -553,6 +649,7 @@ impl Bootstrap {
         let mut join = vec![JOIN_VERSION];
         join.extend_from_slice(&(self.world_size as u32).to_le_bytes());
         me.encode(&mut join);
+        join.extend_from_slice(&port.to_le_bytes());
         let start = Instant::now();
         let mut next_report = cfg.startup_report.map(|p| start + p);
         let refused_limit = cfg.rendezvous_refused.min(self.timeout);
@@ -622,7 +719,7 @@ impl Bootstrap {
                     String::from_utf8_lossy(r)
                 )))
             }
-            Some([TABLE_LOST]) => return Err(self.lost_report(r, "init")),
+            Some([TABLE_LOST]) => return Err(self.lost_report(0, r, "init")),
             _ => return Err(self.proto(0, "init", "malformed peer table")),
         }
         let n =
@@ -633,10 +730,12 @@ impl Bootstrap {
                 self.world_size
             )));
         }
-        let mut peers = Vec::with_capacity(n);
-        for i in 0..n {
-            match PeerInfo::decode(&mut r) {
-                Some(p) if p.rank == i => peers.push(p),
+        let mut to = Vec::with_capacity(mesh::rounds(n));
+        for _ in 0..mesh::rounds(n) {
+            let ip = decode_ip(&mut r);
+            let port = take(&mut r, 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
+            match (ip, port) {
+                (Some(ip), Some(port)) => to.push(SocketAddr::new(ip, port)),
                 _ => return Err(self.proto(0, "init", "malformed peer table")),
             }
         }
@@ -647,9 +746,8 @@ impl Bootstrap {
         }
         drop(d);
         set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
-        self.peers = peers;
         self.links = Links::Member(stream);
-        Ok(())
+        Ok(to)
     }
 
     /// Waits until rank 0 sends something on `stream` or `deadline` passes, saying every
@@ -663,20 +761,6 @@ impl Bootstrap {
                 start.elapsed()
             )
         });
-    }
-
-    /// Before a read on `s` bounded by `timeout`: when progress lines are on, waits for `s`
-    /// to become readable, printing `say(waited)` every period, and sets the read timeout to
-    /// what is left of `timeout` (so the whole wait stays within it). Restore the socket's
-    /// usual timeout after the read.
-    fn announce_wait(&self, s: &TcpStream, timeout: Duration, say: &dyn Fn(Duration) -> String) {
-        let Some(every) = self.report_every else {
-            return;
-        };
-        let start = Instant::now();
-        await_readable(s, start + timeout, every, say);
-        let left = timeout.saturating_sub(start.elapsed());
-        let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
     }
 
     fn proto(&self, peer: usize, call: &'static str, msg: &str) -> Error {
@@ -720,18 +804,20 @@ impl Bootstrap {
         }
     }
 
-    /// The error for rank 0's report that it lost a rank (`rest`: the lost rank as a `u32`,
-    /// then rank 0's own error): names the lost rank, not rank 0.
-    fn lost_report(&self, mut rest: &[u8], call: &'static str) -> Error {
+    /// The error for rank `from`'s report that it lost a rank (`rest`: the lost rank as a
+    /// `u32`, then `from`'s own error): names the lost rank, not `from`.
+    fn lost_report(&self, from: usize, mut rest: &[u8], call: &'static str) -> Error {
         match take_u32(&mut rest) {
-            Some(peer) if (peer as usize) < self.world_size && peer != 0 => Error::PeerLost {
-                rank: self.rank,
-                peer: peer as usize,
-                call,
-                seq: self.seq,
-                reason: format!("rank 0 reports it: {}", String::from_utf8_lossy(rest)),
-            },
-            _ => self.proto(0, call, "malformed lost-rank report"),
+            Some(peer) if (peer as usize) < self.world_size && peer as usize != self.rank => {
+                Error::PeerLost {
+                    rank: self.rank,
+                    peer: peer as usize,
+                    call,
+                    seq: self.seq,
+                    reason: format!("rank {from} reports it: {}", String::from_utf8_lossy(rest)),
+                }
+            }
+            _ => self.proto(from, call, "malformed lost-rank report"),
         }
     }
 
@@ -771,6 +857,8 @@ impl Bootstrap {
     /// (`fault::control`): rank 0 gets one per other rank, the others the one to rank 0.
     /// Exchanges are impossible afterwards.
     pub(crate) fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
+        // The exchange links are done with: close them.
+        self.mesh = None;
         match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {
             Links::Root(conns) => conns
                 .into_iter()
@@ -862,137 +950,20 @@ impl Exchange for Bootstrap {
 
     fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.seq += 1;
-        let seq = self.seq;
-        let mut links = std::mem::replace(&mut self.links, Links::Root(Vec::new()));
-        let res = match &mut links {
-            Links::Root(conns) => {
-                let res = self.allgather_root(conns, mine, seq);
-                if let Err(e) = &res {
-                    if let Some(lost) = e.lost_peer().or(match e {
-                        Error::Timeout { waiting_on, .. } if waiting_on.len() == 1 => {
-                            Some(waiting_on[0])
-                        }
-                        Error::Protocol { peer, .. } => Some(*peer),
-                        _ => None,
-                    }) {
-                        // Every other rank waits on rank 0: name the rank at fault to them.
-                        let mut msg = SEQ_LOST.to_le_bytes().to_vec();
-                        msg.extend_from_slice(&(lost as u32).to_le_bytes());
-                        msg.extend_from_slice(e.to_string().as_bytes());
-                        tell_all(conns, lost, &msg);
-                    }
-                }
-                res
-            }
-            Links::Member(s) => self.allgather_member(s, mine, seq),
-        };
-        self.links = links;
+        let res = self.allgather_mesh(mine, self.seq, CALL);
+        if let Err(e) = &res {
+            // The ranks this one sends to (and, through rank 0, every rank) wait on it: name
+            // the rank at fault to them.
+            self.spread_failure(e);
+        }
+        tracing::debug!(
+            rank = self.rank,
+            exchange = self.seq,
+            messages = self.traffic.messages,
+            bytes = self.traffic.bytes,
+            "bootstrap traffic (sent by this rank in its exchanges so far)"
+        );
         res
-    }
-}
-
-impl Bootstrap {
-    fn allgather_root(
-        &self,
-        conns: &mut [Option<TcpStream>],
-        mine: &[u8],
-        seq: u64,
-    ) -> Result<Vec<Vec<u8>>> {
-        let mut all = Vec::with_capacity(self.world_size);
-        all.push(mine.to_vec());
-        for (r, c) in conns.iter_mut().enumerate().skip(1) {
-            let s = c
-                .as_mut()
-                .ok_or_else(|| self.lost(r, CALL, io::ErrorKind::NotConnected.into()))?;
-            self.announce_wait(s, self.timeout, &|waited| {
-                format!(
-                    "rank 0: bootstrap exchange #{seq}: waiting {waited:.0?} for rank {r} \
-                     (the ranks below it have answered); is rank {r} stopped or overloaded?"
-                )
-            });
-            let f = auth::read_frame(s, MAX_FRAME);
-            let _ = s.set_read_timeout(Some(self.timeout));
-            let f = f.map_err(|e| self.lost(r, CALL, e))?;
-            let mut rd = &f[..];
-            match take_u64(&mut rd) {
-                Some(s) if s == seq => all.push(rd.to_vec()),
-                Some(s) => {
-                    return Err(self.proto(
-                        r,
-                        CALL,
-                        &format!("rank {r} is at bootstrap exchange #{s}, rank 0 at #{seq}"),
-                    ))
-                }
-                None => return Err(self.proto(r, CALL, "short message")),
-            }
-        }
-        let total: usize = all.iter().map(|v| v.len() + 4).sum::<usize>() + 8;
-        if total > MAX_FRAME {
-            return Err(Error::InvalidArgument {
-                rank: 0,
-                call: CALL,
-                seq,
-                msg: format!("{total} bytes in all exceed the bootstrap limit of {MAX_FRAME}"),
-            });
-        }
-        let mut out = Vec::with_capacity(total);
-        out.extend_from_slice(&seq.to_le_bytes());
-        for v in &all {
-            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-            out.extend_from_slice(v);
-        }
-        for (r, c) in conns.iter_mut().enumerate().skip(1) {
-            if let Some(s) = c {
-                auth::write_frame(s, &out).map_err(|e| self.lost(r, CALL, e))?;
-            }
-        }
-        Ok(all)
-    }
-
-    fn allgather_member(&self, s: &mut TcpStream, mine: &[u8], seq: u64) -> Result<Vec<Vec<u8>>> {
-        let mut msg = Vec::with_capacity(mine.len() + 8);
-        msg.extend_from_slice(&seq.to_le_bytes());
-        msg.extend_from_slice(mine);
-        if let Err(e) = auth::write_frame(s, &msg) {
-            // Rank 0 may have closed after saying which rank it lost: read that first.
-            let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-            return Err(match auth::read_frame(s, MAX_FRAME) {
-                Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
-                    self.lost_report(&f[8..], CALL)
-                }
-                _ => self.lost(0, CALL, e),
-            });
-        }
-        let _ = s.set_read_timeout(Some(self.timeout + MEMBER_GRACE));
-        self.announce_wait(s, self.timeout + MEMBER_GRACE, &|waited| {
-            format!(
-                "rank {}: bootstrap exchange #{seq}: waiting {waited:.0?} for rank 0's answer \
-                 (rank 0 waits for every rank; its own progress line names the one it waits for)",
-                self.rank
-            )
-        });
-        let f = auth::read_frame(s, MAX_FRAME);
-        let _ = s.set_read_timeout(Some(self.timeout));
-        let f = f.map_err(|e| self.lost(0, CALL, e))?;
-        let mut r = &f[..];
-        match take_u64(&mut r) {
-            Some(SEQ_LOST) => return Err(self.lost_report(r, CALL)),
-            Some(got) if got == seq => {}
-            _ => return Err(self.proto(0, CALL, "answer to another bootstrap exchange")),
-        }
-        let mut all = Vec::with_capacity(self.world_size);
-        for _ in 0..self.world_size {
-            let len = take_u32(&mut r).ok_or_else(|| self.proto(0, CALL, "short answer"))? as usize;
-            all.push(
-                take(&mut r, len)
-                    .ok_or_else(|| self.proto(0, CALL, "short answer"))?
-                    .to_vec(),
-            );
-        }
-        if !r.is_empty() {
-            return Err(self.proto(0, CALL, "trailing bytes in answer"));
-        }
-        Ok(all)
     }
 }
 

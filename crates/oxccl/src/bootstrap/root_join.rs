@@ -21,6 +21,8 @@ pub(super) struct RootJoin {
     pub conns: Vec<Option<TcpStream>>,
     /// Every rank's [`PeerInfo`] as it joins.
     pub infos: Vec<Option<PeerInfo>>,
+    /// Every rank's exchange listener port as it joins.
+    pub ports: Vec<u16>,
     pub joined: usize,
     /// A connection that broke the rendezvous (told why before rank 0 fails).
     pub offender: Option<TcpStream>,
@@ -121,7 +123,7 @@ impl Admit for RootJoin {
                 return Ok(false);
             }
         };
-        let Some((ws, info)) = parse_join(&join) else {
+        let Some((ws, info, port)) = parse_join(&join) else {
             return self.fail(
                 format!(
                     "malformed join message from {from} (claiming rank {})",
@@ -159,6 +161,7 @@ impl Admit for RootJoin {
         let r = info.rank;
         self.conns[r] = Some(stream);
         self.infos[r] = Some(info);
+        self.ports[r] = port;
         self.joined += 1;
         Ok(self.joined == self.world)
     }

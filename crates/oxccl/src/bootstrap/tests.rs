@@ -69,6 +69,76 @@ fn four_ranks_init_and_allgather() {
     }
 }
 
+/// A world that is not a power of two: the exchanges' rounds wrap around.
+#[test]
+fn thirteen_ranks_init_and_allgather() {
+    let id = loopback_id();
+    let tables = ranks(13, move |r| {
+        let mut b = Bootstrap::init(&id, r, 13, &cfg(20_000)).unwrap();
+        check_allgathers(&mut b);
+        b.peers().to_vec()
+    });
+    for peers in &tables {
+        assert_eq!(peers, &tables[0]);
+        assert!(peers.iter().enumerate().all(|(r, p)| p.rank == r));
+    }
+}
+
+/// A rank that leaves after init (its connections close) while the others exchange: every
+/// other rank fails at once, naming it, long before the timeout.
+#[test]
+fn a_rank_gone_during_an_exchange_is_named_by_every_rank_at_once() {
+    let id = loopback_id();
+    let start = Instant::now();
+    let res = ranks(6, move |r| {
+        let mut b = Bootstrap::init(&id, r, 6, &cfg(30_000)).unwrap();
+        b.barrier().unwrap();
+        if r == 3 {
+            return None;
+        }
+        Some(b.allgather(b"x").unwrap_err())
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    for (r, e) in res.into_iter().enumerate() {
+        let Some(e) = e else { continue };
+        assert_eq!(e.lost_peer(), Some(3), "rank {r}: {e}");
+    }
+}
+
+/// A rank that stays but never comes to an exchange: every other rank fails within its
+/// timeout and a few grace periods, naming it.
+#[test]
+fn a_silent_rank_in_an_exchange_is_named_after_the_timeout() {
+    let id = loopback_id();
+    let start = Instant::now();
+    let res = ranks(6, move |r| {
+        let mut b = Bootstrap::init(&id, r, 6, &cfg(1_000)).unwrap();
+        b.barrier().unwrap();
+        if r == 3 {
+            thread::sleep(Duration::from_secs(5));
+            return None;
+        }
+        Some(b.allgather(b"x").unwrap_err())
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        start.elapsed()
+    );
+    for (r, e) in res.into_iter().enumerate() {
+        let Some(e) = e else { continue };
+        let named = match &e {
+            Error::Timeout { waiting_on, .. } => waiting_on == &vec![3],
+            e => e.lost_peer() == Some(3),
+        };
+        assert!(named, "rank {r}: {e}");
+    }
+}
+
 /// What rank 0 says at init reaches every rank with the peer table; what the others say is
 /// ignored; exchanges after it are unaffected.
 #[test]
@@ -85,8 +155,9 @@ fn rank_0_says_something_to_every_rank_with_the_peer_table() {
     }
 }
 
-/// A rank that is slow to reach an exchange: rank 0 says, every period, which rank it waits
-/// for, and the others say they wait for rank 0's answer; the exchange then completes.
+/// A rank that is slow to reach an exchange: the ranks that hear from it (rank 1 in the
+/// first round, rank 0 in the second) say, every period, that they wait for its message;
+/// the exchange then completes.
 #[test]
 fn a_slow_rank_in_an_exchange_is_named_in_progress_lines() {
     let id = loopback_id();
@@ -110,17 +181,15 @@ fn a_slow_rank_in_an_exchange_is_named_in_progress_lines() {
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     assert!(
-        lines
-            .iter()
-            .any(|l| l.starts_with("rank 0: bootstrap exchange #2: waiting ")
-                && l.contains("for rank 2 (the ranks below it have answered)")),
+        lines.iter().any(|l| l
+            .starts_with("rank 0: bootstrap exchange #2, round 2 of 2: waiting ")
+            && l.contains("for rank 2's message")),
         "{lines:#?}"
     );
     assert!(
-        lines
-            .iter()
-            .any(|l| l.starts_with("rank 1: bootstrap exchange #2: waiting ")
-                && l.contains("for rank 0's answer")),
+        lines.iter().any(|l| l
+            .starts_with("rank 1: bootstrap exchange #2, round 1 of 2: waiting ")
+            && l.contains("for rank 2's message")),
         "{lines:#?}"
     );
 }
@@ -344,6 +413,7 @@ fn join_by_hand(id: &UniqueId, rank: usize, world: usize) -> TcpStream {
         ip: Ipv4Addr::LOCALHOST.into(),
     }
     .encode(&mut join);
+    join.extend_from_slice(&0u16.to_le_bytes());
     auth::write_frame(&mut s, &join).unwrap();
     s
 }

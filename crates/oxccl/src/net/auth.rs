@@ -54,6 +54,8 @@ pub enum Purpose {
     Rendezvous,
     /// A data link of the TCP transport.
     Data,
+    /// A link of the bootstrap's exchanges between two ranks (`bootstrap/mesh.rs`).
+    Exchange,
 }
 
 impl Purpose {
@@ -61,6 +63,7 @@ impl Purpose {
         match self {
             Purpose::Rendezvous => 1,
             Purpose::Data => 2,
+            Purpose::Exchange => 3,
         }
     }
 
@@ -68,6 +71,7 @@ impl Purpose {
         match c {
             1 => Some(Purpose::Rendezvous),
             2 => Some(Purpose::Data),
+            3 => Some(Purpose::Exchange),
             _ => None,
         }
     }
