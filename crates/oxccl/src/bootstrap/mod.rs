@@ -2,18 +2,25 @@
 //!
 //! Rank 0 hosts the rendezvous at the address in the [`UniqueId`] (or `MASTER_ADDR:MASTER_PORT`
 //! / `OXCCL_ROOT` under a launcher). Every rank connects to it, proves that it knows the
-//! secret ([`auth`]), and sends its [`PeerInfo`] and the port of its exchange listener; rank
-//! 0 answers each with the addresses of the ranks it exchanges with. The small out-of-band
-//! exchanges ([`Exchange::allgather`], [`Exchange::barrier`]) that transports use to set up
-//! their links, the peer table first, then go directly between ranks, Bruck's allgather in
-//! `ceil(log2 n)` rounds (`mesh.rs`): O(log n) messages and connections and O(n) bytes at
-//! every rank. The connections to rank 0 stay open for the life of the communicator (the
-//! watchdog's) and during init carry only failures.
+//! secret ([`auth`]), and sends its [`PeerInfo`] (and, in a large communicator, the port of
+//! its exchange listener). The small out-of-band exchanges ([`Exchange::allgather`],
+//! [`Exchange::barrier`]) that transports use to set up their links go one of two ways,
+//! chosen by rank 0 from the world size and `OXCCL_BOOTSTRAP_RELAY_MAX`:
+//! - up to that many ranks, through rank 0 (`relay.rs`): rank 0 answers each join with the
+//!   peer table, and each exchange is one round trip to rank 0 (O(n^2) bytes at rank 0, the
+//!   fewest connections and messages: small groups start fastest);
+//! - above it, directly between ranks (`mesh.rs`): rank 0 answers each join with only the
+//!   addresses of the ranks it exchanges with, and the exchanges, the peer table first, are
+//!   Bruck's allgather in `ceil(log2 n)` rounds: O(log n) messages and connections and O(n)
+//!   bytes per exchange at every rank, rank 0 included.
+//!
+//! The connections to rank 0 stay open for the life of the communicator (the watchdog's).
 
 pub(crate) mod carry;
 pub(crate) mod env;
 pub mod local;
 mod mesh;
+mod relay;
 mod root_join;
 pub(crate) mod topo;
 mod unique_id;
@@ -263,7 +270,8 @@ pub(crate) struct Bootstrap {
     seq: u64,
     /// What rank 0 sent with the peer table ([`Bootstrap::init_saying`]).
     root_says: Vec<u8>,
-    /// The exchange connections (`mesh.rs`); `None` in a world of one and after
+    /// The exchange connections (`mesh.rs`); `None` when the exchanges go through rank 0
+    /// (`relay.rs`, and in a world of one) and after
     /// [`take_connections`](Self::take_connections).
     mesh: Option<mesh::Mesh>,
     /// What this rank's exchanges sent, for the `bootstrap traffic` debug line.
@@ -362,9 +370,10 @@ impl Bootstrap {
             traffic: mesh::Traffic::default(),
             joined: false,
         };
-        // The listener for the exchange links, open before joining: rank 0 gives its port to
-        // the ranks that dial it.
-        let listener = if world_size > 1 {
+        // Direct exchanges (`mesh.rs`) above OXCCL_BOOTSTRAP_RELAY_MAX ranks. Their listener
+        // is open before joining: rank 0 gives its port to the ranks that dial it. Rank 0's
+        // setting decides; it relays when a rank joins without a listener.
+        let listener = if world_size > 1 && world_size > cfg.bootstrap_relay_max {
             Some(mesh::listen(me.ip).map_err(|source| Error::Io {
                 rank,
                 context: format!("listening on {} for the bootstrap's exchange links", me.ip),
@@ -377,15 +386,21 @@ impl Bootstrap {
             Some(l) => l.local_addr().map(|a| a.port()).unwrap_or(0),
             None => 0,
         };
-        let to = if rank == 0 {
+        let answer = if rank == 0 {
             b.init_root(me.clone(), port, deadline, cfg)?
         } else {
             b.init_member(me.clone(), port, deadline, cfg)?
         };
-        // The peer table is the first exchange, over the exchange links.
-        let table = match listener {
-            None => Ok(vec![me]),
-            Some(l) => b
+        // Through rank 0, its answer was the peer table; else the peer table is the first
+        // exchange, over the exchange links.
+        let table = match (answer, listener) {
+            (Answer::Table(t), _) => Ok(t),
+            (Answer::Direct(_), None) => Err(b.proto(
+                0,
+                "init",
+                "rank 0 chose direct exchanges, but this rank has no exchange listener",
+            )),
+            (Answer::Direct(to), Some(l)) => b
                 .connect_mesh(l, &to, deadline + MEMBER_GRACE)
                 .and_then(|m| {
                     b.mesh = Some(m);
@@ -473,15 +488,16 @@ impl Bootstrap {
         }
     }
 
-    /// Rank 0's side of the rendezvous: admits every rank, then answers each with the
-    /// addresses it dials for the exchanges; returns its own.
+    /// Rank 0's side of the rendezvous: admits every rank, then answers each with the peer
+    /// table (exchanges through rank 0) or with the addresses it dials for the direct
+    /// exchanges; returns its own.
     fn init_root(
         &mut self,
         me: PeerInfo,
         port: u16,
         deadline: Instant,
         cfg: &Config,
-    ) -> Result<Vec<SocketAddr>> {
+    ) -> Result<Answer> {
         let n = self.world_size;
         let listener = self.bind_root()?;
         let mut join = RootJoin {
@@ -581,17 +597,51 @@ impl Bootstrap {
             ports,
             ..
         } = join;
-        let addrs: Vec<SocketAddr> = infos
+        // Through rank 0 up to OXCCL_BOOTSTRAP_RELAY_MAX ranks, or when a rank has no
+        // exchange listener (its setting differs from rank 0's).
+        let unready: Vec<usize> = (1..n).filter(|&r| ports[r] == 0).collect();
+        let relay = n == 1 || n <= cfg.bootstrap_relay_max || !unready.is_empty();
+        if relay && n > cfg.bootstrap_relay_max && n > 1 {
+            tracing::warn!(
+                "rank 0: {n} ranks exchange through rank 0 although OXCCL_BOOTSTRAP_RELAY_MAX \
+                 is {} here: rank(s) {} joined without an exchange listener (set the variable \
+                 alike on every rank)",
+                cfg.bootstrap_relay_max,
+                crate::base::error::rank_list(&unready)
+            );
+        }
+        let peers: Vec<PeerInfo> = infos.into_iter().flatten().collect();
+        let addrs: Vec<SocketAddr> = peers
             .iter()
             .zip(&ports)
-            .map(|(i, &port)| SocketAddr::new(i.as_ref().map_or(self.root.ip(), |i| i.ip), port))
+            .map(|(i, &port)| SocketAddr::new(i.ip, port))
             .collect();
-        if 1 + 4 + 4 + self.root_says.len() + 19 * mesh::rounds(n) > MAX_FRAME {
-            return Err(self.rz_err("rank 0's settings exceed the bootstrap frame limit"));
+        let mut table = Vec::new();
+        if relay {
+            for p in &peers {
+                p.encode(&mut table);
+            }
         }
-        // Each rank's answer: the addresses of the ranks it sends to, one per round, and rank
-        // 0's settings (O(log n) bytes, not the whole peer table: that is the first exchange).
+        let rounds = if relay { 0 } else { mesh::rounds(n) };
+        if 1 + 4 + table.len() + 4 + self.root_says.len() + 19 * rounds > MAX_FRAME {
+            return Err(self.rz_err(if relay {
+                "the peer table exceeds the bootstrap frame limit"
+            } else {
+                "rank 0's settings exceed the bootstrap frame limit"
+            }));
+        }
+        // Each rank's answer: the peer table (through rank 0), or the addresses of the ranks
+        // it sends to, one per round (O(log n) bytes, not the whole peer table: that is the
+        // first exchange); then rank 0's settings.
         let answer = |r: usize| {
+            if relay {
+                let mut a = vec![TABLE_RELAY];
+                a.extend_from_slice(&(n as u32).to_le_bytes());
+                a.extend_from_slice(&table);
+                a.extend_from_slice(&(self.root_says.len() as u32).to_le_bytes());
+                a.extend_from_slice(&self.root_says);
+                return a;
+            }
             let mut a = vec![0u8];
             a.extend_from_slice(&(n as u32).to_le_bytes());
             for k in 0..mesh::rounds(n) {
@@ -610,8 +660,9 @@ impl Bootstrap {
                 {
                     let err = self.lost(r, "init", e);
                     // Rank r died after joining: tell the others that it is r, not rank 0.
-                    // Those below r have their answer and read this while they make their
-                    // exchange links; those above still wait for it.
+                    // Those below r have their answer and read this as the answer to their
+                    // first exchange (through rank 0) or while they make their exchange
+                    // links; those above still wait for it.
                     let mut report = (r as u32).to_le_bytes().to_vec();
                     report.extend_from_slice(err.to_string().as_bytes());
                     let mut as_exchange = SEQ_LOST.to_le_bytes().to_vec();
@@ -626,20 +677,25 @@ impl Bootstrap {
             }
         }
         self.links = Links::Root(conns);
-        Ok((0..mesh::rounds(n))
-            .map(|k| addrs[mesh::sends_to(0, k, n)])
-            .collect())
+        if relay {
+            return Ok(Answer::Table(peers));
+        }
+        Ok(Answer::Direct(
+            (0..rounds)
+                .map(|k| addrs[mesh::sends_to(0, k, n)])
+                .collect(),
+        ))
     }
 
-    /// A member's side of the rendezvous: joins, and returns the addresses it dials for the
-    /// exchanges (rank 0's answer).
+    /// A member's side of the rendezvous: joins, and returns rank 0's answer (the peer
+    /// table, or the addresses it dials for the direct exchanges).
     fn init_member(
         &mut self,
         me: PeerInfo,
         port: u16,
         deadline: Instant,
         cfg: &Config,
-    ) -> Result<Vec<SocketAddr>> {
+    ) -> Result<Answer> {
         let addr = self.root.to_string();
         let hello = Hello {
             rank: self.rank,
@@ -711,8 +767,9 @@ impl Bootstrap {
             _ => self.lost(0, "init", e),
         })?;
         let mut r = &table[..];
-        match take(&mut r, 1) {
-            Some([0]) => {}
+        let relay = match take(&mut r, 1) {
+            Some([0]) => false,
+            Some([TABLE_RELAY]) => true,
             Some([1]) => {
                 return Err(self.rz_err(format!(
                     "rank 0 failed the rendezvous: {}",
@@ -721,7 +778,7 @@ impl Bootstrap {
             }
             Some([TABLE_LOST]) => return Err(self.lost_report(0, r, "init")),
             _ => return Err(self.proto(0, "init", "malformed peer table")),
-        }
+        };
         let n =
             take_u32(&mut r).ok_or_else(|| self.proto(0, "init", "malformed peer table"))? as usize;
         if n != self.world_size {
@@ -730,8 +787,15 @@ impl Bootstrap {
                 self.world_size
             )));
         }
-        let mut to = Vec::with_capacity(mesh::rounds(n));
-        for _ in 0..mesh::rounds(n) {
+        let mut peers = Vec::new();
+        for i in 0..if relay { n } else { 0 } {
+            match PeerInfo::decode(&mut r) {
+                Some(p) if p.rank == i => peers.push(p),
+                _ => return Err(self.proto(0, "init", "malformed peer table")),
+            }
+        }
+        let mut to = Vec::new();
+        for _ in 0..if relay { 0 } else { mesh::rounds(n) } {
             let ip = decode_ip(&mut r);
             let port = take(&mut r, 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
             match (ip, port) {
@@ -747,7 +811,11 @@ impl Bootstrap {
         drop(d);
         set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
         self.links = Links::Member(stream);
-        Ok(to)
+        Ok(if relay {
+            Answer::Table(peers)
+        } else {
+            Answer::Direct(to)
+        })
     }
 
     /// Waits until rank 0 sends something on `stream` or `deadline` passes, saying every
@@ -919,8 +987,21 @@ const CALL: &str = "bootstrap_allgather";
 const ROOT_LINGER: Duration = Duration::from_secs(2);
 
 /// First byte of rank 0's answer to a join when a rank died after joining (then the rank as
-/// a `u32` and rank 0's error); 0 is the peer table, 1 a failed rendezvous.
+/// a `u32` and rank 0's error); 0 is the addresses for the direct exchanges, 1 a failed
+/// rendezvous, [`TABLE_RELAY`] the peer table.
 const TABLE_LOST: u8 = 2;
+/// First byte of rank 0's answer to a join that carries the peer table: the exchanges go
+/// through rank 0 (`relay.rs`).
+const TABLE_RELAY: u8 = 3;
+
+/// Rank 0's answer to a join, as [`Bootstrap::init_root`] and [`Bootstrap::init_member`]
+/// return it.
+enum Answer {
+    /// Exchanges through rank 0; the peer table.
+    Table(Vec<PeerInfo>),
+    /// Direct exchanges; the address this rank dials in each round.
+    Direct(Vec<SocketAddr>),
+}
 /// The sequence number of rank 0's answer to an exchange when it lost a rank (then the rank
 /// as a `u32` and rank 0's error), so that the others name that rank, not rank 0.
 const SEQ_LOST: u64 = u64::MAX;
@@ -950,12 +1031,16 @@ impl Exchange for Bootstrap {
 
     fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.seq += 1;
-        let res = self.allgather_mesh(mine, self.seq, CALL);
-        if let Err(e) = &res {
-            // The ranks this one sends to (and, through rank 0, every rank) wait on it: name
-            // the rank at fault to them.
-            self.spread_failure(e);
-        }
+        let res = if self.mesh.is_none() {
+            self.allgather_relay(mine, self.seq)
+        } else {
+            let res = self.allgather_mesh(mine, self.seq, CALL);
+            if let Err(e) = &res {
+                // The ranks this one sends to wait on it: name the rank at fault to them.
+                self.spread_failure(e);
+            }
+            res
+        };
         tracing::debug!(
             rank = self.rank,
             exchange = self.seq,

@@ -13,6 +13,25 @@ fn cfg(timeout_ms: u64) -> Config {
     }
 }
 
+/// `c` with the exchanges directly between ranks (`mesh.rs`) in any world of two or more.
+fn direct(c: Config) -> Config {
+    Config {
+        bootstrap_relay_max: 1,
+        ..c
+    }
+}
+
+/// Checks that `b`'s exchanges go the way `c` says: through rank 0 up to
+/// `bootstrap_relay_max` ranks, else directly.
+fn check_path(b: &Bootstrap, c: &Config) {
+    let n = b.world_size();
+    assert_eq!(
+        b.mesh.is_some(),
+        n > 1 && n > c.bootstrap_relay_max,
+        "{n} ranks"
+    );
+}
+
 fn loopback_id() -> UniqueId {
     UniqueId::new_on(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap()
 }
@@ -49,9 +68,19 @@ fn check_allgathers(b: &mut Bootstrap) {
 
 #[test]
 fn four_ranks_init_and_allgather() {
+    four_ranks(cfg(20_000));
+}
+
+#[test]
+fn four_ranks_init_and_allgather_direct() {
+    four_ranks(direct(cfg(20_000)));
+}
+
+fn four_ranks(c: Config) {
     let id = loopback_id();
     let tables = ranks(4, move |r| {
-        let mut b = Bootstrap::init(&id, r, 4, &cfg(20_000)).unwrap();
+        let mut b = Bootstrap::init(&id, r, 4, &c).unwrap();
+        check_path(&b, &c);
         assert_eq!((b.rank(), b.world_size()), (r, 4));
         assert_eq!(b.secret(), &id.secret);
         check_allgathers(&mut b);
@@ -72,9 +101,19 @@ fn four_ranks_init_and_allgather() {
 /// A world that is not a power of two: the exchanges' rounds wrap around.
 #[test]
 fn thirteen_ranks_init_and_allgather() {
+    thirteen_ranks(cfg(20_000));
+}
+
+#[test]
+fn thirteen_ranks_init_and_allgather_direct() {
+    thirteen_ranks(direct(cfg(20_000)));
+}
+
+fn thirteen_ranks(c: Config) {
     let id = loopback_id();
     let tables = ranks(13, move |r| {
-        let mut b = Bootstrap::init(&id, r, 13, &cfg(20_000)).unwrap();
+        let mut b = Bootstrap::init(&id, r, 13, &c).unwrap();
+        check_path(&b, &c);
         check_allgathers(&mut b);
         b.peers().to_vec()
     });
@@ -88,10 +127,20 @@ fn thirteen_ranks_init_and_allgather() {
 /// other rank fails at once, naming it, long before the timeout.
 #[test]
 fn a_rank_gone_during_an_exchange_is_named_by_every_rank_at_once() {
+    rank_gone(cfg(30_000));
+}
+
+#[test]
+fn a_rank_gone_during_a_direct_exchange_is_named_by_every_rank_at_once() {
+    rank_gone(direct(cfg(30_000)));
+}
+
+fn rank_gone(c: Config) {
     let id = loopback_id();
     let start = Instant::now();
     let res = ranks(6, move |r| {
-        let mut b = Bootstrap::init(&id, r, 6, &cfg(30_000)).unwrap();
+        let mut b = Bootstrap::init(&id, r, 6, &c).unwrap();
+        check_path(&b, &c);
         b.barrier().unwrap();
         if r == 3 {
             return None;
@@ -113,10 +162,20 @@ fn a_rank_gone_during_an_exchange_is_named_by_every_rank_at_once() {
 /// timeout and a few grace periods, naming it.
 #[test]
 fn a_silent_rank_in_an_exchange_is_named_after_the_timeout() {
+    silent_rank(cfg(1_000));
+}
+
+#[test]
+fn a_silent_rank_in_a_direct_exchange_is_named_after_the_timeout() {
+    silent_rank(direct(cfg(1_000)));
+}
+
+fn silent_rank(c: Config) {
     let id = loopback_id();
     let start = Instant::now();
     let res = ranks(6, move |r| {
-        let mut b = Bootstrap::init(&id, r, 6, &cfg(1_000)).unwrap();
+        let mut b = Bootstrap::init(&id, r, 6, &c).unwrap();
+        check_path(&b, &c);
         b.barrier().unwrap();
         if r == 3 {
             thread::sleep(Duration::from_secs(5));
@@ -143,10 +202,20 @@ fn a_silent_rank_in_an_exchange_is_named_after_the_timeout() {
 /// ignored; exchanges after it are unaffected.
 #[test]
 fn rank_0_says_something_to_every_rank_with_the_peer_table() {
+    rank_0_says(cfg(20_000));
+}
+
+#[test]
+fn rank_0_says_something_to_every_rank_before_direct_exchanges() {
+    rank_0_says(direct(cfg(20_000)));
+}
+
+fn rank_0_says(c: Config) {
     let id = loopback_id();
     let heard = ranks(3, move |r| {
         let says = vec![r as u8 + 10; 1000 * (r + 1)];
-        let mut b = Bootstrap::init_saying(&id, r, 3, &cfg(20_000), &says).unwrap();
+        let mut b = Bootstrap::init_saying(&id, r, 3, &c, &says).unwrap();
+        check_path(&b, &c);
         check_allgathers(&mut b);
         b.root_says().to_vec()
     });
@@ -155,31 +224,61 @@ fn rank_0_says_something_to_every_rank_with_the_peer_table() {
     }
 }
 
-/// A rank that is slow to reach an exchange: the ranks that hear from it (rank 1 in the
-/// first round, rank 0 in the second) say, every period, that they wait for its message;
-/// the exchange then completes.
+/// Rank 0's setting decides the path, and a rank that joins without an exchange listener
+/// (its setting says relay) makes rank 0 relay: with settings that differ between ranks,
+/// either way, every rank's exchanges go through rank 0 and work.
+#[test]
+fn settings_that_differ_between_ranks_fall_back_to_rank_0() {
+    for root_direct in [true, false] {
+        let id = loopback_id();
+        let relayed = ranks(4, move |r| {
+            let c = if (r == 0) == root_direct {
+                direct(cfg(20_000))
+            } else {
+                cfg(20_000)
+            };
+            let mut b = Bootstrap::init(&id, r, 4, &c).unwrap();
+            check_allgathers(&mut b);
+            b.mesh.is_none()
+        });
+        assert!(relayed.iter().all(|&x| x), "rank 0 direct: {root_direct}");
+    }
+}
+
+/// A rank that is slow to reach an exchange through rank 0: rank 0 says, every period, that
+/// it waits for that rank, the others that they wait for rank 0's answer; the exchange then
+/// completes.
 #[test]
 fn a_slow_rank_in_an_exchange_is_named_in_progress_lines() {
-    let id = loopback_id();
-    let c = Config {
+    let lines = slow_rank(Config {
         startup_report: Some(Duration::from_millis(300)),
         ..cfg(20_000)
-    };
-    let seqs = ranks(3, move |r| {
-        let mut b = Bootstrap::init(&id, r, 3, &c).unwrap();
-        b.allgather(b"first").unwrap();
-        if r == 2 {
-            thread::sleep(Duration::from_millis(1300));
-        }
-        let all = b.allgather(&[r as u8]).unwrap();
-        assert_eq!(all, vec![vec![0u8], vec![1], vec![2]]);
-        b.comm_tag()
     });
-    assert!(seqs.windows(2).all(|w| w[0] == w[1]));
-    let lines = crate::base::debug::ANNOUNCED
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("rank 0: bootstrap exchange #2: waiting ")
+                && l.contains("for rank 2 (the ranks below it have answered)")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("rank 1: bootstrap exchange #2: waiting ")
+                && l.contains("for rank 0's answer")),
+        "{lines:#?}"
+    );
+}
+
+/// A rank that is slow to reach a direct exchange: the ranks that hear from it (rank 1 in
+/// the first round, rank 0 in the second) say, every period, that they wait for its
+/// message; the exchange then completes.
+#[test]
+fn a_slow_rank_in_a_direct_exchange_is_named_in_progress_lines() {
+    let lines = slow_rank(direct(Config {
+        startup_report: Some(Duration::from_millis(300)),
+        ..cfg(20_000)
+    }));
     assert!(
         lines.iter().any(|l| l
             .starts_with("rank 0: bootstrap exchange #2, round 2 of 2: waiting ")
@@ -192,6 +291,28 @@ fn a_slow_rank_in_an_exchange_is_named_in_progress_lines() {
             && l.contains("for rank 2's message")),
         "{lines:#?}"
     );
+}
+
+/// Three ranks under `c`, rank 2 1.3 s late to the second exchange; the progress lines
+/// announced so far (by every test).
+fn slow_rank(c: Config) -> Vec<String> {
+    let id = loopback_id();
+    let seqs = ranks(3, move |r| {
+        let mut b = Bootstrap::init(&id, r, 3, &c).unwrap();
+        check_path(&b, &c);
+        b.allgather(b"first").unwrap();
+        if r == 2 {
+            thread::sleep(Duration::from_millis(1300));
+        }
+        let all = b.allgather(&[r as u8]).unwrap();
+        assert_eq!(all, vec![vec![0u8], vec![1], vec![2]]);
+        b.comm_tag()
+    });
+    assert!(seqs.windows(2).all(|w| w[0] == w[1]));
+    crate::base::debug::ANNOUNCED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
 }
 
 #[test]

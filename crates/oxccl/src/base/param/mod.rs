@@ -148,6 +148,11 @@ pub struct Config {
     /// (nothing listens there: rank 0 not started yet, or dead) for this long fails. Default
     /// 60 s (never more than `OXCCL_TIMEOUT`).
     pub rendezvous_refused: Duration,
+    /// `OXCCL_BOOTSTRAP_RELAY_MAX`: in a communicator of at most this many ranks the
+    /// bootstrap's exchanges go through rank 0 (one round trip, O(n^2) bytes there); above it
+    /// directly between ranks (Bruck's allgather, `ceil(log2 n)` rounds, O(n log n) bytes at
+    /// rank 0). Rank 0's value decides. Default 64.
+    pub bootstrap_relay_max: usize,
     /// `OXCCL_P2P_STASH_BYTES`: how many bytes of point-to-point messages that arrived before
     /// a receive asked for them (another tag, or read while waiting for any source) a rank
     /// keeps; past it the call fails. Default 1 GiB.
@@ -189,6 +194,7 @@ impl Default for Config {
             tcp_dead_after: Duration::from_secs(20),
             startup_report: Some(Duration::from_secs(10)),
             rendezvous_refused: Duration::from_secs(60),
+            bootstrap_relay_max: 64,
             p2p_stash_bytes: 1 << 30,
         }
     }
@@ -530,6 +536,9 @@ impl Config {
         }
         if let Some(t) = RENDEZVOUS_REFUSED_SECS.seconds()? {
             c.rendezvous_refused = t;
+        }
+        if let Some(k) = BOOTSTRAP_RELAY_MAX.count()? {
+            c.bootstrap_relay_max = usize::try_from(k).unwrap_or(usize::MAX);
         }
         Ok(c)
     }

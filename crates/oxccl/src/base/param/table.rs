@@ -433,6 +433,14 @@ pub const RENDEZVOUS_REFUSED_SECS: Param = p(
     Comm,
     "seconds of refused rendezvous connections before failing",
 );
+/// `OXCCL_BOOTSTRAP_RELAY_MAX`.
+pub const BOOTSTRAP_RELAY_MAX: Param = p(
+    "OXCCL_BOOTSTRAP_RELAY_MAX",
+    count(0, 1 << 16),
+    "64",
+    Comm,
+    "most ranks whose bootstrap exchanges go through rank 0 (above: directly between ranks)",
+);
 /// `OXCCL_MEMBARRIER`.
 pub const MEMBARRIER: Param = p(
     "OXCCL_MEMBARRIER",
@@ -629,6 +637,7 @@ pub const PARAMS: &[Param] = &[
     SHM_BUDGET_BYTES,
     STARTUP_REPORT_SECS,
     RENDEZVOUS_REFUSED_SECS,
+    BOOTSTRAP_RELAY_MAX,
     SPIN,
     TCP_SPIN,
     BIND,
