@@ -109,17 +109,35 @@ fn thirteen_ranks_init_and_allgather_direct() {
     thirteen_ranks(direct(cfg(20_000)));
 }
 
+/// Also checks what rank 0 sent in the exchanges against the others: through rank 0 it sends
+/// every rank everything (more than n-1 times a member's bytes), directly about as much as
+/// any rank (each sends n-1 of the n contributions per exchange).
 fn thirteen_ranks(c: Config) {
     let id = loopback_id();
+    let relay = c.bootstrap_relay_max >= 13;
     let tables = ranks(13, move |r| {
         let mut b = Bootstrap::init(&id, r, 13, &c).unwrap();
         check_path(&b, &c);
         check_allgathers(&mut b);
-        b.peers().to_vec()
+        (b.peers().to_vec(), b.traffic.bytes)
     });
-    for peers in &tables {
-        assert_eq!(peers, &tables[0]);
+    for (peers, _) in &tables {
+        assert_eq!(peers, &tables[0].0);
         assert!(peers.iter().enumerate().all(|(r, p)| p.rank == r));
+    }
+    let root = tables[0].1;
+    let most = tables[1..].iter().map(|t| t.1).max().unwrap();
+    if relay {
+        assert!(
+            root > 12 * tables[1].1,
+            "rank 0 sent {root} bytes, rank 1 {}",
+            tables[1].1
+        );
+    } else {
+        assert!(
+            root > 0 && root < 2 * most,
+            "rank 0 sent {root} bytes, the most of the others {most}"
+        );
     }
 }
 
