@@ -24,7 +24,6 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -277,25 +276,7 @@ impl Bootstrap {
                 .collect(),
             Links::Member(s) => vec![(0, s)],
         };
-        if conns.is_empty() {
-            return Ok(());
-        }
-        let mut fds: Vec<PollFd> = conns
-            .iter()
-            .map(|(_, c)| PollFd::from_borrowed_fd(c.as_fd(), PollFlags::IN))
-            .collect();
-        let zero = Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        if !matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(k) if k > 0) {
-            return Ok(());
-        }
-        for (i, f) in fds.iter().enumerate() {
-            if f.revents().is_empty() {
-                continue;
-            }
-            let (r, mut s) = conns[i];
+        for (r, mut s) in crate::net::readable_now(&conns) {
             // A closed connection is no failure by itself: a rank that finished the last
             // exchange may have gone on and closed it. A rank that died is found by the
             // ranks that exchange with it.

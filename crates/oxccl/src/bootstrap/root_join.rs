@@ -3,10 +3,7 @@
 //! that joined and died, and a periodic word on who is still missing).
 
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
-
-use rustix::event::{PollFd, PollFlags, Timespec};
 
 use super::{parse_join, PeerInfo, MAX_JOIN};
 use crate::base::error::{Error, Result};
@@ -64,24 +61,7 @@ impl RootJoin {
             .enumerate()
             .filter_map(|(r, c)| c.as_ref().map(|c| (r, c)))
             .collect();
-        if joined.is_empty() {
-            return Ok(());
-        }
-        let mut fds: Vec<PollFd> = joined
-            .iter()
-            .map(|(_, c)| PollFd::from_borrowed_fd(c.as_fd(), PollFlags::IN))
-            .collect();
-        let zero = Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        if !matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(k) if k > 0) {
-            return Ok(());
-        }
-        for ((r, c), fd) in joined.iter().zip(&fds) {
-            if fd.revents().is_empty() {
-                continue;
-            }
+        if let Some(&(r, c)) = crate::net::readable_now(&joined).first() {
             let gone = match c.peek(&mut [0u8; 1]) {
                 Ok(0) => "closed its connection".to_string(),
                 Ok(_) => "sent data before the rendezvous completed".to_string(),
@@ -90,12 +70,12 @@ impl RootJoin {
             // PeerLost naming it: the ranks told of this failure blame it, not rank 0.
             return Err(Error::PeerLost {
                 rank: 0,
-                peer: *r,
+                peer: r,
                 call: "init",
                 seq: 0,
                 reason: format!(
                     "{} joined the rendezvous at {} and then {gone} before every rank had joined (rank(s) {} had not joined yet); it died or was stopped",
-                    self.who(*r),
+                    self.who(r),
                     self.root,
                     crate::base::error::rank_list(&self.missing())
                 ),
