@@ -298,9 +298,11 @@ impl DirectCtx<'_> {
 mod tests {
     use super::*;
     use crate::base::dtype::DataType;
+    use crate::base::op::ReduceOp;
     use crate::base::wait::Spin;
     use crate::direct::link::{mem_group, MemDirect};
     use crate::fault::fingerprint::Fingerprint;
+    use crate::sched::CollKind;
     use crate::transport::{TransportKind, WaitSource};
     use std::time::Duration;
 
@@ -359,18 +361,8 @@ mod tests {
         let mut areas = mem_group(2);
         let peer_area = areas.pop().unwrap();
         let mut my_area = areas.pop().unwrap();
-        let u64_code = DataType::ALL
-            .iter()
-            .position(|&d| d == DataType::U64)
-            .unwrap() as u8;
         let print = CallPrint {
-            fp: Fingerprint {
-                kind: 1,
-                dtype: u64_code,
-                op: 0,
-                count: 1,
-                root: 0,
-            },
+            fp: Fingerprint::of(CollKind::AllReduce, DataType::U64, ReduceOp::Sum, 1, 0),
             send_seq: 2,
             recv_seq: 2,
             call_seq: 2,

@@ -671,9 +671,10 @@ mod tests {
 mod direct_race_tests {
     use super::*;
     use crate::base::dtype::DataType;
+    use crate::base::op::ReduceOp;
     use crate::direct::link::{mem_group, Direct, EventRecord, MemDirect};
     use crate::fault::fingerprint::{Fingerprint, Header, HEADER_BYTES};
-    use crate::sched::{Buf, BufRange, Combine, Schedule, Xfer};
+    use crate::sched::{Buf, BufRange, CollKind, Combine, Schedule, Xfer};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
@@ -760,18 +761,9 @@ mod direct_race_tests {
         let mut areas = mem_group(2);
         let peer_area = areas.pop().unwrap();
         let my_area = areas.pop().unwrap();
-        let fp = |kind, count| Fingerprint {
-            kind,
-            dtype: DataType::ALL
-                .iter()
-                .position(|&d| d == DataType::U64)
-                .unwrap() as u8,
-            op: 0,
-            count,
-            root: 0,
-        };
+        let fp = |kind, count| Fingerprint::of(kind, DataType::U64, ReduceOp::Sum, count, 0);
         let print = CallPrint {
-            fp: fp(1, n as u64),
+            fp: fp(CollKind::AllReduce, n),
             send_seq: 2,
             recv_seq: 2,
             call_seq: 2,
@@ -785,7 +777,7 @@ mod direct_race_tests {
         let data: Vec<u64> = (0..n as u64).map(|i| i * 3 + 1).collect();
         bytes.extend(data.iter().flat_map(|v| v.to_ne_bytes()));
         let barrier = Header {
-            fp: fp(7, 0),
+            fp: fp(CollKind::Barrier, 0),
             mseq: 3,
         }
         .encode();
