@@ -533,7 +533,7 @@ impl Bootstrap {
 
 /// The failure report for `e` (the rank it blames, and the message saying so), if it blames
 /// a rank.
-fn lost_message(e: &Error) -> Option<(usize, Vec<u8>)> {
+pub(super) fn lost_message(e: &Error) -> Option<(usize, Vec<u8>)> {
     let blamed = blame(e)?;
     let mut msg = SEQ_LOST.to_le_bytes().to_vec();
     msg.extend_from_slice(&(blamed as u32).to_le_bytes());

@@ -29,11 +29,8 @@ impl Bootstrap {
             Links::Root(conns) => {
                 let res = self.allgather_root(conns, mine, seq);
                 if let Err(e) = &res {
-                    if let Some(lost) = super::mesh::blame(e) {
+                    if let Some((lost, msg)) = super::mesh::lost_message(e) {
                         // Every other rank waits on rank 0: name the rank at fault to them.
-                        let mut msg = SEQ_LOST.to_le_bytes().to_vec();
-                        msg.extend_from_slice(&(lost as u32).to_le_bytes());
-                        msg.extend_from_slice(e.to_string().as_bytes());
                         tell_all(conns, lost, &msg);
                     }
                 }
