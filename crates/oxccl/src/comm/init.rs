@@ -159,6 +159,14 @@ impl Communicator {
             supervisor_us = us(t0.elapsed()),
             "init phases (time from the start of init to the end of each)"
         );
+        debug!(
+            rank,
+            local_ranks = comm.local_size,
+            spin = comm.spin.budget,
+            direct_spin = comm.spin.direct_budget,
+            yield_every = comm.spin.yield_every,
+            "wait policy"
+        );
         comm.topo = Some(Arc::new(topo));
         comm.state
             .get_mut()

@@ -211,13 +211,16 @@ impl DirectCtx<'_> {
         let me = id.rank;
         let pending = |d: &dyn Direct| (0..n).find(|&p| p != me && !d.reached(p, e));
         self.wait.rearm();
-        // What this wait spins by once its first check has failed; whether it slept.
+        // What this wait spins by once its first check has failed; what it noted when it
+        // spun that out and slept.
         let mut spin = None;
-        let mut slept = false;
+        let mut slept = None;
         loop {
             let Some(p) = pending(&*self.direct) else {
-                if let (Some(_), false) = (spin, slept) {
-                    self.direct.cadence().caught();
+                match (spin, slept) {
+                    (Some(_), None) => self.direct.cadence().caught(),
+                    (_, Some(note)) => self.direct.cadence().arrived(note),
+                    (None, None) => {}
                 }
                 if let Some(v) = self.step_ends.as_mut() {
                     v.push(Instant::now());
@@ -225,7 +228,7 @@ impl DirectCtx<'_> {
                 return Ok(());
             };
             if spin.is_none() {
-                let mut s = self.direct.cadence().spin(self.wait.base());
+                let mut s = self.direct.cadence().spin(self.wait.base().for_direct());
                 if self.direct.peer_shares_cpu(p) {
                     s.yield_every = 1;
                 }
@@ -235,9 +238,8 @@ impl DirectCtx<'_> {
             if self.wait.spin() {
                 continue;
             }
-            if let (Some(s), false) = (spin, slept) {
-                self.direct.cadence().ran_out(s);
-                slept = true;
+            if let (Some(s), None) = (spin, slept) {
+                slept = Some(self.direct.cadence().spun_out(s));
             }
             {
                 let bell = self.direct.doorbell();
@@ -251,9 +253,9 @@ impl DirectCtx<'_> {
                     bell.cancel(token);
                     continue;
                 }
-                let slept = Instant::now();
+                let asleep = Instant::now();
                 bell.wait(token, SLEEP_SLICE);
-                if slept.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
+                if asleep.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
                     // Every peer had published, yet no ring woke this rank: a lost wake-up
                     // (never expected; the doorbell's protocol is in crate::base::wait).
                     tracing::warn!(

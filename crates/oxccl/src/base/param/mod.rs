@@ -55,6 +55,12 @@ pub struct Config {
     pub shm_budget_bytes: usize,
     /// `OXCCL_SPIN`: progress checks a waiting rank makes before it sleeps. Default 2000.
     pub spin: u32,
+    /// `OXCCL_DIRECT_SPIN`: progress checks a rank waiting in a small call of the direct
+    /// path makes before it sleeps, the start of the budget each rank then learns
+    /// ([`Cadence`](crate::base::wait::Cadence)). Default (`None`): 100000 (about 3 ms) where
+    /// this host's ranks of the communicator have a CPU each, since waking a sleeping rank
+    /// costs an idle CPU's wake-up (tens of µs in a VM) on every call, else `spin`.
+    pub direct_spin: Option<u32>,
     /// `OXCCL_TCP_SPIN`: progress checks before sleeping in `poll(2)` while a transfer a
     /// waiting rank waits on is a socket's, also in steps that mix sockets and shared memory
     /// (each check is a system call). Default 0: sleep at once (on 2 shared cores spinning
@@ -167,6 +173,7 @@ impl Default for Config {
             shm_ring_bytes: 4 << 20,
             shm_budget_bytes: 12 << 20,
             spin: 2000,
+            direct_spin: None,
             tcp_spin: 0,
             yield_every: None,
             host_id: None,
@@ -477,6 +484,9 @@ impl Config {
         }
         if let Some(s) = SPIN.count()? {
             c.spin = u32_of(s);
+        }
+        if let Some(s) = DIRECT_SPIN.count()? {
+            c.direct_spin = Some(u32_of(s));
         }
         if let Some(s) = TCP_SPIN.count()? {
             c.tcp_spin = u32_of(s);

@@ -214,6 +214,14 @@ pub const SPIN: Param = p(
     Comm,
     "progress checks a waiting rank makes before it sleeps",
 );
+/// `OXCCL_DIRECT_SPIN`.
+pub const DIRECT_SPIN: Param = p(
+    "OXCCL_DIRECT_SPIN",
+    count(0, MAX_SPIN),
+    "100000 if a CPU per rank, else OXCCL_SPIN",
+    Comm,
+    "progress checks before sleeping in a small (direct) call, then learned per rank",
+);
 /// `OXCCL_TCP_SPIN`.
 pub const TCP_SPIN: Param = p(
     "OXCCL_TCP_SPIN",
@@ -639,6 +647,7 @@ pub const PARAMS: &[Param] = &[
     RENDEZVOUS_REFUSED_SECS,
     BOOTSTRAP_RELAY_MAX,
     SPIN,
+    DIRECT_SPIN,
     TCP_SPIN,
     BIND,
     YIELD_EVERY,
