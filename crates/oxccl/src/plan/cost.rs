@@ -59,9 +59,13 @@ pub(crate) struct CostModel {
     /// bytes one core moves through it per second, sending and receiving. `None`: not
     /// charged (the network's own latency and bandwidth only).
     pub tcp: Option<LinkCost>,
-    /// Ranks per core (at least 1): every CPU term (shared-memory link, reduction, TCP
-    /// stack) is that many times slower. 1 where each rank has a core of its own; `oxccl sim
-    /// --cpus` sets it for emulated hosts that share one machine's cores.
+    /// Ranks per core (at least 1): every CPU term that moves bytes (shared-memory link,
+    /// reduction, TCP stack) is that many times slower. Per-message costs are not: measured
+    /// on loopback they are mostly waiting (a wake-up, the kernel's path), and in a
+    /// latency-bound step few ranks are runnable at once (quiet machine, 1 Gbit/s emulated
+    /// hosts, 2-8 ranks: 8 B-4 KB rows within 25 % in 14 of 20 without the share on the
+    /// per-message cost, 2 of 20 with it, docs/scale.md). 1 where each rank has a core of
+    /// its own; `oxccl sim --cpus` sets it for emulated hosts that share one machine's cores.
     pub cpu_share: f64,
 }
 
@@ -132,14 +136,14 @@ impl CostModel {
             None => self.net.time_us(bytes),
             Some(t) => {
                 let gbps = self.net.gbps.min(t.gbps / c);
-                self.net.alpha_us.max(t.alpha_us * c) + bytes / (gbps * 1e3)
+                self.net.alpha_us.max(t.alpha_us) + bytes / (gbps * 1e3)
             }
         }
     }
 
     /// Microseconds of one shared-memory step moving `bytes` (all CPU: slower by the share).
     fn shm_step_us(&self, bytes: f64) -> f64 {
-        self.shm.time_us(bytes) * self.cpu_share.max(1.0)
+        self.shm.alpha_us + bytes / (self.shm.gbps * 1e3) * self.cpu_share.max(1.0)
     }
 
     /// The model with the network's latency and bandwidth replaced where given.
@@ -423,6 +427,15 @@ mod tests {
             shared.all_reduce_us(Algo::Hier, big, &two_by_two).unwrap()
                 > fast.all_reduce_us(Algo::Hier, big, &two_by_two).unwrap()
         );
+        // Per-message costs are not multiplied by the share: an 8 B ring on shared cores
+        // differs from one on cores of their own only by its (tiny) byte terms.
+        let costly_shared = CostModel {
+            cpu_share: 4.0,
+            ..costly
+        };
+        let small = costly_shared.all_reduce_us(Algo::Ring, 8, &four).unwrap()
+            - costly.all_reduce_us(Algo::Ring, 8, &four).unwrap();
+        assert!((0.0..1.0).contains(&small), "{small}");
         // Without measured rates nothing of the TCP stack is charged.
         assert_eq!(CostModel::default().tcp, None);
         assert_eq!(fast.shm.alpha_us, 4.0);
