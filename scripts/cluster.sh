@@ -387,7 +387,7 @@ t_connect() {
   local bin=${OXCCL_COST_BIN:?set OXCCL_COST_BIN to the tcp_lazy test binary}
   local shape h per round mode coll
   echo "# load: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "# shape mode coll round | sockets/rank init first (mean) | to_first_ms max | first_ms rank0 | steady_us median"
+  echo "# shape mode coll round | sockets/rank init first (mean) | to_first_ms max | first_ms rank0 | steady_us median | init's TCP phase ms max | links on first use ms max"
   for shape in $shapes; do
     h=${shape%x*} per=${shape#*x}
     up "$h"
@@ -397,20 +397,26 @@ t_connect() {
         local modes="eager lazy"
         ((round % 2 == 0)) || modes="lazy eager"
         for mode in $modes; do
-          EXTRA_ENV=(OXCCL_TCP_CONNECT=$mode OXCCL_COST_CHILD=$coll:$bytes:30 OXCCL_TIMEOUT=120)
+          EXTRA_ENV=(OXCCL_TCP_CONNECT=$mode OXCCL_COST_CHILD=$coll:$bytes:30 OXCCL_TIMEOUT=120 OXCCL_DEBUG=debug)
           BIN=$bin LIMIT=300 launch "connect-$shape-$coll-$mode-$round" "$h" "$per" block -- \
             --exact cost_child --ignored --nocapture
           wait_ok
-          local costs med
+          local costs med tcp_init first_use
           costs=$(cat "$LOGDIR"/rank*.log | grep '^COST ')
+          # From the debug lines: init's TCP phase (the port exchange, and under eager every
+          # link) and the first call's link making under lazy, the slowest rank's.
+          tcp_init=$({ cat "$LOGDIR"/rank*.log | grep 'init phases' || true; } | sed 's/.*shm_us=\([0-9]*\) tcp_us=\([0-9]*\).*/\1 \2/' |
+            awk '{ d = ($2 - $1) / 1000; if (d > m) m = d } END { printf "%.1f", m }')
+          first_use=$({ cat "$LOGDIR"/rank*.log | grep 'made on first use' | grep ' seq=1 ' || true; } | sed 's/.* us=\([0-9]*\).*/\1/' |
+            awk '{ d = $1 / 1000; if (d > m) m = d } END { printf "%.1f", m }')
           med=$(echo "$costs" | awk '{ for (i = 1; i < NF; i++) if ($i == "steady_us") print $(i + 1) }' |
             sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
-          echo "$costs" | awk -v tag="$shape $mode $coll $round" -v med="$med" '
+          echo "$costs" | awk -v tag="$shape $mode $coll $round" -v med="$med" -v ti="$tcp_init" -v fu="$first_use" '
             { for (i = 1; i < NF; i++) v[$i] = $(i + 1)
               n++; si += v["sockets_init"]; sf += v["sockets_first"]
               if (v["to_first_ms"] + 0 > tf) tf = v["to_first_ms"] + 0
               if (v["rank"] == 0) f0 = v["first_ms"] }
-            END { printf "%s | %.1f %.1f | %.1f | %.2f | %s\n", tag, si / n, sf / n, tf, f0, med }'
+            END { printf "%s | %.1f %.1f | %.1f | %.2f | %s | %s | %s\n", tag, si / n, sf / n, tf, f0, med, ti, fu }'
         done
       done
     done
