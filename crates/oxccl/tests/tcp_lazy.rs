@@ -183,6 +183,7 @@ fn killed_before_any_link(victim: usize) {
         let l = l
             .as_ref()
             .unwrap_or_else(|| panic!("rank {r} printed no error"));
+        eprintln!("{l}");
         let ms: u64 = l.split_whitespace().nth(3).unwrap().parse().unwrap();
         // Well within the 30 s timeout, and naming the dead rank.
         assert!(ms < 15_000, "rank {r}: {l}");
@@ -247,4 +248,75 @@ fn cost_child() {
         ms(to_first),
         steady.as_secs_f64() * 1e6
     );
+}
+
+/// Runs `f(rank, comm)` on `n` threads joined by a rendezvous, TCP everywhere, links made on
+/// first use.
+fn threads<T: Send>(n: usize, f: impl Fn(usize, Communicator) -> T + Sync) -> Vec<T> {
+    let id = oxccl::UniqueId::new_on("127.0.0.1".parse().unwrap()).unwrap();
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let id = id.clone();
+                s.spawn(move || {
+                    let cfg = oxccl::Config {
+                        timeout: Duration::from_secs(20),
+                        transport: oxccl::TransportChoice::Tcp,
+                        tcp_lazy: true,
+                        ..oxccl::Config::default()
+                    };
+                    f(r, Communicator::init_with_config(&id, r, n, cfg).unwrap())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn point_to_point_makes_the_links_it_names_and_recv_any_needs_them_all() {
+    threads(3, |r, comm| {
+        // Before any call: a send and a receive between ranks 1 and 2 make their link.
+        match r {
+            1 => comm.send(&[7u32, 8, 9], 2).unwrap(),
+            2 => {
+                let mut got = [0u32; 3];
+                comm.recv(&mut got, 1).unwrap();
+                assert_eq!(got, [7, 8, 9]);
+            }
+            _ => {
+                // Rank 0 has no link yet: a receive from any source is a clear error, and
+                // the communicator goes on.
+                let mut b = [0u32; 1];
+                let e = comm.recv_any(&mut b, 5).unwrap_err().to_string();
+                assert!(
+                    e.contains("OXCCL_TCP_CONNECT") && e.contains("rank(s) [1, 2]"),
+                    "{e}"
+                );
+            }
+        }
+        // An all-to-all makes every link; then any source works.
+        let send: Vec<u32> = (0..3).map(|p| (r * 10 + p) as u32).collect();
+        let mut recv = [0u32; 3];
+        comm.all_to_all(&send, &mut recv).unwrap();
+        assert_eq!(
+            recv.to_vec(),
+            (0..3).map(|p| (p * 10 + r) as u32).collect::<Vec<_>>()
+        );
+        if r == 0 {
+            let mut b = [0u32; 1];
+            let mut from = Vec::new();
+            for _ in 0..2 {
+                from.push(comm.recv_any(&mut b, 5).unwrap());
+                assert_eq!(b[0] as usize, from[from.len() - 1] * 100);
+            }
+            from.sort_unstable();
+            assert_eq!(from, [1, 2]);
+        } else {
+            comm.send_tagged(&[(r * 100) as u32], 0, 5).unwrap();
+        }
+        // Nobody leaves (closing its links) before rank 0 has read from it.
+        comm.barrier().unwrap();
+    });
 }
