@@ -21,6 +21,15 @@
 #   scripts/cluster.sh iperf           iperf3 between two hosts (the link's TCP ceiling)
 #   scripts/cluster.sh perf H L ARGS   one checked `oxccl perf ARGS` on H hosts x L ranks
 #   scripts/cluster.sh cut H L         only the link-cut check
+#   scripts/cluster.sh connect [SHAPES] TCP links made at init (OXCCL_TCP_CONNECT=eager) and on
+#                                      first use (lazy), alternated in one run, on each shape
+#                                      HxL (default "2x8 4x8"): sockets per rank after init and
+#                                      after the first call, start to the first call's end, the
+#                                      first call's time and the steady mean, for all_reduce,
+#                                      all_gather and broadcast of OXCCL_CONNECT_BYTES (64K),
+#                                      OXCCL_CONNECT_ROUNDS (2) rounds; runs the test binary
+#                                      OXCCL_COST_BIN (`cargo test --release -p oxccl --test
+#                                      tcp_lazy --no-run` prints it; its `cost_child`)
 #   scripts/cluster.sh torchrun        only the torchrun launch
 #
 # Settings: OXCCL_BIN (default target/release/oxccl), OXCCL_CLUSTER_RATE (10gbit),
@@ -372,6 +381,49 @@ PY
   done
 }
 
+# connect [SHAPES]: eager against lazy TCP connection (see the usage above).
+t_connect() {
+  local shapes=${1:-2x8 4x8} bytes=${OXCCL_CONNECT_BYTES:-65536} rounds=${OXCCL_CONNECT_ROUNDS:-2}
+  local bin=${OXCCL_COST_BIN:?set OXCCL_COST_BIN to the tcp_lazy test binary}
+  local shape h per round mode coll
+  echo "# load: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "# shape mode coll round | sockets/rank init first (mean) | to_first_ms max | first_ms rank0 | steady_us median | init's TCP phase ms max | links on first use ms max"
+  for shape in $shapes; do
+    h=${shape%x*} per=${shape#*x}
+    up "$h"
+    for ((round = 0; round < rounds; round++)); do
+      for coll in all_reduce all_gather broadcast; do
+        # Alternated: eager first in even rounds, lazy first in odd ones.
+        local modes="eager lazy"
+        ((round % 2 == 0)) || modes="lazy eager"
+        for mode in $modes; do
+          EXTRA_ENV=(OXCCL_TCP_CONNECT=$mode OXCCL_COST_CHILD=$coll:$bytes:30 OXCCL_TIMEOUT=120 OXCCL_DEBUG=debug)
+          BIN=$bin LIMIT=300 launch "connect-$shape-$coll-$mode-$round" "$h" "$per" block -- \
+            --exact cost_child --ignored --nocapture
+          wait_ok
+          local costs med tcp_init first_use
+          costs=$(cat "$LOGDIR"/rank*.log | grep '^COST ')
+          # From the debug lines: init's TCP phase (the port exchange, and under eager every
+          # link) and the first call's link making under lazy, the slowest rank's.
+          tcp_init=$({ cat "$LOGDIR"/rank*.log | grep 'init phases' || true; } | sed 's/.*shm_us=\([0-9]*\) tcp_us=\([0-9]*\).*/\1 \2/' |
+            awk '{ d = ($2 - $1) / 1000; if (d > m) m = d } END { printf "%.1f", m }')
+          first_use=$({ cat "$LOGDIR"/rank*.log | grep 'made on first use' | grep ' seq=1 ' || true; } | sed 's/.* us=\([0-9]*\).*/\1/' |
+            awk '{ d = $1 / 1000; if (d > m) m = d } END { printf "%.1f", m }')
+          med=$(echo "$costs" | awk '{ for (i = 1; i < NF; i++) if ($i == "steady_us") print $(i + 1) }' |
+            sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
+          echo "$costs" | awk -v tag="$shape $mode $coll $round" -v med="$med" -v ti="$tcp_init" -v fu="$first_use" '
+            { for (i = 1; i < NF; i++) v[$i] = $(i + 1)
+              n++; si += v["sockets_init"]; sf += v["sockets_first"]
+              if (v["to_first_ms"] + 0 > tf) tf = v["to_first_ms"] + 0
+              if (v["rank"] == 0) f0 = v["first_ms"] }
+            END { printf "%s | %.1f %.1f | %.1f | %.2f | %s | %s | %s\n", tag, si / n, sf / n, tf, f0, med, ti, fu }'
+        done
+      done
+    done
+  done
+  log "the load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+}
+
 t_iperf() {
   up 2
   command -v iperf3 >/dev/null || die "iperf3 not installed"
@@ -432,7 +484,7 @@ if ! why=$(can_run); then
   echo "cluster.sh: SKIPPED ($why): the emulated cluster needs root and ip netns"
   exit 0
 fi
-[ "$cmd" = iperf ] || [ -x "$BIN" ] || die "$BIN not built (cargo build --release -p oxccl-cli)"
+[ "$cmd" = iperf ] || [ "$cmd" = connect ] || [ -x "$BIN" ] || die "$BIN not built (cargo build --release -p oxccl-cli)"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 case "$cmd" in
@@ -457,5 +509,6 @@ torchrun) t_torchrun ;;
 bench) t_bench "$@" ;;
 cpu) t_cpu "$@" ;;
 iperf) t_iperf ;;
-*) die "unknown command $cmd (test, bench, cpu, cut, iperf)" ;;
+connect) t_connect "$@" ;;
+*) die "unknown command $cmd (test, bench, cpu, cut, iperf, connect)" ;;
 esac

@@ -68,6 +68,11 @@ fn cases(rank: usize, n: usize) -> Vec<(Option<Algo>, Case)> {
 /// Runs the case list on ranks placed on hosts `host_of`, with `streams` TCP connections per
 /// pair of ranks on different hosts.
 fn run(host_of: &[usize], streams: usize) {
+    run_connecting(host_of, streams, false);
+}
+
+/// As [`run`]; `lazy`: TCP links made on first use (`OXCCL_TCP_CONNECT=lazy`).
+fn run_connecting(host_of: &[usize], streams: usize, lazy: bool) {
     let n = host_of.len();
     let id = UniqueId::new_on("127.0.0.1".parse().unwrap()).unwrap();
     std::thread::scope(|s| {
@@ -82,6 +87,7 @@ fn run(host_of: &[usize], streams: usize) {
                         std::process::id()
                     )),
                     tcp_streams: streams,
+                    tcp_lazy: lazy,
                     chunk_bytes: 8192,
                     ..Config::default()
                 };
@@ -121,6 +127,16 @@ fn two_hosts_of_two_round_robin_striped() {
 #[test]
 fn three_uneven_hosts() {
     run(&[0, 0, 1, 2, 1], 1);
+}
+
+#[test]
+fn links_made_on_first_use_two_hosts_round_robin() {
+    run_connecting(&[0, 1, 0, 1], 1, true);
+}
+
+#[test]
+fn links_made_on_first_use_three_uneven_hosts_striped() {
+    run_connecting(&[0, 0, 1, 2, 1], 2, true);
 }
 
 #[test]

@@ -199,6 +199,7 @@ impl Bootstrap {
                         // Its listener was open before it joined: refused means it is gone.
                         refused_limit: Some(self.timeout.min(Duration::from_secs(2))),
                         connect: |a, t| TcpStream::connect_timeout(&a, t),
+                        stop: None,
                     };
                     let s = dial.run(
                         |_, _| {},

@@ -718,6 +718,7 @@ impl Bootstrap {
             max_pause: Duration::from_millis(500),
             refused_limit: Some(refused_limit),
             connect: |a, t| TcpStream::connect_timeout(&a, t),
+            stop: None,
         };
         let report = |now: Instant, last_err: &str| {
             if let (Some(at), Some(every)) = (next_report, cfg.startup_report) {

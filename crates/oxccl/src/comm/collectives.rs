@@ -16,6 +16,7 @@ use crate::exec::{self, Buffers};
 use crate::fault::fingerprint::{CallPrint, Fingerprint};
 use crate::plan::tune;
 use crate::sched::{Coll, CollKind};
+use crate::transport::tcp::lazy::LazyTcp;
 
 /// One call's arguments, before buffers.
 struct Call {
@@ -120,6 +121,7 @@ impl Communicator {
             scratch,
             direct,
             stash,
+            lazy,
             ..
         } = &mut *st;
         let res = exec::Call {
@@ -139,8 +141,10 @@ impl Communicator {
             scratch,
             held: stash.held_mut(),
             nt_bytes: self.cfg.nt_bytes,
+            lazy: lazy.as_mut(),
         }
         .collective(algo, coll, self.topo.as_ref(), &mut bufs);
+        Self::drop_made(lazy);
         let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
         Self::end_call(&mut st, res)
     }
@@ -165,6 +169,57 @@ impl Communicator {
             return Err(e);
         }
         Ok((st, seq))
+    }
+
+    /// Forgets the lazy TCP state once every link is made (closing its listener: no peer
+    /// dials any more).
+    fn drop_made(lazy: &mut Option<LazyTcp>) {
+        if lazy.as_ref().is_some_and(|l| l.all_made()) {
+            *lazy = None;
+        }
+    }
+
+    /// Makes the TCP links a point-to-point group needs that are not made yet
+    /// (`OXCCL_TCP_CONNECT=lazy`): those to the peers it names. A receive from any source
+    /// reads from every rank, so it needs every link made already.
+    fn connect_p2p(
+        &self,
+        lazy: &mut LazyTcp,
+        ops: &[P2pOp<'_>],
+        deadline: std::time::Instant,
+        name: &'static str,
+        seq: u64,
+    ) -> Result<Vec<(usize, Box<dyn crate::transport::Link>)>> {
+        let any = ops
+            .iter()
+            .any(|op| matches!(op, P2pOp::Recv { peer: None, .. }));
+        if any && !lazy.all_made() {
+            let missing = lazy.missing(lazy.peers());
+            return Err(self.bad(
+                name,
+                seq,
+                format!(
+                    "a receive from any source reads from every rank, and with OXCCL_TCP_CONNECT=lazy \
+                     the TCP links to rank(s) {} are not made yet: set OXCCL_TCP_CONNECT=eager",
+                    crate::base::error::rank_list(&missing)
+                ),
+            ));
+        }
+        let named = ops.iter().filter_map(|op| match op {
+            P2pOp::Send { peer, .. } => Some(*peer),
+            P2pOp::Recv { peer, .. } => *peer,
+        });
+        let need = lazy.missing(named);
+        if need.is_empty() {
+            return Ok(Vec::new());
+        }
+        let health = self.guard.health();
+        let stop = || {
+            health
+                .is_failed()
+                .then(|| health.error(self.rank, name, seq))
+        };
+        lazy.connect(&need, deadline, &stop, name, seq)
     }
 
     /// A call's end: a fatal error leaves the communicator unusable.
@@ -199,8 +254,26 @@ impl Communicator {
             seqr,
             stash,
             direct,
+            lazy,
             ..
         } = &mut *st;
+        let mut timeout = self.guard.timeout();
+        if let Some(l) = lazy.as_mut() {
+            let t0 = std::time::Instant::now();
+            let made = self.connect_p2p(l, ops, t0 + timeout, name, seq);
+            timeout = timeout.saturating_sub(t0.elapsed());
+            let made = match made {
+                Ok(made) => made,
+                Err(e) => {
+                    let res = self.guard.end(seq, name, &print, "p2p", timing, Err(e));
+                    return Self::end_call(&mut st, res);
+                }
+            };
+            for (p, link) in made {
+                links[p] = Some(link);
+            }
+            Self::drop_made(lazy);
+        }
         let res = p2p::Ctx {
             direct: direct.as_deref().map(|d| (d as &dyn Direct, &print)),
             rank: self.rank,
@@ -209,7 +282,7 @@ impl Communicator {
             stash,
             stash_limit: self.cfg.p2p_stash_bytes,
             spin: self.spin,
-            timeout: self.guard.timeout(),
+            timeout,
             health: Some(self.guard.health()),
             call: name,
             seq,

@@ -20,6 +20,7 @@ use crate::direct::link::Direct;
 use crate::fault::fingerprint::Sequencer;
 use crate::sched::Algo;
 use crate::transport::counted::{counted, LinkStats};
+use crate::transport::tcp::lazy::LazyTcp;
 use crate::transport::{shm, tcp, Link, TransportKind};
 
 impl Communicator {
@@ -113,10 +114,13 @@ impl Communicator {
         // transport's exchange of listen addresses (a round trip through rank 0).
         let tcp_anywhere =
             world_size > 1 && (cfg.transport == TransportChoice::Tcp || topo.hosts.len() > 1);
-        let tcp_links = if tcp_anywhere {
-            tcp::connect(&mut boot, &tcp_peers, &secret, &cfg)?
+        let (tcp_links, lazy) = if tcp_anywhere {
+            match tcp::setup(&mut boot, &tcp_peers, &secret, &cfg)? {
+                tcp::Setup::Now(links) => (links, None),
+                tcp::Setup::Later(lazy) => (Vec::new(), Some(lazy)),
+            }
         } else {
-            Vec::new()
+            (Vec::new(), None)
         };
         let t_tcp = t0.elapsed();
         let direct = rider
@@ -133,7 +137,11 @@ impl Communicator {
             links[peer] = Some(link);
             stats[peer] = Some(s);
         }
-        let mut comm = Self::assemble(rank, world_size, links, cfg, forced_algo)?;
+        // Links made on first use count into counters the status agent holds from now on.
+        for (peer, s) in lazy.iter().flat_map(|l| l.stats()) {
+            stats[*peer] = Some(s.clone());
+        }
+        let mut comm = Self::assemble(rank, world_size, links, lazy, cfg, forced_algo)?;
         comm.local_rank = topo.local_rank(rank);
         comm.local_size = topo.local_size(rank);
         comm.spin = Spin::from_config(&comm.cfg, comm.local_size);
@@ -201,17 +209,19 @@ impl Communicator {
             }
             slots[peer] = Some(link);
         }
-        Self::assemble(rank, world_size, slots, cfg, forced_algo)
+        Self::assemble(rank, world_size, slots, None, cfg, forced_algo)
     }
 
     fn assemble(
         rank: usize,
         nranks: usize,
         links: Vec<Option<Box<dyn Link>>>,
+        lazy: Option<LazyTcp>,
         cfg: Config,
         forced_algo: Option<Algo>,
     ) -> Result<Self> {
-        if let Some(p) = (0..nranks).find(|&p| p != rank && links[p].is_none()) {
+        let later = |p: usize| lazy.as_ref().is_some_and(|l| l.covers(p));
+        if let Some(p) = (0..nranks).find(|&p| p != rank && links[p].is_none() && !later(p)) {
             return Err(Error::InvalidArgument {
                 rank,
                 call: "init",
@@ -220,6 +230,9 @@ impl Communicator {
             });
         }
         let mut transports: Vec<TransportKind> = links.iter().flatten().map(|l| l.kind()).collect();
+        if lazy.is_some() {
+            transports.push(TransportKind::Tcp);
+        }
         transports.sort_by_key(|k| k.name());
         transports.dedup();
         Ok(Communicator {
@@ -242,6 +255,7 @@ impl Communicator {
                 last_algo: "",
                 seqr: Sequencer::new(nranks),
                 stash: Default::default(),
+                lazy,
                 _boot: None,
             }),
             stream: Default::default(),

@@ -83,6 +83,8 @@ struct State {
     seqr: Sequencer,
     /// Point-to-point messages that arrived before a receive asked for them.
     stash: crate::exec::p2p::Stash,
+    /// The TCP links not made yet (`OXCCL_TCP_CONNECT=lazy`); `None` once all are.
+    lazy: Option<crate::transport::tcp::lazy::LazyTcp>,
     _boot: Option<Bootstrap>,
 }
 

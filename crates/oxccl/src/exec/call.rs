@@ -16,6 +16,7 @@ use crate::exec::{execute, Buffers, Ctx, FaultHooks};
 use crate::fault::fingerprint::{CallPrint, HEADER_BYTES};
 use crate::fault::health::Health;
 use crate::sched::{Algo, Coll};
+use crate::transport::tcp::lazy::LazyTcp;
 use crate::transport::Link;
 
 /// One collective call: everything either executor needs besides the algorithm, the
@@ -47,6 +48,9 @@ pub(crate) struct Call<'a> {
     /// Out-of-place results are written with streaming stores from this footprint on
     /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
     pub nt_bytes: usize,
+    /// The TCP links not made yet (`OXCCL_TCP_CONNECT=lazy`): a schedule's missing links are
+    /// made before its first step, within the call's timeout.
+    pub lazy: Option<&'a mut LazyTcp>,
 }
 
 impl Call<'_> {
@@ -72,6 +76,7 @@ impl Call<'_> {
             scratch,
             held,
             nt_bytes,
+            lazy,
         } = self;
         match direct {
             Some(direct) if algo.on_direct_area() => {
@@ -98,6 +103,29 @@ impl Call<'_> {
                     "{:?}",
                     sched.validate(id.rank)
                 );
+                let mut timeout = timeout;
+                if let Some(lazy) = lazy {
+                    let peers = sched
+                        .steps
+                        .iter()
+                        .flat_map(|s| s.xfers.iter().map(|x| x.peer()));
+                    let need = lazy.missing(peers);
+                    if !need.is_empty() {
+                        let t0 = Instant::now();
+                        let stop = || {
+                            health
+                                .is_failed()
+                                .then(|| health.error(id.rank, id.call, id.seq))
+                        };
+                        for (p, link) in
+                            lazy.connect(&need, t0 + timeout, &stop, id.call, id.seq)?
+                        {
+                            links[p] = Some(link);
+                        }
+                        // The links took part of the call's time.
+                        timeout = timeout.saturating_sub(t0.elapsed());
+                    }
+                }
                 let mut ctx = Ctx {
                     rank: id.rank,
                     links,

@@ -36,6 +36,9 @@ pub(crate) struct Dial<'a> {
     pub(crate) refused_limit: Option<Duration>,
     /// Opens the connection within a timeout (with the caller's socket options).
     pub(crate) connect: fn(SocketAddr, Duration) -> io::Result<TcpStream>,
+    /// Asked before every attempt and while a handshake waits: `true` gives up at once
+    /// (the caller's communicator failed). `None`: only the deadline ends the dial.
+    pub(crate) stop: Option<&'a dyn Fn() -> bool>,
 }
 
 /// Why a [`Dial`] stopped retrying, for the caller's error.
@@ -70,7 +73,7 @@ impl Dial<'_> {
             let refused_for = self
                 .refused_limit
                 .filter(|limit| refused_since.is_some_and(|t| now - t >= *limit));
-            if left.is_zero() || refused_for.is_some() {
+            if left.is_zero() || refused_for.is_some() || self.stop.is_some_and(|f| f()) {
                 return Err(give_up(GaveUp {
                     last_err,
                     refused_for,
@@ -90,7 +93,13 @@ impl Dial<'_> {
                     // at its own pace).
                     let since = Instant::now();
                     let round = &mut round;
+                    let stop = self.stop;
+                    let sref = &s;
                     let mut d = Deadlined::new(&s, self.deadline).with_tick(HANDSHAKE_TICK, || {
+                        if stop.is_some_and(|f| f()) {
+                            // Ends the wait: the read fails, and the loop's next round stops.
+                            let _ = sref.shutdown(std::net::Shutdown::Both);
+                        }
                         round(
                             Instant::now(),
                             &format!(
@@ -151,6 +160,7 @@ mod tests {
             max_pause: Duration::from_millis(4),
             refused_limit: None,
             connect: |a, t| TcpStream::connect_timeout(&a, t),
+            stop: None,
         }
     }
 

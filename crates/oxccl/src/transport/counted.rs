@@ -88,13 +88,13 @@ pub(crate) struct Counted {
 /// Wraps `link` so that it counts; returns the wrapped link and its counters.
 pub fn counted(link: Box<dyn Link>) -> (Box<dyn Link>, Arc<LinkStats>) {
     let stats = Arc::new(LinkStats::default());
-    (
-        Box::new(Counted {
-            inner: link,
-            stats: stats.clone(),
-        }),
-        stats,
-    )
+    (counted_into(link, stats.clone()), stats)
+}
+
+/// Wraps `link` so that it counts into `stats`, counters made before the link (a TCP link
+/// made on first use, whose counters the status agent holds since init).
+pub(crate) fn counted_into(link: Box<dyn Link>, stats: Arc<LinkStats>) -> Box<dyn Link> {
+    Box::new(Counted { inner: link, stats })
 }
 
 impl Link for Counted {

@@ -142,6 +142,10 @@ pub struct Config {
     /// `OXCCL_TCP_STREAMS`: TCP connections per pair of ranks on different hosts, striped.
     /// Default 1.
     pub tcp_streams: usize,
+    /// `OXCCL_TCP_CONNECT=lazy`: a TCP link is made when a call first needs it (NCCL's
+    /// connect on first use) instead of every one at init (`eager`, the default). Rank 0's
+    /// choice holds for every rank (it rides in the TCP transport's port exchange).
+    pub tcp_lazy: bool,
     /// `OXCCL_TCP_DEAD_AFTER` (seconds): a TCP peer that acknowledges nothing for this long
     /// (sent data, or keepalive probes on an idle connection) is lost. Default 20 s; 0 leaves
     /// the kernel's defaults (minutes).
@@ -198,6 +202,7 @@ impl Default for Config {
             net_lat_us: None,
             rates: None,
             tcp_streams: 1,
+            tcp_lazy: false,
             tcp_dead_after: Duration::from_secs(20),
             startup_report: Some(Duration::from_secs(10)),
             rendezvous_refused: Duration::from_secs(60),
@@ -534,6 +539,9 @@ impl Config {
         c.net_lat_us = NET_LAT_US.number()?;
         if let Some(k) = TCP_STREAMS.count()? {
             c.tcp_streams = usize::try_from(k).unwrap_or(1);
+        }
+        if let Some(w) = TCP_CONNECT.choice()? {
+            c.tcp_lazy = w == "lazy";
         }
         if let Some(t) = TCP_DEAD_AFTER.seconds()? {
             c.tcp_dead_after = t;

@@ -408,6 +408,14 @@ pub const TCP_STREAMS: Param = p(
     Comm,
     "TCP connections per pair of ranks on different hosts",
 );
+/// `OXCCL_TCP_CONNECT`.
+pub const TCP_CONNECT: Param = p(
+    "OXCCL_TCP_CONNECT",
+    Kind::Enum(&["eager", "lazy"]),
+    "eager",
+    Comm,
+    "eager: every TCP link is made at init; lazy: when a call first needs it",
+);
 /// `OXCCL_TCP_DEAD_AFTER` (keepalive idle time is half of it, and Linux takes at most
 /// 32767 s).
 pub const TCP_DEAD_AFTER: Param = p(
@@ -671,6 +679,7 @@ pub const PARAMS: &[Param] = &[
     TCP_DEAD_AFTER,
     P2P_STASH_BYTES,
     TCP_STREAMS,
+    TCP_CONNECT,
     NET_GBPS,
     NET_LAT_US,
     DEBUG,

@@ -1,8 +1,10 @@
 //! TCP transport.
 //!
-//! [`connect`] builds one authenticated TCP connection per pair of ranks that need one (the
-//! higher rank connects to the lower); [`TcpLink`] drives it as a non-blocking [`Link`].
+//! [`setup`] builds one authenticated TCP connection per pair of ranks that need one (the
+//! higher rank connects to the lower), at once or, under `OXCCL_TCP_CONNECT=lazy`, when a
+//! call first needs it ([`lazy`]); [`TcpLink`] drives it as a non-blocking [`Link`].
 
+pub(crate) mod lazy;
 pub(crate) mod striped;
 
 use std::io::{self, Read};
@@ -345,6 +347,13 @@ fn blob_streams(b: &[u8], listens: bool, npeers: usize) -> usize {
         .map_or(1, |x| u32::from_le_bytes(x) as usize)
 }
 
+/// Whether a peer's blob asks for connect on first use: a byte after [`blob_streams`]'s
+/// (eager when absent).
+fn blob_lazy(b: &[u8], listens: bool, npeers: usize) -> bool {
+    let fields = 2 + if listens { 19 } else { 0 } + 4 + 4 * npeers + 4;
+    b.get(fields) == Some(&1)
+}
+
 /// Reads a rank's contribution to the port exchange; `None` for anything malformed.
 pub(crate) fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> {
     let mut r = b;
@@ -387,16 +396,87 @@ pub(crate) fn decode_blob(b: &[u8]) -> Option<(Option<SocketAddr>, Vec<usize>)> 
 ///
 /// This rank listens on the address of `cfg.socket_ifname`, else on the local address that
 /// routes to its first peer, and tells the peers where; `peers`' addresses pick that route.
+///
+/// Under `OXCCL_TCP_CONNECT=lazy` (rank 0's) every link is made here all the same, by the
+/// connect-on-first-use engine ([`lazy::LazyTcp`]); init uses [`setup`] instead (this is
+/// the tests' form).
+#[cfg(test)]
 pub(crate) fn connect(
     ex: &mut dyn Exchange,
     peers: &[(usize, IpAddr)],
     secret: &[u8; 16],
     cfg: &Config,
 ) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    match setup(ex, peers, secret, cfg)? {
+        Setup::Now(links) => Ok(links),
+        Setup::Later(mut lazy) => {
+            let all = lazy.peers();
+            lazy.connect(
+                &all,
+                Instant::now() + cfg.timeout,
+                &|| -> Option<Error> { None },
+                CALL,
+                0,
+            )
+        }
+    }
+}
+
+/// What [`setup`] made.
+pub(crate) enum Setup {
+    /// Every link, made now (`OXCCL_TCP_CONNECT=eager`, the default; or no TCP peer).
+    Now(Vec<(usize, Box<dyn Link>)>),
+    /// The listener and every peer's address, no link yet: each is made when a call first
+    /// needs it ([`lazy::LazyTcp::connect`]).
+    Later(lazy::LazyTcp),
+}
+
+/// The port exchange (collective: every rank of `ex` calls it, also one with no peers; see
+/// `connect` for the rest), then the links at once under
+/// `OXCCL_TCP_CONNECT=eager` (rank 0's), else nothing more.
+pub(crate) fn setup(
+    ex: &mut dyn Exchange,
+    peers: &[(usize, IpAddr)],
+    secret: &[u8; 16],
+    cfg: &Config,
+) -> Result<Setup> {
+    let start = Instant::now();
+    let ports = exchange_ports(ex, peers, cfg)?;
+    if ports.lazy {
+        if let Some(listener) = ports.listener {
+            return Ok(Setup::Later(lazy::LazyTcp::new(
+                ports.me,
+                listener,
+                &ports.ranks,
+                &ports.lower,
+                ports.streams,
+                secret,
+                cfg.tcp_dead_after,
+            )));
+        }
+    }
+    connect_eager(ports, secret, cfg, start).map(Setup::Now)
+}
+
+/// What the port exchange settled for this rank.
+struct Ports {
+    me: usize,
+    /// Where this rank listens (none without TCP peers).
+    listener: Option<TcpListener>,
+    /// Every TCP peer, ascending.
+    ranks: Vec<usize>,
+    /// The lower-ranked peers (this rank dials them) and where they listen.
+    lower: Vec<(usize, SocketAddr)>,
+    /// Connections per pair.
+    streams: usize,
+    /// Rank 0 asked for connect on first use.
+    lazy: bool,
+}
+
+/// The port exchange: this rank's listener, checked against every peer's blob.
+fn exchange_ports(ex: &mut dyn Exchange, peers: &[(usize, IpAddr)], cfg: &Config) -> Result<Ports> {
     let me = ex.rank();
     let n = ex.world_size();
-    let start = Instant::now();
-    let deadline = start + cfg.timeout;
     let invalid = |msg: String| Error::InvalidArgument {
         rank: me,
         call: CALL,
@@ -438,6 +518,7 @@ pub(crate) fn connect(
     let streams = cfg.tcp_streams.max(1);
     let mut mine = encode_blob(listen_addr, &ranks);
     mine.extend_from_slice(&(streams as u32).to_le_bytes());
+    mine.push(cfg.tcp_lazy.into());
     let all = ex.allgather(&mine)?;
     if all.len() != n {
         return Err(Error::Protocol {
@@ -491,6 +572,37 @@ pub(crate) fn connect(
             });
         }
     }
+    // Rank 0's choice holds for every rank (a rank dialing at init while its peer waits for
+    // a call to accept would wait for nothing).
+    let lazy = decode_blob(&all[0])
+        .is_some_and(|(addr, theirs)| blob_lazy(&all[0], addr.is_some(), theirs.len()));
+    Ok(Ports {
+        me,
+        listener,
+        ranks,
+        lower,
+        streams,
+        lazy,
+    })
+}
+
+/// Makes every link of `ports` now: this rank dials its lower peers while a thread accepts
+/// the higher ones.
+fn connect_eager(
+    ports: Ports,
+    secret: &[u8; 16],
+    cfg: &Config,
+    start: Instant,
+) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    let Ports {
+        me,
+        listener,
+        ranks,
+        lower,
+        streams,
+        ..
+    } = ports;
+    let deadline = start + cfg.timeout;
     let higher: Vec<usize> = ranks.iter().copied().filter(|&r| r > me).collect();
     let tag = auth::comm_tag(secret);
     let cancel = AtomicBool::new(false);
@@ -563,10 +675,20 @@ pub(crate) fn connect(
     // Stable: a peer's connections stay in the order they were made (the connecting side
     // dials the next only after the previous one's verdict), the same on both ends.
     conns.sort_by_key(|(r, _)| *r);
-    let mut groups: Vec<(usize, Vec<TcpLink>)> = Vec::with_capacity(ranks.len());
+    into_links(me, conns, cfg.tcp_dead_after)
+}
+
+/// Links from authenticated connections sorted by peer (a peer's in the order they were
+/// made): one [`TcpLink`] per peer, or a [`StripedLink`] over several.
+fn into_links(
+    me: usize,
+    conns: Vec<(usize, TcpStream)>,
+    dead_after: Duration,
+) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    let mut groups: Vec<(usize, Vec<TcpLink>)> = Vec::new();
     for (r, s) in conns {
         let link = TcpLink::new(s, r)
-            .and_then(|l| l.with_dead_after(cfg.tcp_dead_after))
+            .and_then(|l| l.with_dead_after(dead_after))
             .map_err(|source| Error::Io {
                 rank: me,
                 context: format!("setting up the link to rank {r}"),
@@ -615,6 +737,7 @@ fn connect_lower(
             max_pause: Duration::from_millis(200),
             refused_limit: None,
             connect: dial,
+            stop: None,
         };
         let stream = dial.run(
             |_, _| {},

@@ -1,0 +1,322 @@
+//! TCP links made on first use (`OXCCL_TCP_CONNECT=lazy`), with real processes on loopback
+//! (`OXCCL_TRANSPORT=tcp`): every collective and point-to-point call gives the right results,
+//! a rank holds only the sockets its calls needed (counted in `/proc/self/fd`, against
+//! `eager`), and a rank killed before any link to it was made is an error on every survivor
+//! within the timeout, whether the survivors wait for its connection or dial it.
+//!
+//! The ranks are this test binary, re-executed to run the ignored test `lazy_child` with
+//! `OXCCL_LAZY_CHILD` set to what it should do.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use oxccl::check;
+use oxccl::{Algo, Communicator, ReduceOp};
+
+/// This process's open sockets.
+fn sockets() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_string_lossy().starts_with("socket:"))
+        .count()
+}
+
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn lazy_child() {
+    let Ok(mode) = std::env::var("OXCCL_LAZY_CHILD") else {
+        return;
+    };
+    let mut comm = Communicator::from_env().unwrap();
+    let (r, n) = (comm.rank(), comm.world_size());
+    match mode.as_str() {
+        "check" => {
+            let s0 = sockets();
+            // A ring all-reduce needs the two ring neighbours only.
+            comm.set_algo(Some(Algo::Ring));
+            let mut v = vec![1.0f32; 1000];
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+            assert!(v.iter().all(|&x| x == n as f32), "rank {r}: {:?}", &v[..4]);
+            let s1 = sockets();
+            comm.set_algo(None);
+            let mut wrong = 0;
+            for algo in [None, Some(Algo::Tree), Some(Algo::Chain)] {
+                comm.set_algo(algo);
+                for case in check::matrix(r, n, &[1, 1000]) {
+                    let mut bufs = case.buffers(None).unwrap();
+                    let (send, recv) = bufs.get();
+                    case.fill(send, recv);
+                    case.call(&comm, send, recv)
+                        .unwrap_or_else(|e| panic!("rank {r}: {case:?} {algo:?}: {e}"));
+                    wrong += case.wrong(recv);
+                }
+            }
+            comm.set_algo(None);
+            wrong += check::p2p(&comm, &[1, 1000], 0);
+            comm.barrier().unwrap();
+            let s2 = sockets();
+            println!("CHILD {r} sockets {s0} {s1} {s2} wrong {wrong}");
+        }
+        "kill" => {
+            let victim: usize = std::env::var("OXCCL_LAZY_VICTIM").unwrap().parse().unwrap();
+            if r == victim {
+                // Dies before any call: no link to it is ever made.
+                std::thread::sleep(Duration::from_millis(300));
+                std::process::abort();
+            }
+            comm.set_algo(Some(Algo::Ring));
+            let start = Instant::now();
+            let mut v = vec![1.0f32; 1000];
+            let e = comm
+                .all_reduce_in_place(&mut v, ReduceOp::Sum)
+                .expect_err("an all-reduce with a dead rank completed");
+            println!("CHILD {r} ERR {} ms {e}", start.elapsed().as_millis());
+        }
+        m => panic!("unknown mode {m}"),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `n` ranks in `mode` with `OXCCL_TCP_CONNECT=connect` (and `extra` variables).
+fn spawn(n: usize, mode: &str, connect: &str, extra: &[(&str, String)]) -> Vec<Child> {
+    let port = free_port();
+    let secret = format!("{:032x}", (std::process::id() as u128) << 64 | port as u128);
+    (0..n)
+        .map(|r| {
+            let mut c = Command::new(std::env::current_exe().unwrap());
+            c.args(["--exact", "lazy_child", "--ignored", "--nocapture"])
+                .env("OXCCL_LAZY_CHILD", mode)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("OXCCL_SECRET", &secret)
+                .env("OXCCL_TRANSPORT", "tcp")
+                .env("OXCCL_TCP_CONNECT", connect)
+                .env("OXCCL_TIMEOUT", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect()
+}
+
+/// Waits (at most 60 s in all) for every child; returns each one's `CHILD` line.
+fn lines(kids: Vec<Child>) -> Vec<Option<String>> {
+    let start = Instant::now();
+    kids.into_iter()
+        .map(|mut k| {
+            while k.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = k.kill();
+            let o = k.wait_with_output().unwrap();
+            let out = String::from_utf8_lossy(&o.stdout);
+            let line = out
+                .lines()
+                .find(|l| l.starts_with("CHILD "))
+                .map(str::to_string);
+            if line.is_none() {
+                eprintln!("{}", String::from_utf8_lossy(&o.stderr));
+            }
+            line
+        })
+        .collect()
+}
+
+/// Each rank's (sockets before any call, after a ring all-reduce, after everything).
+fn check_run(connect: &str) -> Vec<(usize, usize, usize)> {
+    let n = 4;
+    lines(spawn(n, "check", connect, &[]))
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let l = l.unwrap_or_else(|| panic!("rank {r} ({connect}) printed no result"));
+            eprintln!("{connect}: {l}");
+            let w: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(w[7], "0", "rank {r} ({connect}): wrong elements: {l}");
+            let num = |i: usize| w[i].parse::<usize>().unwrap();
+            (num(3), num(4), num(5))
+        })
+        .collect()
+}
+
+#[test]
+fn every_collective_is_right_and_only_needed_links_are_made() {
+    let lazy = check_run("lazy");
+    let eager = check_run("eager");
+    for (r, (&(l0, l1, l2), &(e0, e1, e2))) in lazy.iter().zip(&eager).enumerate() {
+        // Eager: all 3 links at init, nothing later.
+        assert_eq!(
+            (e1, e2),
+            (e0, e0),
+            "rank {r}: eager opened sockets after init"
+        );
+        // Lazy: a listener and no link at init; the ring's 2 links with the first call; the
+        // third later, and the listener closed once every link is made.
+        assert_eq!(l0 + 2, e0, "rank {r}: lazy {lazy:?} eager {eager:?}");
+        assert_eq!(l1, l0 + 2, "rank {r}: lazy {lazy:?}");
+        assert_eq!(l2, e0, "rank {r}: lazy {lazy:?} eager {eager:?}");
+    }
+}
+
+fn killed_before_any_link(victim: usize) {
+    let n = 3;
+    let got = lines(spawn(
+        n,
+        "kill",
+        "lazy",
+        &[("OXCCL_LAZY_VICTIM", victim.to_string())],
+    ));
+    for (r, l) in got.iter().enumerate().filter(|(r, _)| *r != victim) {
+        let l = l
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {r} printed no error"));
+        eprintln!("{l}");
+        let ms: u64 = l.split_whitespace().nth(3).unwrap().parse().unwrap();
+        // Well within the 30 s timeout, and naming the dead rank.
+        assert!(ms < 15_000, "rank {r}: {l}");
+        assert!(l.contains(&format!("rank {victim}")), "rank {r}: {l}");
+    }
+}
+
+#[test]
+fn a_rank_killed_before_its_links_fails_the_survivors_that_await_it() {
+    // Rank 2 is the higher rank of both its pairs: the survivors wait for its dial.
+    killed_before_any_link(2);
+}
+
+#[test]
+fn a_rank_killed_before_its_links_fails_the_survivors_that_dial_it() {
+    // Rank 0 is the lower rank of both its pairs (and the rendezvous): the survivors dial it.
+    killed_before_any_link(0);
+}
+
+/// A measurement rank, not a test: `scripts/cluster.sh connect` runs this binary with
+/// `OXCCL_COST_CHILD=COLL:BYTES:ITERS` (COLL: all_reduce, all_gather or broadcast) and prints
+/// one `COST` line per rank: init's time, the first call's, start to the first call's end,
+/// this process's sockets after init and after the first call, and the mean of ITERS
+/// further calls.
+#[test]
+#[ignore = "a measurement rank: scripts/cluster.sh connect runs it"]
+fn cost_child() {
+    let Ok(spec) = std::env::var("OXCCL_COST_CHILD") else {
+        return;
+    };
+    let w: Vec<&str> = spec.split(':').collect();
+    let (coll, bytes, iters): (&str, usize, u32) =
+        (w[0], w[1].parse().unwrap(), w[2].parse().unwrap());
+    let t0 = Instant::now();
+    let comm = Communicator::from_env().unwrap();
+    let init = t0.elapsed();
+    let s_init = sockets();
+    let (r, n) = (comm.rank(), comm.world_size());
+    let count = (bytes / 4).max(n);
+    let mut buf = vec![1.0f32; count - count % n];
+    let mut call = || match coll {
+        "all_reduce" => comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap(),
+        "all_gather" => comm.all_gather_in_place(&mut buf).unwrap(),
+        "broadcast" => comm.broadcast_in_place(&mut buf, 0).unwrap(),
+        c => panic!("unknown collective {c}"),
+    };
+    let t1 = Instant::now();
+    call();
+    let (first, to_first) = (t1.elapsed(), t0.elapsed());
+    let s_first = sockets();
+    let t2 = Instant::now();
+    for _ in 0..iters {
+        call();
+    }
+    let steady = t2.elapsed() / iters.max(1);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "COST rank {r} connect {} coll {coll} bytes {bytes} init_ms {:.2} first_ms {:.3} to_first_ms {:.2} sockets_init {s_init} sockets_first {s_first} steady_us {:.1}",
+        std::env::var("OXCCL_TCP_CONNECT").unwrap_or_else(|_| "eager".into()),
+        ms(init),
+        ms(first),
+        ms(to_first),
+        steady.as_secs_f64() * 1e6
+    );
+}
+
+/// Runs `f(rank, comm)` on `n` threads joined by a rendezvous, TCP everywhere, links made on
+/// first use.
+fn threads<T: Send>(n: usize, f: impl Fn(usize, Communicator) -> T + Sync) -> Vec<T> {
+    let id = oxccl::UniqueId::new_on("127.0.0.1".parse().unwrap()).unwrap();
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let id = id.clone();
+                s.spawn(move || {
+                    let cfg = oxccl::Config {
+                        timeout: Duration::from_secs(20),
+                        transport: oxccl::TransportChoice::Tcp,
+                        tcp_lazy: true,
+                        ..oxccl::Config::default()
+                    };
+                    f(r, Communicator::init_with_config(&id, r, n, cfg).unwrap())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn point_to_point_makes_the_links_it_names_and_recv_any_needs_them_all() {
+    threads(3, |r, comm| {
+        // Before any call: a send and a receive between ranks 1 and 2 make their link.
+        match r {
+            1 => comm.send(&[7u32, 8, 9], 2).unwrap(),
+            2 => {
+                let mut got = [0u32; 3];
+                comm.recv(&mut got, 1).unwrap();
+                assert_eq!(got, [7, 8, 9]);
+            }
+            _ => {
+                // Rank 0 has no link yet: a receive from any source is a clear error, and
+                // the communicator goes on.
+                let mut b = [0u32; 1];
+                let e = comm.recv_any(&mut b, 5).unwrap_err().to_string();
+                assert!(
+                    e.contains("OXCCL_TCP_CONNECT") && e.contains("rank(s) [1, 2]"),
+                    "{e}"
+                );
+            }
+        }
+        // An all-to-all makes every link; then any source works.
+        let send: Vec<u32> = (0..3).map(|p| (r * 10 + p) as u32).collect();
+        let mut recv = [0u32; 3];
+        comm.all_to_all(&send, &mut recv).unwrap();
+        assert_eq!(
+            recv.to_vec(),
+            (0..3).map(|p| (p * 10 + r) as u32).collect::<Vec<_>>()
+        );
+        if r == 0 {
+            let mut b = [0u32; 1];
+            let mut from = Vec::new();
+            for _ in 0..2 {
+                from.push(comm.recv_any(&mut b, 5).unwrap());
+                assert_eq!(b[0] as usize, from[from.len() - 1] * 100);
+            }
+            from.sort_unstable();
+            assert_eq!(from, [1, 2]);
+        } else {
+            comm.send_tagged(&[(r * 100) as u32], 0, 5).unwrap();
+        }
+        // Nobody leaves (closing its links) before rank 0 has read from it.
+        comm.barrier().unwrap();
+    });
+}
