@@ -273,6 +273,52 @@ fn larger_than_the_chunks_single_copy() {
     }
 }
 
+/// One-shot all_reduce on inputs of 16 KiB up to a slot (the matrix stops at 200 elements),
+/// counts that do not divide by the ranks, every kind of element and op that takes a
+/// different path of the fold, in and out of place.
+#[test]
+fn oneshot_all_reduce_up_to_a_slot() {
+    for n in [2, 3, 5] {
+        run_group_algo(
+            n,
+            4096,
+            Direct::Yes {
+                oneshot_max: usize::MAX,
+                cma_min: usize::MAX,
+                shared: false,
+            },
+            Some("oneshot"),
+            |rank| {
+                let mut cases = vec![];
+                for (dtype, op) in [
+                    (DataType::F32, ReduceOp::Sum),
+                    (DataType::F32, ReduceOp::Avg),
+                    (DataType::Bf16, ReduceOp::Sum),
+                    (DataType::I32, ReduceOp::Max),
+                    (DataType::U8, ReduceOp::Sum),
+                ] {
+                    let es = dtype.size();
+                    for count in [(16 << 10) / es - 1, (16 << 10) / es, 64_000 / es + 1] {
+                        for in_place in [false, true] {
+                            cases.push(Case {
+                                kind: CollKind::AllReduce,
+                                dtype,
+                                op,
+                                root: 0,
+                                count,
+                                in_place,
+                                rank,
+                                nranks: n,
+                            });
+                        }
+                    }
+                }
+                cases
+            },
+        );
+    }
+}
+
 #[test]
 fn larger_than_the_queues() {
     for n in [2, 3] {
