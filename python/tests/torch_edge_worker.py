@@ -303,18 +303,17 @@ def all_to_all_uneven(g):
     eq(out, val((1, 3), r=(R - 1) % N), "all_to_all_single one nonzero split")
     # all zero
     dist.all_to_all_single(torch.zeros(0, 3), torch.zeros(0, 3), [0] * N, [0] * N, group=g)
-    # uneven, in place (the same tensor): as if out of place
-    sp = [[1 + (r + p) % 2 for p in range(N)] for r in range(N)]  # rows rank r sends to p
-    sym = [[sp[r][p] if r <= p else sp[p][r] for p in range(N)] for r in range(N)]  # sym[r][p] == sym[p][r]
-    rows_in = sum(sym[R])
-    t = val((rows_in, 2))
-    dist.all_to_all_single(t, t, sym[R], sym[R], group=g)
-    want = []
-    for p in range(N):
-        src = val((sum(sym[p]), 2), r=p)
-        off = sum(sym[p][:R])
-        want.append(src[off:off + sym[p][R]])
-    eq(t, torch.cat(want), "all_to_all_single uneven in place")
+    # uneven, in place (the same tensor): as if out of place (at 8 MB the receives landed
+    # before the sends had read, on 2 ranks)
+    for scale in (1, 1 << 20):
+        sym = [[scale * (1 + (r + p) % 2) for p in range(N)] for r in range(N)]  # rows r sends p; symmetric
+        t = val((sum(sym[R]), 2))
+        dist.all_to_all_single(t, t, sym[R], sym[R], group=g)
+        want = []
+        for p in range(N):
+            off = sum(sym[p][:R])
+            want.append(val((sum(sym[p]), 2), r=p)[off:off + sym[p][R]])
+        eq(t, torch.cat(want), f"all_to_all_single uneven in place x{scale}")
     # negative split sizes that add up: refused
     if N == 2:
         must_raise(lambda: dist.all_to_all_single(torch.zeros(2, 2), val((2, 2)), [3, -1], [3, -1], group=g),
