@@ -1358,6 +1358,10 @@ class BackendOxccl(_C10dBackend):
         """A backend for `ranks` (ranks of this group), rendezvousing through `store`."""
         me = self.rank()
         if me not in ranks:
+            if _CPP is None:
+                # torch's binding of a Python backend crashes (SIGSEGV) on a None here:
+                # `_split_group` turns this into torch's None (the rank is not a member)
+                raise _NotAMember()
             return None
         timeout = getattr(opts, "_timeout", None) or self._timeout
         return _make(store, ranks.index(me), len(ranks), timeout, getattr(opts, "group_name", None))
@@ -1567,6 +1571,28 @@ def _load_cpp() -> Any:
 
 
 _CPP = _load_cpp()
+
+
+class _NotAMember(Exception):
+    """The Python backend's split on a rank outside the new group (see `_split_group`)."""
+
+
+_C10D_SPLIT_GROUP = dist.ProcessGroup.split_group
+
+
+def _split_group(pg: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ProcessGroup.split_group``, where the Python backend alone says "not a member" by an
+    exception (torch's binding of a Python backend's split crashes on the None a C++ backend
+    returns): torch's answer for a rank outside the split, None (``dist.split_group`` then
+    returns ``GroupMember.NON_GROUP_MEMBER``)."""
+    try:
+        return _C10D_SPLIT_GROUP(pg, *args, **kwargs)
+    except _NotAMember:
+        return None
+
+
+if _CPP is None:
+    dist.ProcessGroup.split_group = _split_group
 
 
 def _wrap(backend: Optional[BackendOxccl]) -> Any:
