@@ -319,6 +319,10 @@ def _coll(
     `backs`: a list for temporaries (non-contiguous tensors, complex or int16 reductions) to
     copy back after the call; without it such tensors raise."""
     red = None if raw_bytes else op
+    if send is not None and isinstance(send, torch.Tensor) and isinstance(recv, torch.Tensor) and send.dtype != recv.dtype:
+        # torch's backends refuse it; compared before temporaries (int16 reduces as int32,
+        # complex as its real view) and before raw bytes hide the types
+        raise InvalidArgumentError(f"{kind}: input is {send.dtype} but output is {recv.dtype}")
     if backs is not None:
         recv = _dense(recv, f"{kind} output", red, backs, read=send is None)
         if send is not None:
@@ -1106,14 +1110,8 @@ class BackendOxccl(_C10dBackend):
     ) -> Any:
         self._seq += 1
         n = self.size()
-        row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
-        row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
-        out_counts = [s * row_out for s in output_split_sizes] if output_split_sizes else [output.numel() // n] * n
-        in_counts = [s * row_in for s in input_split_sizes] if input_split_sizes else [input.numel() // n] * n
-        if len(out_counts) != n or len(in_counts) != n:
-            raise InvalidArgumentError(f"all_to_all_single: split sizes must have {n} entries")
-        if sum(out_counts) != output.numel() or sum(in_counts) != input.numel():
-            raise InvalidArgumentError("all_to_all_single: split sizes do not add up to the tensors' first dimension")
+        out_counts = self._a2a_counts("output", output, output_split_sizes)
+        in_counts = self._a2a_counts("input", input, input_split_sizes)
         backs: list = []
         send = _dense(input, "all_to_all_single input", None, None)
         recv = _dense(output, "all_to_all_single output", None, backs, read=False)
@@ -1121,6 +1119,33 @@ class BackendOxccl(_C10dBackend):
         return self._alltoallv("all_to_all_single", send, recv, out_counts, in_counts, [output], post, opts)
 
     all_to_all_single = alltoall_base
+
+    def _a2a_counts(self, what: str, t: torch.Tensor, splits: List[int]) -> List[int]:
+        """Elements per peer of all_to_all_single's `t`, split along dim 0 by `splits` (none:
+        equal blocks); torch's rules (gloo's and NCCL's checkSplitSizes): a 0-dim tensor, a
+        dim 0 that does not divide by the group size, split sizes that are negative or do not
+        add up to dim 0 raise, before any data moves."""
+        n = self.size()
+        _check_tensor(t, f"all_to_all_single {what}")
+        if t.dim() == 0:
+            raise self._invalid(f"all_to_all_single: the {what} is a 0-dim tensor: it has no dim 0 to split")
+        rows, row = t.shape[0], 1
+        for d in t.shape[1:]:
+            row *= d
+        if not splits:
+            if rows % n:
+                raise self._invalid(
+                    f"all_to_all_single: the {what}'s dim 0 ({rows}) does not divide equally across group size {n}"
+                )
+            return [rows // n * row] * n
+        if len(splits) != n:
+            raise self._invalid(f"all_to_all_single: {len(splits)} {what} split sizes for a group of {n}")
+        if any(s < 0 for s in splits) or sum(splits) != rows:
+            raise self._invalid(
+                f"all_to_all_single: {what} split sizes {list(splits)} are not {n} non-negative sizes "
+                f"adding up to its dim 0 ({rows})"
+            )
+        return [s * row for s in splits]
 
     def _alltoallv(
         self,
@@ -1140,6 +1165,8 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError(f"{what}: input and output dtypes differ")
         if len(set(out_counts)) <= 1 and out_counts == in_counts:
             return self._run(what, [_coll("all_to_all", send, recv, raw_bytes=True)], result, post, opts=opts)
+        if _overlapping([send, recv]):  # in place: the sends read a copy (receives land meanwhile)
+            send = send.clone()
         s, r = send.reshape(-1), recv.reshape(-1)
         s_off = [sum(in_counts[:p]) for p in range(n)]
         r_off = [sum(out_counts[:p]) for p in range(n)]
@@ -1187,6 +1214,8 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("gather: every output tensor must have the input's size and dtype")
         backs: list = []
         tmps = [_dense(o, "gather output", None, backs, read=False) for o in outs]
+        if any(_overlapping([inp, o]) for o in tmps):  # the root's own block is copied after the receives
+            inp = inp.clone()
         ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(tmps)]
         return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs))
 
@@ -1329,6 +1358,10 @@ class BackendOxccl(_C10dBackend):
         """A backend for `ranks` (ranks of this group), rendezvousing through `store`."""
         me = self.rank()
         if me not in ranks:
+            if _CPP is None:
+                # torch's binding of a Python backend crashes (SIGSEGV) on a None here:
+                # `_split_group` turns this into torch's None (the rank is not a member)
+                raise _NotAMember()
             return None
         timeout = getattr(opts, "_timeout", None) or self._timeout
         return _make(store, ranks.index(me), len(ranks), timeout, getattr(opts, "group_name", None))
@@ -1538,6 +1571,28 @@ def _load_cpp() -> Any:
 
 
 _CPP = _load_cpp()
+
+
+class _NotAMember(Exception):
+    """The Python backend's split on a rank outside the new group (see `_split_group`)."""
+
+
+_C10D_SPLIT_GROUP = dist.ProcessGroup.split_group
+
+
+def _split_group(pg: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ProcessGroup.split_group``, where the Python backend alone says "not a member" by an
+    exception (torch's binding of a Python backend's split crashes on the None a C++ backend
+    returns): torch's answer for a rank outside the split, None (``dist.split_group`` then
+    returns ``GroupMember.NON_GROUP_MEMBER``)."""
+    try:
+        return _C10D_SPLIT_GROUP(pg, *args, **kwargs)
+    except _NotAMember:
+        return None
+
+
+if _CPP is None:
+    dist.ProcessGroup.split_group = _split_group
 
 
 def _wrap(backend: Optional[BackendOxccl]) -> Any:

@@ -72,7 +72,9 @@ oxcclResult_t oxcclCommTimeout(const oxcclComm_t comm, double* seconds);
 
 /* Collectives: counts in elements; in place as NCCL (sendbuff == recvbuff; for all-gather
  * sendbuff == recvbuff + rank*sendcount; for reduce-scatter recvbuff == sendbuff +
- * rank*recvcount). Blocking, or queued inside a group. */
+ * rank*recvcount). Blocking, or queued inside a group. A NULL buffer with a nonzero count
+ * is oxcclInvalidArgument, except a broadcast's sendbuff and a reduce's recvbuff on ranks
+ * other than the root (not read there). */
 oxcclResult_t oxcclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                              oxcclDataType_t datatype, oxcclRedOp_t op, const oxcclComm_t comm);
 oxcclResult_t oxcclBroadcast(const void* sendbuff, void* recvbuff, size_t count,

@@ -204,6 +204,7 @@ fn collective(
         let h = handle(comm)?;
         let root = usize::try_from(root)
             .map_err(|_| CError::invalid(format!("oxccl: root {root} is negative")))?;
+        check_buffers(kind, h.comm.rank() == root, send, recv, in_place)?;
         let bufs = match in_place {
             Some((buf, len)) => RawBufs::InPlace { buf, len },
             None => RawBufs::Separate {
@@ -226,6 +227,42 @@ fn collective(
             Some(call) => unsafe { call.run(&h.comm) }.map_err(CError::from),
         }
     })
+}
+
+/// A NULL buffer with a length, or a length no buffer can have (over `isize::MAX` bytes): an
+/// error before any data moves. (`RawBufs::as_byte_bufs` reads a NULL buffer as empty, so
+/// such a call would run on nothing and report success.) As in NCCL, a broadcast's send
+/// buffer and a reduce's receive buffer may be NULL on ranks other than the root.
+fn check_buffers(
+    kind: CollKind,
+    is_root: bool,
+    send: (*const u8, usize),
+    recv: (*mut u8, usize),
+    in_place: Option<(*mut u8, usize)>,
+) -> Result<(), CError> {
+    let name = kind.name();
+    let check = |what: &str, null: bool, len: usize, read: bool| {
+        if len > isize::MAX as usize {
+            return Err(CError::invalid(format!(
+                "oxccl: {name}: the {what} buffer of {len} bytes is larger than any buffer can be"
+            )));
+        }
+        if read && null && len > 0 {
+            return Err(CError::invalid(format!(
+                "oxccl: {name}: the {what} buffer is NULL but the call has {len} bytes for it"
+            )));
+        }
+        Ok(())
+    };
+    match in_place {
+        Some((buf, len)) => check("in-place", buf.is_null(), len, true),
+        None => {
+            let send_read = kind != CollKind::Broadcast || is_root;
+            let recv_written = kind != CollKind::Reduce || is_root;
+            check("send", send.0.is_null(), send.1, send_read)?;
+            check("receive", recv.0.is_null(), recv.1, recv_written)
+        }
+    }
 }
 
 /// A reduction op for calls without one (their op is ignored).

@@ -129,6 +129,81 @@ fn every_op_and_in_place_forms_match_a_reference() {
     });
 }
 
+#[test]
+fn null_buffers_with_a_count_and_impossible_lengths_are_refused() {
+    const UINT8: i32 = 1;
+    two_ranks(|rank, comm| {
+        let null = std::ptr::null_mut::<c_void>();
+        let mut x = [rank as f32 + 1.0; 7];
+        // in place on NULL with 1000 elements: was read as an empty buffer, a success
+        assert_eq!(
+            oxcclAllReduce(null.cast(), null.cast(), 1000, FLOAT32, 0, comm),
+            oxcclInvalidArgument
+        );
+        assert!(last_error().contains("NULL"), "{}", last_error());
+        assert_eq!(
+            oxcclAllReduce(x.as_ptr().cast(), null.cast(), 7, FLOAT32, 0, comm),
+            oxcclInvalidArgument
+        );
+        assert_eq!(
+            oxcclAllGather(null.cast(), null.cast(), 3, FLOAT32, comm),
+            oxcclInvalidArgument
+        );
+        assert_eq!(
+            oxcclAllToAll(null.cast(), null.cast(), 2, INT32, comm),
+            oxcclInvalidArgument
+        );
+        // lengths no buffer can have (no overflow in the element size: bytes)
+        let p = x.as_mut_ptr().cast::<u8>();
+        assert_eq!(
+            oxcclAllReduce(p, p, usize::MAX, UINT8, 0, comm),
+            oxcclInvalidArgument
+        );
+        assert!(last_error().contains("larger"), "{}", last_error());
+        assert_eq!(
+            oxcclAllToAll(p, p, usize::MAX / 2 + 1, UINT8, comm),
+            oxcclInvalidArgument
+        );
+        assert_eq!(
+            oxcclAllReduce(p, p, usize::MAX / 2, FLOAT32, 0, comm),
+            oxcclInvalidArgument
+        );
+        // NCCL's NULLs that are fine: a broadcast's send and a reduce's receive buffer off
+        // the root
+        let send = if rank == 0 { x.as_ptr() } else { null.cast() };
+        let mut y = [0.0f32; 7];
+        ok(oxcclBroadcast(
+            send.cast(),
+            y.as_mut_ptr().cast(),
+            7,
+            FLOAT32,
+            0,
+            comm,
+        ));
+        assert_eq!(y, [1.0; 7]);
+        let recv = if rank == 1 {
+            y.as_mut_ptr()
+        } else {
+            null.cast()
+        };
+        ok(oxcclReduce(
+            x.as_ptr().cast(),
+            recv.cast(),
+            7,
+            FLOAT32,
+            0,
+            1,
+            comm,
+        ));
+        if rank == 1 {
+            assert_eq!(y, [3.0; 7]);
+        }
+        // the communicator still works
+        ok(oxcclAllReduce(p, p, 7, FLOAT32, 0, comm));
+        assert_eq!(x, [3.0; 7]);
+    });
+}
+
 /// An in-place float sum of `x`, queued as a one-call group.
 fn queue_sum(x: &mut [f32], comm: *mut oxcclComm) -> *mut oxcclWork {
     let mut w = std::ptr::null_mut();

@@ -710,15 +710,17 @@ class BackendOxcclCpp : public c10d::Backend {
                                              std::vector<int64_t>& outSplits, std::vector<int64_t>& inSplits,
                                              const c10d::AllToAllOptions& opts) override {
     seq_++;
-    // Equal blocks only (no split sizes, or all equal); the rest is the Python backend's
-    // point-to-point group.
+    // Equal blocks of dim 0 only (no split sizes, or all equal); the rest is the Python
+    // backend's point-to-point group, which also refuses what torch's backends refuse (a
+    // dim 0 that does not divide by the group size, a 0-dim tensor: not split by bytes).
     int64_t n = getSize();
     auto equal = [&](const std::vector<int64_t>& s, const at::Tensor& t) {
+      if (t.dim() == 0 || t.size(0) % n != 0) return false;
       if (s.empty()) return true;
       if (int64_t(s.size()) != n) return false;
       for (auto v : s)
         if (v != s[0]) return false;
-      return t.dim() > 0 && s[0] * n == t.size(0);
+      return s[0] * n == t.size(0);
     };
     bool ok = plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
               output.nbytes() == input.nbytes() && input.nbytes() % size_t(n) == 0 && equal(outSplits, output) &&
