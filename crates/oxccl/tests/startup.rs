@@ -301,6 +301,117 @@ fn survivors_name_the_rank_killed_during_start_up() {
     );
 }
 
+/// A rank of [`a_rank_killed_after_init_is_an_error_on_every_idle_survivor`]: init, a
+/// barrier, `CHILD READY` on stdout, then no call at all: it only looks at the
+/// communicator's health (what its watchdog hears) every 5 ms for up to 20 s, and prints
+/// `CHILD_ERR <error>` (exit 1) once that says it failed.
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn idle_child() {
+    if std::env::var("OXCCL_IDLE_CHILD").is_err() {
+        return;
+    }
+    let comm = Communicator::from_env().unwrap();
+    comm.barrier().unwrap();
+    println!("CHILD READY");
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if let Err(e) = comm.check() {
+            eprintln!("CHILD_ERR {e}");
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("CHILD OK");
+}
+
+/// Issue 22 item 3: the watchdog's connections are a graph above
+/// `OXCCL_BOOTSTRAP_RELAY_MAX` ranks (every rank passes failures on), a star around rank 0
+/// up to it. A rank SIGKILLed after init, while the others make no call, must become an
+/// error naming it on every survivor, at once (the killed rank's links close; its
+/// neighbours pass the loss on): 12 ranks (4 rounds; each rank linked to 6 others, so that
+/// 5 survivors hear of it only through another), directly with rank 3 and with rank 0
+/// killed (rank 0 is no hub there), and through rank 0 with rank 3 killed.
+#[test]
+fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
+    use std::io::BufRead;
+    const N: usize = 12;
+    for (direct, victim) in [(true, 3), (true, 0), (false, 3)] {
+        let (_, secret) = random_secret();
+        let port = free_port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut kids: Vec<Option<Child>> = (0..N)
+            .map(|r| {
+                let mut c = Command::new(std::env::current_exe().unwrap());
+                c.args(["--exact", "idle_child", "--ignored", "--nocapture"])
+                    .env("OXCCL_IDLE_CHILD", "1")
+                    .env("RANK", r.to_string())
+                    .env("WORLD_SIZE", N.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("OXCCL_SECRET", &secret)
+                    .env("OXCCL_TRANSPORT", "shm")
+                    .env("OXCCL_SHM_RING_BYTES", "1M")
+                    .env("OXCCL_TIMEOUT", "10")
+                    .env("OXCCL_BOOTSTRAP_RELAY_MAX", if direct { "1" } else { "64" })
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                let mut k = c.spawn().unwrap();
+                let out = k.stdout.take().unwrap();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                        if line == "CHILD READY" {
+                            let _ = tx.send(r);
+                        }
+                    }
+                });
+                Some(k)
+            })
+            .collect();
+        let mut ready = 0;
+        while ready < N {
+            match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(_) => ready += 1,
+                Err(_) => {
+                    for k in kids.iter_mut().flatten() {
+                        let _ = k.kill();
+                    }
+                    panic!("direct {direct}: only {ready} of {N} ranks finished init in 30 s");
+                }
+            }
+        }
+        let mut v = kids[victim].take().unwrap();
+        let killed = Instant::now();
+        let _ = v.kill();
+        let _ = v.wait();
+        let mut last = Duration::ZERO;
+        let mut said = String::new();
+        for (r, k) in kids.into_iter().enumerate() {
+            let Some(k) = k else { continue };
+            let (ok, line) = finish(k);
+            let took = killed.elapsed();
+            let line = line.unwrap_or_default();
+            assert!(
+                !ok && oxccl::blamed_rank(&line) == Some(victim),
+                "direct {direct}, rank {victim} killed: rank {r} said {line:?} (success: {ok})"
+            );
+            // Each survivor's own wait is after the previous ones': all within 5 s of the kill.
+            assert!(
+                took < Duration::from_secs(5),
+                "direct {direct}, rank {victim} killed: rank {r} failed only after {took:?}"
+            );
+            last = took;
+            said = line;
+        }
+        println!(
+            "direct {direct}, rank {victim} killed: {} survivors named it, the last {last:?} after the kill; the last said: {said}",
+            N - 1
+        );
+    }
+}
+
 fn unshare_works() -> bool {
     Command::new("unshare")
         .args(["-p", "-f", "--mount-proc", "true"])
