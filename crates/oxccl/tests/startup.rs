@@ -331,12 +331,19 @@ fn idle_child() {
 /// error naming it on every survivor, at once (the killed rank's links close; its
 /// neighbours pass the loss on): 12 ranks (4 rounds; each rank linked to 6 others, so that
 /// 5 survivors hear of it only through another), directly with rank 3 and with rank 0
-/// killed (rank 0 is no hub there), and through rank 0 with rank 3 killed.
+/// killed (rank 0 is no hub there), and through rank 0 with rank 3 killed. Then a rank
+/// stopped (SIGSTOP) directly: only its two ring neighbours hear its heartbeats
+/// (`OXCCL_HEARTBEAT_TIMEOUT=1`); their word must reach every survivor.
 #[test]
 fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
     use std::io::BufRead;
     const N: usize = 12;
-    for (direct, victim) in [(true, 3), (true, 0), (false, 3)] {
+    for (direct, victim, stop) in [
+        (true, 3, false),
+        (true, 0, false),
+        (false, 3, false),
+        (true, 5, true),
+    ] {
         let (_, secret) = random_secret();
         let port = free_port();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -353,6 +360,7 @@ fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
                     .env("OXCCL_TRANSPORT", "shm")
                     .env("OXCCL_SHM_RING_BYTES", "1M")
                     .env("OXCCL_TIMEOUT", "10")
+                    .env("OXCCL_HEARTBEAT_TIMEOUT", "1")
                     .env("OXCCL_BOOTSTRAP_RELAY_MAX", if direct { "1" } else { "64" })
                     .stdin(Stdio::null())
                     .stdout(Stdio::piped())
@@ -383,31 +391,47 @@ fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
             }
         }
         let mut v = kids[victim].take().unwrap();
+        let stopped = if stop {
+            // Every rank has heard the victim's first heartbeat by now.
+            std::thread::sleep(Duration::from_millis(200));
+            Command::new("kill")
+                .args(["-STOP", &v.id().to_string()])
+                .status()
+                .is_ok_and(|s| s.success())
+        } else {
+            // Its links close as it dies (reaped below).
+            let _ = v.kill();
+            true
+        };
         let killed = Instant::now();
+        let what = if stop { "stopped" } else { "killed" };
+        // Every survivor's end first (each waits after the previous ones'), then the victim's
+        // (a stopped one must not outlive a failed assertion), then the checks.
+        let ends: Vec<(usize, bool, String, Duration)> = kids
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, k)| {
+                let (ok, line) = finish(k?);
+                Some((r, ok, line.unwrap_or_default(), killed.elapsed()))
+            })
+            .collect();
         let _ = v.kill();
         let _ = v.wait();
-        let mut last = Duration::ZERO;
-        let mut said = String::new();
-        for (r, k) in kids.into_iter().enumerate() {
-            let Some(k) = k else { continue };
-            let (ok, line) = finish(k);
-            let took = killed.elapsed();
-            let line = line.unwrap_or_default();
+        assert!(stopped, "cannot stop rank {victim}");
+        for (r, ok, line, took) in &ends {
             assert!(
-                !ok && oxccl::blamed_rank(&line) == Some(victim),
-                "direct {direct}, rank {victim} killed: rank {r} said {line:?} (success: {ok})"
+                !ok && oxccl::blamed_rank(line) == Some(victim),
+                "direct {direct}, rank {victim} {what}: rank {r} said {line:?} (success: {ok})"
             );
-            // Each survivor's own wait is after the previous ones': all within 5 s of the kill.
             assert!(
-                took < Duration::from_secs(5),
-                "direct {direct}, rank {victim} killed: rank {r} failed only after {took:?}"
+                *took < Duration::from_secs(5),
+                "direct {direct}, rank {victim} {what}: rank {r} failed only after {took:?}"
             );
-            last = took;
-            said = line;
         }
+        let (_, _, said, last) = ends.last().unwrap();
         println!(
-            "direct {direct}, rank {victim} killed: {} survivors named it, the last {last:?} after the kill; the last said: {said}",
-            N - 1
+            "direct {direct}, rank {victim} {what}: {} survivors named it, the last {last:?} after; the last said: {said}",
+            ends.len()
         );
     }
 }
