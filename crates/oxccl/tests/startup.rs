@@ -301,6 +301,141 @@ fn survivors_name_the_rank_killed_during_start_up() {
     );
 }
 
+/// A rank of [`a_rank_killed_after_init_is_an_error_on_every_idle_survivor`]: init, a
+/// barrier, `CHILD READY` on stdout, then no call at all: it only looks at the
+/// communicator's health (what its watchdog hears) every 5 ms for up to 20 s, and prints
+/// `CHILD_ERR <error>` (exit 1) once that says it failed.
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn idle_child() {
+    if std::env::var("OXCCL_IDLE_CHILD").is_err() {
+        return;
+    }
+    let comm = Communicator::from_env().unwrap();
+    comm.barrier().unwrap();
+    println!("CHILD READY");
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if let Err(e) = comm.check() {
+            eprintln!("CHILD_ERR {e}");
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("CHILD OK");
+}
+
+/// Issue 22 item 3: the watchdog's connections are a graph above
+/// `OXCCL_BOOTSTRAP_RELAY_MAX` ranks (every rank passes failures on), a star around rank 0
+/// up to it. A rank SIGKILLed after init, while the others make no call, must become an
+/// error naming it on every survivor, at once (the killed rank's links close; its
+/// neighbours pass the loss on): 12 ranks (4 rounds; each rank linked to 6 others, so that
+/// 5 survivors hear of it only through another), directly with rank 3 and with rank 0
+/// killed (rank 0 is no hub there), and through rank 0 with rank 3 killed. Then a rank
+/// stopped (SIGSTOP) directly: only its two ring neighbours hear its heartbeats
+/// (`OXCCL_HEARTBEAT_TIMEOUT=1`); their word must reach every survivor.
+#[test]
+fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
+    use std::io::BufRead;
+    const N: usize = 12;
+    for (direct, victim, stop) in [
+        (true, 3, false),
+        (true, 0, false),
+        (false, 3, false),
+        (true, 5, true),
+    ] {
+        let (_, secret) = random_secret();
+        let port = free_port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut kids: Vec<Option<Child>> = (0..N)
+            .map(|r| {
+                let mut c = Command::new(std::env::current_exe().unwrap());
+                c.args(["--exact", "idle_child", "--ignored", "--nocapture"])
+                    .env("OXCCL_IDLE_CHILD", "1")
+                    .env("RANK", r.to_string())
+                    .env("WORLD_SIZE", N.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("OXCCL_SECRET", &secret)
+                    .env("OXCCL_TRANSPORT", "shm")
+                    .env("OXCCL_SHM_RING_BYTES", "1M")
+                    .env("OXCCL_TIMEOUT", "10")
+                    .env("OXCCL_HEARTBEAT_TIMEOUT", "1")
+                    .env("OXCCL_BOOTSTRAP_RELAY_MAX", if direct { "1" } else { "64" })
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                let mut k = c.spawn().unwrap();
+                let out = k.stdout.take().unwrap();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                        if line == "CHILD READY" {
+                            let _ = tx.send(r);
+                        }
+                    }
+                });
+                Some(k)
+            })
+            .collect();
+        let mut ready = 0;
+        while ready < N {
+            match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(_) => ready += 1,
+                Err(_) => {
+                    for k in kids.iter_mut().flatten() {
+                        let _ = k.kill();
+                    }
+                    panic!("direct {direct}: only {ready} of {N} ranks finished init in 30 s");
+                }
+            }
+        }
+        let mut v = kids[victim].take().unwrap();
+        let stopped = if stop {
+            // Every rank has heard the victim's first heartbeat by now.
+            std::thread::sleep(Duration::from_millis(200));
+            Command::new("kill")
+                .args(["-STOP", &v.id().to_string()])
+                .status()
+                .is_ok_and(|s| s.success())
+        } else {
+            // Its links close as it dies (reaped below).
+            let _ = v.kill();
+            true
+        };
+        let killed = Instant::now();
+        let what = if stop { "stopped" } else { "killed" };
+        // Every survivor's end first (each waits after the previous ones'), then the victim's
+        // (a stopped one must not outlive a failed assertion), then the checks.
+        let ends: Vec<(usize, bool, String, Duration)> = kids
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, k)| {
+                let (ok, line) = finish(k?);
+                Some((r, ok, line.unwrap_or_default(), killed.elapsed()))
+            })
+            .collect();
+        let _ = v.kill();
+        let _ = v.wait();
+        assert!(stopped, "cannot stop rank {victim}");
+        for (r, ok, line, took) in &ends {
+            assert!(
+                !ok && oxccl::blamed_rank(line) == Some(victim),
+                "direct {direct}, rank {victim} {what}: rank {r} said {line:?} (success: {ok})"
+            );
+            assert!(
+                *took < Duration::from_secs(5),
+                "direct {direct}, rank {victim} {what}: rank {r} failed only after {took:?}"
+            );
+        }
+        let (_, _, said, last) = ends.last().unwrap();
+        println!(
+            "direct {direct}, rank {victim} {what}: {} survivors named it, the last {last:?} after; the last said: {said}",
+            ends.len()
+        );
+    }
+}
+
 fn unshare_works() -> bool {
     Command::new("unshare")
         .args(["-p", "-f", "--mount-proc", "true"])

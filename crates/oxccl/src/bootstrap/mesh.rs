@@ -17,10 +17,13 @@
 //! it on the same way, so every rank waiting on one that waits on it hears it: a rank that
 //! dies is found at once by the ranks that exchange with it (a closed link, or a refused
 //! dial), and through them every rank fails at once, naming it. Until the peer table is
-//! exchanged (while no rank's watchdog can be using them) the connections to rank 0 carry
-//! that news too: a failing rank tells rank 0, rank 0 tells every rank, and every wait
-//! watches its connection(s) to rank 0 (a rank waiting for a link from a rank that died
-//! before dialing learns it there).
+//! exchanged the connections to rank 0 carry that news too: a failing rank tells rank 0,
+//! rank 0 tells every rank, and every wait watches its connection(s) to rank 0 (a rank
+//! waiting for a link from a rank that died before dialing learns it there). Then each
+//! rank closes them: once rank 0 has the whole table every rank has made its links and
+//! sent its part, and the exchange links carry the rest. After init the exchange links are
+//! the watchdog's (heartbeats and failure reports, `fault::control`): no connection per
+//! rank stays open at rank 0.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -65,18 +68,19 @@ pub(super) fn listen(ip: IpAddr) -> io::Result<TcpListener> {
 }
 
 /// One round's two connections.
-struct Round {
+pub(super) struct Round {
     /// The rank this rank sends to, and the connection it dialed to it.
-    to: usize,
-    tx: TcpStream,
+    pub to: usize,
+    pub tx: TcpStream,
     /// The rank this rank hears from, and the connection it accepted from it.
-    from: usize,
-    rx: TcpStream,
+    pub from: usize,
+    pub rx: TcpStream,
 }
 
-/// A rank's connections for the exchanges, by round.
+/// A rank's connections for the exchanges, by round; after init, the watchdog's
+/// ([`Bootstrap::take_connections`]).
 pub(super) struct Mesh {
-    rounds: Vec<Round>,
+    pub rounds: Vec<Round>,
 }
 
 /// Counts of what a rank sent and received in the bootstrap's exchanges, for the

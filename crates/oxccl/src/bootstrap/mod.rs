@@ -14,7 +14,10 @@
 //!   Bruck's allgather in `ceil(log2 n)` rounds: O(log n) messages and connections and O(n)
 //!   bytes per exchange at every rank, rank 0 included.
 //!
-//! The connections to rank 0 stay open for the life of the communicator (the watchdog's).
+//! The communicator's watchdog takes over what stays open after init: through rank 0, the
+//! connections to rank 0 (a star: n-1 at rank 0, one at the others); directly, the exchange
+//! links (2 ceil(log2 n) at every rank, rank 0 included), and the connections to rank 0 are
+//! closed as soon as the peer table is exchanged.
 
 pub(crate) mod carry;
 pub(crate) mod env;
@@ -422,6 +425,12 @@ impl Bootstrap {
             Ok(t) => {
                 b.peers = t;
                 b.joined = true;
+                if b.mesh.is_some() {
+                    // Directly, the rendezvous connections carried failure news only until
+                    // now (see `mesh.rs`); the watchdog takes the exchange links. Close them:
+                    // nothing stays open at rank 0 per rank.
+                    b.links = Links::Root(Vec::new());
+                }
             }
             Err(e) => {
                 b.spread_failure(&e);
@@ -922,20 +931,44 @@ impl Bootstrap {
         auth::comm_tag(&self.secret)
     }
 
-    /// Hands over the rendezvous connections, for the communicator's watchdog
-    /// (`fault::control`): rank 0 gets one per other rank, the others the one to rank 0.
+    /// Hands over the connections that stay open, each with its peer's rank and whether
+    /// heartbeats go over it, for the communicator's watchdog (`fault::control`), and
+    /// whether they are a graph in which every rank passes failures on (true) or a star
+    /// around rank 0 (false). Directly (above `OXCCL_BOOTSTRAP_RELAY_MAX` ranks): the
+    /// exchange links, `2 ceil(log2 n)` at every rank (a peer may have two), heartbeats only
+    /// over the first round's (the ring of ranks ±1). Through rank 0: the rendezvous
+    /// connections, one per other rank at rank 0, the one to rank 0 at the others.
     /// Exchanges are impossible afterwards.
-    pub(crate) fn take_connections(&mut self) -> Vec<(usize, TcpStream)> {
-        // The exchange links are done with: close them.
-        self.mesh = None;
-        match std::mem::replace(&mut self.links, Links::Root(Vec::new())) {
+    pub(crate) fn take_connections(&mut self) -> (Vec<(usize, TcpStream, bool)>, bool) {
+        let links = std::mem::replace(&mut self.links, Links::Root(Vec::new()));
+        if let Some(mesh) = self.mesh.take() {
+            let conns: Vec<(usize, TcpStream, bool)> = mesh
+                .rounds
+                .into_iter()
+                .enumerate()
+                .flat_map(|(k, rd)| [(rd.to, rd.tx, k == 0), (rd.from, rd.rx, k == 0)])
+                .collect();
+            tracing::debug!(
+                rank = self.rank,
+                connections = conns.len(),
+                "bootstrap: the watchdog takes the exchange links (a graph; no connection to rank 0 stays open)"
+            );
+            return (conns, true);
+        }
+        let conns: Vec<(usize, TcpStream, bool)> = match links {
             Links::Root(conns) => conns
                 .into_iter()
                 .enumerate()
-                .filter_map(|(r, c)| c.map(|c| (r, c)))
+                .filter_map(|(r, c)| c.map(|c| (r, c, true)))
                 .collect(),
-            Links::Member(s) => vec![(0, s)],
-        }
+            Links::Member(s) => vec![(0, s, true)],
+        };
+        tracing::debug!(
+            rank = self.rank,
+            connections = conns.len(),
+            "bootstrap: the watchdog takes the rendezvous connections (a star around rank 0)"
+        );
+        (conns, false)
     }
 
     /// Forwards to [`Exchange::allgather`].

@@ -111,7 +111,8 @@ fn thirteen_ranks_init_and_allgather_direct() {
 
 /// Also checks what rank 0 sent in the exchanges against the others: through rank 0 it sends
 /// every rank everything (more than n-1 times a member's bytes), directly about as much as
-/// any rank (each sends n-1 of the n contributions per exchange).
+/// any rank (each sends n-1 of the n contributions per exchange); and what stays open for
+/// the watchdog ([`check_watch_links`]).
 fn thirteen_ranks(c: Config) {
     let id = loopback_id();
     let relay = c.bootstrap_relay_max >= 13;
@@ -119,7 +120,9 @@ fn thirteen_ranks(c: Config) {
         let mut b = Bootstrap::init(&id, r, 13, &c).unwrap();
         check_path(&b, &c);
         check_allgathers(&mut b);
-        (b.peers().to_vec(), b.traffic.bytes)
+        let bytes = b.traffic.bytes;
+        check_watch_links(&mut b, relay);
+        (b.peers().to_vec(), bytes)
     });
     for (peers, _) in &tables {
         assert_eq!(peers, &tables[0].0);
@@ -138,6 +141,53 @@ fn thirteen_ranks(c: Config) {
             root > 0 && root < 2 * most,
             "rank 0 sent {root} bytes, the most of the others {most}"
         );
+    }
+}
+
+/// What [`Bootstrap::take_connections`] leaves for the watchdog, after the exchanges: through
+/// rank 0 a star (n-1 connections at rank 0, one to rank 0 at the others); directly, at
+/// every rank rank 0 included, the `2 ceil(log2 n)` exchange links to the ranks it sends to
+/// and hears from, and no other connection to rank 0. Every connection is live and empty:
+/// each rank writes its rank on each, and reads from each exactly the byte of the rank at
+/// its other end (no exchange data left in them).
+fn check_watch_links(b: &mut Bootstrap, relay: bool) {
+    let (rank, n) = (b.rank(), b.world_size());
+    let (conns, graph) = b.take_connections();
+    let mut peers: Vec<usize> = conns.iter().map(|(p, _, _)| *p).collect();
+    peers.sort_unstable();
+    let mut want: Vec<usize> = if relay {
+        if rank == 0 {
+            (1..n).collect()
+        } else {
+            vec![0]
+        }
+    } else {
+        (0..mesh::rounds(n))
+            .flat_map(|k| [mesh::sends_to(rank, k, n), mesh::hears_from(rank, k, n)])
+            .collect()
+    };
+    want.sort_unstable();
+    assert_eq!(graph, !relay, "rank {rank}");
+    assert_eq!(peers, want, "rank {rank}: the watchdog's connections");
+    // Heartbeats: over every link of a star; in a graph over the ring (ranks ±1) only.
+    let mut beating: Vec<usize> = conns.iter().filter(|c| c.2).map(|c| c.0).collect();
+    beating.sort_unstable();
+    let mut ring = if relay {
+        want.clone()
+    } else {
+        vec![(rank + n - 1) % n, (rank + 1) % n]
+    };
+    ring.sort_unstable();
+    assert_eq!(beating, ring, "rank {rank}: the links with heartbeats");
+    for (_, s, _) in &conns {
+        s.set_nonblocking(false).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        (&*s).write_all(&[rank as u8]).unwrap();
+    }
+    for (p, s, _) in &conns {
+        let mut got = [0u8; 1];
+        std::io::Read::read_exact(&mut &*s, &mut got).unwrap();
+        assert_eq!(got[0] as usize, *p, "rank {rank}: the link to rank {p}");
     }
 }
 

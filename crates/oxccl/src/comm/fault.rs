@@ -208,12 +208,13 @@ impl SupervisorPrep {
                 )),
             },
         }
-        let conns = boot.take_connections();
+        let (conns, graph) = boot.take_connections();
         if !conns.is_empty() {
             let rec = g.recorder.clone();
             let w = Watchdog::start(
                 rank,
                 conns,
+                graph,
                 g.health.clone(),
                 WatchSettings {
                     heartbeat: cfg.heartbeat,

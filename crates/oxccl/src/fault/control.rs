@@ -1,14 +1,20 @@
 //! The watchdog: one thread per communicator that watches every rank through the
-//! rendezvous connections and spreads failures, so that no rank waits for ever.
+//! bootstrap's connections and spreads failures, so that no rank waits for ever.
 //!
-//! After init the rendezvous connections (a star around rank 0) carry only small control
+//! Those connections are, up to `OXCCL_BOOTSTRAP_RELAY_MAX` ranks, the rendezvous's (a star
+//! around rank 0), above it the exchange links of Bruck's allgather (a graph: each rank
+//! linked to the ranks at distances 1, 2, 4, ... both ways, `2 ceil(log2 n)` connections,
+//! rank 0 included; see `bootstrap/mesh.rs`). After init they carry only small control
 //! frames, never collective data, so nothing here can interleave with a call's bytes:
 //!
-//! - heartbeats, both ways, every [`Config::heartbeat`](crate::Config::heartbeat)`/8`: a rank
-//!   that sends nothing for `heartbeat` (host gone, link cut without a FIN, process stopped)
-//!   is lost; a closed connection (process exited or killed) is lost at once;
+//! - heartbeats, both ways (in a graph only over the ring of ranks ±1), every
+//!   [`Config::heartbeat`](crate::Config::heartbeat)`/8`: a rank that sends nothing for
+//!   `heartbeat` (host gone, link cut without a FIN, process stopped) is lost; a closed
+//!   connection (process exited or killed) is lost at once;
 //! - failure reports: a rank whose call fails (a mismatch, a timeout, a lost peer, an abort)
-//!   tells rank 0, which tells every other rank; rank 0 reports the ranks it loses;
+//!   tells its peers; in a star rank 0 tells every other rank and reports the ranks it
+//!   loses; in a graph every rank passes each failure on once and reports the ranks it
+//!   loses, so that it floods the graph;
 //! - goodbyes: a rank that drops its communicator says so and is not reported as lost.
 //!
 //! Whatever arrives marks the communicator's [`Health`] failed, which wakes a blocked call
@@ -67,12 +73,15 @@ impl std::fmt::Debug for Watchdog {
 }
 
 impl Watchdog {
-    /// Starts watching. `conns` are the rendezvous connections: for rank 0 one per other
-    /// rank, for the others the one to rank 0. `on_failure` runs on the watchdog thread
+    /// Starts watching. `conns` are the bootstrap's connections, each with its peer's rank
+    /// and whether heartbeats go over it: in a star (`graph` false) for rank 0 one per
+    /// other rank, for the others the one to rank 0; in a graph (`graph` true) the exchange
+    /// links, where every rank passes failures on. `on_failure` runs on the watchdog thread
     /// when a failure first arrives from elsewhere (e.g. to write the flight recorder).
     pub fn start(
         rank: usize,
-        conns: Vec<(usize, TcpStream)>,
+        conns: Vec<(usize, TcpStream, bool)>,
+        graph: bool,
         health: Arc<Health>,
         settings: WatchSettings,
         on_failure: Box<dyn Fn() + Send>,
@@ -92,7 +101,7 @@ impl Watchdog {
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("oxccl-watch-{rank}"))
-            .spawn(move || run(sh, conns, settings, on_failure))?;
+            .spawn(move || run(sh, conns, graph, settings, on_failure))?;
         Ok(Watchdog {
             shared,
             thread: Some(thread),
@@ -136,13 +145,18 @@ fn send_frame(s: &TcpStream, f: &Frame) -> bool {
 
 fn run(
     sh: Arc<Shared>,
-    conns: Vec<(usize, TcpStream)>,
+    conns: Vec<(usize, TcpStream, bool)>,
+    graph: bool,
     settings: WatchSettings,
     on_failure: Box<dyn Fn()>,
 ) {
-    let peers: Vec<usize> = conns.iter().map(|(p, _)| *p).collect();
-    let conns: Vec<TcpStream> = conns.into_iter().map(|(_, s)| s).collect();
+    let peers: Vec<usize> = conns.iter().map(|(p, _, _)| *p).collect();
+    let beats: Vec<bool> = conns.iter().map(|(_, _, b)| *b).collect();
+    let conns: Vec<TcpStream> = conns.into_iter().map(|(_, s, _)| s).collect();
     let mut w = Watch::new(sh.rank, &peers, settings, Instant::now());
+    if graph {
+        w = w.relaying(&beats);
+    }
     let flush = |w: &mut Watch| {
         while let Some((i, f)) = w.poll_transmit() {
             let ok = send_frame(&conns[i], f);
@@ -218,14 +232,16 @@ fn run(
             }
             w.input_done(i, Instant::now());
         }
-        // Record, and (rank 0) pass on.
+        // Pass on (rank 0 of a star, every rank of a graph), then record: once recorded the
+        // process may exit, and its peers must hear the cause before its links close.
+        let failures = w.end_round();
+        flush(&mut w);
         let mut reported = false;
-        for f in w.end_round() {
+        for f in failures {
             if sh.health.fail(f) {
                 reported = true;
             }
         }
-        flush(&mut w);
         if reported {
             on_failure();
         }

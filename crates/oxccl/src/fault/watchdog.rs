@@ -10,13 +10,23 @@
 //! [`goodbye`](Watch::goodbye), send, and return), [`handle_timeout`](Watch::handle_timeout),
 //! send, wait until [`poll_timeout`](Watch::poll_timeout), feed what each watched connection
 //! read ([`handle_data`](Watch::handle_data), [`handle_closed`](Watch::handle_closed),
-//! [`handle_error`](Watch::handle_error), then [`input_done`](Watch::input_done)), record
-//! [`end_round`](Watch::end_round)'s failures, send.
+//! [`handle_error`](Watch::handle_error), then [`input_done`](Watch::input_done)), take
+//! [`end_round`](Watch::end_round)'s failures, send, record them.
+//!
+//! Who passes failures on: in a star around rank 0 (the rendezvous connections, up to
+//! `OXCCL_BOOTSTRAP_RELAY_MAX` ranks) rank 0 alone; over the bootstrap's exchange links
+//! (Bruck's graph, above it: [`Watch::relaying`]) every rank, to every watched connection but
+//! the one it came from, once per failure (a failure already seen is neither recorded again
+//! nor passed on), so that each failure floods the graph and reaches every survivor; the
+//! graph stays connected without any one rank (each rank has links at distances
+//! 1, 2, 4, ... both ways). In a graph heartbeats go only over some links (the bootstrap
+//! picks the ring of ranks ±1): a silent rank is found by its neighbours on that ring, a
+//! closed link on any link, and no rank sends or hears more heartbeats than in a star.
 //!
 //! Two decisions of a failed call live here too: what it tells the others ([`report_frame`])
 //! and whether its lost-link error gives way to the recorded cause ([`is_cause`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::base::error::{Error, FailureKind};
@@ -74,13 +84,44 @@ struct Peer {
     heard: bool,
     /// Closed, lost or said goodbye: no longer watched.
     done: bool,
+    /// Heartbeats go both ways over this connection (and its silence loses the peer).
+    beats: bool,
+}
+
+/// What makes two failure frames the same failure, for passing each on once: the lost rank
+/// for a lost peer (whoever saw it), else the origin, kind and message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Seen {
+    Lost(u32),
+    Other(u32, u8, String),
+}
+
+impl Seen {
+    fn of(f: &Frame) -> Option<Seen> {
+        match f {
+            Frame::Fail {
+                kind: FailureKind::PeerLost,
+                peer: Some(p),
+                ..
+            } => Some(Seen::Lost(*p)),
+            Frame::Fail {
+                origin, kind, msg, ..
+            } => Some(Seen::Other(*origin, kind.code(), msg.clone())),
+            _ => None,
+        }
+    }
 }
 
 /// The watchdog's state; see the module documentation. Connections are named by their index
 /// in the `peers` given to [`Watch::new`].
 #[derive(Debug)]
 pub(crate) struct Watch {
-    is_root: bool,
+    rank: usize,
+    /// Whether this rank passes on the failures it sees or hears of (rank 0 of a star; every
+    /// rank of a graph).
+    relay: bool,
+    /// The failures already recorded and passed on (see [`Seen`]).
+    seen: HashSet<Seen>,
     heartbeat: Option<Duration>,
     first_heard: Duration,
     period: Duration,
@@ -96,9 +137,9 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    /// The state of `rank`'s watchdog over connections to `peers` (for rank 0 one per other
-    /// rank, for the others rank 0), all seen alive at `now`; the first heartbeat is due at
-    /// `now`.
+    /// The state of `rank`'s watchdog over connections to `peers` (in a star: for rank 0 one
+    /// per other rank, for the others rank 0; rank 0 passes failures on), all seen alive at
+    /// `now`; the first heartbeat is due at `now`. A peer may have more than one connection.
     pub(crate) fn new(
         rank: usize,
         peers: &[usize],
@@ -106,7 +147,9 @@ impl Watch {
         now: Instant,
     ) -> Watch {
         Watch {
-            is_root: rank == 0,
+            rank,
+            relay: rank == 0,
+            seen: HashSet::new(),
             heartbeat: settings.heartbeat,
             first_heard: settings.first_heard,
             period: settings.period(),
@@ -119,6 +162,7 @@ impl Watch {
                     last_seen: now,
                     heard: false,
                     done: false,
+                    beats: true,
                 })
                 .collect(),
             queue: VecDeque::new(),
@@ -126,6 +170,17 @@ impl Watch {
             lost: Vec::new(),
             received: Vec::new(),
         }
+    }
+
+    /// This watchdog's connections are a graph, not a star: every rank passes failures on
+    /// (see the module documentation), and heartbeats go over connection `i` only where
+    /// `beats[i]` (all of them where `beats` is shorter).
+    pub(crate) fn relaying(mut self, beats: &[bool]) -> Watch {
+        self.relay = true;
+        for (p, &b) in self.peers.iter_mut().zip(beats) {
+            p.beats = b;
+        }
+        self
     }
 
     /// True while connection `conn` is watched (read, polled, sent to).
@@ -148,6 +203,8 @@ impl Watch {
 
     /// Queues this rank's failure report (see [`report_frame`]) to every watched peer.
     pub(crate) fn report(&mut self, f: Frame) {
+        // Its echo from the graph is not passed on again.
+        self.seen.extend(Seen::of(&f));
         self.broadcast(f, Kind::Own, None);
     }
 
@@ -171,8 +228,10 @@ impl Watch {
         loop {
             let b = self.queue.front_mut()?;
             let peers = &self.peers;
-            let found =
-                (b.next..peers.len()).find(|&i| !peers[i].done && Some(peers[i].peer) != b.skip);
+            let beat = matches!(b.frame, Frame::Heartbeat);
+            let found = (b.next..peers.len()).find(|&i| {
+                !peers[i].done && Some(peers[i].peer) != b.skip && (peers[i].beats || !beat)
+            });
             match found {
                 Some(i) => {
                     b.next = i + 1;
@@ -259,7 +318,7 @@ impl Watch {
             }
         }
         p.buf.drain(..used.min(p.buf.len()));
-        if let Some(h) = self.heartbeat {
+        if let (Some(h), true) = (self.heartbeat, p.beats) {
             let silent = now.saturating_duration_since(p.last_seen);
             let limit = if p.heard { h } else { h.max(self.first_heard) };
             if !p.done && silent > limit {
@@ -272,27 +331,20 @@ impl Watch {
         }
     }
 
-    /// Ends a round: the failures it found, in order (lost peers, then failures reported by
-    /// others), for the caller to record; on rank 0 it also queues them to the other peers.
+    /// Ends a round: the failures it found, in order (failures reported by others, then lost
+    /// peers: a peer that passed a failure on and then exited was not the cause; each failure
+    /// once), for the caller to record; a relaying rank (rank 0 of a star, every rank of a
+    /// graph) also queues them to the other peers, each failure once. The caller sends what
+    /// is queued before it records the failures (a rank that fails may exit at once).
     pub(crate) fn end_round(&mut self) -> Vec<Failure> {
         let mut out = Vec::new();
-        for (peer, reason) in std::mem::take(&mut self.lost) {
-            if self.is_root {
-                let msg = format!("rank 0 lost rank {peer}: {reason}");
-                self.broadcast(
-                    Frame::Fail {
-                        origin: 0,
-                        kind: FailureKind::PeerLost,
-                        peer: Some(peer as u32),
-                        msg,
-                    },
-                    Kind::Relay,
-                    Some(peer),
-                );
-            }
-            out.push(Failure::Lost { peer, reason });
-        }
         for (from, f) in std::mem::take(&mut self.received) {
+            if let Some(key) = Seen::of(&f) {
+                if !self.seen.insert(key) {
+                    // Heard before (by another path of the graph, or its own report's echo).
+                    continue;
+                }
+            }
             if let Frame::Fail {
                 origin,
                 kind,
@@ -311,10 +363,26 @@ impl Watch {
                         msg: msg.clone(),
                     },
                 });
-                if self.is_root {
+                if self.relay {
                     self.broadcast(f, Kind::Relay, Some(from));
                 }
             }
+        }
+        for (peer, reason) in std::mem::take(&mut self.lost) {
+            if self.relay && self.seen.insert(Seen::Lost(peer as u32)) {
+                let msg = format!("rank {} lost rank {peer}: {reason}", self.rank);
+                self.broadcast(
+                    Frame::Fail {
+                        origin: self.rank as u32,
+                        kind: FailureKind::PeerLost,
+                        peer: Some(peer as u32),
+                        msg,
+                    },
+                    Kind::Relay,
+                    Some(peer),
+                );
+            }
+            out.push(Failure::Lost { peer, reason });
         }
         out
     }
@@ -574,6 +642,134 @@ mod tests {
             }]
         );
         assert!(flush(&mut w, |_| true).is_empty());
+    }
+
+    /// Over a graph every rank passes each failure on once, to every connection but the
+    /// sender's: a frame heard again (by another path, or its own report's echo) is neither
+    /// recorded nor passed on; a lost peer is one failure whoever saw it.
+    #[test]
+    fn in_a_graph_every_rank_passes_each_failure_on_once() {
+        let t0 = Instant::now();
+        // Rank 2's links: to 1, two to 3 (it sends to and hears from 3), to 0.
+        let mut w = Watch::new(2, &[1, 3, 3, 0], settings(), t0).relaying(&[]);
+        let mismatch = fail_frame(1, FailureKind::Mismatch, None, "rank 1: mismatch");
+        w.handle_data(0, &mismatch.encode(), t0);
+        w.input_done(0, t0);
+        assert_eq!(w.end_round().len(), 1);
+        assert_eq!(
+            flush(&mut w, |_| true),
+            [
+                (1, mismatch.clone()),
+                (2, mismatch.clone()),
+                (3, mismatch.clone())
+            ]
+        );
+        // The same failure again, from rank 0: already passed on.
+        w.handle_data(3, &mismatch.encode(), t0);
+        w.input_done(3, t0);
+        assert!(w.end_round().is_empty());
+        assert!(flush(&mut w, |_| true).is_empty());
+        // Rank 3 closes one of its links: lost, told to all but rank 3's links.
+        w.handle_closed(1);
+        w.input_done(1, t0);
+        let reason = "its process exited or its connection closed".to_string();
+        assert_eq!(
+            w.end_round(),
+            [Failure::Lost {
+                peer: 3,
+                reason: reason.clone()
+            }]
+        );
+        let told = fail_frame(
+            2,
+            FailureKind::PeerLost,
+            Some(3),
+            &format!("rank 2 lost rank 3: {reason}"),
+        );
+        assert_eq!(flush(&mut w, |_| true), [(0, told.clone()), (3, told)]);
+        // Rank 0 saw it too: the same failure, not passed on again.
+        let also = fail_frame(
+            0,
+            FailureKind::PeerLost,
+            Some(3),
+            "rank 0 lost rank 3: gone",
+        );
+        w.handle_data(3, &also.encode(), t0);
+        w.input_done(3, t0);
+        assert!(w.end_round().is_empty());
+        assert!(flush(&mut w, |_| true).is_empty());
+        // This rank's own report goes everywhere; its echo stops here.
+        let e = Error::Aborted {
+            rank: 2,
+            msg: "rank 2 called abort()".into(),
+        };
+        let f = report_frame(2, &e).expect("a local failure is reported");
+        w.report(f.clone());
+        assert_eq!(
+            flush(&mut w, |_| true).len(),
+            3,
+            "to 1, the second link to 3, 0"
+        );
+        w.handle_data(0, &f.encode(), t0);
+        w.input_done(0, t0);
+        assert!(w.end_round().is_empty());
+        assert!(flush(&mut w, |_| true).is_empty());
+    }
+
+    /// In a graph, heartbeats go over the beating connections only, and only their silence
+    /// loses a peer; a closed connection is lost on any.
+    #[test]
+    fn in_a_graph_heartbeats_go_over_the_ring_only() {
+        let t0 = Instant::now();
+        let mut w =
+            Watch::new(4, &[3, 5, 2, 6], settings(), t0).relaying(&[true, true, false, false]);
+        w.handle_timeout(t0);
+        assert_eq!(
+            flush(&mut w, |_| true),
+            [(0, Frame::Heartbeat), (1, Frame::Heartbeat)]
+        );
+        let late = t0 + HB + Duration::from_millis(1);
+        w.handle_data(0, &Frame::Heartbeat.encode(), late);
+        for i in 0..4 {
+            w.input_done(i, late);
+        }
+        let lost: Vec<usize> = w
+            .end_round()
+            .iter()
+            .map(|f| match f {
+                Failure::Lost { peer, .. } => *peer,
+                _ => usize::MAX,
+            })
+            .collect();
+        assert_eq!(
+            lost,
+            [5],
+            "silent on the ring: lost; silent elsewhere: fine"
+        );
+        w.handle_closed(3);
+        w.input_done(3, late);
+        assert_eq!(w.end_round().len(), 1, "a closed link is lost anywhere");
+    }
+
+    /// A peer that passes a failure on and then exits (its report, then its connection
+    /// closed, in one read): the failure it reported comes first, not its loss.
+    #[test]
+    fn a_report_then_a_close_puts_the_report_first() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(1, &[0], settings(), t0);
+        let f = fail_frame(
+            0,
+            FailureKind::PeerLost,
+            Some(3),
+            "rank 0 lost rank 3: gone",
+        );
+        w.handle_data(0, &f.encode(), t0);
+        w.handle_closed(0);
+        w.input_done(0, t0);
+        let got = w.end_round();
+        assert_eq!(got.len(), 2);
+        assert!(matches!(got[0], Failure::Lost { peer: 3, .. }), "{got:?}");
+        assert!(matches!(got[1], Failure::Lost { peer: 0, .. }), "{got:?}");
     }
 
     #[test]
