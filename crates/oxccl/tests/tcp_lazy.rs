@@ -158,9 +158,9 @@ fn lines(kids: Vec<Child>) -> Vec<Option<String>> {
 }
 
 /// Each rank's (sockets before any call, after a ring all-reduce, after everything).
-fn check_run(connect: &str) -> Vec<(usize, usize, usize)> {
+fn check_run(connect: &str, extra: &[(&str, String)]) -> Vec<(usize, usize, usize)> {
     let n = 4;
-    lines(spawn(n, "check", connect, &[]))
+    lines(spawn(n, "check", connect, extra))
         .into_iter()
         .enumerate()
         .map(|(r, l)| {
@@ -176,9 +176,22 @@ fn check_run(connect: &str) -> Vec<(usize, usize, usize)> {
 
 #[test]
 fn every_collective_is_right_and_only_needed_links_are_made() {
-    let lazy = check_run("lazy");
-    let eager = check_run("eager");
-    for (r, (&(l0, l1, l2), &(e0, e1, e2))) in lazy.iter().zip(&eager).enumerate() {
+    let lazy = check_run("lazy", &[]);
+    let eager = check_run("eager", &[]);
+    lazy_against_eager(&lazy, &eager);
+}
+
+#[test]
+fn auto_is_eager_in_a_small_group_and_lazy_above_the_threshold() {
+    // 4 ranks: eager under the default threshold (64), lazy with it at 3.
+    let eager = check_run("auto", &[]);
+    let lazy = check_run("auto", &[("OXCCL_TCP_LAZY_MIN_RANKS", "3".into())]);
+    lazy_against_eager(&lazy, &eager);
+}
+
+/// Socket counts (see [`check_run`]) of a lazy run against an eager one.
+fn lazy_against_eager(lazy: &[(usize, usize, usize)], eager: &[(usize, usize, usize)]) {
+    for (r, (&(l0, l1, l2), &(e0, e1, e2))) in lazy.iter().zip(eager).enumerate() {
         // Eager: all 3 links at init, nothing later.
         assert_eq!(
             (e1, e2),
@@ -264,7 +277,7 @@ fn cost_child() {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "COST rank {r} connect {} coll {coll} bytes {bytes} init_ms {:.2} first_ms {:.3} to_first_ms {:.2} sockets_init {s_init} sockets_first {s_first} steady_us {:.1}",
-        std::env::var("OXCCL_TCP_CONNECT").unwrap_or_else(|_| "eager".into()),
+        std::env::var("OXCCL_TCP_CONNECT").unwrap_or_else(|_| "auto".into()),
         ms(init),
         ms(first),
         ms(to_first),
@@ -285,7 +298,7 @@ fn threads<T: Send>(n: usize, f: impl Fn(usize, Communicator) -> T + Sync) -> Ve
                     let cfg = oxccl::Config {
                         timeout: Duration::from_secs(20),
                         transport: oxccl::TransportChoice::Tcp,
-                        tcp_lazy: true,
+                        tcp_connect: oxccl::TcpConnect::Lazy,
                         ..oxccl::Config::default()
                     };
                     f(r, Communicator::init_with_config(&id, r, n, cfg).unwrap())
