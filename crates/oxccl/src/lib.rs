@@ -57,7 +57,7 @@ pub use base::error::{blamed_rank, explain_os_error, rank_list, Error, FailureKi
 pub use base::mem::check_fits;
 pub use base::op::ReduceOp;
 pub use base::param::table as params;
-pub use base::param::{parse_bytes, Config, Rates, TransportChoice, Tuning};
+pub use base::param::{parse_bytes, Config, Rates, TcpConnect, TransportChoice, Tuning};
 pub use base::wait::{spin_until, WAIT_SPIN};
 pub use bootstrap::{default_ip, local_host_id, UniqueId};
 pub use comm::check;

@@ -87,7 +87,11 @@ fn run_connecting(host_of: &[usize], streams: usize, lazy: bool) {
                         std::process::id()
                     )),
                     tcp_streams: streams,
-                    tcp_lazy: lazy,
+                    tcp_connect: if lazy {
+                        oxccl::TcpConnect::Lazy
+                    } else {
+                        oxccl::TcpConnect::Eager
+                    },
                     chunk_bytes: 8192,
                     ..Config::default()
                 };

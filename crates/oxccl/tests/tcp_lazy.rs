@@ -73,6 +73,28 @@ fn lazy_child() {
                 .expect_err("an all-reduce with a dead rank completed");
             println!("CHILD {r} ERR {} ms {e}", start.elapsed().as_millis());
         }
+        "any_kill" => {
+            // Rank 1 receives from any source before any link is made; the others send to
+            // it, and the victim dies first.
+            let victim: usize = std::env::var("OXCCL_LAZY_VICTIM").unwrap().parse().unwrap();
+            if r == victim {
+                std::thread::sleep(Duration::from_millis(300));
+                std::process::abort();
+            }
+            let start = Instant::now();
+            if r == 1 {
+                let mut b = [0u32; 1];
+                let e = comm
+                    .recv_any(&mut b, 0)
+                    .expect_err("a receive from any source with a dead rank completed");
+                println!("CHILD {r} ERR {} ms {e}", start.elapsed().as_millis());
+            } else {
+                // Then stays (the barrier fails with the victim gone): a rank that leaves
+                // early would take the watchdog's news with it.
+                let res = comm.send(&[r as u32], 1).and_then(|()| comm.barrier());
+                println!("CHILD {r} SENT {} ms {res:?}", start.elapsed().as_millis());
+            }
+        }
         m => panic!("unknown mode {m}"),
     }
 }
@@ -136,9 +158,9 @@ fn lines(kids: Vec<Child>) -> Vec<Option<String>> {
 }
 
 /// Each rank's (sockets before any call, after a ring all-reduce, after everything).
-fn check_run(connect: &str) -> Vec<(usize, usize, usize)> {
+fn check_run(connect: &str, extra: &[(&str, String)]) -> Vec<(usize, usize, usize)> {
     let n = 4;
-    lines(spawn(n, "check", connect, &[]))
+    lines(spawn(n, "check", connect, extra))
         .into_iter()
         .enumerate()
         .map(|(r, l)| {
@@ -154,9 +176,22 @@ fn check_run(connect: &str) -> Vec<(usize, usize, usize)> {
 
 #[test]
 fn every_collective_is_right_and_only_needed_links_are_made() {
-    let lazy = check_run("lazy");
-    let eager = check_run("eager");
-    for (r, (&(l0, l1, l2), &(e0, e1, e2))) in lazy.iter().zip(&eager).enumerate() {
+    let lazy = check_run("lazy", &[]);
+    let eager = check_run("eager", &[]);
+    lazy_against_eager(&lazy, &eager);
+}
+
+#[test]
+fn auto_is_eager_in_a_small_group_and_lazy_above_the_threshold() {
+    // 4 ranks: eager under the default threshold (64), lazy with it at 3.
+    let eager = check_run("auto", &[]);
+    let lazy = check_run("auto", &[("OXCCL_TCP_LAZY_MIN_RANKS", "3".into())]);
+    lazy_against_eager(&lazy, &eager);
+}
+
+/// Socket counts (see [`check_run`]) of a lazy run against an eager one.
+fn lazy_against_eager(lazy: &[(usize, usize, usize)], eager: &[(usize, usize, usize)]) {
+    for (r, (&(l0, l1, l2), &(e0, e1, e2))) in lazy.iter().zip(eager).enumerate() {
         // Eager: all 3 links at init, nothing later.
         assert_eq!(
             (e1, e2),
@@ -242,7 +277,7 @@ fn cost_child() {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "COST rank {r} connect {} coll {coll} bytes {bytes} init_ms {:.2} first_ms {:.3} to_first_ms {:.2} sockets_init {s_init} sockets_first {s_first} steady_us {:.1}",
-        std::env::var("OXCCL_TCP_CONNECT").unwrap_or_else(|_| "eager".into()),
+        std::env::var("OXCCL_TCP_CONNECT").unwrap_or_else(|_| "auto".into()),
         ms(init),
         ms(first),
         ms(to_first),
@@ -263,7 +298,7 @@ fn threads<T: Send>(n: usize, f: impl Fn(usize, Communicator) -> T + Sync) -> Ve
                     let cfg = oxccl::Config {
                         timeout: Duration::from_secs(20),
                         transport: oxccl::TransportChoice::Tcp,
-                        tcp_lazy: true,
+                        tcp_connect: oxccl::TcpConnect::Lazy,
                         ..oxccl::Config::default()
                     };
                     f(r, Communicator::init_with_config(&id, r, n, cfg).unwrap())
@@ -275,7 +310,7 @@ fn threads<T: Send>(n: usize, f: impl Fn(usize, Communicator) -> T + Sync) -> Ve
 }
 
 #[test]
-fn point_to_point_makes_the_links_it_names_and_recv_any_needs_them_all() {
+fn point_to_point_makes_the_links_it_names() {
     threads(3, |r, comm| {
         // Before any call: a send and a receive between ranks 1 and 2 make their link.
         match r {
@@ -285,16 +320,7 @@ fn point_to_point_makes_the_links_it_names_and_recv_any_needs_them_all() {
                 comm.recv(&mut got, 1).unwrap();
                 assert_eq!(got, [7, 8, 9]);
             }
-            _ => {
-                // Rank 0 has no link yet: a receive from any source is a clear error, and
-                // the communicator goes on.
-                let mut b = [0u32; 1];
-                let e = comm.recv_any(&mut b, 5).unwrap_err().to_string();
-                assert!(
-                    e.contains("OXCCL_TCP_CONNECT") && e.contains("rank(s) [1, 2]"),
-                    "{e}"
-                );
-            }
+            _ => {}
         }
         // An all-to-all makes every link; then any source works.
         let send: Vec<u32> = (0..3).map(|p| (r * 10 + p) as u32).collect();
@@ -319,4 +345,64 @@ fn point_to_point_makes_the_links_it_names_and_recv_any_needs_them_all() {
         // Nobody leaves (closing its links) before rank 0 has read from it.
         comm.barrier().unwrap();
     });
+}
+
+#[test]
+fn recv_any_makes_every_missing_link() {
+    threads(4, |r, comm| {
+        // Rank 1 receives from any source before any link is made: it dials rank 0 (whose
+        // send waits for that dial) and adopts ranks 2 and 3's dials (their sends dial it).
+        if r == 1 {
+            let mut from = Vec::new();
+            for _ in 0..3 {
+                let mut b = [0u32; 1];
+                from.push(comm.recv_any(&mut b, 7).unwrap());
+                assert_eq!(b[0] as usize, from[from.len() - 1] * 100);
+            }
+            from.sort_unstable();
+            assert_eq!(from, [0, 2, 3]);
+        } else {
+            comm.send_tagged(&[(r * 100) as u32], 1, 7).unwrap();
+        }
+        // Then rank 2's receive from any source lacks the links to 0 and 3 only (1's made).
+        if r == 2 {
+            let mut from = Vec::new();
+            for _ in 0..3 {
+                let mut b = [0u32; 1];
+                from.push(comm.recv_any(&mut b, 8).unwrap());
+                assert_eq!(b[0] as usize, from[from.len() - 1] + 1);
+            }
+            from.sort_unstable();
+            assert_eq!(from, [0, 1, 3]);
+        } else {
+            comm.send_tagged(&[(r + 1) as u32], 2, 8).unwrap();
+        }
+        // Nobody leaves (closing its links) before the receivers have read from it.
+        comm.barrier().unwrap();
+    });
+}
+
+fn recv_any_with_a_dead_rank(victim: usize) {
+    let got = lines(spawn(
+        3,
+        "any_kill",
+        "lazy",
+        &[("OXCCL_LAZY_VICTIM", victim.to_string())],
+    ));
+    let l = got[1].as_ref().expect("rank 1 printed no error");
+    eprintln!("{l}");
+    let ms: u64 = l.split_whitespace().nth(3).unwrap().parse().unwrap();
+    // Well within the 30 s timeout, and naming the dead rank.
+    assert!(ms < 15_000, "{l}");
+    assert!(l.contains(&format!("rank {victim}")), "{l}");
+}
+
+#[test]
+fn recv_any_fails_when_a_higher_rank_it_awaits_is_dead() {
+    recv_any_with_a_dead_rank(2);
+}
+
+#[test]
+fn recv_any_fails_when_a_lower_rank_it_dials_is_dead() {
+    recv_any_with_a_dead_rank(0);
 }

@@ -181,7 +181,10 @@ impl Communicator {
 
     /// Makes the TCP links a point-to-point group needs that are not made yet
     /// (`OXCCL_TCP_CONNECT=lazy`): those to the peers it names. A receive from any source
-    /// reads from every rank, so it needs every link made already.
+    /// reads from every rank, so it makes every TCP link this rank lacks: it dials every lower
+    /// peer without one and adopts every higher one's dial, and so waits (until the call's
+    /// deadline) until each of those peers is in a call that needs its link to this rank
+    /// (a send here, say).
     fn connect_p2p(
         &self,
         lazy: &mut LazyTcp,
@@ -193,23 +196,15 @@ impl Communicator {
         let any = ops
             .iter()
             .any(|op| matches!(op, P2pOp::Recv { peer: None, .. }));
-        if any && !lazy.all_made() {
-            let missing = lazy.missing(lazy.peers());
-            return Err(self.bad(
-                name,
-                seq,
-                format!(
-                    "a receive from any source reads from every rank, and with OXCCL_TCP_CONNECT=lazy \
-                     the TCP links to rank(s) {} are not made yet: set OXCCL_TCP_CONNECT=eager",
-                    crate::base::error::rank_list(&missing)
-                ),
-            ));
-        }
         let named = ops.iter().filter_map(|op| match op {
             P2pOp::Send { peer, .. } => Some(*peer),
             P2pOp::Recv { peer, .. } => *peer,
         });
-        let need = lazy.missing(named);
+        let need = if any {
+            lazy.missing(lazy.peers())
+        } else {
+            lazy.missing(named)
+        };
         if need.is_empty() {
             return Ok(Vec::new());
         }

@@ -11,6 +11,30 @@ pub mod table;
 
 pub use table::parse_bytes;
 
+/// When TCP links are made (`OXCCL_TCP_CONNECT`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TcpConnect {
+    /// Every TCP link at init (O(n) sockets per rank, any point-to-point pattern at once).
+    Eager,
+    /// A link when a call first needs it (NCCL's connect on first use).
+    Lazy,
+    /// [`TcpConnect::Lazy`] in communicators of more than `OXCCL_TCP_LAZY_MIN_RANKS` ranks,
+    /// else [`TcpConnect::Eager`] (the default).
+    Auto,
+}
+
+impl TcpConnect {
+    /// Whether a communicator of `ranks` ranks makes its links on first use, `min_ranks`
+    /// being `OXCCL_TCP_LAZY_MIN_RANKS`.
+    pub fn lazy_for(self, ranks: usize, min_ranks: usize) -> bool {
+        match self {
+            TcpConnect::Eager => false,
+            TcpConnect::Lazy => true,
+            TcpConnect::Auto => ranks > min_ranks,
+        }
+    }
+}
+
 /// Which transport to use between ranks of one host.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum TransportChoice {
@@ -142,10 +166,12 @@ pub struct Config {
     /// `OXCCL_TCP_STREAMS`: TCP connections per pair of ranks on different hosts, striped.
     /// Default 1.
     pub tcp_streams: usize,
-    /// `OXCCL_TCP_CONNECT=lazy`: a TCP link is made when a call first needs it (NCCL's
-    /// connect on first use) instead of every one at init (`eager`, the default). Rank 0's
-    /// choice holds for every rank (it rides in the TCP transport's port exchange).
-    pub tcp_lazy: bool,
+    /// `OXCCL_TCP_CONNECT`: when TCP links are made ([`TcpConnect`]; default `auto`). Rank
+    /// 0's choice holds for every rank (it rides in the TCP transport's port exchange).
+    pub tcp_connect: TcpConnect,
+    /// `OXCCL_TCP_LAZY_MIN_RANKS`: [`TcpConnect::Auto`] makes links on first use in
+    /// communicators of more ranks than this. Default 64.
+    pub tcp_lazy_min_ranks: usize,
     /// `OXCCL_TCP_DEAD_AFTER` (seconds): a TCP peer that acknowledges nothing for this long
     /// (sent data, or keepalive probes on an idle connection) is lost. Default 20 s; 0 leaves
     /// the kernel's defaults (minutes).
@@ -202,7 +228,8 @@ impl Default for Config {
             net_lat_us: None,
             rates: None,
             tcp_streams: 1,
-            tcp_lazy: false,
+            tcp_connect: TcpConnect::Auto,
+            tcp_lazy_min_ranks: 64,
             tcp_dead_after: Duration::from_secs(20),
             startup_report: Some(Duration::from_secs(10)),
             rendezvous_refused: Duration::from_secs(60),
@@ -541,7 +568,14 @@ impl Config {
             c.tcp_streams = usize::try_from(k).unwrap_or(1);
         }
         if let Some(w) = TCP_CONNECT.choice()? {
-            c.tcp_lazy = w == "lazy";
+            c.tcp_connect = match w {
+                "eager" => TcpConnect::Eager,
+                "lazy" => TcpConnect::Lazy,
+                _ => TcpConnect::Auto,
+            };
+        }
+        if let Some(k) = TCP_LAZY_MIN_RANKS.count()? {
+            c.tcp_lazy_min_ranks = usize::try_from(k).unwrap_or(usize::MAX);
         }
         if let Some(t) = TCP_DEAD_AFTER.seconds()? {
             c.tcp_dead_after = t;

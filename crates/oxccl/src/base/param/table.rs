@@ -411,10 +411,19 @@ pub const TCP_STREAMS: Param = p(
 /// `OXCCL_TCP_CONNECT`.
 pub const TCP_CONNECT: Param = p(
     "OXCCL_TCP_CONNECT",
-    Kind::Enum(&["eager", "lazy"]),
-    "eager",
+    Kind::Enum(&["auto", "eager", "lazy"]),
+    "auto",
     Comm,
-    "eager: every TCP link is made at init; lazy: when a call first needs it",
+    "eager: every TCP link is made at init; lazy: when a call first needs it; auto: lazy \
+     above OXCCL_TCP_LAZY_MIN_RANKS ranks, else eager",
+);
+/// `OXCCL_TCP_LAZY_MIN_RANKS`.
+pub const TCP_LAZY_MIN_RANKS: Param = p(
+    "OXCCL_TCP_LAZY_MIN_RANKS",
+    count(1, 1 << 24),
+    "64",
+    Comm,
+    "OXCCL_TCP_CONNECT=auto makes TCP links on first use in communicators of more ranks than this",
 );
 /// `OXCCL_TCP_DEAD_AFTER` (keepalive idle time is half of it, and Linux takes at most
 /// 32767 s).
@@ -680,6 +689,7 @@ pub const PARAMS: &[Param] = &[
     P2P_STASH_BYTES,
     TCP_STREAMS,
     TCP_CONNECT,
+    TCP_LAZY_MIN_RANKS,
     NET_GBPS,
     NET_LAT_US,
     DEBUG,

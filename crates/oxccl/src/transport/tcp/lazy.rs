@@ -24,7 +24,7 @@
 //! errors name this rank, the peer, the call and its sequence number.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -237,7 +237,7 @@ impl LazyTcp {
                 let (dials, cancel, dial_first) = (&dials, &cancel, &dial_first);
                 scope.spawn(move || {
                     let halt = || cancel.load(Ordering::SeqCst) || stop().is_some();
-                    let r = dial_all(me, dials, streams, &secret, tag, deadline, &halt, call, seq);
+                    let r = dial_each(me, dials, streams, &secret, tag, deadline, &halt, call, seq);
                     if r.is_err() && !cancel.swap(true, Ordering::SeqCst) {
                         dial_first.store(true, Ordering::SeqCst);
                     }
@@ -420,6 +420,84 @@ impl Admit for Adopter<'_> {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Dials the peers of `dials` at once, one thread each (a receive from any source dials
+/// every lower peer, and each handshake waits until that peer accepts: in turn, a peer that
+/// comes late would hold up the others); see [`dial_all`].
+#[allow(clippy::too_many_arguments)]
+fn dial_each(
+    me: usize,
+    dials: &[(usize, SocketAddr)],
+    streams: usize,
+    secret: &[u8; 16],
+    tag: u64,
+    deadline: Instant,
+    halt: &(dyn Fn() -> bool + Sync),
+    call: &'static str,
+    seq: u64,
+) -> Result<Vec<(usize, TcpStream)>> {
+    if dials.len() <= 1 {
+        return dial_all(me, dials, streams, secret, tag, deadline, halt, call, seq);
+    }
+    // The index of the first dial to fail (its error is the cause; the others were stopped).
+    let first = AtomicUsize::new(usize::MAX);
+    let results: Vec<Result<Vec<(usize, TcpStream)>>> = std::thread::scope(|scope| {
+        let hs: Vec<_> = dials
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let first = &first;
+                scope.spawn(move || {
+                    let halt = || first.load(Ordering::SeqCst) != usize::MAX || halt();
+                    let r = dial_all(
+                        me,
+                        std::slice::from_ref(d),
+                        streams,
+                        secret,
+                        tag,
+                        deadline,
+                        &halt,
+                        call,
+                        seq,
+                    );
+                    if r.is_err() {
+                        let _ = first.compare_exchange(
+                            usize::MAX,
+                            i,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
+                    }
+                    r
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Aborted {
+                        rank: me,
+                        msg: format!("{call} (call #{seq}): a TCP dial thread panicked"),
+                    })
+                })
+            })
+            .collect()
+    });
+    let first = first.load(Ordering::SeqCst);
+    let mut out = Vec::with_capacity(dials.len() * streams);
+    let mut cause = None;
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(c) => out.extend(c),
+            Err(e) if i == first || cause.is_none() => cause = Some(e),
+            Err(_) => {}
+        }
+    }
+    match cause {
+        Some(e) => Err(e),
+        None => Ok(out),
     }
 }
 

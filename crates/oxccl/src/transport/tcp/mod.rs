@@ -518,7 +518,8 @@ fn exchange_ports(ex: &mut dyn Exchange, peers: &[(usize, IpAddr)], cfg: &Config
     let streams = cfg.tcp_streams.max(1);
     let mut mine = encode_blob(listen_addr, &ranks);
     mine.extend_from_slice(&(streams as u32).to_le_bytes());
-    mine.push(cfg.tcp_lazy.into());
+    // This rank's choice for a communicator of `n` ranks; rank 0's is the one that holds.
+    mine.push(cfg.tcp_connect.lazy_for(n, cfg.tcp_lazy_min_ranks).into());
     let all = ex.allgather(&mine)?;
     if all.len() != n {
         return Err(Error::Protocol {

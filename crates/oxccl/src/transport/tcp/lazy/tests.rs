@@ -2,7 +2,7 @@
 //! needs, and links made by subsets in different orders (threads as ranks, loopback).
 
 use super::*;
-use crate::base::param::Config;
+use crate::base::param::{Config, TcpConnect};
 use crate::bootstrap::local::LocalExchange;
 use crate::bootstrap::Exchange;
 use crate::transport::tcp::{setup, Setup};
@@ -15,7 +15,7 @@ const LO: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 fn cfg(timeout_ms: u64) -> Config {
     Config {
         timeout: Duration::from_millis(timeout_ms),
-        tcp_lazy: true,
+        tcp_connect: TcpConnect::Lazy,
         ..Config::default()
     }
 }
@@ -209,7 +209,11 @@ fn rank_zeros_choice_holds() {
             s.spawn(move || {
                 let me = ex.rank();
                 let c = Config {
-                    tcp_lazy: me == 0,
+                    tcp_connect: if me == 0 {
+                        TcpConnect::Lazy
+                    } else {
+                        TcpConnect::Eager
+                    },
                     ..cfg(20_000)
                 };
                 let got = setup(&mut ex, &all_peers(me, 2), &SECRET, &c).unwrap();
@@ -299,5 +303,31 @@ fn a_failed_communicator_stops_both_sides_of_the_wait() {
             } => {}
             e => panic!("rank {me}: {e}"),
         }
+    }
+}
+
+#[test]
+fn auto_is_lazy_above_the_threshold_only() {
+    assert!(!TcpConnect::Auto.lazy_for(64, 64));
+    assert!(TcpConnect::Auto.lazy_for(65, 64));
+    assert!(TcpConnect::Lazy.lazy_for(2, 64));
+    assert!(!TcpConnect::Eager.lazy_for(1000, 64));
+    // Through the port exchange: with the threshold at 2, a group of 2 connects at init and
+    // a group of 3 on first use.
+    for (n, lazy) in [(2, false), (3, true)] {
+        thread::scope(|s| {
+            for mut ex in LocalExchange::group(n) {
+                s.spawn(move || {
+                    let me = ex.rank();
+                    let c = Config {
+                        tcp_connect: TcpConnect::Auto,
+                        tcp_lazy_min_ranks: 2,
+                        ..cfg(20_000)
+                    };
+                    let got = setup(&mut ex, &all_peers(me, n), &SECRET, &c).unwrap();
+                    assert_eq!(matches!(got, Setup::Later(_)), lazy, "rank {me} of {n}");
+                });
+            }
+        });
     }
 }
