@@ -666,7 +666,9 @@ mod tests {
     #[test]
     fn every_length() {
         for fmt in [BF16, F16] {
-            for n in [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 1000, 4099] {
+            // 8300: the bf16 kernel prefetches 8 KiB ahead, so only calls of more than 4160
+            // elements run its prefetching steps (and stop them before the end).
+            for n in [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 1000, 4099, 8300] {
                 let x: Vec<u16> = (0..n as u32)
                     .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16 & 0x7fff | 0x3000)
                     .collect();

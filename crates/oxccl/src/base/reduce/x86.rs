@@ -171,6 +171,13 @@ const INTERLEAVE: [i16; 32] = {
     w
 };
 
+/// How far ahead of the bf16 kernel its operands are prefetched, in bytes. Where they come
+/// from the last-level cache or memory (the single-copy all_reduce folds 256 KiB chunks of two
+/// buffers far larger than the core's caches), the kernel's ten vector instructions per 64
+/// bytes leave too few of its loads in flight to hide their latency, and the fold ran at about
+/// 0.75 of f32's speed per byte; see docs/algorithms.md.
+const PREFETCH: usize = 8192;
+
 /// bf16 `d[i] = x[i] ⊕ s[i]` for the first `n / 32 * 32` elements; returns that count.
 ///
 /// Each 64-byte block is split without shuffles into its even elements (shifted up to f32)
@@ -249,11 +256,28 @@ pub(super) unsafe fn reduce512bf16<const OP: u8>(
             }
         }};
     }
+    // Requests the two cache lines of each operand `PREFETCH` bytes past element `i` (while
+    // they lie within the first n).
+    macro_rules! prefetch {
+        ($i:expr) => {{
+            if 2 * $i + PREFETCH + 128 <= 2 * n {
+                // SAFETY: within the first n elements (checked just above), which the caller
+                // guarantees readable at `x` and `s`; a prefetch reads nothing architecturally.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(x.add(2 * $i + PREFETCH).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(x.add(2 * $i + PREFETCH + 64).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(s.add(2 * $i + PREFETCH).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(s.add(2 * $i + PREFETCH + 64).cast());
+                }
+            }
+        }};
+    }
     let mut i = 0;
     if OP == SUM {
         // Two blocks a step, one test of both for a zero exponent (rare) before interleaving.
         let pairs = n / 64 * 64;
         while i < pairs {
+            prefetch!(i);
             let (e0, o0) = halves!(i);
             let (e1, o1) = halves!(i + 32);
             let (h0, h1) = (convert!(e0, o0), convert!(e1, o1));
@@ -276,6 +300,9 @@ pub(super) unsafe fn reduce512bf16<const OP: u8>(
         }
     }
     while i < whole {
+        if i % 64 == 0 {
+            prefetch!(i);
+        }
         let (even, odd) = halves!(i);
         let out = if OP == SUM {
             sum_out!(convert!(even, odd), even, odd)
