@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 use crate::base::error::{Error, Result};
 use crate::net::accept::{self, AcceptStop, Admit, Strangers};
 use crate::net::auth::{self, Deadlined, Hello, Purpose, Verdict};
-use crate::net::dial::Dial;
 use crate::transport::counted::{counted_into, LinkStats};
 use crate::transport::Link;
 
@@ -515,51 +514,33 @@ fn dial_all(
     call: &'static str,
     seq: u64,
 ) -> Result<Vec<(usize, TcpStream)>> {
-    let hello = Hello {
-        rank: me,
-        purpose: Purpose::Data,
-        tag,
-    };
     let start = Instant::now();
-    let mut out = Vec::with_capacity(dials.len() * streams);
-    for &(peer, addr) in dials.iter().flat_map(|p| std::iter::repeat_n(p, streams)) {
-        let dial = Dial {
-            addr,
-            secret,
-            hello,
-            deadline,
-            first_pause: Duration::from_millis(10),
-            max_pause: Duration::from_millis(200),
-            // Its listener is open from init on: refused means it is gone.
-            refused_limit: Some(GONE_AFTER),
-            connect: super::dial,
-            stop: Some(halt),
+    let plan = super::DialPlan {
+        me,
+        secret,
+        tag,
+        deadline,
+        // Its listener is open from init on: refused means it is gone.
+        refused_limit: Some(GONE_AFTER),
+        stop: Some(halt),
+    };
+    plan.dial_each_in_turn(dials, streams, |peer, addr, g| {
+        let why = if g.refused_for.is_some() {
+            format!(
+                "nothing listens there any more (refused for {:.1?}): rank {peer} is gone",
+                g.refused_for.unwrap_or_default()
+            )
+        } else {
+            g.last_err
         };
-        let stream = dial.run(
-            |_, _| {},
-            |g| {
-                let why = if g.refused_for.is_some() {
-                    format!(
-                        "nothing listens there any more (refused for {:.1?}): rank {peer} is gone",
-                        g.refused_for.unwrap_or_default()
-                    )
-                } else {
-                    g.last_err
-                };
-                Error::Connect {
-                    rank: me,
-                    peer,
-                    addr: addr.to_string(),
-                    timeout: start.elapsed(),
-                    reason: format!(
-                        "{call} (call #{seq}) needs this TCP link (made on first use): {why}"
-                    ),
-                }
-            },
-        )?;
-        out.push((peer, stream));
-    }
-    Ok(out)
+        Error::Connect {
+            rank: me,
+            peer,
+            addr: addr.to_string(),
+            timeout: start.elapsed(),
+            reason: format!("{call} (call #{seq}) needs this TCP link (made on first use): {why}"),
+        }
+    })
 }
 
 #[cfg(test)]

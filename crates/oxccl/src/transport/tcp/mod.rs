@@ -722,37 +722,68 @@ fn connect_lower(
     timeout: Duration,
     deadline: Instant,
 ) -> Result<Vec<(usize, TcpStream)>> {
-    let hello = Hello {
-        rank: me,
-        purpose: Purpose::Data,
+    let plan = DialPlan {
+        me,
+        secret,
         tag,
+        deadline,
+        refused_limit: None,
+        stop: None,
     };
-    let mut out = Vec::with_capacity(lower.len() * streams);
-    for &(peer, addr) in lower.iter().flat_map(|p| std::iter::repeat_n(p, streams)) {
-        let dial = Dial {
-            addr,
-            secret,
-            hello,
-            deadline,
-            first_pause: Duration::from_millis(10),
-            max_pause: Duration::from_millis(200),
-            refused_limit: None,
-            connect: dial,
-            stop: None,
+    plan.dial_each_in_turn(lower, streams, |peer, addr, g| Error::Connect {
+        rank: me,
+        peer,
+        addr: addr.to_string(),
+        timeout,
+        reason: g.last_err,
+    })
+}
+
+/// How a rank dials its peers' data listeners: eagerly at init ([`connect_lower`]) or on
+/// first use (`lazy`), the same loop with its own limits.
+struct DialPlan<'a> {
+    me: usize,
+    secret: &'a [u8; 16],
+    tag: u64,
+    deadline: Instant,
+    /// [`Dial::refused_limit`].
+    refused_limit: Option<Duration>,
+    /// [`Dial::stop`].
+    stop: Option<&'a dyn Fn() -> bool>,
+}
+
+impl DialPlan<'_> {
+    /// Dials each peer of `peers` (`streams` connections each, in turn); a peer given up on
+    /// fails the whole with `give_up(peer, addr, why)`.
+    fn dial_each_in_turn(
+        &self,
+        peers: &[(usize, SocketAddr)],
+        streams: usize,
+        give_up: impl Fn(usize, SocketAddr, crate::net::dial::GaveUp) -> Error,
+    ) -> Result<Vec<(usize, TcpStream)>> {
+        let hello = Hello {
+            rank: self.me,
+            purpose: Purpose::Data,
+            tag: self.tag,
         };
-        let stream = dial.run(
-            |_, _| {},
-            |g| Error::Connect {
-                rank: me,
-                peer,
-                addr: addr.to_string(),
-                timeout,
-                reason: g.last_err,
-            },
-        )?;
-        out.push((peer, stream));
+        let mut out = Vec::with_capacity(peers.len() * streams);
+        for &(peer, addr) in peers.iter().flat_map(|p| std::iter::repeat_n(p, streams)) {
+            let dial = Dial {
+                addr,
+                secret: self.secret,
+                hello,
+                deadline: self.deadline,
+                first_pause: Duration::from_millis(10),
+                max_pause: Duration::from_millis(200),
+                refused_limit: self.refused_limit,
+                connect: dial,
+                stop: self.stop,
+            };
+            let stream = dial.run(|_, _| {}, |g| give_up(peer, addr, g))?;
+            out.push((peer, stream));
+        }
+        Ok(out)
     }
-    Ok(out)
 }
 
 #[cfg(test)]
