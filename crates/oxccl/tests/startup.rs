@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use oxccl::Communicator;
 
+mod proc_common;
+use proc_common::{free_port, output_by};
+
 #[test]
 #[ignore = "a rank of the other tests, run by them"]
 fn startup_child() {
@@ -180,14 +183,6 @@ fn spawn_blame_rank(
         .unwrap()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn random_secret() -> ([u8; 16], String) {
     let mut secret = [0u8; 16];
     getrandom::fill(&mut secret).unwrap();
@@ -197,13 +192,11 @@ fn random_secret() -> ([u8; 16], String) {
 
 /// Waits (at most 30 s) for `k` and returns (success, its stderr's `CHILD_ERR` line).
 fn finish(k: Child) -> (bool, Option<String>) {
-    let start = Instant::now();
-    let mut k = k;
-    while k.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(30) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let _ = k.kill();
-    let o = k.wait_with_output().unwrap();
+    let o = output_by(
+        k,
+        Instant::now() + Duration::from_secs(30),
+        Duration::from_millis(5),
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     let line = err
         .lines()

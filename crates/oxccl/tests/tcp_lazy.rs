@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 use oxccl::check;
 use oxccl::{Algo, Communicator, ReduceOp};
 
+mod proc_common;
+use proc_common::{free_port, output_by};
+
 /// This process's open sockets.
 fn sockets() -> usize {
     std::fs::read_dir("/proc/self/fd")
@@ -99,14 +102,6 @@ fn lazy_child() {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts `n` ranks in `mode` with `OXCCL_TCP_CONNECT=connect` (and `extra` variables).
 fn spawn(n: usize, mode: &str, connect: &str, extra: &[(&str, String)]) -> Vec<Child> {
     let port = free_port();
@@ -136,14 +131,10 @@ fn spawn(n: usize, mode: &str, connect: &str, extra: &[(&str, String)]) -> Vec<C
 
 /// Waits (at most 60 s in all) for every child; returns each one's `CHILD` line.
 fn lines(kids: Vec<Child>) -> Vec<Option<String>> {
-    let start = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(60);
     kids.into_iter()
-        .map(|mut k| {
-            while k.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(60) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = k.kill();
-            let o = k.wait_with_output().unwrap();
+        .map(|k| {
+            let o = output_by(k, deadline, Duration::from_millis(10));
             let out = String::from_utf8_lossy(&o.stdout);
             let line = out
                 .lines()
