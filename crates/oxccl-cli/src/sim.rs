@@ -52,6 +52,13 @@ pub struct Args {
     /// more ranks than cores. Default: each rank has a core of its own.
     #[arg(long, value_parser = args::number(1e6))]
     cpus: Option<f64>,
+    /// GB/s the TCP stack moves per core on the path between the hosts, in place of the
+    /// tune file's (measured over loopback). For emulated hosts, whose veth, bridge and tbf
+    /// cost more per byte: the path's TCP throughput with both directions at once divided by
+    /// the cores (`IPERF_ARGS=--bidir scripts/cluster.sh iperf`). Changes the times, not the
+    /// choice. Default: the tune file's rate.
+    #[arg(long, value_parser = args::number(1e6))]
+    tcp_gbps: Option<f64>,
     /// Smallest size in bytes (K, M, G suffixes; at most 1024G).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = args::bytes(1, args::MAX_PERF_BYTES))]
     minbytes: usize,
@@ -198,7 +205,10 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<(), String> {
             _ => "built-in (no tune file with rates: run `oxccl tune`)".to_string(),
         },
     };
-    let p = p.with_net(a.net_gbps, a.net_lat_us).with_cpus(a.cpus);
+    let p = p
+        .with_net(a.net_gbps, a.net_lat_us)
+        .with_cpus(a.cpus)
+        .with_path_tcp_gbps(a.tcp_gbps);
     let (lat, gbps) = p.net();
     let (shm_lat, shm_gbps) = p.shm();
     let (mem, cached) = p.local();

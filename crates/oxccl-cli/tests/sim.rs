@@ -204,6 +204,51 @@ fn tune_file_rates_reach_the_model() {
 }
 
 #[test]
+fn the_paths_tcp_rate_changes_the_times_not_the_choice() {
+    // A loopback rate faster than the link (4 GB/s per core), then the path's 0.25 GB/s.
+    let file = tune_file("path", 4.0);
+    let path = file.to_str().unwrap();
+    let args = [
+        "--hosts",
+        "4",
+        "-b",
+        "16M",
+        "-e",
+        "16M",
+        "--net-gbps",
+        "1.25",
+        "--tune-file",
+        path,
+    ];
+    let loopback = rows(&args, &[]);
+    let mut slow = args.to_vec();
+    slow.extend(["--tcp-gbps", "0.25"]);
+    let on_path = rows(&slow, &[]);
+    assert_eq!(on_path[0]["tcp"], serde_json::json!([5.0, 0.25]));
+    assert_eq!(on_path[0]["algo"], loopback[0]["algo"]);
+    let s = 16.0 * 1048576.0;
+    let ring = on_path[0]["predicted_us"]["ring"].as_f64().unwrap();
+    let want = 6.0 * (30.0 + s / 4.0 / 250.0) + 3.0 * s / 4.0 / 3e3;
+    assert!((ring - want).abs() < 1e-6 * want, "{ring} {want}");
+    let fast = loopback[0]["predicted_us"]["ring"].as_f64().unwrap();
+    let want_fast = 6.0 * (30.0 + s / 4.0 / 1250.0) + 3.0 * s / 4.0 / 3e3;
+    assert!(
+        (fast - want_fast).abs() < 1e-6 * want_fast,
+        "{fast} {want_fast}"
+    );
+    // 2 hosts x 2 ranks on 2 cores: hier's network phase runs one stream per host, so
+    // the leaders' two streams have a core each (2 steps of 8 MB at 0.25 GB/s).
+    let mut hier = slow.clone();
+    hier[1] = "2";
+    hier.extend(["--ranks-per-host", "2", "--cpus", "2"]);
+    let h = rows(&hier, &[]);
+    let t = h[0]["predicted_us"]["hier"].as_f64().unwrap();
+    let net = 2.0 * (30.0 + s / 2.0 / 250.0);
+    assert!(t > net && t < 1.1 * net, "{t} {net}");
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
 fn tune_file_refused_with_a_reason() {
     let run = |file: &std::path::Path| {
         let out = Command::new(OXCCL)

@@ -60,7 +60,8 @@ pub(crate) struct CostModel {
     /// charged (the network's own latency and bandwidth only).
     pub tcp: Option<LinkCost>,
     /// Ranks per core (at least 1): every CPU term that moves bytes (shared-memory link,
-    /// reduction, TCP stack) is that many times slower. Per-message costs are not: measured
+    /// reduction, TCP stack) is that many times slower; the TCP stack's by the streams
+    /// that run at once per core instead, where fewer ranks than all run one. Per-message costs are not: measured
     /// on loopback they are mostly waiting (a wake-up, the kernel's path), and in a
     /// latency-bound step few ranks are runnable at once (quiet machine, 1 Gbit/s emulated
     /// hosts, 2-8 ranks: 8 B-4 KB rows within 25 % in 14 of 20 without the share on the
@@ -130,8 +131,14 @@ impl CostModel {
     /// stack's per-message cost, whichever is larger, and the bytes at the link's rate or
     /// the rate the stack moves them on a (shared) core, whichever is slower: the link and
     /// the CPU work at the same time, the slower one bounds the step.
-    fn net_step_us(&self, bytes: f64) -> f64 {
-        let c = self.cpu_share.max(1.0);
+    ///
+    /// `streams`: the TCP streams that run at once in this step across the whole cluster,
+    /// out of `n` ranks. Sharing cores ([`cpu_share`](Self::cpu_share)), the stack's rate
+    /// is divided among the streams that need it, not among all ranks: a hierarchical
+    /// algorithm's network phase runs one stream per host while the other ranks wait or
+    /// copy through shared memory.
+    fn net_step_us(&self, bytes: f64, streams: usize, n: usize) -> f64 {
+        let c = (self.cpu_share * streams.min(n) as f64 / n.max(1) as f64).max(1.0);
         match self.tcp {
             None => self.net.time_us(bytes),
             Some(t) => {
@@ -173,9 +180,17 @@ impl CostModel {
             self.local_gbps
         };
         let mem = |bytes: f64| bytes / (mu * 1e3) * self.cpu_share.max(1.0);
+        // The TCP streams each algorithm runs at once: the ring and the tree cross between
+        // hosts on one link per host (block placement), hier's network phase runs among
+        // the host leaders, halving-doubling pairs every rank with one on another host.
+        let streams = match algo {
+            Algo::HalvingDoubling => n,
+            _ => h,
+        };
+        let net_step = |bytes: f64| self.net_step_us(bytes, streams, n);
         let step = |bytes: f64| {
             if h > 1 {
-                self.net_step_us(bytes)
+                net_step(bytes)
             } else {
                 self.shm_step_us(bytes)
             }
@@ -189,8 +204,7 @@ impl CostModel {
                 }
                 let (lf, hf) = (l as f64, h as f64);
                 let local = 2.0 * (lf - 1.0) * self.shm_step_us(s / lf) + mem(s * (lf - 1.0) / lf);
-                let net =
-                    2.0 * (hf - 1.0) * self.net_step_us(s / hf) + mem(s * (hf - 1.0) / (hf * lf));
+                let net = 2.0 * (hf - 1.0) * net_step(s / hf) + mem(s * (hf - 1.0) / (hf * lf));
                 // Pipelined in K chunks: the local phases of neighbouring chunks overlap the
                 // network phase; about one chunk's worth stays exposed.
                 let k = crate::sched::allreduce_hier::chunks(bytes) as f64;
@@ -210,7 +224,7 @@ impl CostModel {
                 let net_steps = ceil_log2(h) + if h.is_power_of_two() { 0.0 } else { 2.0 };
                 Some(
                     2.0 * ceil_log2(l) * (self.shm_step_us(s) + mem(s))
-                        + net_steps * (self.net_step_us(s) + mem(s)),
+                        + net_steps * (net_step(s) + mem(s)),
                 )
             }
             _ => None,
@@ -436,6 +450,36 @@ mod tests {
         let small = costly_shared.all_reduce_us(Algo::Ring, 8, &four).unwrap()
             - costly.all_reduce_us(Algo::Ring, 8, &four).unwrap();
         assert!((0.0..1.0).contains(&small), "{small}");
+        // Hier's network phase runs one stream per host: on shared cores its stack is
+        // divided among the leaders, not among every rank. 2 x 2 on 2 cores (share 2):
+        // two streams, one per core, at the stack's full rate; halving-doubling's four
+        // streams share the two cores.
+        let path = base.with_rates(&rates(5.0, 0.5));
+        let on_two_cores = CostModel {
+            cpu_share: 2.0,
+            ..path
+        };
+        let b = s / 2.0;
+        let step = |m: &CostModel, streams| m.net_step_us(b, streams, 4);
+        assert_eq!(step(&on_two_cores, 2), step(&path, 2));
+        assert_eq!(step(&path, 2), 30.0 + b / 0.5e3);
+        assert!((step(&on_two_cores, 4) - (30.0 + b / 0.25e3)).abs() < 1e-6);
+        // And so in the predictions: hier's network phase (two steps of S/2) as on cores of
+        // its own, halving-doubling's (two steps of S/2, two of S/4) at half the rate.
+        let gap = |a| {
+            on_two_cores.all_reduce_us(a, big, &two_by_two).unwrap()
+                - path.all_reduce_us(a, big, &two_by_two).unwrap()
+        };
+        assert!(
+            gap(Algo::Hier) < 0.1 * 2.0 * b / 0.5e3,
+            "{}",
+            gap(Algo::Hier)
+        );
+        assert!(
+            gap(Algo::HalvingDoubling) > 2.0 * (b + b / 2.0) / 0.5e3,
+            "{}",
+            gap(Algo::HalvingDoubling)
+        );
         // Without measured rates nothing of the TCP stack is charged.
         assert_eq!(CostModel::default().tcp, None);
         assert_eq!(fast.shm.alpha_us, 4.0);

@@ -26,6 +26,8 @@ pub struct Predictor {
     deterministic: bool,
     /// Cores shared by every rank of the cluster ([`Predictor::with_cpus`]).
     cpus: Option<f64>,
+    /// The TCP stack's rate on the hosts' path ([`Predictor::with_path_tcp_gbps`]).
+    path_tcp_gbps: Option<f64>,
 }
 
 /// One prediction: every modelled algorithm's time and the one the library would run.
@@ -60,6 +62,7 @@ impl Predictor {
             cma_min: cfg.cma_min,
             deterministic: cfg.deterministic,
             cpus: None,
+            path_tcp_gbps: None,
         })
     }
 
@@ -90,10 +93,32 @@ impl Predictor {
         self
     }
 
+    /// The same with the TCP stack moving `gbps` GB/s per core on the path between the
+    /// hosts, in place of the rate `oxccl tune` measured over loopback. Emulated hosts
+    /// (`scripts/cluster.sh`) send through a veth pair, a bridge and two tbf qdiscs, which
+    /// cost more CPU per byte than loopback: their rate is the path's TCP throughput with
+    /// both directions at once over the cores it ran on (`IPERF_ARGS=--bidir
+    /// scripts/cluster.sh iperf`). As with [`with_cpus`](Self::with_cpus), only the times
+    /// change, not the choice (a communicator's model has the tune file's rate).
+    pub fn with_path_tcp_gbps(mut self, gbps: Option<f64>) -> Predictor {
+        self.path_tcp_gbps = gbps.filter(|g| *g > 0.0);
+        self
+    }
+
     /// `(per-message µs, GB/s)` of the TCP stack the model charges (`None`: not charged,
     /// no measured rates).
     pub fn tcp(&self) -> Option<(f64, f64)> {
-        self.model.tcp.map(|t| (t.alpha_us, t.gbps))
+        self.timed_model().tcp.map(|t| (t.alpha_us, t.gbps))
+    }
+
+    /// The model the times come from: the run-time one with the path's TCP rate.
+    fn timed_model(&self) -> CostModel {
+        let mut m = self.model;
+        if let Some(g) = self.path_tcp_gbps {
+            let alpha_us = m.tcp.map_or(0.0, |t| t.alpha_us);
+            m.tcp = Some(crate::plan::cost::LinkCost { alpha_us, gbps: g });
+        }
+        m
     }
 
     /// `(latency µs, GB/s)` of the network link the model assumes.
@@ -122,7 +147,7 @@ impl Predictor {
         bytes: usize,
     ) -> Result<Prediction> {
         let topo = block_topology(hosts, ranks_per_host)?;
-        let mut timed = self.model;
+        let mut timed = self.timed_model();
         if let Some(c) = self.cpus {
             timed.cpu_share = (topo.host_of.len() as f64 / c).max(1.0);
         }
