@@ -159,20 +159,32 @@ fn tune_file(name: &str, tcp_gbps: f64) -> std::path::PathBuf {
     f
 }
 
+/// 4 hosts of one rank, 16 MB, a 1.25 GB/s link.
+const FOUR_HOSTS_16M: [&str; 8] = [
+    "--hosts",
+    "4",
+    "-b",
+    "16M",
+    "-e",
+    "16M",
+    "--net-gbps",
+    "1.25",
+];
+
+/// The row's ring on [`FOUR_HOSTS_16M`] is 2(n-1) steps of 4 MB at `gbps` plus the
+/// reduction at the tune file's 3 GB/s.
+fn ring_is(row: &serde_json::Value, gbps: f64) {
+    let s = 16.0 * 1048576.0;
+    let ring = row["predicted_us"]["ring"].as_f64().unwrap();
+    let want = 6.0 * (30.0 + s / 4.0 / (gbps * 1e3)) + 3.0 * s / 4.0 / 3e3;
+    assert!((ring - want).abs() < 1e-6 * want, "{ring} {want}");
+}
+
 #[test]
 fn tune_file_rates_reach_the_model() {
     let file = tune_file("rates", 0.25);
     let path = file.to_str().unwrap();
-    let base = [
-        "--hosts",
-        "4",
-        "-b",
-        "16M",
-        "-e",
-        "16M",
-        "--net-gbps",
-        "1.25",
-    ];
+    let base = FOUR_HOSTS_16M;
     let without = rows(&base, &[]);
     assert!(without[0]["tcp"].is_null(), "{without:?}");
     let mut args = base.to_vec();
@@ -181,10 +193,7 @@ fn tune_file_rates_reach_the_model() {
     // The stack's 0.25 GB/s per core, not the 1.25 GB/s link, bounds the ring's bytes: its
     // time is 2(n-1) steps of 4 MB at 0.25 GB/s plus the reduction at 3 GB/s.
     assert_eq!(with[0]["tcp"], serde_json::json!([5.0, 0.25]));
-    let s = 16.0 * 1048576.0;
-    let ring = with[0]["predicted_us"]["ring"].as_f64().unwrap();
-    let want = 6.0 * (30.0 + s / 4.0 / 250.0) + 3.0 * s / 4.0 / 3e3;
-    assert!((ring - want).abs() < 1e-6 * want, "{ring} {want}");
+    ring_is(&with[0], 0.25);
     assert!(f(&with[0], "time_us") > 3.0 * f(&without[0], "time_us"));
     // The default is the file `oxccl tune` writes (OXCCL_TUNE_FILE).
     let env = rows(&base, &[("OXCCL_TUNE_FILE", path)]);
@@ -208,34 +217,17 @@ fn the_paths_tcp_rate_changes_the_times_not_the_choice() {
     // A loopback rate faster than the link (4 GB/s per core), then the path's 0.25 GB/s.
     let file = tune_file("path", 4.0);
     let path = file.to_str().unwrap();
-    let args = [
-        "--hosts",
-        "4",
-        "-b",
-        "16M",
-        "-e",
-        "16M",
-        "--net-gbps",
-        "1.25",
-        "--tune-file",
-        path,
-    ];
+    let mut args = FOUR_HOSTS_16M.to_vec();
+    args.extend(["--tune-file", path]);
     let loopback = rows(&args, &[]);
-    let mut slow = args.to_vec();
+    let mut slow = args.clone();
     slow.extend(["--tcp-gbps", "0.25"]);
     let on_path = rows(&slow, &[]);
     assert_eq!(on_path[0]["tcp"], serde_json::json!([5.0, 0.25]));
     assert_eq!(on_path[0]["algo"], loopback[0]["algo"]);
+    ring_is(&on_path[0], 0.25);
+    ring_is(&loopback[0], 1.25);
     let s = 16.0 * 1048576.0;
-    let ring = on_path[0]["predicted_us"]["ring"].as_f64().unwrap();
-    let want = 6.0 * (30.0 + s / 4.0 / 250.0) + 3.0 * s / 4.0 / 3e3;
-    assert!((ring - want).abs() < 1e-6 * want, "{ring} {want}");
-    let fast = loopback[0]["predicted_us"]["ring"].as_f64().unwrap();
-    let want_fast = 6.0 * (30.0 + s / 4.0 / 1250.0) + 3.0 * s / 4.0 / 3e3;
-    assert!(
-        (fast - want_fast).abs() < 1e-6 * want_fast,
-        "{fast} {want_fast}"
-    );
     // 2 hosts x 2 ranks on 2 cores: hier's network phase runs one stream per host, so
     // the leaders' two streams have a core each (2 steps of 8 MB at 0.25 GB/s).
     let mut hier = slow.clone();
