@@ -27,6 +27,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -83,12 +84,23 @@ pub(super) struct Mesh {
     pub rounds: Vec<Round>,
 }
 
-/// Counts of what a rank sent and received in the bootstrap's exchanges, for the
-/// `bootstrap traffic` debug line.
+/// Counts of what a rank sent and received in the bootstrap's exchanges (and in the
+/// rendezvous), for the `bootstrap traffic` debug line.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Traffic {
+    /// Messages sent in the exchanges.
     pub messages: u64,
+    /// Bytes sent in the exchanges.
     pub bytes: u64,
+    /// Rendezvous connections accepted over TCP (rank 0: one per rank or host leader).
+    pub rendezvous_accepts: u64,
+    /// Rendezvous messages read (rank 0: joins or host leaders' batches; others: answers).
+    pub rendezvous_received: u64,
+    /// Rendezvous messages sent (rank 0: answers; a host leader: batches and its members'
+    /// answers; others: the join).
+    pub rendezvous_sent: u64,
+    /// A host leader's connections accepted from its members (`host.rs`).
+    pub local_accepts: u64,
 }
 
 /// The accepting side of [`Bootstrap::connect_mesh`]: takes each round's connection from the
@@ -280,8 +292,9 @@ impl Bootstrap {
                 .filter_map(|(r, c)| c.as_ref().map(|c| (r, c)))
                 .collect(),
             Links::Member(s) => vec![(0, s)],
+            Links::Via(..) => Vec::new(),
         };
-        for (r, mut s) in crate::net::readable_now(&conns) {
+        for (r, s) in crate::net::readable_now(&conns) {
             // A closed connection is no failure by itself: a rank that finished the last
             // exchange may have gone on and closed it. A rank that died is found by the
             // ranks that exchange with it.
@@ -289,17 +302,63 @@ impl Bootstrap {
                 continue;
             }
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-            let f = auth::read_frame(&mut s, MAX_FRAME);
+            let f = auth::read_frame(&mut &*s, MAX_FRAME);
             let _ = s.set_read_timeout(Some(self.timeout));
-            return Err(match f {
-                Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
-                    self.lost_report(r, &f[8..], call)
+            return Err(self.report_read(r, f, call));
+        }
+        // A host leader's members (closing is no failure: a member may have finished), and a
+        // member's leader: its connection closing before it said it was done is its death
+        // (its members hear no more from rank 0 through it).
+        let mut local: Vec<(usize, &UnixStream)> =
+            self.local.iter().map(|(r, s)| (*r, s)).collect();
+        let leader = match &self.links {
+            Links::Via(l, s) if !self.leader_done.load(Ordering::SeqCst) => {
+                local.push((*l, s));
+                Some(*l)
+            }
+            _ => None,
+        };
+        for (r, s) in crate::net::readable_now(&local) {
+            match super::host::peek1(s) {
+                Ok(0) if Some(r) == leader => {
+                    return Err(Error::PeerLost {
+                        rank: self.rank,
+                        peer: r,
+                        call,
+                        seq: self.seq,
+                        reason: format!(
+                            "rank {r}, this host's leader for the rendezvous, closed its connection before the peer table was exchanged: it died or was stopped"
+                        ),
+                    })
                 }
-                Ok(_) => self.proto(r, call, "unexpected message on the rendezvous connection"),
-                Err(e) => self.lost(r, call, e),
-            });
+                Ok(1) => {}
+                _ => continue,
+            }
+            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            let f = auth::read_frame(&mut &*s, MAX_FRAME);
+            let _ = s.set_read_timeout(Some(self.timeout));
+            if Some(r) == leader {
+                if let Ok(f) = &f {
+                    if f[..] == super::host::SEQ_DONE.to_le_bytes() {
+                        self.leader_done.store(true, Ordering::SeqCst);
+                        continue;
+                    }
+                }
+            }
+            return Err(self.report_read(r, f, call));
         }
         Ok(())
+    }
+
+    /// The error for what [`watch`](Self::watch) read from rank `r`'s connection.
+    fn report_read(&self, r: usize, f: io::Result<Vec<u8>>, call: &'static str) -> Error {
+        match f {
+            Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
+                self.lost_report(r, &f[8..], call)
+            }
+            Ok(_) => self.proto(r, call, "unexpected message on the rendezvous connection"),
+            Err(e) => self.lost(r, call, e),
+        }
     }
 
     /// Before blaming a rank whose link closed during init: a rank that failed because of
@@ -337,6 +396,20 @@ impl Bootstrap {
                 let _ = auth::write_frame(s, &msg);
             }
             Links::Member(_) => {}
+            Links::Via(l, s) if blamed != *l => {
+                let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                let _ = auth::write_frame(&mut &*s, &msg);
+            }
+            Links::Via(..) => {}
+        }
+        if !self.joined {
+            // A host leader: its members hear rank 0 only through it.
+            for (r, s) in &self.local {
+                if *r != blamed {
+                    let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                    let _ = auth::write_frame(&mut &*s, &msg);
+                }
+            }
         }
     }
 
