@@ -433,6 +433,7 @@ impl Bootstrap {
         super::set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
         self.links = Links::Member(stream);
         self.local = members;
+        self.leads = true;
         tracing::debug!(
             rank = self.rank,
             members = self.local.len(),

@@ -166,6 +166,11 @@ impl Bootstrap {
             rank,
         };
         let cancel = AtomicBool::new(false);
+        // Set when the accepting side failed on what it heard (a failure report, a lost
+        // leader): the dials stop, and that error is the one to tell (a dial refused by a
+        // rank that failed on the same news would blame that rank).
+        let reported = AtomicBool::new(false);
+        let stop = || reported.load(Ordering::SeqCst);
         let start = Instant::now();
         let (tx, rx) = std::thread::scope(|sc| {
             let accepter = sc.spawn(|| {
@@ -177,6 +182,9 @@ impl Bootstrap {
                 let res = accept::accept_loop(&listener, deadline, &cancel, &keys, &mut adm);
                 // Ranks still dialing this one learn at once that it gave up.
                 drop(listener);
+                if matches!(res, Ok(Err(_))) {
+                    reported.store(true, Ordering::SeqCst);
+                }
                 match res {
                     Ok(Ok(())) => Ok(adm.rx.into_iter().flatten().collect::<Vec<_>>()),
                     Ok(Err(e)) => Err(e),
@@ -215,7 +223,7 @@ impl Bootstrap {
                         // Its listener was open before it joined: refused means it is gone.
                         refused_limit: Some(self.timeout.min(Duration::from_secs(2))),
                         connect: |a, t| TcpStream::connect_timeout(&a, t),
-                        stop: None,
+                        stop: Some(&stop),
                     };
                     let s = dial.run(
                         |_, _| {},
@@ -244,6 +252,11 @@ impl Bootstrap {
                 })
             });
             match (dial_err, accepted) {
+                (Some(_), Err(e)) if reported.load(Ordering::SeqCst) => {
+                    let tx: Vec<&TcpStream> = dialed.iter().collect();
+                    tell_lost(&tx, &e);
+                    Err(e)
+                }
                 (Some(e), _) | (None, Err(e)) => {
                     // The ranks this one dialed will wait on it: say whom it blames.
                     let tx: Vec<&TcpStream> = dialed.iter().collect();
@@ -297,13 +310,39 @@ impl Bootstrap {
         for (r, s) in crate::net::readable_now(&conns) {
             // A closed connection is no failure by itself: a rank that finished the last
             // exchange may have gone on and closed it. A rank that died is found by the
-            // ranks that exchange with it.
-            if !matches!(s.peek(&mut [0u8; 1]), Ok(1)) {
-                continue;
+            // ranks that exchange with it. But a host leader says when it is done: its
+            // members hear rank 0 only through it, and may not be able to tell anyone else.
+            let leader = self
+                .root_leaders
+                .get(r)
+                .filter(|l| l.load(Ordering::SeqCst))
+                .is_some();
+            match s.peek(&mut [0u8; 1]) {
+                Ok(1) => {}
+                Ok(_) | Err(_) if leader => {
+                    return Err(Error::PeerLost {
+                        rank: self.rank,
+                        peer: r,
+                        call,
+                        seq: self.seq,
+                        reason: format!(
+                            "rank {r}, the rendezvous leader of its host's ranks, closed its connection to rank 0 before the peer table was exchanged: it died or was stopped"
+                        ),
+                    })
+                }
+                _ => continue,
             }
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
             let f = auth::read_frame(&mut &*s, MAX_FRAME);
             let _ = s.set_read_timeout(Some(self.timeout));
+            if leader {
+                if let Ok(f) = &f {
+                    if f[..] == super::host::SEQ_DONE.to_le_bytes() {
+                        self.root_leaders[r].store(false, Ordering::SeqCst);
+                        continue;
+                    }
+                }
+            }
             return Err(self.report_read(r, f, call));
         }
         // A host leader's members (closing is no failure: a member may have finished), and a
@@ -355,6 +394,10 @@ impl Bootstrap {
         match f {
             Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
                 self.lost_report(r, &f[8..], call)
+            }
+            // A host leader that saw a member die just as rank 0's answer came.
+            Ok(f) if f.first() == Some(&super::host::HOST_LOST) => {
+                self.lost_report(r, &f[1..], call)
             }
             Ok(_) => self.proto(r, call, "unexpected message on the rendezvous connection"),
             Err(e) => self.lost(r, call, e),

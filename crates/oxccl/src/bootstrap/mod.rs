@@ -299,6 +299,11 @@ pub(crate) struct Bootstrap {
     /// Set when this rank's host leader said it is done ([`host::SEQ_DONE`]): its
     /// connection closing is then no failure.
     leader_done: AtomicBool,
+    /// Whether this rank leads its host's ranks (it tells rank 0 when it is done).
+    leads: bool,
+    /// Rank 0: by rank, set for each host leader until it says it is done; its connection
+    /// closing before that is its death.
+    root_leaders: Vec<AtomicBool>,
 }
 
 impl std::fmt::Debug for Bootstrap {
@@ -391,6 +396,8 @@ impl Bootstrap {
             joined: false,
             local: Vec::new(),
             leader_done: AtomicBool::new(false),
+            leads: false,
+            root_leaders: Vec::new(),
         };
         // Direct exchanges (`mesh.rs`) above OXCCL_BOOTSTRAP_RELAY_MAX ranks. Their listener
         // is open before joining: rank 0 gives its port to the ranks that dial it. Rank 0's
@@ -464,6 +471,10 @@ impl Bootstrap {
                     // now (see `mesh.rs`); the watchdog takes the exchange links. Close them:
                     // nothing stays open at rank 0 per rank. A host leader first tells its
                     // members that it closes for that reason, not because it died.
+                    if let (true, Links::Member(s)) = (b.leads, &b.links) {
+                        let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                        let _ = auth::write_frame(&mut &*s, &host::SEQ_DONE.to_le_bytes());
+                    }
                     b.links = Links::Root(Vec::new());
                     for (_, s) in std::mem::take(&mut b.local) {
                         let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
@@ -792,6 +803,7 @@ impl Bootstrap {
             }
         }
         self.links = Links::Root(conns);
+        self.root_leaders = leader.iter().map(|&l| AtomicBool::new(l)).collect();
         self.traffic.rendezvous_sent = answers;
         tracing::debug!(
             rank = 0,
