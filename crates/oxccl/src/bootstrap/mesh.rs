@@ -9,9 +9,10 @@
 //! the `R` it hears from): O(log n) messages and connections and O(n) bytes at every rank,
 //! rank 0 included (docs/scale.md, "Start-up").
 //!
-//! Rank 0 still hosts the rendezvous: every rank joins it with its address and the port of
-//! its exchange listener, and rank 0 answers each with only the addresses of the `R` ranks
-//! it sends to (and rank 0's settings); the peer table is then the first exchange. The
+//! Rank 0 still hosts the rendezvous: every rank joins it (itself, or through its host's
+//! leader, `host.rs`) with its address and the port of its exchange listener, and rank 0
+//! answers each with only the addresses of the `R` ranks it sends to (and rank 0's
+//! settings); the peer table is then the first exchange. The
 //! connections to rank 0 stay open (the communicator's watchdog takes them). A rank whose
 //! exchange fails tells the ranks it sends to which rank it blames ([`SEQ_LOST`]); they pass
 //! it on the same way, so every rank waiting on one that waits on it hears it: a rank that
