@@ -9,9 +9,10 @@
 //! the `R` it hears from): O(log n) messages and connections and O(n) bytes at every rank,
 //! rank 0 included (docs/scale.md, "Start-up").
 //!
-//! Rank 0 still hosts the rendezvous: every rank joins it with its address and the port of
-//! its exchange listener, and rank 0 answers each with only the addresses of the `R` ranks
-//! it sends to (and rank 0's settings); the peer table is then the first exchange. The
+//! Rank 0 still hosts the rendezvous: every rank joins it (itself, or through its host's
+//! leader, `host.rs`) with its address and the port of its exchange listener, and rank 0
+//! answers each with only the addresses of the `R` ranks it sends to (and rank 0's
+//! settings); the peer table is then the first exchange. The
 //! connections to rank 0 stay open (the communicator's watchdog takes them). A rank whose
 //! exchange fails tells the ranks it sends to which rank it blames ([`SEQ_LOST`]); they pass
 //! it on the same way, so every rank waiting on one that waits on it hears it: a rank that
@@ -27,6 +28,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -83,12 +85,23 @@ pub(super) struct Mesh {
     pub rounds: Vec<Round>,
 }
 
-/// Counts of what a rank sent and received in the bootstrap's exchanges, for the
-/// `bootstrap traffic` debug line.
+/// Counts of what a rank sent and received in the bootstrap's exchanges (and in the
+/// rendezvous), for the `bootstrap traffic` debug line.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Traffic {
+    /// Messages sent in the exchanges.
     pub messages: u64,
+    /// Bytes sent in the exchanges.
     pub bytes: u64,
+    /// Rendezvous connections accepted over TCP (rank 0: one per rank or host leader).
+    pub rendezvous_accepts: u64,
+    /// Rendezvous messages read (rank 0: joins or host leaders' batches; others: answers).
+    pub rendezvous_received: u64,
+    /// Rendezvous messages sent (rank 0: answers; a host leader: batches and its members'
+    /// answers; others: the join).
+    pub rendezvous_sent: u64,
+    /// A host leader's connections accepted from its members (`host.rs`).
+    pub local_accepts: u64,
 }
 
 /// The accepting side of [`Bootstrap::connect_mesh`]: takes each round's connection from the
@@ -154,6 +167,11 @@ impl Bootstrap {
             rank,
         };
         let cancel = AtomicBool::new(false);
+        // Set when the accepting side failed on what it heard (a failure report, a lost
+        // leader): the dials stop, and that error is the one to tell (a dial refused by a
+        // rank that failed on the same news would blame that rank).
+        let reported = AtomicBool::new(false);
+        let stop = || reported.load(Ordering::SeqCst);
         let start = Instant::now();
         let (tx, rx) = std::thread::scope(|sc| {
             let accepter = sc.spawn(|| {
@@ -165,6 +183,9 @@ impl Bootstrap {
                 let res = accept::accept_loop(&listener, deadline, &cancel, &keys, &mut adm);
                 // Ranks still dialing this one learn at once that it gave up.
                 drop(listener);
+                if matches!(res, Ok(Err(_))) {
+                    reported.store(true, Ordering::SeqCst);
+                }
                 match res {
                     Ok(Ok(())) => Ok(adm.rx.into_iter().flatten().collect::<Vec<_>>()),
                     Ok(Err(e)) => Err(e),
@@ -203,7 +224,7 @@ impl Bootstrap {
                         // Its listener was open before it joined: refused means it is gone.
                         refused_limit: Some(self.timeout.min(Duration::from_secs(2))),
                         connect: |a, t| TcpStream::connect_timeout(&a, t),
-                        stop: None,
+                        stop: Some(&stop),
                     };
                     let s = dial.run(
                         |_, _| {},
@@ -232,6 +253,11 @@ impl Bootstrap {
                 })
             });
             match (dial_err, accepted) {
+                (Some(_), Err(e)) if reported.load(Ordering::SeqCst) => {
+                    let tx: Vec<&TcpStream> = dialed.iter().collect();
+                    tell_lost(&tx, &e);
+                    Err(e)
+                }
                 (Some(e), _) | (None, Err(e)) => {
                     // The ranks this one dialed will wait on it: say whom it blames.
                     let tx: Vec<&TcpStream> = dialed.iter().collect();
@@ -280,26 +306,103 @@ impl Bootstrap {
                 .filter_map(|(r, c)| c.as_ref().map(|c| (r, c)))
                 .collect(),
             Links::Member(s) => vec![(0, s)],
+            Links::Via(..) => Vec::new(),
         };
-        for (r, mut s) in crate::net::readable_now(&conns) {
+        for (r, s) in crate::net::readable_now(&conns) {
             // A closed connection is no failure by itself: a rank that finished the last
             // exchange may have gone on and closed it. A rank that died is found by the
-            // ranks that exchange with it.
-            if !matches!(s.peek(&mut [0u8; 1]), Ok(1)) {
-                continue;
+            // ranks that exchange with it. But a host leader says when it is done: its
+            // members hear rank 0 only through it, and may not be able to tell anyone else.
+            let leader = self
+                .root_leaders
+                .get(r)
+                .filter(|l| l.load(Ordering::SeqCst))
+                .is_some();
+            match s.peek(&mut [0u8; 1]) {
+                Ok(1) => {}
+                Ok(_) | Err(_) if leader => {
+                    return Err(Error::PeerLost {
+                        rank: self.rank,
+                        peer: r,
+                        call,
+                        seq: self.seq,
+                        reason: format!(
+                            "rank {r}, the rendezvous leader of its host's ranks, closed its connection to rank 0 before the peer table was exchanged: it died or was stopped"
+                        ),
+                    })
+                }
+                _ => continue,
             }
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-            let f = auth::read_frame(&mut s, MAX_FRAME);
+            let f = auth::read_frame(&mut &*s, MAX_FRAME);
             let _ = s.set_read_timeout(Some(self.timeout));
-            return Err(match f {
-                Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
-                    self.lost_report(r, &f[8..], call)
+            if leader {
+                if let Ok(f) = &f {
+                    if f[..] == super::host::SEQ_DONE.to_le_bytes() {
+                        self.root_leaders[r].store(false, Ordering::SeqCst);
+                        continue;
+                    }
                 }
-                Ok(_) => self.proto(r, call, "unexpected message on the rendezvous connection"),
-                Err(e) => self.lost(r, call, e),
-            });
+            }
+            return Err(self.report_read(r, f, call));
+        }
+        // A host leader's members (closing is no failure: a member may have finished), and a
+        // member's leader: its connection closing before it said it was done is its death
+        // (its members hear no more from rank 0 through it).
+        let mut local: Vec<(usize, &UnixStream)> =
+            self.local.iter().map(|(r, s)| (*r, s)).collect();
+        let leader = match &self.links {
+            Links::Via(l, s) if !self.leader_done.load(Ordering::SeqCst) => {
+                local.push((*l, s));
+                Some(*l)
+            }
+            _ => None,
+        };
+        for (r, s) in crate::net::readable_now(&local) {
+            match super::host::peek1(s) {
+                Ok(0) if Some(r) == leader => {
+                    return Err(Error::PeerLost {
+                        rank: self.rank,
+                        peer: r,
+                        call,
+                        seq: self.seq,
+                        reason: format!(
+                            "rank {r}, this host's leader for the rendezvous, closed its connection before the peer table was exchanged: it died or was stopped"
+                        ),
+                    })
+                }
+                Ok(1) => {}
+                _ => continue,
+            }
+            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            let f = auth::read_frame(&mut &*s, MAX_FRAME);
+            let _ = s.set_read_timeout(Some(self.timeout));
+            if Some(r) == leader {
+                if let Ok(f) = &f {
+                    if f[..] == super::host::SEQ_DONE.to_le_bytes() {
+                        self.leader_done.store(true, Ordering::SeqCst);
+                        continue;
+                    }
+                }
+            }
+            return Err(self.report_read(r, f, call));
         }
         Ok(())
+    }
+
+    /// The error for what [`watch`](Self::watch) read from rank `r`'s connection.
+    fn report_read(&self, r: usize, f: io::Result<Vec<u8>>, call: &'static str) -> Error {
+        match f {
+            Ok(f) if f.len() >= 8 && take_u64(&mut &f[..8]) == Some(SEQ_LOST) => {
+                self.lost_report(r, &f[8..], call)
+            }
+            // A host leader that saw a member die just as rank 0's answer came.
+            Ok(f) if f.first() == Some(&super::host::HOST_LOST) => {
+                self.lost_report(r, &f[1..], call)
+            }
+            Ok(_) => self.proto(r, call, "unexpected message on the rendezvous connection"),
+            Err(e) => self.lost(r, call, e),
+        }
     }
 
     /// Before blaming a rank whose link closed during init: a rank that failed because of
@@ -337,6 +440,20 @@ impl Bootstrap {
                 let _ = auth::write_frame(s, &msg);
             }
             Links::Member(_) => {}
+            Links::Via(l, s) if blamed != *l => {
+                let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                let _ = auth::write_frame(&mut &*s, &msg);
+            }
+            Links::Via(..) => {}
+        }
+        if !self.joined {
+            // A host leader: its members hear rank 0 only through it.
+            for (r, s) in &self.local {
+                if *r != blamed {
+                    let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                    let _ = auth::write_frame(&mut &*s, &msg);
+                }
+            }
         }
     }
 

@@ -14,6 +14,10 @@
 //!   Bruck's allgather in `ceil(log2 n)` rounds: O(log n) messages and connections and O(n)
 //!   bytes per exchange at every rank, rank 0 included.
 //!
+//! Directly, the ranks of a host other than rank 0 join through one of them, their host's
+//! leader (`host.rs`, `OXCCL_BOOTSTRAP_HOST_LEADERS`): rank 0 accepts one connection per
+//! host and answers one message per host.
+//!
 //! The communicator's watchdog takes over what stays open after init: through rank 0, the
 //! connections to rank 0 (a star: n-1 at rank 0, one at the others); directly, the exchange
 //! links (2 ceil(log2 n) at every rank, rank 0 included), and the connections to rank 0 are
@@ -21,6 +25,7 @@
 
 pub(crate) mod carry;
 pub(crate) mod env;
+mod host;
 pub mod local;
 mod mesh;
 mod relay;
@@ -30,6 +35,9 @@ mod unique_id;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 pub(crate) use env::LaunchEnv;
@@ -257,6 +265,9 @@ enum Links {
     Root(Vec<Option<TcpStream>>),
     /// Other ranks: the connection to rank 0.
     Member(TcpStream),
+    /// A rank that joined through its host's leader (`host.rs`): the leader's rank and the
+    /// connection to it.
+    Via(usize, UnixStream),
 }
 
 /// A rank's connection to the rendezvous, kept open for out-of-band exchanges.
@@ -282,6 +293,17 @@ pub(crate) struct Bootstrap {
     /// Set once the peer table is exchanged: from then on the connections to rank 0 belong
     /// to the watchdogs (which start as each rank's init ends), not to the exchanges.
     joined: bool,
+    /// A host leader's connections to the ranks that joined through it (`host.rs`), until
+    /// the peer table is exchanged.
+    local: Vec<(usize, UnixStream)>,
+    /// Set when this rank's host leader said it is done ([`host::SEQ_DONE`]): its
+    /// connection closing is then no failure.
+    leader_done: AtomicBool,
+    /// Whether this rank leads its host's ranks (it tells rank 0 when it is done).
+    leads: bool,
+    /// Rank 0: by rank, set for each host leader until it says it is done; its connection
+    /// closing before that is its death.
+    root_leaders: Vec<AtomicBool>,
 }
 
 impl std::fmt::Debug for Bootstrap {
@@ -372,11 +394,16 @@ impl Bootstrap {
             mesh: None,
             traffic: mesh::Traffic::default(),
             joined: false,
+            local: Vec::new(),
+            leader_done: AtomicBool::new(false),
+            leads: false,
+            root_leaders: Vec::new(),
         };
         // Direct exchanges (`mesh.rs`) above OXCCL_BOOTSTRAP_RELAY_MAX ranks. Their listener
         // is open before joining: rank 0 gives its port to the ranks that dial it. Rank 0's
-        // setting decides; it relays when a rank joins without a listener.
-        let listener = if world_size > 1 && world_size > cfg.bootstrap_relay_max {
+        // setting decides; it relays when a rank joins without a listener, and exchanges
+        // directly when a rank joins through its host's leader (`host.rs`).
+        let mut listener = if world_size > 1 && world_size > cfg.bootstrap_relay_max {
             Some(mesh::listen(me.ip).map_err(|source| Error::Io {
                 rank,
                 context: format!("listening on {} for the bootstrap's exchange links", me.ip),
@@ -389,10 +416,24 @@ impl Bootstrap {
             Some(l) => l.local_addr().map(|a| a.port()).unwrap_or(0),
             None => 0,
         };
-        let answer = if rank == 0 {
-            b.init_root(me.clone(), port, deadline, cfg)?
+        // Directly, the ranks of a host but rank 0 join through one of them (`host.rs`).
+        let local = if rank != 0 && listener.is_some() && cfg.bootstrap_host_leaders {
+            host::elect(
+                &host::leader_name(b.comm_tag(), id.addr, &me.host_id),
+                rank,
+                deadline,
+            )
         } else {
-            b.init_member(me.clone(), port, deadline, cfg)?
+            None
+        };
+        let answer = match local {
+            _ if rank == 0 => b.init_root(me.clone(), port, &mut listener, deadline, cfg)?,
+            Some(host::Local::Leader(l)) => b.init_leader(l, &me, port, deadline, cfg)?,
+            Some(host::Local::Member(s)) => match b.init_via_leader(s, &me, port, deadline)? {
+                Some(a) => a,
+                None => b.init_member(me.clone(), port, deadline, cfg)?,
+            },
+            None => b.init_member(me.clone(), port, deadline, cfg)?,
         };
         // Through rank 0, its answer was the peer table; else the peer table is the first
         // exchange, over the exchange links.
@@ -428,8 +469,17 @@ impl Bootstrap {
                 if b.mesh.is_some() {
                     // Directly, the rendezvous connections carried failure news only until
                     // now (see `mesh.rs`); the watchdog takes the exchange links. Close them:
-                    // nothing stays open at rank 0 per rank.
+                    // nothing stays open at rank 0 per rank. A host leader first tells its
+                    // members that it closes for that reason, not because it died.
+                    if let (true, Links::Member(s)) = (b.leads, &b.links) {
+                        let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                        let _ = auth::write_frame(&mut &*s, &host::SEQ_DONE.to_le_bytes());
+                    }
                     b.links = Links::Root(Vec::new());
+                    for (_, s) in std::mem::take(&mut b.local) {
+                        let _ = s.set_write_timeout(Some(Duration::from_millis(500)));
+                        let _ = auth::write_frame(&mut &s, &host::SEQ_DONE.to_le_bytes());
+                    }
                 }
             }
             Err(e) => {
@@ -504,10 +554,12 @@ impl Bootstrap {
         &mut self,
         me: PeerInfo,
         port: u16,
+        exchange_listener: &mut Option<TcpListener>,
         deadline: Instant,
         cfg: &Config,
     ) -> Result<Answer> {
         let n = self.world_size;
+        let my_ip = me.ip;
         let listener = self.bind_root()?;
         let mut join = RootJoin {
             world: n,
@@ -515,6 +567,10 @@ impl Bootstrap {
             conns: (0..n).map(|_| None).collect(),
             infos: vec![None; n],
             ports: vec![0; n],
+            via: vec![usize::MAX; n],
+            leader: vec![false; n],
+            accepts: 0,
+            messages: 0,
             joined: 1,
             offender: None,
             start: Instant::now(),
@@ -584,7 +640,7 @@ impl Bootstrap {
                     let mut tell = |_: Hello, s: TcpStream, _: SocketAddr| -> Result<bool> {
                         let mut d = Deadlined::new(&s, Instant::now() + Duration::from_secs(1));
                         let _ = auth::send_verdict(&mut d, auth::Verdict::Accepted)
-                            .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
+                            .and_then(|_| auth::read_frame(&mut d, host::MAX_BATCH))
                             .and_then(|_| auth::write_frame(&mut d, &msg));
                         Ok(false)
                     };
@@ -603,13 +659,55 @@ impl Bootstrap {
         let RootJoin {
             mut conns,
             infos,
-            ports,
+            mut ports,
+            via,
+            leader,
+            accepts,
+            messages,
             ..
         } = join;
+        self.traffic.rendezvous_accepts = accepts;
+        self.traffic.rendezvous_received = messages;
         // Through rank 0 up to OXCCL_BOOTSTRAP_RELAY_MAX ranks, or when a rank has no
-        // exchange listener (its setting differs from rank 0's).
+        // exchange listener (its setting differs from rank 0's). Ranks that joined through
+        // their host's leader exchange directly (their setting said so; the leader cannot
+        // relay the exchanges).
         let unready: Vec<usize> = (1..n).filter(|&r| ports[r] == 0).collect();
-        let relay = n == 1 || n <= cfg.bootstrap_relay_max || !unready.is_empty();
+        let led: Vec<usize> = (1..n).filter(|&r| via[r] != r).collect();
+        let no_listener = &unready;
+        if !led.is_empty() && !no_listener.is_empty() {
+            let e = self.rz_err(format!(
+                "rank(s) {} joined through their host's leader for exchanges directly between \
+                 ranks, rank(s) {} without an exchange listener for exchanges through rank 0: \
+                 set OXCCL_BOOTSTRAP_RELAY_MAX alike on every rank",
+                crate::base::error::rank_list(&led),
+                crate::base::error::rank_list(no_listener)
+            ));
+            let mut msg = vec![1u8];
+            msg.extend_from_slice(e.to_string().as_bytes());
+            tell_all(&mut conns, usize::MAX, &msg);
+            return Err(e);
+        }
+        let relay =
+            n == 1 || (led.is_empty() && (n <= cfg.bootstrap_relay_max || !unready.is_empty()));
+        if !relay && ports[0] == 0 {
+            // Ranks joined through their host's leader (their setting says direct, rank 0's
+            // says through rank 0): follow them, with an exchange listener made now.
+            let l = mesh::listen(my_ip).map_err(|source| Error::Io {
+                rank: 0,
+                context: format!("listening on {my_ip} for the bootstrap's exchange links"),
+                source,
+            })?;
+            ports[0] = l.local_addr().map(|a| a.port()).unwrap_or(0);
+            *exchange_listener = Some(l);
+            tracing::warn!(
+                "rank 0: {n} ranks exchange directly although OXCCL_BOOTSTRAP_RELAY_MAX is {} \
+                 here: rank(s) {} joined through their host's leader (set the variable alike on \
+                 every rank)",
+                cfg.bootstrap_relay_max,
+                crate::base::error::rank_list(&led)
+            );
+        }
         if relay && n > cfg.bootstrap_relay_max && n > 1 {
             tracing::warn!(
                 "rank 0: {n} ranks exchange through rank 0 although OXCCL_BOOTSTRAP_RELAY_MAX \
@@ -662,10 +760,29 @@ impl Bootstrap {
             a.extend_from_slice(&self.root_says);
             a
         };
+        // A host leader's answer: every rank's that joined through it, the leader's first.
+        let host_answer = |l: usize| {
+            let ranks: Vec<usize> = std::iter::once(l)
+                .chain((1..n).filter(|&r| r != l && via[r] == l))
+                .collect();
+            let mut a = vec![host::TABLE_HOST];
+            a.extend_from_slice(&(ranks.len() as u32).to_le_bytes());
+            for r in ranks {
+                let one = answer(r);
+                a.extend_from_slice(&(r as u32).to_le_bytes());
+                a.extend_from_slice(&(one.len() as u32).to_le_bytes());
+                a.extend_from_slice(&one);
+            }
+            a
+        };
+        let mut answers = 0u64;
+        let mut answer_bytes = 0u64;
         for r in 0..conns.len() {
             if let Some(s) = &mut conns[r] {
-                if let Err(e) =
-                    set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &answer(r)))
+                let a = if leader[r] { host_answer(r) } else { answer(r) };
+                answers += 1;
+                answer_bytes += 4 + a.len() as u64;
+                if let Err(e) = set_timeouts(s, self.timeout).and_then(|_| auth::write_frame(s, &a))
                 {
                     let err = self.lost(r, "init", e);
                     // Rank r died after joining: tell the others that it is r, not rank 0.
@@ -686,6 +803,17 @@ impl Bootstrap {
             }
         }
         self.links = Links::Root(conns);
+        self.root_leaders = leader.iter().map(|&l| AtomicBool::new(l)).collect();
+        self.traffic.rendezvous_sent = answers;
+        tracing::debug!(
+            rank = 0,
+            accepted = accepts,
+            join_messages = messages,
+            answers,
+            answer_bytes,
+            host_leaders = (1..n).filter(|&r| leader[r]).count(),
+            "bootstrap rendezvous at rank 0 (connections accepted, join messages read, answers sent)"
+        );
         if relay {
             return Ok(Answer::Table(peers));
         }
@@ -696,25 +824,24 @@ impl Bootstrap {
         ))
     }
 
-    /// A member's side of the rendezvous: joins, and returns rank 0's answer (the peer
-    /// table, or the addresses it dials for the direct exchanges).
-    fn init_member(
-        &mut self,
-        me: PeerInfo,
-        port: u16,
-        deadline: Instant,
-        cfg: &Config,
-    ) -> Result<Answer> {
+    /// This rank's join message: version, world size, [`PeerInfo`], exchange listener port.
+    fn join_message(&self, me: &PeerInfo, port: u16) -> Vec<u8> {
+        let mut join = vec![JOIN_VERSION];
+        join.extend_from_slice(&(self.world_size as u32).to_le_bytes());
+        me.encode(&mut join);
+        join.extend_from_slice(&port.to_le_bytes());
+        join
+    }
+
+    /// Dials rank 0's rendezvous and proves the secret, retrying until `deadline`; returns
+    /// the connection and when the dial began.
+    fn dial_root(&self, deadline: Instant, cfg: &Config) -> Result<(TcpStream, Instant)> {
         let addr = self.root.to_string();
         let hello = Hello {
             rank: self.rank,
             purpose: Purpose::Rendezvous,
             tag: self.comm_tag(),
         };
-        let mut join = vec![JOIN_VERSION];
-        join.extend_from_slice(&(self.world_size as u32).to_le_bytes());
-        me.encode(&mut join);
-        join.extend_from_slice(&port.to_le_bytes());
         let start = Instant::now();
         let mut next_report = cfg.startup_report.map(|p| start + p);
         let refused_limit = cfg.rendezvous_refused.min(self.timeout);
@@ -760,12 +887,26 @@ impl Bootstrap {
                 reason,
             }
         };
-        let stream = dial.run(report, give_up)?;
+        Ok((dial.run(report, give_up)?, start))
+    }
+
+    /// A member's side of the rendezvous: joins, and returns rank 0's answer (the peer
+    /// table, or the addresses it dials for the direct exchanges).
+    fn init_member(
+        &mut self,
+        me: PeerInfo,
+        port: u16,
+        deadline: Instant,
+        cfg: &Config,
+    ) -> Result<Answer> {
+        let join = self.join_message(&me, port);
+        let (stream, start) = self.dial_root(deadline, cfg)?;
         // Rank 0 gives up at its own deadline and then says why (which rank is missing):
         // wait a little longer than that for its word.
         let deadline = deadline + MEMBER_GRACE;
         let mut d = Deadlined::new(&stream, deadline);
         auth::write_frame(&mut d, &join).map_err(|e| self.lost(0, "init", e))?;
+        self.traffic.rendezvous_sent = 1;
         if let Some(every) = cfg.startup_report {
             self.await_table(&stream, deadline, start, every);
         }
@@ -776,7 +917,19 @@ impl Bootstrap {
             )),
             _ => self.lost(0, "init", e),
         })?;
-        let mut r = &table[..];
+        drop(d);
+        self.traffic.rendezvous_received = 1;
+        let answer = self.parse_answer(&table, 0)?;
+        set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
+        self.links = Links::Member(stream);
+        Ok(answer)
+    }
+
+    /// Reads rank 0's answer to this rank's join (from rank `from`: 0, or this host's leader
+    /// passing it on): the peer table or the direct exchanges' addresses, and rank 0's
+    /// settings ([`root_says`](Self::root_says)); or the error it reports.
+    fn parse_answer(&mut self, table: &[u8], from: usize) -> Result<Answer> {
+        let mut r = table;
         let relay = match take(&mut r, 1) {
             Some([0]) => false,
             Some([TABLE_RELAY]) => true,
@@ -786,11 +939,11 @@ impl Bootstrap {
                     String::from_utf8_lossy(r)
                 )))
             }
-            Some([TABLE_LOST]) => return Err(self.lost_report(0, r, "init")),
-            _ => return Err(self.proto(0, "init", "malformed peer table")),
+            Some([TABLE_LOST]) => return Err(self.lost_report(from, r, "init")),
+            _ => return Err(self.proto(from, "init", "malformed peer table")),
         };
-        let n =
-            take_u32(&mut r).ok_or_else(|| self.proto(0, "init", "malformed peer table"))? as usize;
+        let n = take_u32(&mut r).ok_or_else(|| self.proto(from, "init", "malformed peer table"))?
+            as usize;
         if n != self.world_size {
             return Err(self.rz_err(format!(
                 "rank 0 has world size {n}, this rank {}",
@@ -801,7 +954,7 @@ impl Bootstrap {
         for i in 0..if relay { n } else { 0 } {
             match PeerInfo::decode(&mut r) {
                 Some(p) if p.rank == i => peers.push(p),
-                _ => return Err(self.proto(0, "init", "malformed peer table")),
+                _ => return Err(self.proto(from, "init", "malformed peer table")),
             }
         }
         let mut to = Vec::new();
@@ -810,17 +963,14 @@ impl Bootstrap {
             let port = take(&mut r, 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
             match (ip, port) {
                 (Some(ip), Some(port)) => to.push(SocketAddr::new(ip, port)),
-                _ => return Err(self.proto(0, "init", "malformed peer table")),
+                _ => return Err(self.proto(from, "init", "malformed peer table")),
             }
         }
         let says = take_u32(&mut r).and_then(|len| take(&mut r, len as usize));
         match says {
             Some(says) if r.is_empty() => self.root_says = says.to_vec(),
-            _ => return Err(self.proto(0, "init", "malformed peer table")),
+            _ => return Err(self.proto(from, "init", "malformed peer table")),
         }
-        drop(d);
-        set_timeouts(&stream, self.timeout).map_err(|e| self.lost(0, "init", e))?;
-        self.links = Links::Member(stream);
         Ok(if relay {
             Answer::Table(peers)
         } else {
@@ -962,6 +1112,8 @@ impl Bootstrap {
                 .filter_map(|(r, c)| c.map(|c| (r, c, true)))
                 .collect(),
             Links::Member(s) => vec![(0, s, true)],
+            // (Joined through a host leader: the exchanges were direct, `mesh` above.)
+            Links::Via(..) => Vec::new(),
         };
         tracing::debug!(
             rank = self.rank,
@@ -987,7 +1139,7 @@ impl Bootstrap {
 /// Waits until `stream` is readable (or closed) or `deadline` passes, calling
 /// `say(waited)` and printing its line every `every` while it waits.
 fn await_readable(
-    stream: &TcpStream,
+    stream: &impl AsFd,
     deadline: Instant,
     every: Duration,
     say: &dyn Fn(Duration) -> String,
@@ -1080,7 +1232,11 @@ impl Exchange for Bootstrap {
             exchange = self.seq,
             messages = self.traffic.messages,
             bytes = self.traffic.bytes,
-            "bootstrap traffic (sent by this rank in its exchanges so far)"
+            rendezvous_accepted = self.traffic.rendezvous_accepts,
+            rendezvous_received = self.traffic.rendezvous_received,
+            rendezvous_sent = self.traffic.rendezvous_sent,
+            host_leader_accepted = self.traffic.local_accepts,
+            "bootstrap traffic (sent by this rank in its exchanges so far; rendezvous: connections accepted over TCP, messages received and sent; connections accepted as its host's leader)"
         );
         res
     }

@@ -37,6 +37,12 @@ impl Bootstrap {
                 res
             }
             Links::Member(s) => self.allgather_member(s, mine, seq),
+            // Ranks that join through a host leader exchange directly (`host.rs`).
+            Links::Via(l, _) => Err(self.proto(
+                *l,
+                CALL,
+                "an exchange through rank 0 on a rank that joined through its host's leader",
+            )),
         };
         self.links = links;
         if let Ok(all) = &res {

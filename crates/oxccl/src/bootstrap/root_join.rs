@@ -1,11 +1,13 @@
 //! Rank 0's side of the rendezvous while ranks join: what it does with each authenticated
-//! connection (read and check the join message), and what it watches while it waits (ranks
-//! that joined and died, and a periodic word on who is still missing).
+//! connection (read and check the join message, or a host leader's batch of joins,
+//! `host.rs`), and what it watches while it waits (ranks that joined and died, host leaders'
+//! further batches and reports, and a periodic word on who is still missing).
 
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::{parse_join, PeerInfo, MAX_JOIN};
+use super::host::{self, HOST_LOST, JOIN_BATCH};
+use super::{parse_join, take_u32, PeerInfo};
 use crate::base::error::{Error, Result};
 use crate::net::accept::{Admit, Strangers};
 use crate::net::auth::{self, Deadlined, Hello, Verdict};
@@ -20,6 +22,16 @@ pub(super) struct RootJoin {
     pub infos: Vec<Option<PeerInfo>>,
     /// Every rank's exchange listener port as it joins.
     pub ports: Vec<u16>,
+    /// For each rank that joined, the rank whose connection carries it: itself, or its
+    /// host's leader (`usize::MAX` before it joins).
+    pub via: Vec<usize>,
+    /// Whether each rank's connection is a host leader's (its answer then carries its
+    /// members' too).
+    pub leader: Vec<bool>,
+    /// Connections accepted (that passed the handshake).
+    pub accepts: u64,
+    /// Join messages read (a host leader's batch counts once).
+    pub messages: u64,
     pub joined: usize,
     /// A connection that broke the rendezvous (told why before rank 0 fails).
     pub offender: Option<TcpStream>,
@@ -52,16 +64,146 @@ impl RootJoin {
         }
     }
 
+    /// Why the join of `info` (world size `ws`, from `from`) cannot be admitted, if it cannot.
+    fn refuse(&self, ws: usize, info: &PeerInfo, from: SocketAddr) -> Option<String> {
+        if ws != self.world {
+            return Some(format!(
+                "rank {} at {from} was started with world size {ws}, rank 0 with {}",
+                info.rank, self.world
+            ));
+        }
+        if info.rank == 0 || info.rank >= self.world || self.infos[info.rank].is_some() {
+            let first = self
+                .infos
+                .get(info.rank)
+                .and_then(|i| i.as_ref())
+                .map(|i| format!("{} (pid {})", i.hostname, i.pid));
+            return Some(format!(
+                "rank {} joined twice: from {from} ({}, pid {}) and earlier from {}",
+                info.rank,
+                info.hostname,
+                info.pid,
+                first.unwrap_or_default()
+            ));
+        }
+        None
+    }
+
+    /// Admits a host leader's batch of joins (`l`: the leader's rank); the error names what
+    /// is wrong with it.
+    fn admit_batch(
+        &mut self,
+        l: usize,
+        frame: &[u8],
+        from: SocketAddr,
+    ) -> std::result::Result<(), String> {
+        let joins = host::parse_batch(frame).ok_or_else(|| {
+            format!("malformed batch of joins from {from} (host leader rank {l})")
+        })?;
+        for j in joins {
+            let (ws, info, port) = parse_join(j).ok_or_else(|| {
+                format!("malformed join message in a batch from {from} (host leader rank {l})")
+            })?;
+            if let Some(why) = self.refuse(ws, &info, from) {
+                return Err(why);
+            }
+            let r = info.rank;
+            self.infos[r] = Some(info);
+            self.ports[r] = port;
+            self.via[r] = l;
+            self.joined += 1;
+        }
+        self.messages += 1;
+        Ok(())
+    }
+
+    /// The ranks that joined through host leader `l`, but `l`.
+    fn members_of(&self, l: usize) -> Vec<usize> {
+        (0..self.world)
+            .filter(|&r| r != l && self.via[r] == l)
+            .collect()
+    }
+
+    /// What a host leader sent after its first batch: more joins, or a report that a rank of
+    /// its host died.
+    fn leader_says(&mut self, l: usize) -> Result<()> {
+        let Some(c) = self.conns[l].as_ref() else {
+            return Ok(());
+        };
+        let from = c.peer_addr().unwrap_or(self.root);
+        let frame = {
+            let mut d = Deadlined::new(c, Instant::now() + auth::HANDSHAKE_TIMEOUT);
+            auth::read_frame(&mut d, host::MAX_BATCH)
+        };
+        let root = self.root.to_string();
+        let err = move |msg: String| Error::Rendezvous {
+            rank: 0,
+            addr: root.clone(),
+            msg,
+        };
+        match frame {
+            Ok(f) if f.first() == Some(&JOIN_BATCH) => self.admit_batch(l, &f, from).map_err(err),
+            Ok(f) if f.first() == Some(&HOST_LOST) => {
+                let mut rest = &f[1..];
+                match take_u32(&mut rest) {
+                    Some(r) if (r as usize) < self.world && r != 0 => Err(Error::PeerLost {
+                        rank: 0,
+                        peer: r as usize,
+                        call: "init",
+                        seq: 0,
+                        reason: format!(
+                            "host leader {} reports it: {}",
+                            self.who(l),
+                            String::from_utf8_lossy(rest)
+                        ),
+                    }),
+                    _ => Err(err(format!("malformed report from host leader rank {l}"))),
+                }
+            }
+            Ok(_) => Err(err(format!(
+                "unexpected message from host leader rank {l} during the rendezvous"
+            ))),
+            Err(e) => {
+                let gone = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    "closed its connection".to_string()
+                } else {
+                    format!("lost its connection ({e})")
+                };
+                Err(Error::PeerLost {
+                    rank: 0,
+                    peer: l,
+                    call: "init",
+                    seq: 0,
+                    reason: format!(
+                        "{}, the leader of its host's ranks ({} joined through it: {}), joined the rendezvous at {} and then {gone} before every rank had joined (rank(s) {} had not joined yet); it died or was stopped",
+                        self.who(l),
+                        self.members_of(l).len(),
+                        crate::base::error::rank_list(&self.members_of(l)),
+                        self.root,
+                        crate::base::error::rank_list(&self.missing())
+                    ),
+                })
+            }
+        }
+    }
+
     /// A rank that joined has nothing to send before the peer table: a readable connection
-    /// is one that closed (or broke the protocol).
-    fn check_joined(&self) -> Result<()> {
+    /// is one that closed (or broke the protocol), or a host leader's with more to say.
+    fn check_joined(&mut self) -> Result<()> {
         let joined: Vec<(usize, &TcpStream)> = self
             .conns
             .iter()
             .enumerate()
             .filter_map(|(r, c)| c.as_ref().map(|c| (r, c)))
             .collect();
-        if let Some(&(r, c)) = crate::net::readable_now(&joined).first() {
+        let ready = crate::net::readable_now(&joined);
+        let leaders: Vec<usize> = ready
+            .iter()
+            .map(|&(r, _)| r)
+            .filter(|&r| self.leader[r])
+            .collect();
+        let lone = ready.into_iter().find(|&(r, _)| !self.leader[r]);
+        if let Some((r, c)) = lone {
             let gone = match c.peek(&mut [0u8; 1]) {
                 Ok(0) => "closed its connection".to_string(),
                 Ok(_) => "sent data before the rendezvous completed".to_string(),
@@ -81,6 +223,9 @@ impl RootJoin {
                 ),
             });
         }
+        for l in leaders {
+            self.leader_says(l)?;
+        }
         Ok(())
     }
 }
@@ -90,7 +235,7 @@ impl Admit for RootJoin {
         let join = {
             let mut d = Deadlined::new(&stream, Instant::now() + auth::HANDSHAKE_TIMEOUT);
             auth::send_verdict(&mut d, Verdict::Accepted)
-                .and_then(|_| auth::read_frame(&mut d, MAX_JOIN))
+                .and_then(|_| auth::read_frame(&mut d, host::MAX_BATCH))
         };
         let join = match join {
             Ok(j) => j,
@@ -103,6 +248,47 @@ impl Admit for RootJoin {
                 return Ok(false);
             }
         };
+        self.accepts += 1;
+        if join.first() == Some(&HOST_LOST) {
+            // A rank whose host's leader died before rank 0 answered it says so.
+            let mut rest = &join[1..];
+            if let Some(lost) = take_u32(&mut rest).map(|r| r as usize) {
+                if lost != 0 && lost < self.world {
+                    self.offender = Some(stream);
+                    return Err(Error::PeerLost {
+                        rank: 0,
+                        peer: lost,
+                        call: "init",
+                        seq: 0,
+                        reason: format!(
+                            "rank {} at {from} reports it: {}",
+                            hello.rank,
+                            String::from_utf8_lossy(rest)
+                        ),
+                    });
+                }
+            }
+            return self.fail(format!("malformed report from {from}"), stream);
+        }
+        if join.first() == Some(&JOIN_BATCH) {
+            // A host leader: its own join first, then its members' so far.
+            let l = hello.rank;
+            let first = host::parse_batch(&join)
+                .and_then(|j| j.first().and_then(|j| parse_join(j)))
+                .map(|(_, info, _)| info.rank);
+            if first != Some(l) || l == 0 || l >= self.world || self.conns[l].is_some() {
+                return self.fail(
+                    format!("malformed batch of joins from {from} (host leader claiming rank {l})"),
+                    stream,
+                );
+            }
+            if let Err(why) = self.admit_batch(l, &join, from) {
+                return self.fail(why, stream);
+            }
+            self.conns[l] = Some(stream);
+            self.leader[l] = true;
+            return Ok(self.joined == self.world);
+        }
         let Some((ws, info, port)) = parse_join(&join) else {
             return self.fail(
                 format!(
@@ -112,38 +298,30 @@ impl Admit for RootJoin {
                 stream,
             );
         };
-        if ws != self.world || info.rank != hello.rank {
+        if info.rank != hello.rank {
             return self.fail(
                 format!(
-                    "rank {} at {from} was started with world size {ws}, rank 0 with {}",
-                    info.rank, self.world
+                    "rank {} at {from} sent the join of rank {}",
+                    hello.rank, info.rank
                 ),
                 stream,
             );
         }
-        if info.rank == 0 || info.rank >= self.world || self.infos[info.rank].is_some() {
-            let first = self
-                .infos
-                .get(info.rank)
-                .and_then(|i| i.as_ref())
-                .map(|i| format!("{} (pid {})", i.hostname, i.pid));
-            return self.fail(
-                format!(
-                    "rank {} joined twice: from {from} ({}, pid {}) and earlier from {}",
-                    info.rank,
-                    info.hostname,
-                    info.pid,
-                    first.unwrap_or_default()
-                ),
-                stream,
-            );
+        if let Some(why) = self.refuse(ws, &info, from) {
+            return self.fail(why, stream);
         }
         let r = info.rank;
         self.conns[r] = Some(stream);
         self.infos[r] = Some(info);
         self.ports[r] = port;
+        self.via[r] = r;
+        self.messages += 1;
         self.joined += 1;
         Ok(self.joined == self.world)
+    }
+
+    fn done(&self) -> bool {
+        self.joined == self.world
     }
 
     fn tick(&mut self, strangers: &Strangers) -> Result<()> {

@@ -21,6 +21,15 @@ fn direct(c: Config) -> Config {
     }
 }
 
+/// `c` with the exchanges directly between ranks and every rank joining rank 0 itself (no
+/// host leaders, `host.rs`).
+fn direct_no_leaders(c: Config) -> Config {
+    Config {
+        bootstrap_host_leaders: false,
+        ..direct(c)
+    }
+}
+
 /// Checks that `b`'s exchanges go the way `c` says: through rank 0 up to
 /// `bootstrap_relay_max` ranks, else directly.
 fn check_path(b: &Bootstrap, c: &Config) {
@@ -76,6 +85,11 @@ fn four_ranks_init_and_allgather_direct() {
     four_ranks(direct(cfg(20_000)));
 }
 
+#[test]
+fn four_ranks_init_and_allgather_direct_no_leaders() {
+    four_ranks(direct_no_leaders(cfg(20_000)));
+}
+
 fn four_ranks(c: Config) {
     let id = loopback_id();
     let tables = ranks(4, move |r| {
@@ -109,6 +123,11 @@ fn thirteen_ranks_init_and_allgather_direct() {
     thirteen_ranks(direct(cfg(20_000)));
 }
 
+#[test]
+fn thirteen_ranks_init_and_allgather_direct_no_leaders() {
+    thirteen_ranks(direct_no_leaders(cfg(20_000)));
+}
+
 /// Also checks what rank 0 sent in the exchanges against the others: through rank 0 it sends
 /// every rank everything (more than n-1 times a member's bytes), directly about as much as
 /// any rank (each sends n-1 of the n contributions per exchange); and what stays open for
@@ -116,14 +135,35 @@ fn thirteen_ranks_init_and_allgather_direct() {
 fn thirteen_ranks(c: Config) {
     let id = loopback_id();
     let relay = c.bootstrap_relay_max >= 13;
+    let led = !relay && c.bootstrap_host_leaders;
     let tables = ranks(13, move |r| {
         let mut b = Bootstrap::init(&id, r, 13, &c).unwrap();
         check_path(&b, &c);
         check_allgathers(&mut b);
         let bytes = b.traffic.bytes;
+        let traffic = b.traffic;
         check_watch_links(&mut b, relay);
-        (b.peers().to_vec(), bytes)
+        (b.peers().to_vec(), bytes, traffic)
     });
+    // The rendezvous: rank 0 accepts one connection per rank, or, through host leaders,
+    // one (ranks 1 to 12 share this host), whose leader accepted the 11 others.
+    let root = tables[0].2;
+    let local: Vec<u64> = tables.iter().map(|t| t.2.local_accepts).collect();
+    if led {
+        assert_eq!(root.rendezvous_accepts, 1, "{root:?}");
+        assert!((1..=12).contains(&root.rendezvous_received), "{root:?}");
+        assert_eq!(root.rendezvous_sent, 1, "{root:?}");
+        let mut l = local.clone();
+        l.sort_unstable();
+        assert_eq!(l[12], 11, "{local:?}");
+        assert_eq!(l[11], 0, "{local:?}");
+    } else {
+        assert_eq!(root.rendezvous_accepts, 12, "{root:?}");
+        assert_eq!(root.rendezvous_received, 12, "{root:?}");
+        assert_eq!(root.rendezvous_sent, 12, "{root:?}");
+        assert!(local.iter().all(|&a| a == 0), "{local:?}");
+    }
+    let tables: Vec<(Vec<PeerInfo>, u64)> = tables.into_iter().map(|t| (t.0, t.1)).collect();
     for (peers, _) in &tables {
         assert_eq!(peers, &tables[0].0);
         assert!(peers.iter().enumerate().all(|(r, p)| p.rank == r));
@@ -201,6 +241,11 @@ fn a_rank_gone_during_an_exchange_is_named_by_every_rank_at_once() {
 #[test]
 fn a_rank_gone_during_a_direct_exchange_is_named_by_every_rank_at_once() {
     rank_gone(direct(cfg(30_000)));
+}
+
+#[test]
+fn a_rank_gone_during_a_direct_exchange_is_named_by_every_rank_at_once_no_leaders() {
+    rank_gone(direct_no_leaders(cfg(30_000)));
 }
 
 fn rank_gone(c: Config) {
@@ -294,10 +339,11 @@ fn rank_0_says(c: Config) {
 
 /// Rank 0's setting decides the path, and a rank that joins without an exchange listener
 /// (its setting says relay) makes rank 0 relay: with settings that differ between ranks,
-/// either way, every rank's exchanges go through rank 0 and work.
+/// either way, every rank's exchanges go through rank 0 and work. But ranks that join
+/// through their host's leader (their setting says direct) make rank 0 exchange directly.
 #[test]
 fn settings_that_differ_between_ranks_fall_back_to_rank_0() {
-    for root_direct in [true, false] {
+    for (root_direct, leaders) in [(true, true), (false, false), (false, true)] {
         let id = loopback_id();
         let relayed = ranks(4, move |r| {
             let c = if (r == 0) == root_direct {
@@ -305,11 +351,19 @@ fn settings_that_differ_between_ranks_fall_back_to_rank_0() {
             } else {
                 cfg(20_000)
             };
+            let c = Config {
+                bootstrap_host_leaders: leaders,
+                ..c
+            };
             let mut b = Bootstrap::init(&id, r, 4, &c).unwrap();
             check_allgathers(&mut b);
             b.mesh.is_none()
         });
-        assert!(relayed.iter().all(|&x| x), "rank 0 direct: {root_direct}");
+        let want = root_direct || !leaders;
+        assert!(
+            relayed.iter().all(|&x| x == want),
+            "rank 0 direct: {root_direct}, leaders: {leaders}: {relayed:?}"
+        );
     }
 }
 
@@ -771,5 +825,256 @@ fn peer_info_round_trip() {
     assert_eq!(PeerInfo::decode(&mut &b[..]), Some(p));
     for cut in 0..b.len() {
         assert_eq!(PeerInfo::decode(&mut &b[..cut]), None);
+    }
+}
+
+// Host leaders (`host.rs`).
+
+/// The leader socket's name for `id` on this host under `c`.
+fn leader_name_of(id: &UniqueId, c: &Config) -> String {
+    host::leader_name(auth::comm_tag(&id.secret), id.addr, &local_host_id(c))
+}
+
+/// Waits until a leader holds `name` (something accepts connections there).
+fn await_leader(name: &str) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while host::connect_name(name, until).unwrap().is_none() {
+        assert!(Instant::now() < until, "no leader bound {name}");
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Ranks of three emulated hosts (host ids): rank 0 accepts one connection per host, three
+/// (rank 0's host's other ranks have a leader too), and every rank has the right table.
+#[test]
+fn the_ranks_of_each_host_join_through_one_leader() {
+    let id = loopback_id();
+    let res = ranks(12, move |r| {
+        let c = Config {
+            host_id: Some(format!("h{}", r % 3)),
+            ..direct(cfg(20_000))
+        };
+        let mut b = Bootstrap::init(&id, r, 12, &c).unwrap();
+        check_path(&b, &c);
+        check_allgathers(&mut b);
+        (b.peers().to_vec(), b.traffic)
+    });
+    assert_eq!(res[0].1.rendezvous_accepts, 3, "{:?}", res[0].1);
+    let mut leaders: Vec<u64> = res
+        .iter()
+        .map(|t| t.1.local_accepts)
+        .filter(|&a| a > 0)
+        .collect();
+    leaders.sort_unstable();
+    // Host h0: ranks 3, 6, 9 (rank 0 stays out); h1: 1, 4, 7, 10; h2: 2, 5, 8, 11.
+    assert_eq!(leaders, vec![2, 3, 3], "{res:?}");
+    for (peers, _) in &res {
+        assert_eq!(peers, &res[0].0);
+        for (r, p) in peers.iter().enumerate() {
+            assert_eq!(p.host_id, format!("h{}", r % 3));
+        }
+    }
+}
+
+/// Strangers on the leader's socket (silent, garbage, a wrong secret) are dropped and keep
+/// no rank from joining.
+#[test]
+fn strangers_on_the_leader_socket_do_not_stop_init() {
+    let id = loopback_id();
+    let c = direct(cfg(30_000));
+    let name = leader_name_of(&id, &c);
+    let (id2, c2) = (id.clone(), c.clone());
+    // Ranks 1 to 5 first: one leads and waits for rank 0.
+    let members = thread::spawn(move || {
+        ranks(5, move |r| {
+            let mut b = Bootstrap::init(&id2, r + 1, 6, &c2)?;
+            check_allgathers(&mut b);
+            Ok::<_, Error>(b.traffic.local_accepts)
+        })
+    });
+    await_leader(&name);
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut held = Vec::new();
+    for i in 0..30 {
+        let mut s = host::connect_name(&name, until).unwrap().unwrap();
+        match i % 3 {
+            0 => {}
+            1 => {
+                let _ = s.write_all(b"GET / HTTP/1.0\r\n\r\n");
+            }
+            _ => {
+                let mut other = id.secret;
+                other[0] ^= 1;
+                let hello = Hello {
+                    rank: 2,
+                    purpose: Purpose::Rendezvous,
+                    tag: auth::comm_tag(&other),
+                };
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let e = auth::client_handshake(&mut s, &other, &hello, 2, "leader").unwrap_err();
+                assert!(matches!(e, Error::Auth { .. }), "{e}");
+            }
+        }
+        held.push(s);
+    }
+    let mut b = Bootstrap::init(&id, 0, 6, &c).unwrap();
+    check_allgathers(&mut b);
+    assert_eq!(b.traffic.rendezvous_accepts, 1);
+    let accepted: u64 = members
+        .join()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .sum();
+    assert_eq!(accepted, 4, "the leader admitted strangers");
+    drop(held);
+}
+
+/// Something else holding the leader's name (it fails the handshake): the ranks join rank 0
+/// themselves.
+#[test]
+fn a_squatter_on_the_leader_name_makes_ranks_join_rank_0_directly() {
+    let id = loopback_id();
+    let c = direct(cfg(20_000));
+    let l = host::bind_name(&leader_name_of(&id, &c)).unwrap().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let squatter = thread::spawn(move || {
+        l.set_nonblocking(true).unwrap();
+        while !stop2.load(Ordering::SeqCst) {
+            match l.accept() {
+                Ok((mut s, _)) => {
+                    let _ = s.write_all(b"not oxccl, not at all, no");
+                }
+                Err(_) => thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    });
+    let res = ranks(5, move |r| {
+        let mut b = Bootstrap::init(&id, r, 5, &c).unwrap();
+        check_allgathers(&mut b);
+        b.traffic
+    });
+    stop.store(true, Ordering::SeqCst);
+    squatter.join().unwrap();
+    assert_eq!(res[0].rendezvous_accepts, 4, "{:?}", res[0]);
+}
+
+/// This host's leader dies after taking a member's join: the member fails at once naming
+/// it (by rank, as the leader said when it accepted), not rank 0, which never started.
+#[test]
+fn a_leader_killed_mid_join_is_named_by_its_member() {
+    let id = loopback_id();
+    let c = direct(cfg(20_000));
+    let l = host::bind_name(&leader_name_of(&id, &c)).unwrap().unwrap();
+    let secret = id.secret;
+    let fake = thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let tag = auth::comm_tag(&secret);
+        let hello =
+            auth::server_handshake(&mut s, &secret, Purpose::Rendezvous, tag, 7, "m").unwrap();
+        auth::send_verdict(&mut s, auth::Verdict::Accepted).unwrap();
+        let mut me = 7u32.to_le_bytes().to_vec();
+        me.extend_from_slice(&4242u32.to_le_bytes());
+        auth::write_frame(&mut s, &me).unwrap();
+        let join = auth::read_frame(&mut s, MAX_JOIN).unwrap();
+        assert_eq!(parse_join(&join).unwrap().1.rank, hello.rank);
+        // Dies: its connection closes.
+    });
+    let start = Instant::now();
+    let e = Bootstrap::init(&id, 1, 9, &c).unwrap_err();
+    fake.join().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(e.lost_peer(), Some(7), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("this host's leader") && msg.contains("pid 4242"),
+        "{msg}"
+    );
+}
+
+/// A member dies after joining through its leader, before rank 0 answered: the leader fails
+/// naming it, and tells rank 0, which fails naming it too, long before the timeout.
+#[test]
+fn a_member_gone_mid_join_is_named_by_its_leader_and_rank_0() {
+    let id = loopback_id();
+    let c = direct(cfg(30_000));
+    let name = leader_name_of(&id, &c);
+    let (id0, c0) = (id.clone(), c.clone());
+    let root = thread::spawn(move || Bootstrap::init(&id0, 0, 4, &c0).map(|_| ()));
+    let (id1, c1) = (id.clone(), c.clone());
+    let leader = thread::spawn(move || Bootstrap::init(&id1, 1, 4, &c1).map(|_| ()));
+    await_leader(&name);
+    let start = Instant::now();
+    {
+        let mut s = host::connect_name(&name, start + Duration::from_secs(5))
+            .unwrap()
+            .unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let hello = Hello {
+            rank: 2,
+            purpose: Purpose::Rendezvous,
+            tag: auth::comm_tag(&id.secret),
+        };
+        auth::client_handshake(&mut s, &id.secret, &hello, 2, "leader").unwrap();
+        let who = auth::read_frame(&mut s, 8).unwrap();
+        assert_eq!(&who[..4], &1u32.to_le_bytes());
+        let mut join = vec![JOIN_VERSION];
+        join.extend_from_slice(&4u32.to_le_bytes());
+        PeerInfo {
+            rank: 2,
+            host_id: "h".into(),
+            hostname: "joiner".into(),
+            pid: 4242,
+            ip: Ipv4Addr::LOCALHOST.into(),
+        }
+        .encode(&mut join);
+        join.extend_from_slice(&1u16.to_le_bytes());
+        auth::write_frame(&mut s, &join).unwrap();
+        thread::sleep(Duration::from_millis(200));
+        // Dies.
+    }
+    let e = leader.join().unwrap().unwrap_err();
+    assert_eq!(e.lost_peer(), Some(2), "leader: {e}");
+    let e = root.join().unwrap().unwrap_err();
+    assert_eq!(e.lost_peer(), Some(2), "rank 0: {e}");
+    assert!(e.to_string().contains("host leader rank 1"), "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+/// Two communicators on one host at once: two leader names, one leader each, and each rank 0
+/// accepts one connection.
+#[test]
+fn two_jobs_on_one_host_have_a_leader_each() {
+    let ids = [loopback_id(), loopback_id()];
+    let c = direct(cfg(20_000));
+    assert_ne!(leader_name_of(&ids[0], &c), leader_name_of(&ids[1], &c));
+    let res = ranks(10, move |i| {
+        let (job, r) = (i % 2, i / 2);
+        let mut b = Bootstrap::init(&ids[job], r, 5, &c).unwrap();
+        check_allgathers(&mut b);
+        (job, r, b.traffic)
+    });
+    for (job, r, t) in &res {
+        if *r == 0 {
+            assert_eq!(t.rendezvous_accepts, 1, "job {job}: {t:?}");
+        }
+    }
+    for job in 0..2 {
+        let led: Vec<u64> = res
+            .iter()
+            .filter(|x| x.0 == job && x.2.local_accepts > 0)
+            .map(|x| x.2.local_accepts)
+            .collect();
+        assert_eq!(led, vec![3], "job {job}");
     }
 }

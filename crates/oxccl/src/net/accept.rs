@@ -14,10 +14,16 @@
 //!
 //! Every dropped connection is counted by source ([`Strangers`]), so that a job that times out
 //! says who kept it from starting.
+//!
+//! The same loop serves TCP listeners and the Unix-domain listener of a host's rendezvous
+//! leader (`bootstrap/host.rs`): [`Listen`] and [`Conn`]; a Unix connection's source counts
+//! as `127.0.0.1`.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -51,6 +57,90 @@ pub(crate) struct Keys {
     pub tag: u64,
     /// This rank, for messages.
     pub rank: usize,
+}
+
+/// A stream the acceptor can run the handshake on without blocking.
+pub(crate) trait Conn: AsFd + Send + Sized {
+    /// One `read`.
+    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// One `write`.
+    fn write_some(&self, buf: &[u8]) -> io::Result<usize>;
+    /// Sets or clears `O_NONBLOCK`.
+    fn nonblocking(&self, on: bool) -> io::Result<()>;
+    /// Socket options for the handshake, set once accepted (best effort).
+    fn prepare(&self) {}
+}
+
+impl Conn for TcpStream {
+    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+    fn write_some(&self, buf: &[u8]) -> io::Result<usize> {
+        (&*self).write(buf)
+    }
+    fn nonblocking(&self, on: bool) -> io::Result<()> {
+        self.set_nonblocking(on)
+    }
+    fn prepare(&self) {
+        // Handshake and join messages are small and answered at once: send each
+        // without waiting for the peer's ACK of the last (Nagle's algorithm).
+        let _ = self.set_nodelay(true);
+    }
+}
+
+impl Conn for UnixStream {
+    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+    fn write_some(&self, buf: &[u8]) -> io::Result<usize> {
+        (&*self).write(buf)
+    }
+    fn nonblocking(&self, on: bool) -> io::Result<()> {
+        self.set_nonblocking(on)
+    }
+}
+
+/// A listener [`accept_loop`] serves.
+pub(crate) trait Listen: AsFd {
+    /// What it accepts.
+    type Conn: Conn;
+    /// One `accept`: the connection and its source.
+    fn accept_conn(&self) -> io::Result<(Self::Conn, SocketAddr)>;
+    /// Sets or clears `O_NONBLOCK`.
+    fn nonblocking(&self, on: bool) -> io::Result<()>;
+}
+
+impl Listen for TcpListener {
+    type Conn = TcpStream;
+    fn accept_conn(&self) -> io::Result<(TcpStream, SocketAddr)> {
+        self.accept()
+    }
+    fn nonblocking(&self, on: bool) -> io::Result<()> {
+        self.set_nonblocking(on)
+    }
+}
+
+impl Listen for UnixListener {
+    type Conn = UnixStream;
+    fn accept_conn(&self) -> io::Result<(UnixStream, SocketAddr)> {
+        let (stream, _) = self.accept()?;
+        Ok((stream, SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0)))
+    }
+    fn nonblocking(&self, on: bool) -> io::Result<()> {
+        self.set_nonblocking(on)
+    }
+}
+
+/// Writes through a [`Conn`] (for [`auth::send_verdict`]).
+struct ConnWriter<'a, C>(&'a C);
+
+impl<C: Conn> Write for ConnWriter<'_, C> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write_some(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Why [`accept_loop`] stopped without being told it is done.
@@ -142,28 +232,28 @@ enum Stage {
 }
 
 /// An accepted connection whose handshake is under way.
-struct Pending {
-    stream: TcpStream,
+struct Pending<C> {
+    stream: C,
     from: SocketAddr,
     opened: Instant,
     stage: Stage,
 }
 
-impl Pending {
+impl<C> Pending<C> {
     /// Whether it has sent anything yet.
     fn heard(&self) -> bool {
         !matches!(self.stage, Stage::Challenge { n: 0, .. })
     }
 }
 
-enum Step {
-    Wait(Pending),
+enum Step<C> {
+    Wait(Pending<C>),
     Dropped,
-    Authenticated(Hello, TcpStream, SocketAddr),
+    Authenticated(Hello, C, SocketAddr),
 }
 
 /// Reads what `p` has sent and moves its handshake on.
-fn step(mut p: Pending, keys: &Keys, strangers: &mut Strangers) -> Step {
+fn step<C: Conn>(mut p: Pending<C>, keys: &Keys, strangers: &mut Strangers) -> Step<C> {
     let ip = p.from.ip();
     let mut drop_as = |why: Why, msg: &dyn std::fmt::Display| {
         tracing::debug!(
@@ -180,7 +270,7 @@ fn step(mut p: Pending, keys: &Keys, strangers: &mut Strangers) -> Step {
             Stage::Challenge { buf, n } => (buf, n),
             Stage::Proof { buf, n, .. } => (buf, n),
         };
-        match (&p.stream).read(&mut buf[*n..]) {
+        match p.stream.read_some(&mut buf[*n..]) {
             Ok(0) if *n == 0 && first => {
                 return drop_as(Why::Silent, &"closed without sending anything")
             }
@@ -202,7 +292,7 @@ fn step(mut p: Pending, keys: &Keys, strangers: &mut Strangers) -> Step {
                     Ok((nonce_a, m2)) => {
                         // A few dozen bytes into a fresh socket's empty send buffer: all or
                         // nothing.
-                        if !matches!((&p.stream).write(&m2), Ok(k) if k == m2.len()) {
+                        if !matches!(p.stream.write_some(&m2), Ok(k) if k == m2.len()) {
                             return drop_as(Why::Closed, &"cannot answer the challenge");
                         }
                         let mut nonce_c = [0u8; NONCE];
@@ -233,12 +323,12 @@ fn step(mut p: Pending, keys: &Keys, strangers: &mut Strangers) -> Step {
                     keys.rank,
                     &addr,
                 ) {
-                    Ok(hello) => match p.stream.set_nonblocking(false) {
+                    Ok(hello) => match p.stream.nonblocking(false) {
                         Ok(()) => Step::Authenticated(hello, p.stream, p.from),
                         Err(e) => drop_as(Why::Closed, &e),
                     },
                     Err(e) => {
-                        let _ = auth::send_verdict(&mut &p.stream, Verdict::Refused);
+                        let _ = auth::send_verdict(&mut ConnWriter(&p.stream), Verdict::Refused);
                         drop_as(Why::Refused, &e)
                     }
                 };
@@ -250,8 +340,8 @@ fn step(mut p: Pending, keys: &Keys, strangers: &mut Strangers) -> Step {
 /// Makes room for one more connection from `ip`: evicts the oldest silent connection of that
 /// source (else its oldest) when it has [`MAX_PENDING_PER_SOURCE`], and likewise over all
 /// sources at [`MAX_PENDING`].
-fn make_room(pending: &mut Vec<Pending>, ip: IpAddr, strangers: &mut Strangers) {
-    let evict = |pending: &mut Vec<Pending>, strangers: &mut Strangers, same: bool| {
+fn make_room<C>(pending: &mut Vec<Pending<C>>, ip: IpAddr, strangers: &mut Strangers) {
+    let evict = |pending: &mut Vec<Pending<C>>, strangers: &mut Strangers, same: bool| {
         let victim = pending
             .iter()
             .enumerate()
@@ -272,20 +362,18 @@ fn make_room(pending: &mut Vec<Pending>, ip: IpAddr, strangers: &mut Strangers) 
 }
 
 /// Takes up to [`ACCEPT_BURST`] connections from the backlog into `pending`.
-fn accept_burst(
-    listener: &TcpListener,
-    pending: &mut Vec<Pending>,
+fn accept_burst<L: Listen>(
+    listener: &L,
+    pending: &mut Vec<Pending<L::Conn>>,
     strangers: &mut Strangers,
 ) -> io::Result<()> {
     for _ in 0..ACCEPT_BURST {
-        match listener.accept() {
+        match listener.accept_conn() {
             Ok((stream, from)) => {
-                if stream.set_nonblocking(true).is_err() {
+                if stream.nonblocking(true).is_err() {
                     continue;
                 }
-                // Handshake and join messages are small and answered at once: send each
-                // without waiting for the peer's ACK of the last (Nagle's algorithm).
-                let _ = stream.set_nodelay(true);
+                stream.prepare();
                 make_room(pending, from.ip(), strangers);
                 pending.push(Pending {
                     stream,
@@ -320,38 +408,45 @@ fn accept_burst(
     Ok(())
 }
 
-/// What [`accept_loop`] does with authenticated connections. Closures
-/// `FnMut(Hello, TcpStream, SocketAddr) -> Result<bool>` are admitters without a `tick`.
-pub(crate) trait Admit {
+/// What [`accept_loop`] does with authenticated connections (`C`: the listener's
+/// [`Listen::Conn`]). Closures `FnMut(Hello, C, SocketAddr) -> Result<bool>` are admitters
+/// without a `tick`.
+pub(crate) trait Admit<C = TcpStream> {
     /// Runs for each connection that passed the handshake (blocking again, before the
     /// verdict: this sends it); `Ok(true)` once it has all it needs; an error ends the loop.
-    fn admit(&mut self, hello: Hello, stream: TcpStream, from: SocketAddr) -> Result<bool>;
+    fn admit(&mut self, hello: Hello, stream: C, from: SocketAddr) -> Result<bool>;
 
     /// Runs at least every 50 ms while the loop waits; an error ends the loop.
     fn tick(&mut self, _strangers: &Strangers) -> Result<()> {
         Ok(())
     }
+
+    /// Asked after each `tick`: `true` ends the loop as `admit`'s `Ok(true)` does (what it
+    /// needed came otherwise than through a new connection).
+    fn done(&self) -> bool {
+        false
+    }
 }
 
-impl<F: FnMut(Hello, TcpStream, SocketAddr) -> Result<bool>> Admit for F {
-    fn admit(&mut self, hello: Hello, stream: TcpStream, from: SocketAddr) -> Result<bool> {
+impl<C, F: FnMut(Hello, C, SocketAddr) -> Result<bool>> Admit<C> for F {
+    fn admit(&mut self, hello: Hello, stream: C, from: SocketAddr) -> Result<bool> {
         self(hello, stream, from)
     }
 }
 
 /// Accepts and authenticates connections on `listener` (as [`Keys`] says) until `admit`
 /// says it is done, `deadline` passes or `cancel` is set.
-pub(crate) fn accept_loop(
-    listener: &TcpListener,
+pub(crate) fn accept_loop<L: Listen>(
+    listener: &L,
     deadline: Instant,
     cancel: &AtomicBool,
     keys: &Keys,
-    admit: &mut dyn Admit,
+    admit: &mut dyn Admit<L::Conn>,
 ) -> std::result::Result<Result<()>, AcceptStop> {
-    listener.set_nonblocking(true).map_err(AcceptStop::Io)?;
+    listener.nonblocking(true).map_err(AcceptStop::Io)?;
     // Raising the backlog of a listening socket is allowed; a failure leaves the old one.
     let _ = rustix::net::listen(listener, LISTEN_BACKLOG);
-    let mut pending: Vec<Pending> = Vec::new();
+    let mut pending: Vec<Pending<L::Conn>> = Vec::new();
     let mut strangers = Strangers::default();
     let result = 'outer: loop {
         let now = Instant::now();
@@ -360,6 +455,9 @@ pub(crate) fn accept_loop(
         }
         if let Err(e) = admit.tick(&strangers) {
             break Ok(Err(e));
+        }
+        if admit.done() {
+            break Ok(Ok(()));
         }
         pending.retain(|p| {
             let age = now.saturating_duration_since(p.opened);

@@ -6,7 +6,6 @@ pub(crate) mod accept;
 pub mod auth;
 pub(crate) mod dial;
 
-use std::net::TcpStream;
 use std::os::fd::AsFd;
 
 use rustix::event::{PollFd, PollFlags, Timespec};
@@ -14,7 +13,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 /// Which of `conns` (tagged by rank) have something to read or have closed, without
 /// waiting: one `poll` with a zero timeout. A failed `poll` counts as nothing ready (the
 /// callers look again later).
-pub(crate) fn readable_now<'a>(conns: &[(usize, &'a TcpStream)]) -> Vec<(usize, &'a TcpStream)> {
+pub(crate) fn readable_now<'a, S: AsFd>(conns: &[(usize, &'a S)]) -> Vec<(usize, &'a S)> {
     if conns.is_empty() {
         return Vec::new();
     }

@@ -189,6 +189,11 @@ pub struct Config {
     /// directly between ranks (Bruck's allgather, `ceil(log2 n)` rounds, O(n log n) bytes at
     /// rank 0). Rank 0's value decides. Default 64.
     pub bootstrap_relay_max: usize,
+    /// `OXCCL_BOOTSTRAP_HOST_LEADERS`: with the exchanges directly between ranks (above
+    /// `bootstrap_relay_max`), the ranks of a host other than rank 0 find one leader through
+    /// an abstract Unix socket, and only the leader joins rank 0, for all of them: rank 0
+    /// accepts one connection per host instead of one per rank. Default on.
+    pub bootstrap_host_leaders: bool,
     /// `OXCCL_P2P_STASH_BYTES`: how many bytes of point-to-point messages that arrived before
     /// a receive asked for them (another tag, or read while waiting for any source) a rank
     /// keeps; past it the call fails. Default 1 GiB.
@@ -234,6 +239,7 @@ impl Default for Config {
             startup_report: Some(Duration::from_secs(10)),
             rendezvous_refused: Duration::from_secs(60),
             bootstrap_relay_max: 64,
+            bootstrap_host_leaders: true,
             p2p_stash_bytes: 1 << 30,
         }
     }
@@ -591,6 +597,9 @@ impl Config {
         }
         if let Some(k) = BOOTSTRAP_RELAY_MAX.count()? {
             c.bootstrap_relay_max = usize::try_from(k).unwrap_or(usize::MAX);
+        }
+        if let Some(b) = BOOTSTRAP_HOST_LEADERS.flag()? {
+            c.bootstrap_host_leaders = b;
         }
         Ok(c)
     }

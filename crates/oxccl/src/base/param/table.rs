@@ -466,6 +466,14 @@ pub const BOOTSTRAP_RELAY_MAX: Param = p(
     Comm,
     "most ranks whose bootstrap exchanges go through rank 0 (above: directly between ranks)",
 );
+/// `OXCCL_BOOTSTRAP_HOST_LEADERS`.
+pub const BOOTSTRAP_HOST_LEADERS: Param = p(
+    "OXCCL_BOOTSTRAP_HOST_LEADERS",
+    Kind::Bool,
+    "1",
+    Comm,
+    "1: with direct exchanges, one rank per host joins rank 0 for its host's ranks",
+);
 /// `OXCCL_MEMBARRIER`.
 pub const MEMBARRIER: Param = p(
     "OXCCL_MEMBARRIER",
@@ -663,6 +671,7 @@ pub const PARAMS: &[Param] = &[
     STARTUP_REPORT_SECS,
     RENDEZVOUS_REFUSED_SECS,
     BOOTSTRAP_RELAY_MAX,
+    BOOTSTRAP_HOST_LEADERS,
     SPIN,
     DIRECT_SPIN,
     TCP_SPIN,
