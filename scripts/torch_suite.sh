@@ -5,7 +5,10 @@
 # gloo on a CPU-only machine) at world sizes 2 and 3 with the C++ backend, and at 2 with the
 # Python backend (OXCCL_TORCH_BACKEND=python). Fails when a test fails that
 # python/tests/torch_suite/expected_failures.txt does not list, or passes while listed there.
-# Each test has a timeout (TORCH_SUITE_TIMEOUT seconds, default 30).
+# Each test has a timeout (TORCH_SUITE_TIMEOUT seconds, default 30). TORCH_SUITE_SIZES sets the
+# world sizes of the C++ backend's runs (default "2 3"; "2 3 4" adds 4 ranks, about 150 s more:
+# 89 of the 90 pass there and test_ddp_logging_data_cpu fails as listed, measured 2026-12-03,
+# torch 2.15).
 #
 #   scripts/torch_suite.sh           # oxccl (about 4-5 minutes on a 2-core machine)
 #   scripts/torch_suite.sh --gloo    # also the same selection on gloo, which must all pass
@@ -21,7 +24,8 @@ rc=0
 if [ "${1:-}" = "--gloo" ]; then
   for ws in 2 3; do "$PY" "${RUN[@]}" --backend gloo --world-size "$ws" || rc=1; done
 fi
-"$PY" "${RUN[@]}" --backend oxccl --world-size 2 || rc=1
-"$PY" "${RUN[@]}" --backend oxccl --world-size 3 || rc=1
+for ws in ${TORCH_SUITE_SIZES:-2 3}; do
+  "$PY" "${RUN[@]}" --backend oxccl --world-size "$ws" || rc=1
+done
 OXCCL_TORCH_BACKEND=python "$PY" "${RUN[@]}" --backend oxccl --world-size 2 || rc=1
 exit "$rc"

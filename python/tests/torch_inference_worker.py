@@ -2,7 +2,8 @@
 inference_all_gather, eagerly and under torch.compile(fullgraph=True), against references
 computed locally from every rank's inputs.
 
-    python torch_inference_worker.py MODE    (torchrun's variables set; MODE: eager, compile, dies)
+    python torch_inference_worker.py MODE    (torchrun's variables set; MODE: eager, compile, dies,
+                                              killed)
 """
 
 import os
@@ -239,13 +240,40 @@ def dies(rank, world):
     os._exit(1)
 
 
+def killed(rank, world):
+    """Checked inference_all_reduce calls of INFER_KILL_NUMEL floats in a loop (60 s at most),
+    "ready" after the first; the test SIGKILLs or SIGSTOPs one rank meanwhile. A rank whose call
+    raises prints what and when, and exits 0; a wrong sum exits 2."""
+    numel = int(os.environ.get("INFER_KILL_NUMEL", "1024"))
+    want = float(world * (world + 1) // 2)
+    t = torch.empty(numel)
+    t0 = time.monotonic()
+    first = True
+    while time.monotonic() - t0 < 60:
+        t.fill_(rank + 1)
+        started = time.monotonic()
+        try:
+            oxt.inference_all_reduce(t)
+        except oxccl.Error as e:
+            print(f"raised {type(e).__name__} after {time.monotonic() - started:.2f} s: {e}", flush=True)
+            os._exit(0)
+        if not bool((t == want).all()):
+            print(f"wrong sum: {t[:4].tolist()}, want {want}", flush=True)
+            os._exit(2)
+        if first:
+            print("ready", flush=True)
+            first = False
+    print("no error", flush=True)
+    os._exit(1)
+
+
 def main():
     mode = sys.argv[1]
     dist.init_process_group("oxccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     want_cpp = os.environ.get("OXCCL_TORCH_BACKEND", "cpp") == "cpp"
     assert (oxt._CPP is not None) == want_cpp, "the C++ torch backend must be built (python -m oxccl.build_torch_ext)"
-    {"eager": eager, "compile": compiled, "dies": dies}[mode](rank, world)
+    {"eager": eager, "compile": compiled, "dies": dies, "killed": killed}[mode](rank, world)
     dist.barrier()
     print(f"inference {mode} ok", flush=True)
     dist.destroy_process_group()

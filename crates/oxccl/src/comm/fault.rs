@@ -241,6 +241,11 @@ impl Supervisor {
         &self.health
     }
 
+    /// The same, shared (to pass failures on to a split communicator's).
+    pub(crate) fn health_arc(&self) -> &Arc<Health> {
+        &self.health
+    }
+
     /// Fails fast when the communicator has failed (one atomic load when healthy).
     #[inline]
     pub(crate) fn check(&self, call: &'static str, seq: u64) -> Result<()> {

@@ -1,9 +1,13 @@
 //! [`Communicator::split`]: new communicators from groups of an existing one, with
 //! `ncclCommSplit`'s semantics.
 
+use std::sync::Arc;
+
 use crate::base::error::{Error, Result};
 use crate::bootstrap::{default_ip, local_ip, UniqueId};
+use crate::comm::fault::CAUSE_GRACE;
 use crate::comm::Communicator;
+use crate::fault::health::Failure;
 
 /// Bytes per rank of the first exchange: present flag, color, key.
 const ENTRY: usize = 1 + 4 + 8;
@@ -89,6 +93,78 @@ impl Communicator {
             });
         }
         let id = UniqueId::from_bytes(&e[1..])?;
-        Communicator::init_with_config(&id, new_rank, group.len(), self.config().clone()).map(Some)
+        let child = self.init_watched(id, new_rank, group.len())?;
+        // A rank of the group lost here (its links closed, its heartbeats stopped) is lost
+        // there too: this communicator's watchdog may know before the new one's does (a rank
+        // stopped before its first heartbeat there is lost only after the timeout).
+        self.supervisor().health_arc().pass_on(
+            Arc::downgrade(child.supervisor().health_arc()),
+            Box::new(move |f| match f {
+                Failure::Lost { peer, reason } => {
+                    let p = group.iter().position(|r| r == peer)?;
+                    Some(Failure::Lost {
+                        peer: p,
+                        reason: format!(
+                            "{reason} (seen by the communicator this one was split from, where it is rank {peer})"
+                        ),
+                    })
+                }
+                _ => None,
+            }),
+        );
+        Ok(Some(child))
+    }
+
+    /// The new communicator's init, made on a helper thread while this one watches this
+    /// communicator: a rank of the group that dies or stops during the init is known here
+    /// within the heartbeat timeout (its links close, or its heartbeats stop), while the new
+    /// communicator's rendezvous would wait for it until the whole timeout (600 s by default).
+    /// Then the split fails at once with this communicator's error, naming that rank; the
+    /// helper's init ends by its own timeout and drops what it made.
+    fn init_watched(&self, id: UniqueId, rank: usize, size: usize) -> Result<Communicator> {
+        let cfg = self.config().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("oxccl-split-init".into())
+            .spawn(move || {
+                let _ = tx.send(Communicator::init_with_config(&id, rank, size, cfg));
+            });
+        if let Err(e) = spawned {
+            return Err(Error::Io {
+                rank: self.rank(),
+                context: "split: starting the new communicator's init thread".into(),
+                source: e,
+            });
+        }
+        loop {
+            match rx.recv_timeout(WATCH_EVERY) {
+                // An init that failed because a rank was lost (whose loss another rank saw
+                // first, and left): the cause, if this communicator hears of it in time.
+                Ok(Err(e)) => {
+                    let t = std::time::Instant::now();
+                    while !self.supervisor().health().is_failed() && t.elapsed() < CAUSE_GRACE {
+                        std::thread::sleep(WATCH_EVERY);
+                    }
+                    self.supervisor().check("split", 0)?;
+                    return Err(e);
+                }
+                Ok(made) => return made,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    self.supervisor().check("split", 0)?;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Protocol {
+                        rank: self.rank(),
+                        peer: self.rank(),
+                        call: "split",
+                        seq: 0,
+                        msg: "the new communicator's init thread ended without a result".into(),
+                    })
+                }
+            }
+        }
     }
 }
+
+/// How often a split's init looks at the health of the communicator it splits.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(10);

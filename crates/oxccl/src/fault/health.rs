@@ -9,7 +9,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, Weak};
 
 use crate::base::error::{Error, FailureKind};
 use crate::base::wait::Doorbell;
@@ -54,6 +54,22 @@ pub struct Health {
     sleeping_on: Mutex<usize>,
     /// Readable once failed: in every `poll(2)` set of the executor.
     event: Option<OwnedFd>,
+    /// Where the first failure is passed on ([`Health::pass_on`]).
+    dependents: Dependents,
+}
+
+/// Maps a failure of one communicator to the failure of a dependent one, if it concerns it.
+pub(crate) type MapFailure = Box<dyn Fn(&Failure) -> Option<Failure> + Send + Sync>;
+
+/// The communicators a [`Health`]'s failures are passed on to.
+#[derive(Default)]
+struct Dependents(Mutex<Vec<(Weak<Health>, MapFailure)>>);
+
+impl std::fmt::Debug for Dependents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |v| v.len());
+        write!(f, "Dependents({n})")
+    }
 }
 
 impl Default for Health {
@@ -75,6 +91,7 @@ impl Health {
             why: Mutex::new(None),
             sleeping_on: Mutex::new(0),
             event,
+            dependents: Dependents::default(),
         }
     }
 
@@ -98,7 +115,36 @@ impl Health {
         };
         self.failed.store(true, Ordering::SeqCst);
         self.wake();
+        if first {
+            let deps =
+                std::mem::take(&mut *self.dependents.0.lock().unwrap_or_else(|e| e.into_inner()));
+            if let Some(why) = self.failure() {
+                for (h, map) in deps {
+                    if let (Some(h), Some(f)) = (h.upgrade(), map(&why)) {
+                        h.fail(f);
+                    }
+                }
+            }
+        }
         first
+    }
+
+    /// Passes this communicator's first failure on to `to` (a communicator split from it), as
+    /// `map` makes it (`None`: it does not concern `to`); at once if it has failed already.
+    /// Entries of dropped communicators are forgotten.
+    pub(crate) fn pass_on(&self, to: Weak<Health>, map: MapFailure) {
+        let mut deps = self.dependents.0.lock().unwrap_or_else(|e| e.into_inner());
+        // (`fail` records the failure before it takes the list: either it finds this entry,
+        // or the failure is seen here.)
+        if let Some(why) = self.failure() {
+            drop(deps);
+            if let (Some(h), Some(f)) = (to.upgrade(), map(&why)) {
+                h.fail(f);
+            }
+            return;
+        }
+        deps.retain(|(h, _)| h.strong_count() > 0);
+        deps.push((to, map));
     }
 
     /// True when [`abort`](crate::Communicator::abort) was called here.
@@ -217,5 +263,51 @@ mod tests {
         assert_eq!(h.failure(), Some(Failure::Aborted { msg: "a".into() }));
         let e = h.error(3, "all_reduce", 7);
         assert!(e.to_string().contains("call #7"), "{e}");
+    }
+
+    fn lost(peer: usize) -> Failure {
+        Failure::Lost {
+            peer,
+            reason: "gone".into(),
+        }
+    }
+
+    /// A split communicator hears of the loss of one of its ranks from the communicator it
+    /// was split from (registered before or after the failure), not of others' losses, and
+    /// dropped ones are forgotten.
+    #[test]
+    fn failures_pass_on_to_dependents_that_they_concern() {
+        // Ranks 1 and 3 of the parent are ranks 0 and 1 of the child.
+        let map = || -> MapFailure {
+            Box::new(|f| match f {
+                Failure::Lost { peer, reason } => {
+                    [1, 3]
+                        .iter()
+                        .position(|r| r == peer)
+                        .map(|p| Failure::Lost {
+                            peer: p,
+                            reason: reason.clone(),
+                        })
+                }
+                _ => None,
+            })
+        };
+        let parent = Health::new();
+        let (child, other) = (Arc::new(Health::new()), Arc::new(Health::new()));
+        parent.pass_on(Arc::downgrade(&child), map());
+        for _ in 0..100 {
+            let gone = Arc::new(Health::new());
+            parent.pass_on(Arc::downgrade(&gone), map());
+        }
+        assert!(format!("{:?}", parent.dependents).contains("Dependents(2)"));
+        parent.fail(lost(3));
+        assert_eq!(child.failure(), Some(lost(1)));
+        parent.pass_on(Arc::downgrade(&other), map());
+        assert_eq!(other.failure(), Some(lost(1)));
+        let parent = Health::new();
+        let child = Arc::new(Health::new());
+        parent.pass_on(Arc::downgrade(&child), map());
+        parent.fail(lost(2));
+        assert!(!child.is_failed(), "rank 2 is not in the child");
     }
 }
