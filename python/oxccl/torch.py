@@ -1175,20 +1175,28 @@ class BackendOxccl(_C10dBackend):
             sblk = s[s_off[p] : s_off[p] + in_counts[p]]
             rblk = r[r_off[p] : r_off[p] + out_counts[p]]
             ops += [("copy", sblk, rblk)] if p == me else [("send", p, sblk), ("recv", p, rblk)]
-        return self._p2p_group(what, ops, result, post)
+        return self._p2p_group(what, ops, result, post, call="all_to_allv")
 
     def _p2p_group(
-        self, what: str, ops: List[tuple], result: Any, post: Optional[Callable[[], None]] = None
+        self,
+        what: str,
+        ops: List[tuple],
+        result: Any,
+        post: Optional[Callable[[], None]] = None,
+        *,
+        call: str,
     ) -> Any:
-        """Runs ``(kind, peer, tensor)`` sends and recvs (tag 0) as one group of the library's
-        point-to-point engine, queued (after any held operations); ``("copy", src, dst)``
-        (this rank's own block) once the group has finished, so after the calls before it,
-        then `post`."""
+        """Runs ``(kind, peer, tensor)`` sends and recvs as one collective of the library's
+        point-to-point engine (`call`: "gather", "scatter" or "all_to_allv",
+        ``Communicator::group_p2p_as``: its messages are numbered as the group's collectives
+        and no other call's receive takes them), queued (after any held operations);
+        ``("copy", src, dst)`` (this rank's own block) once the group has finished, so after
+        the calls before it, then `post`."""
         self._flush_p2p()
         copies = [(op[1], op[2]) for op in ops if op[0] == "copy"]
         bufs = [(k, p, _buf(t, f"{what} {k} buffer", k == "recv", True)) for k, p, t in ops if k != "copy"]
         raw = [(kind, peer, 0, "uint8", b.addr, b.nbytes) for kind, peer, b in bufs]
-        handle, _ = self._raw.p2p_async(raw, [b.obj for _, _, b in bufs], None)
+        handle, _ = self._raw.p2p_async(raw, [b.obj for _, _, b in bufs], None, call=call)
 
         def finish() -> None:
             for src, dst in copies:
@@ -1206,7 +1214,7 @@ class BackendOxccl(_C10dBackend):
             raise self._invalid(f"gather: requires exactly one input tensor, got {len(input_tensors)}")
         inp = _dense(input_tensors[0], "gather input", None, None)
         if me != root:
-            return self._p2p_group("gather", [("send", root, inp)], [])
+            return self._p2p_group("gather", [("send", root, inp)], [], call="gather")
         outs = output_tensors[0] if output_tensors else []
         if len(outs) != n:
             raise InvalidArgumentError(f"gather: {len(outs)} output tensors on the root for a group of {n}")
@@ -1217,7 +1225,7 @@ class BackendOxccl(_C10dBackend):
         if any(_overlapping([inp, o]) for o in tmps):  # the root's own block is copied after the receives
             inp = inp.clone()
         ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(tmps)]
-        return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs))
+        return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs), call="gather")
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
         self._seq += 1
@@ -1229,7 +1237,7 @@ class BackendOxccl(_C10dBackend):
         user_out = output_tensors[0]
         out = _dense(user_out, "scatter output", None, backs, read=False)
         if me != root:
-            return self._p2p_group("scatter", [("recv", root, out)], [user_out], lambda: _copy_back(backs))
+            return self._p2p_group("scatter", [("recv", root, out)], [user_out], lambda: _copy_back(backs), call="scatter")
         ins = input_tensors[0] if input_tensors else []
         if len(ins) != n:
             raise InvalidArgumentError(f"scatter: {len(ins)} input tensors on the root for a group of {n}")
@@ -1237,7 +1245,7 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
         ins = [_dense(i, "scatter input", None, None) for i in ins]
         ops = [("copy", i, out) if p == me else ("send", p, i) for p, i in enumerate(ins)]
-        return self._p2p_group("scatter", ops, [user_out], lambda: _copy_back(backs))
+        return self._p2p_group("scatter", ops, [user_out], lambda: _copy_back(backs), call="scatter")
 
     def barrier(self, opts: Any = None) -> Any:
         self._seq += 1
