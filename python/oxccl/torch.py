@@ -688,6 +688,11 @@ class BackendOxccl(_C10dBackend):
         self._group_id = group_id
         self._held: List[tuple] = []  # (kind, peer or None, tag, _Buf)
         self._held_jobs: List[_Job] = []
+        # The batch_isend_irecv whose operations are being held (its frame) and, per held
+        # job, the number of its batch (0: none), the index of its first operation.
+        self._batch: Any = None
+        self._batches = 0
+        self._held_batch: List[Tuple[int, int]] = []
         self._barriers = 0
         self._seq = 0  # collectives called (see _get_sequence_number_for_group)
         _BACKENDS.add(self)
@@ -1315,19 +1320,40 @@ class BackendOxccl(_C10dBackend):
     def _hold(self, kind: str, tensors: List[torch.Tensor], peer: Optional[int], tag: int) -> Any:
         """Holds a send or recv (``peer`` None: from any rank) until a wait, a future, the
         next collective or shutdown runs every held one as one group."""
-        if not 0 <= tag < 1 << 32:
-            raise InvalidArgumentError(f"{kind}: tag {tag} is outside 0 .. 2**32-1")
-        if peer is not None and not 0 <= peer < self.size():
-            raise InvalidArgumentError(f"{kind}: rank {peer} is not in this group of {self.size()}")
-        what = f"{kind} {'to' if kind == 'send' else 'from'} {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
-        job = _Job(self, what, result=list(tensors))
+        batch = _batch_frame()
+        if batch is not None and batch is not self._batch:
+            self._batch, self._batches = batch, self._batches + 1
+        serial = self._batches if batch is not None else 0
+        try:
+            if not 0 <= tag < 1 << 32:
+                raise InvalidArgumentError(f"{kind}: tag {tag} is outside 0 .. 2**32-1")
+            if peer is not None and not 0 <= peer < self.size():
+                raise InvalidArgumentError(f"{kind}: rank {peer} is not in this group of {self.size()}")
+            what = f"{kind} {'to' if kind == 'send' else 'from'} {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
+            job = _Job(self, what, result=list(tensors))
+            bufs = [_buf(t, f"{kind} buffer", kind == "recv", True) for t in tensors]  # checked now
+        except BaseException as e:
+            if serial:
+                self._drop_batch(serial, e)
+            raise
         job.held = True
-        for t in tensors:
-            b = _buf(t, f"{kind} buffer", kind == "recv", True)  # checked now, while the caller sees it
+        self._held_batch.append((serial, len(self._held)))
+        for b in bufs:
             job.sources = len(self._held)  # the index of its (last) operation in the group
             self._held.append((kind, peer, tag, b))
         self._held_jobs.append(job)
         return _JobWork(job)
+
+    def _drop_batch(self, serial: int, why: BaseException) -> None:
+        """A batch_isend_irecv refused at one of its operations: its operations held before
+        that one are dropped, not sent at the next flush (torch raises without returning their
+        Works, and a retry of the batch would send them twice: a later recv of the peer
+        would take the extra copy, another call's data)."""
+        while self._held_jobs and self._held_batch[-1][0] == serial:
+            job = self._held_jobs.pop()
+            _, first = self._held_batch.pop()
+            del self._held[first:]
+            job.error, job.done, job.held = why, True, False
 
     def _flush_p2p(self) -> None:
         """Runs every held send and recv as one group of the library's point-to-point engine:
@@ -1337,7 +1363,7 @@ class BackendOxccl(_C10dBackend):
         if not self._held:
             return
         held, jobs = self._held, self._held_jobs
-        self._held, self._held_jobs = [], []
+        self._held, self._held_jobs, self._held_batch, self._batch = [], [], [], None
         try:
             ops = [(kind, peer, tag, "uint8", b.addr, b.nbytes) for kind, peer, tag, b in held]
             handle, sources = self._raw.p2p_async(ops, [b.obj for _, _, _, b in held], None)
@@ -1386,6 +1412,19 @@ class BackendOxccl(_C10dBackend):
 
     def abort(self) -> None:
         pass
+
+
+def _batch_frame() -> Any:
+    """The frame of torch's ``batch_isend_irecv`` that the current isend/irecv is part of
+    (torch issues a batch's operations one by one to a backend without coalescing), or None."""
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return None
+        if f.f_code.co_name == "batch_isend_irecv" and f.f_globals.get("__name__") == dist.distributed_c10d.__name__:
+            return f
+        f = f.f_back
+    return None
 
 
 #: How long the exit hook waits for queued calls of the C++ backend to complete (each is

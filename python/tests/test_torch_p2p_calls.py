@@ -1,6 +1,7 @@
 """Gather, scatter and uneven all_to_all (run as point-to-point messages) never hand their
 messages to another call's receive, nor take another call's, also after a call refused on
-one rank only; two different ones on two ranks raise a mismatch naming both (see
+one rank only; two different ones on two ranks raise a mismatch naming both; a
+batch_isend_irecv refused at its second operation and retried sends its first once (see
 torch_p2p_calls_worker.py). One launch per backend (the C++ one, oxccl/csrc, and the Python
 one alone)."""
 

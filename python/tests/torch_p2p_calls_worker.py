@@ -114,6 +114,30 @@ def uneven_all_to_all_after_user_sends(g):
             eq(u, block(p, USER, rows(p, R)), f"user message of rank {p}")
 
 
+@check
+def batch_refused_then_retried(g):
+    """Rank 1's batch_isend_irecv is refused at its second operation (a negative tag), then
+    retried: its first isend must not also go out (torch issues a batch one operation at a
+    time), else rank 0's later recv takes that extra copy instead of the later send."""
+    if R > 1:
+        return
+    peer = 1 - R
+    t, u = block(R, USER), torch.zeros(2, 2)
+    if R == 1:
+        refused(lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, g),
+                                                dist.P2POp(dist.irecv, u, peer, g, tag=-1)]),
+                "a negative tag")
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, g), dist.P2POp(dist.irecv, u, peer, g)]):
+        w.wait()
+    eq(u, block(peer, USER), "the batch's receive")
+    if R == 0:
+        z = torch.zeros(2, 2)
+        dist.recv(z, src=1, group=g)
+        eq(z, block(1, GATHER), "the recv after the batch")
+    else:
+        dist.send(block(1, GATHER), dst=0, group=g)
+
+
 def gather_against_scatter(g):
     """Rank 0 gathers while the others scatter from rank 0: every rank raises a mismatch
     naming both calls (not a timeout, not the other call's bytes). Breaks the group."""
