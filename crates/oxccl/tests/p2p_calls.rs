@@ -134,6 +134,7 @@ fn each_receive_gets_its_own_calls_message() {
 /// later calls) until the root has begun it.
 #[test]
 fn a_gather_refused_on_its_root_is_retried() {
+    let both = std::sync::Barrier::new(2);
     ranks(2, Duration::from_secs(60), |rank, comm| {
         if rank == 0 {
             let mut g = vec![0u32; 4];
@@ -141,6 +142,7 @@ fn a_gather_refused_on_its_root_is_retried() {
                 .group_p2p_as(P2pCall::Gather, &mut [recv(7, &mut g)])
                 .unwrap_err();
             assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+            both.wait(); // rank 1 is about to begin its gather
             std::thread::sleep(Duration::from_millis(200));
             comm.group_p2p_as(P2pCall::Gather, &mut [recv(1, &mut g)])
                 .unwrap();
@@ -149,11 +151,12 @@ fn a_gather_refused_on_its_root_is_retried() {
             comm.recv(&mut u, 1).unwrap();
             assert_eq!(u, block(1, USER));
         } else {
+            both.wait();
             let t = std::time::Instant::now();
             comm.group_p2p_as(P2pCall::Gather, &mut [send(0, &block(1, GATHER))])
                 .unwrap();
             assert!(
-                t.elapsed() >= Duration::from_millis(150),
+                t.elapsed() >= Duration::from_millis(100),
                 "the gather returned before its root had begun it ({:?})",
                 t.elapsed()
             );
