@@ -688,6 +688,11 @@ class BackendOxccl(_C10dBackend):
         self._group_id = group_id
         self._held: List[tuple] = []  # (kind, peer or None, tag, _Buf)
         self._held_jobs: List[_Job] = []
+        # The batch_isend_irecv whose operations are being held (its frame) and, per held
+        # job, the number of its batch (0: none), the index of its first operation.
+        self._batch: Any = None
+        self._batches = 0
+        self._held_batch: List[Tuple[int, int]] = []
         self._barriers = 0
         self._seq = 0  # collectives called (see _get_sequence_number_for_group)
         _BACKENDS.add(self)
@@ -1175,20 +1180,28 @@ class BackendOxccl(_C10dBackend):
             sblk = s[s_off[p] : s_off[p] + in_counts[p]]
             rblk = r[r_off[p] : r_off[p] + out_counts[p]]
             ops += [("copy", sblk, rblk)] if p == me else [("send", p, sblk), ("recv", p, rblk)]
-        return self._p2p_group(what, ops, result, post)
+        return self._p2p_group(what, ops, result, post, call="all_to_allv")
 
     def _p2p_group(
-        self, what: str, ops: List[tuple], result: Any, post: Optional[Callable[[], None]] = None
+        self,
+        what: str,
+        ops: List[tuple],
+        result: Any,
+        post: Optional[Callable[[], None]] = None,
+        *,
+        call: str,
     ) -> Any:
-        """Runs ``(kind, peer, tensor)`` sends and recvs (tag 0) as one group of the library's
-        point-to-point engine, queued (after any held operations); ``("copy", src, dst)``
-        (this rank's own block) once the group has finished, so after the calls before it,
-        then `post`."""
+        """Runs ``(kind, peer, tensor)`` sends and recvs as one collective of the library's
+        point-to-point engine (`call`: "gather", "scatter" or "all_to_allv",
+        ``Communicator::group_p2p_as``: its messages are numbered as the group's collectives
+        and no other call's receive takes them), queued (after any held operations);
+        ``("copy", src, dst)`` (this rank's own block) once the group has finished, so after
+        the calls before it, then `post`."""
         self._flush_p2p()
         copies = [(op[1], op[2]) for op in ops if op[0] == "copy"]
         bufs = [(k, p, _buf(t, f"{what} {k} buffer", k == "recv", True)) for k, p, t in ops if k != "copy"]
         raw = [(kind, peer, 0, "uint8", b.addr, b.nbytes) for kind, peer, b in bufs]
-        handle, _ = self._raw.p2p_async(raw, [b.obj for _, _, b in bufs], None)
+        handle, _ = self._raw.p2p_async(raw, [b.obj for _, _, b in bufs], None, call=call)
 
         def finish() -> None:
             for src, dst in copies:
@@ -1206,7 +1219,7 @@ class BackendOxccl(_C10dBackend):
             raise self._invalid(f"gather: requires exactly one input tensor, got {len(input_tensors)}")
         inp = _dense(input_tensors[0], "gather input", None, None)
         if me != root:
-            return self._p2p_group("gather", [("send", root, inp)], [])
+            return self._p2p_group("gather", [("send", root, inp)], [], call="gather")
         outs = output_tensors[0] if output_tensors else []
         if len(outs) != n:
             raise InvalidArgumentError(f"gather: {len(outs)} output tensors on the root for a group of {n}")
@@ -1217,7 +1230,7 @@ class BackendOxccl(_C10dBackend):
         if any(_overlapping([inp, o]) for o in tmps):  # the root's own block is copied after the receives
             inp = inp.clone()
         ops = [("copy", inp, o) if p == me else ("recv", p, o) for p, o in enumerate(tmps)]
-        return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs))
+        return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs), call="gather")
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
         self._seq += 1
@@ -1229,7 +1242,7 @@ class BackendOxccl(_C10dBackend):
         user_out = output_tensors[0]
         out = _dense(user_out, "scatter output", None, backs, read=False)
         if me != root:
-            return self._p2p_group("scatter", [("recv", root, out)], [user_out], lambda: _copy_back(backs))
+            return self._p2p_group("scatter", [("recv", root, out)], [user_out], lambda: _copy_back(backs), call="scatter")
         ins = input_tensors[0] if input_tensors else []
         if len(ins) != n:
             raise InvalidArgumentError(f"scatter: {len(ins)} input tensors on the root for a group of {n}")
@@ -1237,7 +1250,7 @@ class BackendOxccl(_C10dBackend):
             raise InvalidArgumentError("scatter: every input tensor must have the output's size and dtype")
         ins = [_dense(i, "scatter input", None, None) for i in ins]
         ops = [("copy", i, out) if p == me else ("send", p, i) for p, i in enumerate(ins)]
-        return self._p2p_group("scatter", ops, [user_out], lambda: _copy_back(backs))
+        return self._p2p_group("scatter", ops, [user_out], lambda: _copy_back(backs), call="scatter")
 
     def barrier(self, opts: Any = None) -> Any:
         self._seq += 1
@@ -1307,19 +1320,40 @@ class BackendOxccl(_C10dBackend):
     def _hold(self, kind: str, tensors: List[torch.Tensor], peer: Optional[int], tag: int) -> Any:
         """Holds a send or recv (``peer`` None: from any rank) until a wait, a future, the
         next collective or shutdown runs every held one as one group."""
-        if not 0 <= tag < 1 << 32:
-            raise InvalidArgumentError(f"{kind}: tag {tag} is outside 0 .. 2**32-1")
-        if peer is not None and not 0 <= peer < self.size():
-            raise InvalidArgumentError(f"{kind}: rank {peer} is not in this group of {self.size()}")
-        what = f"{kind} {'to' if kind == 'send' else 'from'} {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
-        job = _Job(self, what, result=list(tensors))
+        batch = _batch_frame()
+        if batch is not None and batch is not self._batch:
+            self._batch, self._batches = batch, self._batches + 1
+        serial = self._batches if batch is not None else 0
+        try:
+            if not 0 <= tag < 1 << 32:
+                raise InvalidArgumentError(f"{kind}: tag {tag} is outside 0 .. 2**32-1")
+            if peer is not None and not 0 <= peer < self.size():
+                raise InvalidArgumentError(f"{kind}: rank {peer} is not in this group of {self.size()}")
+            what = f"{kind} {'to' if kind == 'send' else 'from'} {'any rank' if peer is None else f'rank {peer}'} (tag {tag})"
+            job = _Job(self, what, result=list(tensors))
+            bufs = [_buf(t, f"{kind} buffer", kind == "recv", True) for t in tensors]  # checked now
+        except BaseException as e:
+            if serial:
+                self._drop_batch(serial, e)
+            raise
         job.held = True
-        for t in tensors:
-            b = _buf(t, f"{kind} buffer", kind == "recv", True)  # checked now, while the caller sees it
+        self._held_batch.append((serial, len(self._held)))
+        for b in bufs:
             job.sources = len(self._held)  # the index of its (last) operation in the group
             self._held.append((kind, peer, tag, b))
         self._held_jobs.append(job)
         return _JobWork(job)
+
+    def _drop_batch(self, serial: int, why: BaseException) -> None:
+        """A batch_isend_irecv refused at one of its operations: its operations held before
+        that one are dropped, not sent at the next flush (torch raises without returning their
+        Works, and a retry of the batch would send them twice: a later recv of the peer
+        would take the extra copy, another call's data)."""
+        while self._held_jobs and self._held_batch[-1][0] == serial:
+            job = self._held_jobs.pop()
+            _, first = self._held_batch.pop()
+            del self._held[first:]
+            job.error, job.done, job.held = why, True, False
 
     def _flush_p2p(self) -> None:
         """Runs every held send and recv as one group of the library's point-to-point engine:
@@ -1329,7 +1363,7 @@ class BackendOxccl(_C10dBackend):
         if not self._held:
             return
         held, jobs = self._held, self._held_jobs
-        self._held, self._held_jobs = [], []
+        self._held, self._held_jobs, self._held_batch, self._batch = [], [], [], None
         try:
             ops = [(kind, peer, tag, "uint8", b.addr, b.nbytes) for kind, peer, tag, b in held]
             handle, sources = self._raw.p2p_async(ops, [b.obj for _, _, _, b in held], None)
@@ -1378,6 +1412,19 @@ class BackendOxccl(_C10dBackend):
 
     def abort(self) -> None:
         pass
+
+
+def _batch_frame() -> Any:
+    """The frame of torch's ``batch_isend_irecv`` that the current isend/irecv is part of
+    (torch issues a batch's operations one by one to a backend without coalescing), or None."""
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return None
+        if f.f_code.co_name == "batch_isend_irecv" and f.f_globals.get("__name__") == dist.distributed_c10d.__name__:
+            return f
+        f = f.f_back
+    return None
 
 
 #: How long the exit hook waits for queued calls of the C++ backend to complete (each is

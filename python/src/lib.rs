@@ -11,8 +11,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use oxccl::{
-    CollKind, Communicator, Config, DataType, Error, P2pOp, RawBufs, ReduceOp, SharedBuffer,
-    UniqueId, Work,
+    CollKind, Communicator, Config, DataType, Error, P2pCall, P2pOp, RawBufs, ReduceOp,
+    SharedBuffer, UniqueId, Work,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyType};
@@ -151,12 +151,22 @@ impl CallSpec {
 /// None (recv from any), tag, dtype, address, bytes)`.
 type P2pTuple = (String, Option<usize>, u32, String, usize, usize);
 
-/// A point-to-point group on raw addresses (plain integers: `Send`).
+/// A point-to-point group on raw addresses (plain integers: `Send`), and the call it is.
 struct P2pSpec {
     ops: Vec<(bool, Option<usize>, u32, DataType, usize, usize)>,
+    call: P2pCall,
 }
 
-fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>) -> PyResult<P2pSpec> {
+/// `call`: None for the user's own messages, else the collective the group is
+/// (`"gather"`, `"scatter"`, `"all_to_allv"`: `Communicator::group_p2p_as`).
+fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>, call: Option<&str>) -> PyResult<P2pSpec> {
+    let call = match call {
+        None => P2pCall::User,
+        Some(c) => *P2pCall::ALL
+            .iter()
+            .find(|k| k.is_collective() && k.name() == c)
+            .ok_or_else(|| bad_arg(py, format!("unknown point-to-point collective '{c}'")))?,
+    };
     let mut v = Vec::with_capacity(ops.len());
     for (kind, peer, tag, dtype, addr, len) in ops {
         let send = match kind.as_str() {
@@ -170,7 +180,7 @@ fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>) -> PyResult<P2pSpec> {
         let dtype = DataType::from_str(&dtype).map_err(|m| bad_arg(py, m))?;
         v.push((send, peer, tag, dtype, addr, len));
     }
-    Ok(P2pSpec { ops: v })
+    Ok(P2pSpec { ops: v, call })
 }
 
 impl P2pSpec {
@@ -213,7 +223,7 @@ impl P2pSpec {
                 }
             })
             .collect();
-        comm.group_p2p(&mut ops)?;
+        comm.group_p2p_as(self.call, &mut ops)?;
         Ok(ops
             .iter()
             .map(|op| match op {
@@ -355,9 +365,16 @@ impl RawComm {
     /// A point-to-point group (`Communicator::group_p2p`), blocking, GIL released: `ops` are
     /// `("send" | "recv", peer (None: a recv from any rank), tag, dtype, address, bytes)`;
     /// returns each operation's source rank (None for sends). The caller keeps the memory
-    /// alive.
-    fn p2p(&self, py: Python<'_>, ops: Vec<P2pTuple>) -> PyResult<Vec<Option<usize>>> {
-        let s = p2p_spec(py, ops)?;
+    /// alive. `call`: None for user messages, or the collective the group is (`"gather"`,
+    /// `"scatter"`, `"all_to_allv"`: `Communicator::group_p2p_as`).
+    #[pyo3(signature = (ops, call=None))]
+    fn p2p(
+        &self,
+        py: Python<'_>,
+        ops: Vec<P2pTuple>,
+        call: Option<String>,
+    ) -> PyResult<Vec<Option<usize>>> {
+        let s = p2p_spec(py, ops, call.as_deref())?;
         let comm = &self.inner;
         // SAFETY: the Python caller (oxccl.Comm) holds the arrays behind these addresses for
         // the duration of this call and checked the lengths.
@@ -365,18 +382,19 @@ impl RawComm {
         r.map_err(|e| err(py, &e))
     }
 
-    /// Queues a point-to-point group (as `p2p`) on oxccl's stream; `keepalive` is held until
-    /// it has finished, then `callback(None | exception)` runs. Returns the handle and the
-    /// object that gives the receives' sources once it has finished.
-    #[pyo3(signature = (ops, keepalive, callback=None))]
+    /// Queues a point-to-point group (as `p2p`, `call` too) on oxccl's stream; `keepalive`
+    /// is held until it has finished, then `callback(None | exception)` runs. Returns the
+    /// handle and the object that gives the receives' sources once it has finished.
+    #[pyo3(signature = (ops, keepalive, callback=None, call=None))]
     fn p2p_async(
         &self,
         py: Python<'_>,
         ops: Vec<P2pTuple>,
         keepalive: Py<PyAny>,
         callback: Option<Py<PyAny>>,
+        call: Option<String>,
     ) -> PyResult<(Handle, P2pSources)> {
-        let s = p2p_spec(py, ops)?;
+        let s = p2p_spec(py, ops, call.as_deref())?;
         let sources = Arc::new(Mutex::new(None));
         let out = P2pSources {
             sources: Arc::clone(&sources),

@@ -66,6 +66,7 @@ pub use comm::{ByteBufs, Communicator};
 pub use direct::shared_buffer::SharedBuffer;
 pub use direct::shared_pool::{PoolStats, SharedPool};
 pub use exec::p2p::P2pOp;
+pub use fault::fingerprint::P2pCall;
 pub use half::{bf16, f16};
 pub use observe::status;
 pub use plan::{calibrate, predict};

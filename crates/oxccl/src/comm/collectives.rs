@@ -13,7 +13,7 @@ use crate::comm::{Communicator, State};
 use crate::direct::link::Direct;
 use crate::exec::p2p::{self, P2pOp};
 use crate::exec::{self, Buffers};
-use crate::fault::fingerprint::{CallPrint, Fingerprint};
+use crate::fault::fingerprint::{CallPrint, Fingerprint, P2pCall};
 use crate::plan::tune;
 use crate::sched::{Coll, CollKind};
 use crate::transport::tcp::lazy::LazyTcp;
@@ -227,11 +227,12 @@ impl Communicator {
         res
     }
 
-    /// Runs a point-to-point group ([`crate::exec::p2p`]) as one call.
+    /// Runs a point-to-point group ([`crate::exec::p2p`]) of `kind` as one call.
     fn run_p2p(
         &self,
         name: &'static str,
         validate: impl FnOnce(u64) -> Result<Call>,
+        kind: P2pCall,
         ops: &mut [P2pOp<'_>],
     ) -> Result<()> {
         let (mut st, seq) = self.begin_call(name)?;
@@ -270,7 +271,7 @@ impl Communicator {
             Self::drop_made(lazy);
         }
         let res = p2p::Ctx {
-            direct: direct.as_deref().map(|d| (d as &dyn Direct, &print)),
+            direct: direct.as_deref().map(|d| (d as &dyn Direct, print)),
             rank: self.rank,
             links,
             seqr,
@@ -281,6 +282,8 @@ impl Communicator {
             health: Some(self.guard.health()),
             call: name,
             seq,
+            kind,
+            coll_seq: 0,
         }
         .run(ops);
         let res = self.guard.end(seq, name, &print, "p2p", timing, res);
@@ -296,6 +299,72 @@ impl Communicator {
     /// `peer: None` takes one from any rank and records it in `from`. Sends and receives to
     /// and from this rank itself are matched with each other.
     pub fn group_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        self.run_group(P2pCall::User, ops)
+    }
+
+    /// A collective made of sends and receives (`call`: a gather, a scatter, an all_to_all
+    /// with blocks of different sizes), run as [`group_p2p`](Self::group_p2p) runs a group
+    /// (tag 0, named peers only), with two differences that keep its messages apart from
+    /// every other call's. It is a collective: every rank of the communicator calls it, in
+    /// the same order as its other collectives, and its messages carry its number on the
+    /// communicator's count of collectives; a receive of any other call never takes them,
+    /// and its receives take nothing else (a user message read meanwhile is kept for a
+    /// later receive; a message of another collective is an [`Error::Mismatch`]). And no
+    /// rank gets ahead of a peer that has not begun it: each pair of ranks that exchanges a
+    /// message in one direction only also exchanges an empty one in the other (the gather's
+    /// root tells each rank it has begun, each rank tells a scatter's root), so a call
+    /// refused on one rank (bad arguments there only) leaves its peers waiting in it, bounded
+    /// by the timeout, until that rank calls it again, instead of letting them run on into
+    /// later calls whose messages a later call of that rank would take.
+    pub fn group_p2p_as(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        if !call.is_collective() {
+            return self.run_group(call, ops);
+        }
+        let (n, me) = (self.nranks, self.rank);
+        let (mut sends, mut recvs) = (vec![false; n], vec![false; n]);
+        for op in ops.iter() {
+            match op {
+                P2pOp::Send { peer, .. } if *peer < n => sends[*peer] = true,
+                P2pOp::Recv { peer: Some(p), .. } if *p < n => recvs[*p] = true,
+                _ => {}
+            }
+        }
+        let empty = || P2pOp::Send {
+            peer: 0,
+            tag: 0,
+            dtype: DataType::U8,
+            buf: &[],
+        };
+        let mut all: Vec<P2pOp<'_>> = ops
+            .iter_mut()
+            .map(|op| std::mem::replace(op, empty()))
+            .collect();
+        for p in (0..n).filter(|&p| p != me) {
+            if sends[p] && !recvs[p] {
+                all.push(P2pOp::Recv {
+                    peer: Some(p),
+                    tag: 0,
+                    dtype: DataType::U8,
+                    buf: &mut [],
+                    from: None,
+                });
+            } else if recvs[p] && !sends[p] {
+                all.push(P2pOp::Send {
+                    peer: p,
+                    tag: 0,
+                    dtype: DataType::U8,
+                    buf: &[],
+                });
+            }
+        }
+        let res = self.run_group(call, &mut all);
+        for (slot, op) in ops.iter_mut().zip(all) {
+            *slot = op;
+        }
+        res
+    }
+
+    fn run_group(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
         let first = ops.first().map(|op| match op {
             P2pOp::Send {
                 peer, dtype, buf, ..
@@ -320,7 +389,7 @@ impl Communicator {
                 root: 0,
             })
         };
-        self.run_p2p("group_p2p", validate, ops)
+        self.run_p2p(call.name(), validate, call, ops)
     }
 
     /// Sends `buf` to `peer` with `tag`; the peer receives it with [`recv_tagged`]
@@ -581,7 +650,7 @@ impl Communicator {
                     from: None,
                 });
                 let mut ops: Vec<P2pOp<'_>> = send.into_iter().chain(recv).collect();
-                self.run_p2p(name, validate, &mut ops)
+                self.run_p2p(name, validate, P2pCall::User, &mut ops)
             }
             ByteBufs::Separate { send, recv } => {
                 let send: &[u8] = if kind == CollKind::Broadcast && !is_root {

@@ -16,6 +16,19 @@
 //! [`Config::p2p_stash_bytes`](crate::Config::p2p_stash_bytes) bytes, past which the call
 //! fails) and a later receive takes it from there: messages of one source and tag are
 //! received in the order they were sent, whatever the order of the tags.
+//!
+//! A group runs either the user's own messages ([`P2pCall::User`]) or one collective made of
+//! messages ([`P2pCall::Gather`], ...:
+//! [`Communicator::group_p2p_as`](crate::Communicator::group_p2p_as)). Every message says
+//! which in its header, and a collective's messages carry the collective's number (the
+//! communicator's count of collectives, the one every collective's header carries) instead
+//! of the pair's message number. A receive takes only a message of its own call: a user receive that finds a
+//! collective's message keeps it in the stash if that collective is still to come on this
+//! rank (the peer is ahead), and fails if it is past (the message can never be taken); a
+//! collective's receive that finds a user message keeps it for a later user receive, and
+//! fails on a message of any other collective ([`Error::Mismatch`], naming both calls and
+//! both numbers). So a call refused on one rank (bad arguments there only) never lets a
+//! later call take the messages its peers sent for it.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, RawFd};
@@ -26,7 +39,7 @@ use rustix::event::PollFlags;
 use crate::base::dtype::DataType;
 use crate::base::error::{Error, Result};
 use crate::base::wait::{CallId, Doorbell, Spin, Waiter, NAP, SLEEP_SLICE};
-use crate::fault::fingerprint::{CallPrint, Fingerprint, Header, Sequencer, HEADER_BYTES};
+use crate::fault::fingerprint::{CallPrint, Fingerprint, Header, P2pCall, Sequencer, HEADER_BYTES};
 use crate::fault::health::Health;
 use crate::transport::{Link, WaitSource};
 
@@ -79,6 +92,7 @@ pub(crate) struct Stash {
 #[derive(Debug)]
 struct Stashed {
     peer: usize,
+    call: P2pCall,
     tag: u32,
     fp: Fingerprint,
     mseq: u64,
@@ -107,10 +121,15 @@ pub(crate) struct Ctx<'a> {
     pub timeout: Duration,
     pub health: Option<&'a Health>,
     /// The host's direct area, if any: a peer awaited here that publishes a call there is
-    /// in a collective (a mismatch, found as the executor finds it).
-    pub direct: Option<(&'a dyn crate::direct::link::Direct, &'a CallPrint)>,
+    /// in a collective (a mismatch, found as the executor finds it), described with this
+    /// call's print.
+    pub direct: Option<(&'a dyn crate::direct::link::Direct, CallPrint)>,
     pub call: &'static str,
     pub seq: u64,
+    /// What the group is: the user's messages, or one collective made of messages.
+    pub kind: P2pCall,
+    /// A collective's number on the communicator (set by [`Ctx::run`]; 0 for user groups).
+    pub coll_seq: u64,
 }
 
 /// A group's progress: operations done, sends queued and in flight per peer, the message
@@ -152,6 +171,7 @@ enum In {
     Data {
         target: Target,
         fp: Fingerprint,
+        call: P2pCall,
         mseq: u64,
         tag: u32,
         len: usize,
@@ -194,6 +214,16 @@ impl Ctx<'_> {
         let mut done = vec![false; ops.len()];
         self.validate(ops)?;
         self.local(ops, &mut done)?;
+        if self.kind.is_collective() {
+            // Numbered once accepted: a call refused above takes no number, as a refused
+            // collective (its retry is the same collective).
+            self.coll_seq = self.seqr.next_coll();
+            if let Some((_, print)) = self.direct.as_mut() {
+                print.fp.root = self.kind.code();
+                print.send_seq = self.coll_seq;
+                print.recv_seq = self.coll_seq;
+            }
+        }
         self.take_stashed(ops, &mut done)?;
         // Sends, in order per peer.
         let mut outq: Vec<VecDeque<usize>> = (0..n).map(|_| VecDeque::new()).collect();
@@ -253,7 +283,7 @@ impl Ctx<'_> {
                         if let Some(e) = crate::direct::exec::direct_mismatch(
                             d,
                             &named,
-                            print,
+                            &print,
                             id.rank,
                             id.seq,
                             |p| super::unread(links, p),
@@ -400,8 +430,74 @@ impl Ctx<'_> {
                     "a buffer of {len} bytes is not a whole number of {dtype} elements"
                 )));
             }
+            if self.kind.is_collective() {
+                match op {
+                    P2pOp::Recv { peer: None, .. } => {
+                        return Err(self.bad(format!(
+                            "a {} receives from named ranks only, not from any rank",
+                            self.kind.name()
+                        )))
+                    }
+                    P2pOp::Send { tag, .. } | P2pOp::Recv { tag, .. } if *tag != 0 => {
+                        return Err(self.bad(format!(
+                            "a {} has no tags (got tag {tag})",
+                            self.kind.name()
+                        )))
+                    }
+                    _ => {}
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Whether a collective's message numbered `mseq` (low 32 bits) is of a collective this
+    /// rank has begun: the one in progress (a collective group) or, in a user group, the last
+    /// begun. Numbers within 2^31 behind count as begun (they wrap at 2^32).
+    fn begun(&self, mseq: u64) -> bool {
+        let cur = if self.kind.is_collective() {
+            self.coll_seq
+        } else {
+            self.seqr.colls()
+        };
+        (cur as u32).wrapping_sub(mseq as u32) < 1 << 31
+    }
+
+    /// Whether a message of `call` numbered `mseq` belongs to this group.
+    fn ours(&self, call: P2pCall, mseq: u64) -> bool {
+        call == self.kind && (!call.is_collective() || mseq as u32 == self.coll_seq as u32)
+    }
+
+    /// The error for a message from `peer` (`fp`, numbered `mseq`) that belongs to another
+    /// call and that no receive of this rank can take any more (or that comes where this
+    /// collective expects its own).
+    fn foreign(&self, peer: usize, fp: &Fingerprint, mseq: u64) -> Error {
+        let mine = if self.kind.is_collective() {
+            format!(
+                "{} (its collective #{}, call #{})",
+                self.kind.name(),
+                self.coll_seq,
+                self.seq
+            )
+        } else {
+            format!(
+                "{} (call #{}), a point-to-point receive, after beginning its collective #{}",
+                self.call,
+                self.seq,
+                self.seqr.colls()
+            )
+        };
+        let theirs = match fp.p2p_call() {
+            Some(c) if c.is_collective() => format!("{fp} as its collective #{mseq}"),
+            _ => format!("{fp} as its message #{mseq} (a point-to-point send)"),
+        };
+        Error::Mismatch {
+            rank: self.rank,
+            peer,
+            seq: self.seq,
+            mine,
+            theirs,
+        }
     }
 
     /// Sends to this rank itself, matched with its receives from itself (same tag, in order).
@@ -461,6 +557,18 @@ impl Ctx<'_> {
 
     /// Receives that messages already stashed satisfy, in posting order.
     fn take_stashed(&mut self, ops: &mut [P2pOp<'_>], done: &mut [bool]) -> Result<()> {
+        if self.stash.msgs.is_empty() {
+            return Ok(());
+        }
+        // A kept message of a collective this rank has begun, and that is not this group's:
+        // no receive can ever take it.
+        if let Some(m) =
+            self.stash.msgs.iter().find(|m| {
+                m.call.is_collective() && !self.ours(m.call, m.mseq) && self.begun(m.mseq)
+            })
+        {
+            return Err(self.foreign(m.peer, &m.fp, m.mseq));
+        }
         for i in 0..ops.len() {
             if done[i] || self.stash.msgs.is_empty() {
                 continue;
@@ -468,12 +576,9 @@ impl Ctx<'_> {
             let P2pOp::Recv { peer, tag, .. } = ops[i] else {
                 continue;
             };
-            let Some(k) = self
-                .stash
-                .msgs
-                .iter()
-                .position(|m| m.tag == tag && peer.is_none_or(|p| p == m.peer))
-            else {
+            let Some(k) = self.stash.msgs.iter().position(|m| {
+                self.ours(m.call, m.mseq) && m.tag == tag && peer.is_none_or(|p| p == m.peer)
+            }) else {
                 continue;
             };
             let m = self.stash.msgs.remove(k).expect("found above");
@@ -505,12 +610,28 @@ impl Ctx<'_> {
         if fp.data_type() == Some(*dtype) && fp.count == count as u64 {
             return Ok(());
         }
+        let (mine, theirs) = if self.kind.is_collective() {
+            (
+                format!(
+                    "{}, receiving {count} x {dtype} from rank {peer} (its collective #{}, call #{})",
+                    self.kind.name(),
+                    self.coll_seq,
+                    self.seq
+                ),
+                format!("{fp} as its collective #{mseq}"),
+            )
+        } else {
+            (
+                format!("recv({count} x {dtype}, tag {tag}) (call #{})", self.seq),
+                format!("{fp} with tag {tag} as its message #{mseq}"),
+            )
+        };
         Err(Error::Mismatch {
             rank: self.rank,
             peer,
             seq: self.seq,
-            mine: format!("recv({count} x {dtype}, tag {tag}) (call #{})", self.seq),
-            theirs: format!("{fp} with tag {tag} as its message #{mseq}"),
+            mine,
+            theirs,
         })
     }
 
@@ -536,8 +657,12 @@ impl Ctx<'_> {
                     continue;
                 };
                 let h = Header {
-                    fp: Fingerprint::p2p(*dtype, buf.len() / dtype.size(), *tag != 0),
-                    mseq: self.seqr.next_send(peer),
+                    fp: Fingerprint::p2p(*dtype, buf.len() / dtype.size(), *tag != 0, self.kind),
+                    mseq: if self.kind.is_collective() {
+                        self.coll_seq
+                    } else {
+                        self.seqr.next_send(peer)
+                    },
                 };
                 let mut hdr = [0u8; HEADER_BYTES + TAG_BYTES];
                 hdr[..HEADER_BYTES].copy_from_slice(&h.encode());
@@ -658,15 +783,30 @@ impl Ctx<'_> {
                             ),
                         ));
                     }
-                    let want = self.seqr.next_recv(peer);
-                    if h.mseq != want & 0xffff_ffff {
+                    let Some(mcall) = h.fp.p2p_call() else {
                         return Err(self.protocol(
                             peer,
-                            format!(
-                                "message #{} arrived where #{want} was expected (the streams are out of step)",
-                                h.mseq
-                            ),
+                            format!("a message of an unknown call (code {})", h.fp.root),
                         ));
+                    };
+                    if mcall == P2pCall::User {
+                        let want = self.seqr.next_recv(peer);
+                        if h.mseq != want & 0xffff_ffff {
+                            return Err(self.protocol(
+                                peer,
+                                format!(
+                                    "message #{} arrived where #{want} was expected (the streams are out of step)",
+                                    h.mseq
+                                ),
+                            ));
+                        }
+                    } else if !self.ours(mcall, h.mseq)
+                        && (self.kind.is_collective() || self.begun(h.mseq))
+                    {
+                        // Another collective's message where this collective expects its
+                        // own, or one of a collective this rank is past: no receive can
+                        // take it.
+                        return Err(self.foreign(peer, &h.fp, h.mseq));
                     }
                     let tag = if got > HEADER_BYTES {
                         u32::from_le_bytes(
@@ -681,11 +821,19 @@ impl Ctx<'_> {
                         return Err(self.protocol(peer, format!("bad element type in {}", h.fp)));
                     };
                     let len = (h.fp.count as usize).saturating_mul(dt.size());
+                    // Only a message of this group's call goes to one of its receives; the
+                    // others (a user message read by a collective, a collective's message
+                    // that came early) wait in the stash for their call.
+                    let ours = self.ours(mcall, h.mseq);
                     let matched = (0..ops.len()).find(|&i| {
-                        !done[i]
+                        ours && !done[i]
                             && matches!(ops[i], P2pOp::Recv { peer: p, tag: t, from: None, .. }
                                 if t == tag && p.is_none_or(|p| p == peer))
                     });
+                    if ours && matched.is_none() && self.kind.is_collective() {
+                        // This collective's message, but no receive of it is left for it.
+                        return Err(self.foreign(peer, &h.fp, h.mseq));
+                    }
                     let target = match matched {
                         Some(i) => {
                             self.check_match(&ops[i], peer, &h.fp, h.mseq, tag)?;
@@ -713,6 +861,7 @@ impl Ctx<'_> {
                     *state = In::Data {
                         target,
                         fp: h.fp,
+                        call: mcall,
                         mseq: h.mseq,
                         tag,
                         len,
@@ -743,6 +892,7 @@ impl Ctx<'_> {
                     let Some(In::Data {
                         target,
                         fp,
+                        call,
                         mseq,
                         tag,
                         ..
@@ -754,6 +904,7 @@ impl Ctx<'_> {
                         Target::Op(i) => done[i] = true,
                         Target::Stash(data) => self.stash.msgs.push_back(Stashed {
                             peer,
+                            call,
                             tag,
                             fp,
                             mseq,

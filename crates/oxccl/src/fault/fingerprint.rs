@@ -12,7 +12,11 @@
 //! Sequence numbers: collectives count collectives on the communicator; point-to-point
 //! messages count messages per ordered pair of ranks (so that ranks not involved in a send
 //! do not fall out of step), and a send's fingerprint (`p2p`, element type, count) must equal
-//! the matching receive's.
+//! the matching receive's. A point-to-point message also says which call it belongs to
+//! ([`P2pCall`], in the root field, unused by messages): the user's own sends, or one
+//! collective made of sends and receives (gather, scatter, uneven all_to_all), whose
+//! messages carry the collective's number instead of the pair's message number, so that no
+//! receive of another call ever takes them.
 //!
 //! Layout (little-endian, 16 bytes so that small messages stay small): `0` `0xA0` | collective
 //! code, `1` element type code | op code << 4, `2..4` root (low 16 bits), `4..8` matching
@@ -29,6 +33,65 @@ use crate::transport::{Link, LinkError};
 /// Bytes of a [`Header`] on the wire.
 pub const HEADER_BYTES: usize = 16;
 const P2P: u8 = 15;
+
+/// Which call a point-to-point message belongs to (its header's root field): the user's own
+/// sends and receives ([`Communicator::group_p2p`](crate::Communicator::group_p2p)), or a
+/// collective made of them ([`Communicator::group_p2p_as`](crate::Communicator::group_p2p_as)).
+/// A receive takes only messages of its own call: a user receive never takes a gather's
+/// message, and a gather's receive takes only the messages of that gather (same number on
+/// the communicator's count of collectives).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum P2pCall {
+    /// The user's own point-to-point messages: matched by source and tag, in send order.
+    #[default]
+    User,
+    /// A gather: every rank sends its block to the root.
+    Gather,
+    /// A scatter: the root sends every rank its block.
+    Scatter,
+    /// An all_to_all with blocks of different sizes: every rank sends to every rank.
+    AllToAllV,
+}
+
+impl P2pCall {
+    /// Every call, in code order.
+    pub const ALL: [P2pCall; 4] = [
+        P2pCall::User,
+        P2pCall::Gather,
+        P2pCall::Scatter,
+        P2pCall::AllToAllV,
+    ];
+
+    /// The wire code (the root field of a message's header).
+    pub fn code(self) -> u32 {
+        match self {
+            P2pCall::User => 0,
+            P2pCall::Gather => 1,
+            P2pCall::Scatter => 2,
+            P2pCall::AllToAllV => 3,
+        }
+    }
+
+    /// The call of a wire code.
+    pub fn from_code(c: u32) -> Option<Self> {
+        P2pCall::ALL.get(c as usize).copied()
+    }
+
+    /// Its name in errors: also the name of the call ([`Error`]'s `call`).
+    pub fn name(self) -> &'static str {
+        match self {
+            P2pCall::User => "group_p2p",
+            P2pCall::Gather => "gather",
+            P2pCall::Scatter => "scatter",
+            P2pCall::AllToAllV => "all_to_allv",
+        }
+    }
+
+    /// True for the collectives: their messages carry the collective's number.
+    pub fn is_collective(self) -> bool {
+        self != P2pCall::User
+    }
+}
 
 /// What every rank of a call must agree on. Fields that do not matter for a collective are
 /// zero (the op of a broadcast, the root of an all_reduce, ...).
@@ -108,15 +171,26 @@ impl Fingerprint {
         self.kind == P2P
     }
 
-    /// A point-to-point message of `count` elements of `dtype`; `tagged`: an 8-byte tag
-    /// follows the header (`exec::p2p`), marked in the op field (unused by messages).
-    pub fn p2p(dtype: DataType, count: usize, tagged: bool) -> Self {
+    /// A point-to-point message of `count` elements of `dtype`, of `call`; `tagged`: an
+    /// 8-byte tag follows the header (`exec::p2p`), marked in the op field (unused by
+    /// messages).
+    pub fn p2p(dtype: DataType, count: usize, tagged: bool, call: P2pCall) -> Self {
         Fingerprint {
             kind: P2P,
             dtype: dtype_code(dtype),
             op: tagged as u8,
             count: count as u64,
-            root: 0,
+            root: call.code(),
+        }
+    }
+
+    /// The call a point-to-point message belongs to (`None`: not a message, or an unknown
+    /// code).
+    pub fn p2p_call(&self) -> Option<P2pCall> {
+        if self.is_p2p() {
+            P2pCall::from_code(self.root)
+        } else {
+            None
         }
     }
 
@@ -135,6 +209,10 @@ impl fmt::Display for Fingerprint {
         let dt = DataType::ALL
             .get(self.dtype as usize)
             .map_or("?", |d| d.name());
+        if self.kind == P2P && self.root != 0 {
+            let call = P2pCall::from_code(self.root).map_or("?", |c| c.name());
+            return write!(f, "a message of {call}({} x {dt})", self.count);
+        }
         write!(f, "{name}({} x {dt}", self.count)?;
         if matches!(self.kind, 1 | 3 | 5) {
             let op = ReduceOp::from_code(self.op).map_or("?", |o| o.name());
@@ -254,7 +332,7 @@ impl CallPrint {
         if theirs.fp == mine && theirs.mseq == self.recv_seq & 0xffff_ffff {
             return Ok(());
         }
-        let what = if self.fp.is_p2p() {
+        let what = if self.fp.is_p2p() && !self.fp.p2p_call().is_some_and(|c| c.is_collective()) {
             "message"
         } else {
             "collective"
@@ -488,6 +566,18 @@ impl Sequencer {
 }
 
 impl Sequencer {
+    /// The number of the next collective (advancing the count), for a collective that is
+    /// made of point-to-point messages ([`P2pCall`]).
+    pub fn next_coll(&mut self) -> u64 {
+        self.colls += 1;
+        self.colls
+    }
+
+    /// The number of the last collective begun.
+    pub fn colls(&self) -> u64 {
+        self.colls
+    }
+
     /// The sequence number of the next message sent to `peer`.
     pub fn next_send(&mut self, peer: usize) -> u64 {
         bump(&mut self.sent, peer)
@@ -545,6 +635,46 @@ mod tests {
                 assert!(!p.matches(&g));
             }
         }
+    }
+
+    #[test]
+    fn p2p_messages_name_their_call() {
+        for call in P2pCall::ALL {
+            assert_eq!(P2pCall::from_code(call.code()), Some(call));
+            let fp = Fingerprint::p2p(DataType::F32, 3, false, call);
+            let h = Header { fp, mseq: 9 };
+            let back = Header::decode(&h.encode()).unwrap();
+            assert_eq!(back.fp.p2p_call(), Some(call));
+            assert_eq!(back, h);
+        }
+        assert_eq!(P2pCall::from_code(4), None);
+        let user = Fingerprint::p2p(DataType::F32, 3, true, P2pCall::User);
+        assert_eq!(user.to_string(), "send/recv(3 x float)");
+        assert_eq!(
+            Fingerprint::of(
+                CollKind::Send { peer: 1 },
+                DataType::F32,
+                ReduceOp::Sum,
+                3,
+                0
+            ),
+            Fingerprint { op: 0, ..user },
+            "the executor's sends are the user's messages"
+        );
+        let g = Fingerprint::p2p(DataType::F32, 3, false, P2pCall::Gather);
+        assert_eq!(g.to_string(), "a message of gather(3 x float)");
+        assert_ne!(
+            g,
+            Fingerprint::p2p(DataType::F32, 3, false, P2pCall::Scatter)
+        );
+        let fp = Fingerprint::of(CollKind::AllReduce, DataType::F32, ReduceOp::Sum, 3, 0);
+        assert_eq!(fp.p2p_call(), None);
+        // One count for every collective, whichever way it runs.
+        let mut s = Sequencer::new(2);
+        assert_eq!(s.next(0, 1, CollKind::AllReduce, fp).send_seq, 1);
+        assert_eq!(s.next_coll(), 2);
+        assert_eq!(s.colls(), 2);
+        assert_eq!(s.next(0, 3, CollKind::AllReduce, fp).send_seq, 3);
     }
 
     #[test]
