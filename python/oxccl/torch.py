@@ -1398,12 +1398,15 @@ class BackendOxccl(_C10dBackend):
                 raise _NotAMember()
             return None
         timeout = getattr(opts, "_timeout", None) or self._timeout
-        return _make(store, ranks.index(me), len(ranks), timeout, getattr(opts, "group_name", None))
+        return _make(store, ranks.index(me), len(ranks), timeout, getattr(opts, "group_name", None), (self.comm, ranks))
 
     def shutdown(self) -> None:
         self._flush_p2p()
         self.comm.synchronize()
         _WRAPPED_BY_TORCH.discard(self)
+        if _WATCHER and _WATCHER[0]() is self.comm:
+            # A group made later (after a new init_process_group) is not this one's to watch.
+            _WATCHER.clear()
         # The store goes to `_PREVIOUS_STORE`, which keeps it until the next backend is made
         # (see there): not with this backend, whose lifetime is not the group's.
         if self._store is not None:
@@ -1498,7 +1501,17 @@ def _keep_store(store: Any) -> None:
     _PREVIOUS_STORE[:] = [store]
 
 
-def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> BackendOxccl:
+#: The default group's communicator (a weak reference), made by the last `_create` for a
+#: default group: it watches the init of every group made after it (`_make`'s `watch`).
+_WATCHER: List[Any] = []
+
+
+def _make(
+    store: Any, rank: int, size: int, timeout: Any, group_id: Any, watch: Optional[Tuple[Comm, List[int]]] = None
+) -> BackendOxccl:
+    """A backend for rank `rank` of `size`. With `watch` = (communicator, ranks there of the new
+    group's ranks), that communicator watches the init: a member it loses meanwhile fails the
+    init at once instead of after the timeout, and, later, the new group."""
     # The new group's store exists (torch made it first, reusing a kept server on its port):
     # the previous one need not be kept any longer.
     _PREVIOUS_STORE.clear()
@@ -1510,7 +1523,10 @@ def _make(store: Any, rank: int, size: int, timeout: Any, group_id: Any) -> Back
         store.set(key, uid)
     else:
         uid = store.get(key).decode()
-    raw = _oxccl.init_with_id(uid, rank, size, _timeout_s(timeout))
+    if watch is None:
+        raw = _oxccl.init_with_id(uid, rank, size, _timeout_s(timeout))
+    else:
+        raw = _oxccl.init_with_id(uid, rank, size, _timeout_s(timeout), watch[0]._raw, list(watch[1]))
     return BackendOxccl(Comm(raw), rank, size, store, timeout if isinstance(timeout, timedelta) else None, group_id)
 
 
@@ -1896,9 +1912,20 @@ _WRAPPED_BY_TORCH: "set[BackendOxccl]" = set()
 
 
 def _create(dist_opts: Any, backend_options: Any = None) -> Any:
-    backend = _wrap(
-        _make(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, dist_opts.group_id)
+    # torch gives a new group's ranks in the default group (empty for the default group).
+    ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or [])
+    world = _WATCHER[0]() if _WATCHER and ranks else None
+    made = _make(
+        dist_opts.store,
+        dist_opts.group_rank,
+        dist_opts.group_size,
+        dist_opts.timeout,
+        dist_opts.group_id,
+        (world, ranks) if world is not None else None,
     )
+    if not ranks:
+        _WATCHER[:] = [weakref.ref(made.comm)]
+    backend = _wrap(made)
     if isinstance(backend, BackendOxccl) and dist.get_debug_level() == dist.DebugLevel.DETAIL:
         _WRAPPED_BY_TORCH.add(backend)
     _install_shm_allocator()

@@ -544,15 +544,20 @@ fn init_from_env(py: Python<'_>) -> PyResult<RawComm> {
 }
 
 /// Joins the communicator of `unique_id` (a string from `new_unique_id`) as `rank`; settings
-/// from the environment, except the timeout when `timeout_s` is given.
+/// from the environment, except the timeout when `timeout_s` is given. With `watch` (a
+/// communicator) and `group` (`group[i]`: the rank in `watch` of the new rank `i`), `watch`
+/// watches the init: a rank of the group lost there fails the init at once and, later, the
+/// new communicator (`Communicator::init_watched`).
 #[pyfunction]
-#[pyo3(signature = (unique_id, rank, world_size, timeout_s=None))]
+#[pyo3(signature = (unique_id, rank, world_size, timeout_s=None, watch=None, group=None))]
 fn init_with_id(
     py: Python<'_>,
     unique_id: &str,
     rank: usize,
     world_size: usize,
     timeout_s: Option<f64>,
+    watch: Option<PyRef<'_, RawComm>>,
+    group: Option<Vec<usize>>,
 ) -> PyResult<RawComm> {
     let id = UniqueId::from_str(unique_id).map_err(|e| err(py, &e))?;
     let mut cfg = Config::from_env().map_err(|e| err(py, &e))?;
@@ -565,9 +570,25 @@ fn init_with_id(
         }
         cfg.timeout = std::time::Duration::from_secs_f64(t.min(1e9));
     }
-    py.detach(|| Communicator::init_with_config(&id, rank, world_size, cfg))
-        .map(|c| RawComm { inner: Arc::new(c) })
-        .map_err(|e| err(py, &e))
+    let watched = match (watch, group) {
+        (None, None) => None,
+        (Some(w), Some(g)) => {
+            if g.len() != world_size {
+                return Err(bad_arg(
+                    py,
+                    format!("group has {} ranks, world_size is {world_size}", g.len()),
+                ));
+            }
+            Some((Arc::clone(&w.inner), g))
+        }
+        _ => return Err(bad_arg(py, "watch and group go together".to_string())),
+    };
+    py.detach(|| match watched {
+        Some((w, g)) => w.init_watched(&id, rank, g, cfg),
+        None => Communicator::init_with_config(&id, rank, world_size, cfg),
+    })
+    .map(|c| RawComm { inner: Arc::new(c) })
+    .map_err(|e| err(py, &e))
 }
 
 /// A fresh unique id, as `ncclGetUniqueId`, listening on `ip` (default: this host's default

@@ -93,7 +93,63 @@ impl Communicator {
             });
         }
         let id = UniqueId::from_bytes(&e[1..])?;
-        let child = self.init_watched(id, new_rank, group.len())?;
+        self.init_watched_as("split", &id, new_rank, group, self.config().clone())
+            .map(Some)
+    }
+
+    /// Joins the communicator of `id` as its rank `rank` (as
+    /// [`init_with_config`](Communicator::init_with_config)) while this communicator watches:
+    /// `group[i]` is the rank here of the new communicator's rank `i`, and `group[rank]` must
+    /// be this rank. A rank of the group lost here during the init fails the init at once
+    /// with this communicator's error (the new rendezvous alone would wait for it until the
+    /// timeout), and a rank lost here later fails the new communicator too. What
+    /// [`split`](Communicator::split) uses, and what a framework making groups with ids of
+    /// its own (torch's `new_group`) can use with its world communicator.
+    pub fn init_watched(
+        &self,
+        id: &UniqueId,
+        rank: usize,
+        group: Vec<usize>,
+        cfg: crate::base::param::Config,
+    ) -> Result<Communicator> {
+        self.init_watched_as("init_watched", id, rank, group, cfg)
+    }
+
+    /// [`init_watched`](Self::init_watched), its errors naming `call`.
+    fn init_watched_as(
+        &self,
+        call: &'static str,
+        id: &UniqueId,
+        rank: usize,
+        group: Vec<usize>,
+        cfg: crate::base::param::Config,
+    ) -> Result<Communicator> {
+        let me = self.rank();
+        let bad = |msg: String| Error::InvalidArgument {
+            rank: me,
+            call,
+            seq: 0,
+            msg,
+        };
+        if group.get(rank) != Some(&me) {
+            return Err(bad(format!(
+                "rank {rank} of the group must be this rank ({me}) here; the group is {group:?}"
+            )));
+        }
+        let mut seen = vec![false; self.world_size()];
+        for &r in &group {
+            match seen.get_mut(r) {
+                Some(s) if !*s => *s = true,
+                Some(_) => return Err(bad(format!("rank {r} is in the group twice"))),
+                None => {
+                    return Err(bad(format!(
+                        "rank {r} is not a rank of the watching communicator (size {})",
+                        self.world_size()
+                    )))
+                }
+            }
+        }
+        let child = self.init_watched_inner(call, id.clone(), rank, group.len(), cfg)?;
         // A rank of the group lost here (its links closed, its heartbeats stopped) is lost
         // there too: this communicator's watchdog may know before the new one's does (a rank
         // stopped before its first heartbeat there is lost only after the timeout).
@@ -105,14 +161,14 @@ impl Communicator {
                     Some(Failure::Lost {
                         peer: p,
                         reason: format!(
-                            "{reason} (seen by the communicator this one was split from, where it is rank {peer})"
+                            "{reason} (seen by the communicator that watched this one's init, where it is rank {peer})"
                         ),
                     })
                 }
                 _ => None,
             }),
         );
-        Ok(Some(child))
+        Ok(child)
     }
 
     /// The new communicator's init, made on a helper thread while this one watches this
@@ -121,8 +177,14 @@ impl Communicator {
     /// communicator's rendezvous would wait for it until the whole timeout (600 s by default).
     /// Then the split fails at once with this communicator's error, naming that rank; the
     /// helper's init ends by its own timeout and drops what it made.
-    fn init_watched(&self, id: UniqueId, rank: usize, size: usize) -> Result<Communicator> {
-        let cfg = self.config().clone();
+    fn init_watched_inner(
+        &self,
+        call: &'static str,
+        id: UniqueId,
+        rank: usize,
+        size: usize,
+        cfg: crate::base::param::Config,
+    ) -> Result<Communicator> {
         let (tx, rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
             .name("oxccl-split-init".into())
@@ -132,7 +194,7 @@ impl Communicator {
         if let Err(e) = spawned {
             return Err(Error::Io {
                 rank: self.rank(),
-                context: "split: starting the new communicator's init thread".into(),
+                context: format!("{call}: starting the new communicator's init thread"),
                 source: e,
             });
         }
@@ -145,18 +207,18 @@ impl Communicator {
                     while !self.supervisor().health().is_failed() && t.elapsed() < CAUSE_GRACE {
                         std::thread::sleep(WATCH_EVERY);
                     }
-                    self.supervisor().check("split", 0)?;
+                    self.supervisor().check(call, 0)?;
                     return Err(e);
                 }
                 Ok(made) => return made,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    self.supervisor().check("split", 0)?;
+                    self.supervisor().check(call, 0)?;
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                     return Err(Error::Protocol {
                         rank: self.rank(),
                         peer: self.rank(),
-                        call: "split",
+                        call,
                         seq: 0,
                         msg: "the new communicator's init thread ended without a result".into(),
                     })
