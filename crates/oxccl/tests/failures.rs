@@ -19,26 +19,15 @@ fn cfg(transport: TransportChoice) -> Config {
     }
 }
 
+mod proc_common;
+
 /// Runs `f(rank, comm)` on `n` threads with communicators joined by a rendezvous.
 fn group<T: Send>(
     n: usize,
     transport: TransportChoice,
     f: impl Fn(usize, Communicator) -> T + Sync,
 ) -> Vec<T> {
-    let id = UniqueId::new_on("127.0.0.1".parse().unwrap()).unwrap();
-    let f = &f;
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let id = id.clone();
-                s.spawn(move || {
-                    let comm = Communicator::init_with_config(&id, r, n, cfg(transport)).unwrap();
-                    f(r, comm)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    proc_common::threads(n, |_| cfg(transport), f)
 }
 
 const BOTH: [TransportChoice; 2] = [TransportChoice::Shm, TransportChoice::Tcp];

@@ -127,6 +127,8 @@ fn blame_child() {
     }
     let run = || -> oxccl::Result<()> {
         let comm = Communicator::from_env()?;
+        // When start-up ended (the killing test tells kills during start-up from later ones).
+        println!("CHILD INIT {}", unix_micros());
         comm.barrier()?;
         for _ in 0..20 {
             let mut v = vec![1.0f32; 4096];
@@ -141,6 +143,13 @@ fn blame_child() {
             std::process::exit(1);
         }
     }
+}
+
+/// Microseconds since the Unix epoch (comparable between processes).
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Starts rank `r` of `n` of [`blame_child`]; with `own_pidns`, in a pid namespace of its
@@ -205,9 +214,10 @@ fn finish(k: Child) -> (bool, Option<String>) {
     (o.status.success(), line)
 }
 
-/// One job of `n` ranks whose rank `victim` is SIGKILLed after `delay` (`direct`: as for
-/// [`spawn_blame_rank`]); returns the survivors' error lines (rank, line) and how many
-/// completed.
+/// One job of `n` ranks whose rank `victim` is SIGKILLed `delay` after they were started
+/// (`direct`: as for [`spawn_blame_rank`]); returns the survivors' error lines (rank, line),
+/// how many completed, and how long after the start the victim's start-up had ended when it
+/// did before the kill (`None`: killed during its start-up).
 fn kill_round(
     n: usize,
     victim: usize,
@@ -215,15 +225,32 @@ fn kill_round(
     secret: &str,
     own_pidns: bool,
     direct: bool,
-) -> (Vec<(usize, String)>, usize) {
+) -> (Vec<(usize, String)>, usize, Option<Duration>) {
     let port = free_port();
+    let t0 = unix_micros();
     let mut kids: Vec<Option<Child>> = (0..n)
         .map(|r| Some(spawn_blame_rank(r, n, secret, port, own_pidns, direct)))
         .collect();
     std::thread::sleep(delay);
     let mut v = kids[victim].take().unwrap();
     let _ = v.kill();
-    let _ = v.wait();
+    // (Under `unshare` the child is `unshare`: its output is not read.)
+    let output = if own_pidns {
+        let _ = v.wait();
+        None
+    } else {
+        v.wait_with_output().ok()
+    };
+    let up = output.and_then(|o| {
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let at: u64 = out
+            .lines()
+            .find_map(|l| l.strip_prefix("CHILD INIT "))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(Duration::from_micros(at.saturating_sub(t0)))
+    });
     let mut errors = Vec::new();
     let mut ok = 0;
     for (r, k) in kids.into_iter().enumerate() {
@@ -234,38 +261,51 @@ fn kill_round(
             (false, None) => errors.push((r, "(no CHILD_ERR line)".into())),
         }
     }
-    (errors, ok)
+    (errors, ok, up)
 }
 
 /// Issue 19 item 3: one rank of 4 SIGKILLed at a random moment of its start-up; every
 /// survivor that fails must name that rank (not rank 0, through which the bootstrap relays,
 /// nor the rank that a direct exchange waits on). `OXCCL_BLAME_ROUNDS` rounds (default 100,
-/// as the issue asks), two jobs at a time; odd rounds with the exchanges direct between
-/// ranks, even ones through rank 0.
+/// as the issue asks), four jobs at a time; odd rounds with the exchanges direct between
+/// ranks, even ones through rank 0. The kill lands at a random moment of a span that
+/// adapts to the start-up's length (the victim prints when its start-up ended; this
+/// machine's load changes that length by a factor of ten), so that most kills land during
+/// start-up; at least half of them must.
 #[test]
 fn survivors_name_the_rank_killed_during_start_up() {
     let rounds: u64 = std::env::var("OXCCL_BLAME_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
-    const LANES: u64 = 2;
-    let results: Vec<(usize, usize, Vec<String>)> = std::thread::scope(|sc| {
+    const LANES: u64 = 4;
+    let results: Vec<(usize, usize, u64, Vec<String>)> = std::thread::scope(|sc| {
         let lanes: Vec<_> = (0..LANES)
             .map(|lane| {
                 sc.spawn(move || {
                     let mut rng = Rng(
                         0x2545_f491_4f6c_dd1d ^ std::process::id() as u64 ^ (lane << 40),
                     );
-                    let (mut named, mut completed) = (0, 0);
+                    let (mut named, mut completed, mut during) = (0, 0, 0);
                     let mut wrong = Vec::new();
+                    // Kills land uniformly in [1 ms, 1 ms + span]; the span grows by a tenth
+                    // after a kill during start-up and shrinks by a fifth after one later,
+                    // so that about 70% land during start-up (ln 1.25 / ln 1.375) whatever
+                    // its length on this machine at this moment.
+                    let mut span = 30_000f64;
                     for round in (lane..rounds).step_by(LANES as usize) {
                         let (_, secret) = random_secret();
-                        // Never rank 0 (its survivors name it trivially): rank 1..3, during or
-                        // after the rendezvous.
+                        // Never rank 0 (its survivors name it trivially): rank 1..3.
                         let victim = 1 + rng.below(3) as usize;
-                        let delay = Duration::from_micros(5_000 + rng.below(145_000));
+                        let delay = Duration::from_micros(1_000 + rng.below(span as u64 + 1));
                         let direct = round % 2 == 1;
-                        let (errors, ok) = kill_round(4, victim, delay, &secret, false, direct);
+                        let (errors, ok, up) = kill_round(4, victim, delay, &secret, false, direct);
+                        if up.is_none() {
+                            during += 1;
+                            span = (span * 1.1).min(5e6);
+                        } else {
+                            span = (span * 0.8).max(1_000.0);
+                        }
                         completed += ok;
                         for (r, line) in errors {
                             if oxccl::blamed_rank(&line) == Some(victim) {
@@ -277,7 +317,7 @@ fn survivors_name_the_rank_killed_during_start_up() {
                             }
                         }
                     }
-                    (named, completed, wrong)
+                    (named, completed, during, wrong)
                 })
             })
             .collect();
@@ -285,12 +325,17 @@ fn survivors_name_the_rank_killed_during_start_up() {
     });
     let named: usize = results.iter().map(|r| r.0).sum();
     let completed: usize = results.iter().map(|r| r.1).sum();
-    let wrong: Vec<String> = results.into_iter().flat_map(|r| r.2).collect();
-    println!("{rounds} rounds: {named} survivor errors named the killed rank, {completed} survivors completed, {} wrong", wrong.len());
+    let during: u64 = results.iter().map(|r| r.2).sum();
+    let wrong: Vec<String> = results.into_iter().flat_map(|r| r.3).collect();
+    println!("{rounds} rounds: {during} kills during the victim's start-up, {named} survivor errors named the killed rank, {completed} survivors completed, {} wrong", wrong.len());
     assert!(
         wrong.is_empty(),
         "survivors blamed the wrong rank:\n{}",
         wrong.join("\n")
+    );
+    assert!(
+        during * 2 >= rounds,
+        "only {during} of {rounds} kills landed during start-up"
     );
 }
 
@@ -459,7 +504,7 @@ fn named_files_of_ranks_in_own_pid_namespaces_never_leak_nor_block_the_next_job(
         let tag = oxccl::testing::auth::comm_tag(&secret);
         let victim = rng.below(4) as usize;
         let delay = Duration::from_micros(50_000 + rng.below(500_000));
-        let (errors, _) = kill_round(4, victim, delay, &hex, true, false);
+        let (errors, _, _) = kill_round(4, victim, delay, &hex, true, false);
         let left = files_of(tag);
         assert!(
             left.is_empty(),

@@ -181,10 +181,9 @@ impl Communicator {
 
     /// Makes the TCP links a point-to-point group needs that are not made yet
     /// (`OXCCL_TCP_CONNECT=lazy`): those to the peers it names. A receive from any source
-    /// reads from every rank, so it makes every TCP link this rank lacks: it dials every lower
-    /// peer without one and adopts every higher one's dial, and so waits (until the call's
-    /// deadline) until each of those peers is in a call that needs its link to this rank
-    /// (a send here, say).
+    /// reads from every rank, so it makes every TCP link this rank lacks: it dials each peer
+    /// without one, in turn (each peer's acceptor answers whatever that peer is doing, so
+    /// this waits for no peer's call).
     fn connect_p2p(
         &self,
         lazy: &mut LazyTcp,

@@ -122,6 +122,10 @@ pub enum Verdict {
     DuplicateRank,
     /// Refused: this acceptor expects no connection from that rank.
     UnexpectedRank,
+    /// Refused: this acceptor is connecting (or connected) to that rank itself, and its
+    /// connection makes the pair's link (a TCP link made on first use that both ends dialed
+    /// at once).
+    Crossed,
 }
 
 impl Verdict {
@@ -131,6 +135,7 @@ impl Verdict {
             Verdict::Refused => 1,
             Verdict::DuplicateRank => 2,
             Verdict::UnexpectedRank => 3,
+            Verdict::Crossed => 4,
         }
     }
 
@@ -140,6 +145,7 @@ impl Verdict {
             1 => "refused (wrong secret, purpose or communicator)",
             2 => "refused: another connection already claimed this rank",
             3 => "refused: the acceptor expects no connection from this rank",
+            4 => "refused: the acceptor is connecting to this rank itself (crossed connections; its own makes the link)",
             _ => "refused with an unknown verdict",
         }
     }
@@ -382,6 +388,11 @@ pub(crate) fn check_proof(
         ));
     }
     Ok(hello)
+}
+
+/// Whether `e` is [`client_handshake`]'s error for a [`Verdict::Crossed`] answer.
+pub(crate) fn is_crossed(e: &Error) -> bool {
+    matches!(e, Error::Auth { msg, .. } if msg == Verdict::describe(Verdict::Crossed.code()))
 }
 
 /// Sends the acceptor's verdict (one byte) after [`server_handshake`].

@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests that start ranks as child processes.
+//! Helpers shared by the integration tests that start ranks as child processes or as
+//! threads of the test process.
 
 #![allow(dead_code)]
 
@@ -22,4 +23,29 @@ pub fn output_by(mut k: Child, deadline: Instant, poll: Duration) -> Output {
     }
     let _ = k.kill();
     k.wait_with_output().unwrap()
+}
+
+/// Runs `f(rank, comm)` on `n` threads, each with a communicator of config `cfg(rank)`,
+/// joined by a rendezvous on loopback; returns each rank's result, by rank.
+pub fn threads<T: Send>(
+    n: usize,
+    cfg: impl Fn(usize) -> oxccl::Config + Sync,
+    f: impl Fn(usize, oxccl::Communicator) -> T + Sync,
+) -> Vec<T> {
+    let id = oxccl::UniqueId::new_on("127.0.0.1".parse().unwrap()).unwrap();
+    let (f, cfg) = (&f, &cfg);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let id = id.clone();
+                s.spawn(move || {
+                    f(
+                        r,
+                        oxccl::Communicator::init_with_config(&id, r, n, cfg(r)).unwrap(),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

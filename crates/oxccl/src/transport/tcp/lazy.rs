@@ -1,35 +1,39 @@
 //! Connect on first use (`OXCCL_TCP_CONNECT=lazy`, NCCL's model): init exchanges listen
 //! addresses only, and a TCP link is made the first time a call needs it.
 //!
-//! The handshake needs no coordination of its own and cannot deadlock:
+//! Every rank runs an acceptor thread on its listener from init until its last TCP link is
+//! made (or the communicator ends): it adopts any authenticated connection from a TCP peer
+//! without a link at any time, whatever the rank's calls are doing, and keeps it until a
+//! call here needs that peer. So no end of a pair has to be in a call for its link to be
+//! made, and a link never waits for the peer's program:
 //!
-//! - both ends of a pair learn that a call needs their link from the same deterministic
-//!   source (they run the same schedule for the same call; a point-to-point call names its
-//!   peer), so both come to [`LazyTcp::connect`] for it;
-//! - as at init, the higher rank of the pair dials and the lower accepts ([`Role`]); the
-//!   dialer's connection waits in the lower rank's listen backlog until that rank accepts,
-//!   and the dialer's handshake waits for it (bounded by the dialer's call's deadline);
-//! - whenever a rank accepts, it adopts every authenticated connection from any higher TCP
-//!   peer it has no link with, needed now or not ([`LazyTcp::verdict`]): a peer that is
-//!   already a call ahead is never refused, its connection waits in [`LazyTcp`] until a call
-//!   here needs it;
-//! - a call connects every link it lacks before it moves any byte, and a rank only waits in
-//!   [`LazyTcp::connect`] for peers that need the same links in the same call (or in a later
-//!   one, which the earlier calls do not wait for), so no cycle of waits can form.
+//! - a call that needs a link nobody has started dials the peer itself ([`LazyTcp::connect`])
+//!   and the peer's acceptor answers at once: a first send goes out whether or not the
+//!   receiver is in a call, and a receive from any source dials every peer it lacks, one
+//!   after the other, each done in a round trip;
+//! - when both ends dial each other at once, the higher rank's connection makes the link:
+//!   its acceptor refuses the lower one's with [`Verdict::Crossed`] (it is dialing
+//!   itself), the lower one's acceptor adopts it, and the lower rank's call waits for that
+//!   adoption (a round trip away; bounded by the call's deadline);
+//! - several connections per pair (`OXCCL_TCP_STREAMS`) are all dialed by the end whose
+//!   first one was taken, in order, so both ends stripe them alike.
 //!
-//! Every wait ends at the call's deadline, or at once when the caller's `stop` says the
-//! communicator failed (the watchdog lost a peer: a peer killed before the first connection
-//! is seen there, not on a link), and a peer whose listener refuses connections for
-//! [`GONE_AFTER`] is gone (the listener is open from init until the communicator ends). The
-//! errors name this rank, the peer, the call and its sequence number.
+//! Strangers cannot hold up the acceptor ([`crate::net::accept`]: one thread polls every
+//! unauthenticated connection, each with its own deadlines and limits). Every wait of a call
+//! ends at the call's deadline, or at once when the caller's `stop` says the communicator
+//! failed (the watchdog lost a peer), and a peer whose listener refuses connections for
+//! [`GONE_AFTER`] is gone. The errors name this rank, the peer, the call and its sequence
+//! number. The acceptor thread is stopped and joined when the last link is made or the
+//! communicator ends, and its listener closed.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::base::error::{Error, Result};
-use crate::net::accept::{self, AcceptStop, Admit, Strangers};
+use crate::net::accept::{self, Admit, Strangers};
 use crate::net::auth::{self, Deadlined, Hello, Purpose, Verdict};
 use crate::transport::counted::{counted_into, LinkStats};
 use crate::transport::Link;
@@ -37,57 +41,104 @@ use crate::transport::Link;
 /// A peer whose listener refused every connection for this long is gone.
 pub(crate) const GONE_AFTER: Duration = Duration::from_secs(2);
 
-/// Who makes the connection of a pair.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Role {
-    /// This rank dials the peer (it is the higher rank).
-    Dial,
-    /// The peer dials this rank (it is the higher rank).
-    Accept,
+/// How often a call that waits for a peer's connection looks at the communicator's health.
+const WAIT_TICK: Duration = Duration::from_millis(20);
+
+/// How long the acceptor runs at most (it is stopped long before).
+const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Where a pair's link stands, as the acceptor and the calls share it.
+#[derive(Debug)]
+enum Slot {
+    /// Not reached over TCP (this rank, a shared-memory peer).
+    Not,
+    /// A TCP peer, no connection yet.
+    Pending,
+    /// A call here is dialing the peer.
+    Dialing,
+    /// The peer dialed: its connections so far (all of them once there are `streams`),
+    /// waiting for a call here to take them.
+    Adopted(Vec<TcpStream>),
+    /// A call here took the link.
+    Made,
 }
 
-/// The role of `me` in its pair with `peer`: the higher rank dials.
-pub(crate) fn role(me: usize, peer: usize) -> Role {
-    if peer < me {
-        Role::Dial
-    } else {
-        Role::Accept
+/// The state the acceptor thread and the calls share.
+struct Table {
+    me: usize,
+    streams: usize,
+    slots: Vec<Slot>,
+    /// What strangers did to the listener so far (for a wait's error).
+    strangers: Option<String>,
+    /// Why the acceptor stopped on its own (the listener failed).
+    failed: Option<String>,
+}
+
+impl Table {
+    /// What this rank answers a connection that authenticated as `from`.
+    fn verdict(&self, from: usize) -> Verdict {
+        match self.slots.get(from) {
+            None | Some(Slot::Not) => Verdict::UnexpectedRank,
+            Some(Slot::Pending) => Verdict::Accepted,
+            // Both dial: the higher rank's connection makes the link (its dial may have
+            // ended before the lower one's arrives).
+            Some(Slot::Dialing | Slot::Made) if self.me > from => Verdict::Crossed,
+            Some(Slot::Dialing) => Verdict::Accepted,
+            Some(Slot::Adopted(v)) if v.len() < self.streams => Verdict::Accepted,
+            Some(Slot::Adopted(_) | Slot::Made) => Verdict::DuplicateRank,
+        }
+    }
+
+    /// Whether every connection `from` dials is here.
+    fn ready(&self, from: usize) -> bool {
+        matches!(self.slots.get(from), Some(Slot::Adopted(v)) if v.len() >= self.streams)
     }
 }
 
-/// What a rank is to a [`LazyTcp`].
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Peer {
-    /// Not reached over TCP (this rank, a shared-memory peer).
-    Not,
-    /// A TCP peer without a link yet.
-    Pending,
-    /// A TCP peer whose link is made.
-    Made,
+struct Shared {
+    table: Mutex<Table>,
+    /// Signalled when a connection is adopted or the acceptor stops.
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// One rank's TCP links that are not made yet, and what it needs to make them.
 pub(crate) struct LazyTcp {
     me: usize,
-    listener: TcpListener,
+    /// The listener (the acceptor thread polls it; shut down to stop that thread).
+    listener: Arc<TcpListener>,
     /// Every TCP peer, ascending.
     peers: Vec<usize>,
-    /// Where each lower-ranked peer listens, ascending by rank.
-    lower: Vec<(usize, SocketAddr)>,
+    /// Where each TCP peer listens, ascending by rank.
+    addrs: Vec<(usize, SocketAddr)>,
     /// Connections per pair.
     streams: usize,
     secret: [u8; 16],
     tag: u64,
     dead_after: Duration,
-    /// Per rank: whether it is a TCP peer, and whether its link is made.
+    /// Per rank, as the calls see it: `Pending` for a TCP peer whose link no call took yet,
+    /// `Made` once one did, `Not` otherwise (read without a lock on every call).
     state: Vec<Peer>,
     /// How many links are made.
     made: usize,
-    /// Connections from higher peers accepted before a call here needed them, in the order
-    /// they came (a peer's streams stay in the order it dialed them).
-    adopted: Vec<(usize, TcpStream)>,
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+    acceptor: Option<JoinHandle<()>>,
     /// The status agent's counters of every peer's link, made before the link.
     stats: Vec<(usize, Arc<LinkStats>)>,
+}
+
+/// What a rank is to a [`LazyTcp`]'s calls.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Peer {
+    Not,
+    Pending,
+    Made,
 }
 
 impl std::fmt::Debug for LazyTcp {
@@ -96,46 +147,81 @@ impl std::fmt::Debug for LazyTcp {
             .field("me", &self.me)
             .field("peers", &self.peers)
             .field("made", &self.made)
-            .field("adopted", &self.adopted.len())
             .finish_non_exhaustive()
     }
 }
 
 impl LazyTcp {
     /// The state after init's port exchange: `listener` open, `peers` every TCP peer
-    /// (ascending), `lower` where each lower-ranked one listens.
+    /// (ascending), `addrs` where each one listens; starts the acceptor thread.
     pub(crate) fn new(
         me: usize,
         listener: TcpListener,
         peers: &[usize],
-        lower: &[(usize, SocketAddr)],
+        addrs: &[(usize, SocketAddr)],
         streams: usize,
         secret: &[u8; 16],
         dead_after: Duration,
-    ) -> LazyTcp {
-        LazyTcp {
+    ) -> Result<LazyTcp> {
+        let n = peers.iter().max().map_or(0, |m| m + 1).max(me + 1);
+        let mut state = vec![Peer::Not; n];
+        let mut slots: Vec<Slot> = (0..n).map(|_| Slot::Not).collect();
+        for &p in peers {
+            state[p] = Peer::Pending;
+            slots[p] = Slot::Pending;
+        }
+        let streams = streams.max(1);
+        let shared = Arc::new(Shared {
+            table: Mutex::new(Table {
+                me,
+                streams,
+                slots,
+                strangers: None,
+                failed: None,
+            }),
+            changed: Condvar::new(),
+        });
+        let listener = Arc::new(listener);
+        let stop = Arc::new(AtomicBool::new(false));
+        let tag = auth::comm_tag(secret);
+        let keys = accept::Keys {
+            secret: *secret,
+            purpose: Purpose::Data,
+            tag,
+            rank: me,
+        };
+        let acceptor = {
+            let (listener, shared, stop) = (listener.clone(), shared.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name(format!("oxccl-tcp-accept-{me}"))
+                .spawn(move || acceptor(&listener, &shared, &stop, &keys))
+                .map_err(|source| Error::Io {
+                    rank: me,
+                    context: "starting the TCP acceptor thread".into(),
+                    source,
+                })?
+        };
+        let mut addrs = addrs.to_vec();
+        addrs.sort_by_key(|a| a.0);
+        Ok(LazyTcp {
             me,
             listener,
             peers: peers.to_vec(),
-            lower: lower.to_vec(),
-            streams: streams.max(1),
+            addrs,
+            streams,
             secret: *secret,
-            tag: auth::comm_tag(secret),
+            tag,
             dead_after,
-            state: {
-                let mut v = vec![Peer::Not; peers.iter().max().map_or(0, |m| m + 1)];
-                for &p in peers {
-                    v[p] = Peer::Pending;
-                }
-                v
-            },
+            state,
             made: 0,
-            adopted: Vec::new(),
+            shared,
+            stop,
+            acceptor: Some(acceptor),
             stats: peers
                 .iter()
                 .map(|&p| (p, Arc::new(LinkStats::default())))
                 .collect(),
-        }
+        })
     }
 
     /// Every TCP peer, ascending.
@@ -172,26 +258,13 @@ impl LazyTcp {
         v
     }
 
-    fn adopted_from(&self, peer: usize) -> usize {
-        self.adopted.iter().filter(|(r, _)| *r == peer).count()
-    }
-
-    /// What this rank answers a connection that authenticated as `from`: adopted when it is
-    /// a higher TCP peer whose link is not made and that has not dialed all its streams yet.
-    pub(crate) fn verdict(&self, from: usize) -> Verdict {
-        if from <= self.me || !self.covers(from) {
-            Verdict::UnexpectedRank
-        } else if !self.pending(from) || self.adopted_from(from) >= self.streams {
-            Verdict::DuplicateRank
-        } else {
-            Verdict::Accepted
-        }
-    }
-
     /// Makes the links to the peers of `need` that are TCP peers without one (call `call`,
-    /// number `seq`, on this rank): dials the lower ones, waits for the higher ones to dial,
-    /// until `deadline`, or until `stop` returns an error (returned as is: the communicator
-    /// failed). Returns the new links, counted for the status agent, ascending by peer.
+    /// number `seq`, on this rank): dials those no connection came from yet, one after the
+    /// other, and waits for the others' connections (dialed by the peer, adopted by the
+    /// acceptor), until `deadline`, or until `stop` returns an error (returned as is: the
+    /// communicator failed). Returns the new links, counted for the status agent, ascending
+    /// by peer: those of `need`, and any other peer's whose connections the acceptor holds
+    /// complete (so that the listener closes once every link is made).
     pub(crate) fn connect(
         &mut self,
         need: &[usize],
@@ -206,83 +279,110 @@ impl LazyTcp {
         }
         let start = Instant::now();
         let me = self.me;
-        let dials: Vec<(usize, SocketAddr)> = need
-            .iter()
-            .filter(|&&r| role(me, r) == Role::Dial)
-            .filter_map(|r| {
-                self.lower
-                    .binary_search_by_key(r, |l| l.0)
-                    .ok()
-                    .map(|i| self.lower[i])
-            })
-            .collect();
-        let awaited: Vec<usize> = need
-            .iter()
-            .copied()
-            .filter(|&r| role(me, r) == Role::Accept)
-            .collect();
-        if dials.len() + awaited.len() != need.len() {
-            return Err(Error::Aborted {
-                rank: me,
-                msg: format!("internal error in {call} (call #{seq}): no address for a lower TCP peer among {need:?}"),
-            });
-        }
-        // Set by whichever side fails first, to stop the other; `dial_first`: the dialer did.
-        let (cancel, dial_first) = (AtomicBool::new(false), AtomicBool::new(false));
-        let (secret, tag, streams) = (self.secret, self.tag, self.streams);
-        let timeout = deadline.saturating_duration_since(start);
-        let (dialed, accepted) = std::thread::scope(|scope| {
-            let dialer = (!dials.is_empty()).then(|| {
-                let (dials, cancel, dial_first) = (&dials, &cancel, &dial_first);
-                scope.spawn(move || {
-                    let halt = || cancel.load(Ordering::SeqCst) || stop().is_some();
-                    let r = dial_each(me, dials, streams, &secret, tag, deadline, &halt, call, seq);
-                    if r.is_err() && !cancel.swap(true, Ordering::SeqCst) {
-                        dial_first.store(true, Ordering::SeqCst);
+        let mut conns: Vec<(usize, TcpStream)> = Vec::new();
+        // The peers whose connections this call waits for (they dial, or dialed).
+        let mut awaited = Vec::new();
+        for &p in &need {
+            {
+                let mut t = self.shared.lock();
+                match t.slots[p] {
+                    Slot::Pending => t.slots[p] = Slot::Dialing,
+                    _ => {
+                        awaited.push(p);
+                        continue;
                     }
-                    r
-                })
-            });
-            let accepted = if awaited.iter().any(|&r| self.adopted_from(r) < streams) {
-                self.accept(&awaited, deadline, &cancel, stop, call, seq, start)
-            } else {
-                Ok(())
-            };
-            if accepted.is_err() {
-                cancel.store(true, Ordering::SeqCst);
+                }
             }
-            let dialed = match dialer {
-                Some(h) => h.join().unwrap_or_else(|_| {
-                    Err(Error::Aborted {
-                        rank: me,
-                        msg: format!("{call} (call #{seq}): the TCP dial thread panicked"),
-                    })
+            // A dial also ends once the peer's own connection arrived (crossed dials: the
+            // peer may have finished and closed its listener before this dial came).
+            let shared = &self.shared;
+            let halt = || stop().is_some() || matches!(shared.lock().slots[p], Slot::Adopted(_));
+            let dialed = match self.addrs.binary_search_by_key(&p, |a| a.0) {
+                Ok(i) => self.dial(self.addrs[i], deadline, &halt, call, seq),
+                Err(_) => Err(Error::Aborted {
+                    rank: me,
+                    msg: format!(
+                        "internal error in {call} (call #{seq}): no address for TCP peer {p}"
+                    ),
                 }),
-                None => Ok(Vec::new()),
             };
-            (dialed, accepted)
-        });
-        if dialed.is_err() || accepted.is_err() {
-            // The communicator failed meanwhile (a peer lost): that is the cause.
+            let mut t = self.shared.lock();
+            match dialed {
+                Ok(streams) if matches!(t.slots[p], Slot::Dialing) => {
+                    t.slots[p] = Slot::Made;
+                    conns.extend(streams.into_iter().map(|s| (p, s)));
+                }
+                Ok(_) => {
+                    return Err(Error::Aborted {
+                        rank: me,
+                        msg: format!("internal error in {call} (call #{seq}): rank {p} dialed this rank while its own connection to rank {p} was accepted"),
+                    })
+                }
+                // The peer dials this rank at the same time, and its connection makes the
+                // link (it is the higher rank): wait for the acceptor to adopt it.
+                Err(e) if auth::is_crossed(&e) || matches!(t.slots[p], Slot::Adopted(_)) => {
+                    awaited.push(p)
+                }
+                Err(e) => {
+                    if matches!(t.slots[p], Slot::Dialing) {
+                        t.slots[p] = Slot::Pending;
+                    }
+                    drop(t);
+                    // The communicator failed meanwhile (a peer lost): that is the cause.
+                    return Err(stop().unwrap_or(e));
+                }
+            }
+        }
+        let mut t = self.shared.lock();
+        loop {
+            let waiting: Vec<usize> = awaited.iter().copied().filter(|&p| !t.ready(p)).collect();
+            if waiting.is_empty() {
+                break;
+            }
+            drop(t);
             if let Some(e) = stop() {
                 return Err(e);
             }
+            t = self.shared.lock();
+            let now = Instant::now();
+            if now >= deadline || t.failed.is_some() {
+                let why = match (&t.failed, &t.strangers) {
+                    (Some(f), _) => format!("this rank's TCP acceptor stopped: {f}"),
+                    (None, Some(s)) => format!("no connection arrived; {s}"),
+                    (None, None) => "no connection arrived".into(),
+                };
+                return Err(Error::Connect {
+                    rank: me,
+                    peer: waiting[0],
+                    addr: self
+                        .listener
+                        .local_addr()
+                        .map_or_else(|_| "?".into(), |a| a.to_string()),
+                    timeout: start.elapsed(),
+                    reason: format!(
+                        "{call} (call #{seq}) needs the TCP link with rank(s) {} (made on first use), which dial(s) this rank: {why}",
+                        crate::base::error::rank_list(&waiting)
+                    ),
+                });
+            }
+            let wait = deadline.saturating_duration_since(now).min(WAIT_TICK);
+            t = self
+                .shared
+                .changed
+                .wait_timeout(t, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
-        // The side that failed first has the cause; the other was stopped.
-        let mut conns = match (dialed, accepted) {
-            (Ok(c), Ok(())) => c,
-            (Err(e), _) if dial_first.load(Ordering::SeqCst) => return Err(e),
-            (_, Err(e)) | (Err(e), Ok(())) => return Err(e),
-        };
-        let mut kept = Vec::with_capacity(self.adopted.len());
-        for (r, s) in std::mem::take(&mut self.adopted) {
-            if awaited.contains(&r) {
-                conns.push((r, s));
-            } else {
-                kept.push((r, s));
+        // Every complete adoption, needed now or not.
+        let streams = self.streams;
+        for (p, slot) in t.slots.iter_mut().enumerate() {
+            if matches!(slot, Slot::Adopted(v) if v.len() >= streams) {
+                if let Slot::Adopted(v) = std::mem::replace(slot, Slot::Made) {
+                    conns.extend(v.into_iter().map(|s| (p, s)));
+                }
             }
         }
-        self.adopted = kept;
+        drop(t);
         // Stable: each peer's connections stay in the order they were made.
         conns.sort_by_key(|(r, _)| *r);
         let links = super::into_links(me, conns, self.dead_after)?;
@@ -306,197 +406,115 @@ impl LazyTcp {
             seq,
             peers = ?need,
             us = start.elapsed().as_micros() as u64,
-            timeout_ms = timeout.as_millis() as u64,
             "TCP links made on first use"
         );
         Ok(out)
     }
 
-    /// Accepts until every peer of `awaited` has dialed all its streams (adopting any other
-    /// higher peer that dials meanwhile).
-    #[allow(clippy::too_many_arguments)]
-    fn accept(
-        &mut self,
-        awaited: &[usize],
+    /// Dials `peer` (`streams` connections, in turn) until `deadline` or `halt`.
+    fn dial(
+        &self,
+        peer: (usize, SocketAddr),
         deadline: Instant,
-        cancel: &AtomicBool,
-        stop: &(dyn Fn() -> Option<Error> + Sync),
+        halt: &dyn Fn() -> bool,
         call: &'static str,
         seq: u64,
-        start: Instant,
-    ) -> Result<()> {
-        let keys = accept::Keys {
-            secret: self.secret,
-            purpose: Purpose::Data,
-            tag: self.tag,
-            rank: self.me,
-        };
-        // The listener moves out for the loop: `Adopter` holds the rest of the state.
-        let listener = self.listener.try_clone().map_err(|source| Error::Io {
-            rank: self.me,
-            context: format!("{call} (call #{seq}): the TCP listener"),
-            source,
-        })?;
-        let mut adopter = Adopter {
-            lazy: self,
-            awaited,
-            stop,
-        };
-        let res = accept::accept_loop(&listener, deadline, cancel, &keys, &mut adopter);
-        let me = self.me;
-        match res {
-            Ok(r) => r,
-            Err(AcceptStop::Deadline(strangers)) => {
-                let waiting_on: Vec<usize> = awaited
-                    .iter()
-                    .copied()
-                    .filter(|&r| self.adopted_from(r) < self.streams)
-                    .collect();
-                let extra = strangers
-                    .summary()
-                    .map_or(String::new(), |s| format!("; {s}"));
-                Err(Error::Connect {
-                    rank: me,
-                    peer: waiting_on.first().copied().unwrap_or(me),
-                    addr: listener
-                        .local_addr()
-                        .map_or_else(|_| "?".into(), |a| a.to_string()),
-                    timeout: start.elapsed(),
-                    reason: format!(
-                        "{call} (call #{seq}) needs the TCP link from rank(s) {} (made on first use, the higher rank dials), and no connection arrived{extra}",
-                        crate::base::error::rank_list(&waiting_on)
-                    ),
-                })
-            }
-            Err(AcceptStop::Io(source)) => Err(Error::Io {
-                rank: me,
-                context: format!("{call} (call #{seq}): accepting TCP connections"),
-                source,
-            }),
+    ) -> Result<Vec<TcpStream>> {
+        let got = dial_all(
+            self.me,
+            std::slice::from_ref(&peer),
+            self.streams,
+            &self.secret,
+            self.tag,
+            deadline,
+            halt,
+            call,
+            seq,
+        )?;
+        Ok(got.into_iter().map(|(_, s)| s).collect())
+    }
+}
+
+impl Drop for LazyTcp {
+    /// Stops the acceptor (shutting the listener down wakes its poll at once) and joins it;
+    /// connections adopted and not taken close with the table.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = socket2::SockRef::from(&*self.listener).shutdown(std::net::Shutdown::Read);
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
         }
     }
 }
 
-/// The acceptor's side of [`LazyTcp::accept`].
+/// The acceptor thread: adopts authenticated connections into `shared` until `stop`.
+fn acceptor(listener: &TcpListener, shared: &Shared, stop: &AtomicBool, keys: &accept::Keys) {
+    let mut adopter = Adopter { shared };
+    let res = accept::accept_loop(listener, Instant::now() + FOREVER, stop, keys, &mut adopter);
+    if stop.load(Ordering::SeqCst) {
+        return;
+    }
+    let why = match res {
+        Ok(Ok(())) => "it ended".to_string(),
+        Ok(Err(e)) => e.to_string(),
+        Err(accept::AcceptStop::Deadline(_)) => "it ran out of time".to_string(),
+        Err(accept::AcceptStop::Io(e)) => format!("accepting TCP connections: {e}"),
+    };
+    tracing::warn!("rank {}: the TCP acceptor stopped: {why}", keys.rank);
+    shared.lock().failed = Some(why);
+    shared.changed.notify_all();
+}
+
+/// The acceptor thread's side of [`accept::accept_loop`].
 struct Adopter<'a> {
-    lazy: &'a mut LazyTcp,
-    awaited: &'a [usize],
-    stop: &'a (dyn Fn() -> Option<Error> + Sync),
+    shared: &'a Shared,
 }
 
 impl Admit for Adopter<'_> {
     fn admit(&mut self, hello: Hello, stream: TcpStream, from: SocketAddr) -> Result<bool> {
-        let lazy = &mut *self.lazy;
-        let verdict = lazy.verdict(hello.rank);
+        let mut t = self.shared.lock();
+        let verdict = t.verdict(hello.rank);
+        // One byte into a fresh socket's empty send buffer: it does not block.
         let sent = auth::send_verdict(
             &mut Deadlined::new(&stream, Instant::now() + auth::HANDSHAKE_TIMEOUT),
             verdict,
         );
         match (verdict, sent) {
-            (Verdict::Accepted, Ok(())) => lazy.adopted.push((hello.rank, stream)),
+            (Verdict::Accepted, Ok(())) => {
+                match &mut t.slots[hello.rank] {
+                    Slot::Adopted(v) => v.push(stream),
+                    slot => *slot = Slot::Adopted(vec![stream]),
+                }
+                drop(t);
+                self.shared.changed.notify_all();
+            }
             (Verdict::Accepted, Err(e)) => tracing::debug!(
                 "rank {}: lost rank {} at {from} after its handshake: {e}",
-                lazy.me,
+                t.me,
+                hello.rank
+            ),
+            (Verdict::Crossed, _) => tracing::debug!(
+                "rank {}: rank {} dialed while this rank dials it: this rank's connection makes the link",
+                t.me,
                 hello.rank
             ),
             (v, _) => {
                 tracing::warn!(
                     "rank {}: refused a data connection from {from} claiming rank {}: {v:?}",
-                    lazy.me,
+                    t.me,
                     hello.rank
                 );
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             }
         }
-        Ok(self
-            .awaited
-            .iter()
-            .all(|&r| lazy.adopted_from(r) >= lazy.streams))
+        Ok(false)
     }
 
-    fn tick(&mut self, _strangers: &Strangers) -> Result<()> {
-        match (self.stop)() {
-            Some(e) => Err(e),
-            None => Ok(()),
+    fn tick(&mut self, strangers: &Strangers) -> Result<()> {
+        if let Some(s) = strangers.summary() {
+            self.shared.lock().strangers = Some(s);
         }
-    }
-}
-
-/// Dials the peers of `dials` at once, one thread each (a receive from any source dials
-/// every lower peer, and each handshake waits until that peer accepts: in turn, a peer that
-/// comes late would hold up the others); see [`dial_all`].
-#[allow(clippy::too_many_arguments)]
-fn dial_each(
-    me: usize,
-    dials: &[(usize, SocketAddr)],
-    streams: usize,
-    secret: &[u8; 16],
-    tag: u64,
-    deadline: Instant,
-    halt: &(dyn Fn() -> bool + Sync),
-    call: &'static str,
-    seq: u64,
-) -> Result<Vec<(usize, TcpStream)>> {
-    if dials.len() <= 1 {
-        return dial_all(me, dials, streams, secret, tag, deadline, halt, call, seq);
-    }
-    // The index of the first dial to fail (its error is the cause; the others were stopped).
-    let first = AtomicUsize::new(usize::MAX);
-    let results: Vec<Result<Vec<(usize, TcpStream)>>> = std::thread::scope(|scope| {
-        let hs: Vec<_> = dials
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let first = &first;
-                scope.spawn(move || {
-                    let halt = || first.load(Ordering::SeqCst) != usize::MAX || halt();
-                    let r = dial_all(
-                        me,
-                        std::slice::from_ref(d),
-                        streams,
-                        secret,
-                        tag,
-                        deadline,
-                        &halt,
-                        call,
-                        seq,
-                    );
-                    if r.is_err() {
-                        let _ = first.compare_exchange(
-                            usize::MAX,
-                            i,
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        );
-                    }
-                    r
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::Aborted {
-                        rank: me,
-                        msg: format!("{call} (call #{seq}): a TCP dial thread panicked"),
-                    })
-                })
-            })
-            .collect()
-    });
-    let first = first.load(Ordering::SeqCst);
-    let mut out = Vec::with_capacity(dials.len() * streams);
-    let mut cause = None;
-    for (i, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(c) => out.extend(c),
-            Err(e) if i == first || cause.is_none() => cause = Some(e),
-            Err(_) => {}
-        }
-    }
-    match cause {
-        Some(e) => Err(e),
-        None => Ok(out),
+        Ok(())
     }
 }
 
@@ -520,7 +538,8 @@ fn dial_all(
         secret,
         tag,
         deadline,
-        // Its listener is open from init on: refused means it is gone.
+        // Its listener is open from init until every link of that rank is made, this one
+        // included: refused means it is gone.
         refused_limit: Some(GONE_AFTER),
         stop: Some(halt),
     };

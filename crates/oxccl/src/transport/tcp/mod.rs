@@ -1,8 +1,9 @@
 //! TCP transport.
 //!
-//! [`setup`] builds one authenticated TCP connection per pair of ranks that need one (the
-//! higher rank connects to the lower), at once or, under `OXCCL_TCP_CONNECT=lazy`, when a
-//! call first needs it ([`lazy`]); [`TcpLink`] drives it as a non-blocking [`Link`].
+//! [`setup`] builds one authenticated TCP connection per pair of ranks that need one, at
+//! once (the higher rank connects to the lower) or, under `OXCCL_TCP_CONNECT=lazy`, when a
+//! call first needs it (the end that needs it first connects: [`lazy`]); [`TcpLink`] drives
+//! it as a non-blocking [`Link`].
 
 pub(crate) mod lazy;
 pub(crate) mod striped;
@@ -444,15 +445,16 @@ pub(crate) fn setup(
     let ports = exchange_ports(ex, peers, cfg)?;
     if ports.lazy {
         if let Some(listener) = ports.listener {
-            return Ok(Setup::Later(lazy::LazyTcp::new(
+            return lazy::LazyTcp::new(
                 ports.me,
                 listener,
                 &ports.ranks,
-                &ports.lower,
+                &ports.addrs,
                 ports.streams,
                 secret,
                 cfg.tcp_dead_after,
-            )));
+            )
+            .map(Setup::Later);
         }
     }
     connect_eager(ports, secret, cfg, start).map(Setup::Now)
@@ -465,8 +467,11 @@ struct Ports {
     listener: Option<TcpListener>,
     /// Every TCP peer, ascending.
     ranks: Vec<usize>,
-    /// The lower-ranked peers (this rank dials them) and where they listen.
+    /// The lower-ranked peers (this rank dials them at init) and where they listen.
     lower: Vec<(usize, SocketAddr)>,
+    /// Where every TCP peer that listens listens, ascending by rank (links made on first
+    /// use are dialed by whichever end needs one first).
+    addrs: Vec<(usize, SocketAddr)>,
     /// Connections per pair.
     streams: usize,
     /// Rank 0 asked for connect on first use.
@@ -530,7 +535,7 @@ fn exchange_ports(ex: &mut dyn Exchange, peers: &[(usize, IpAddr)], cfg: &Config
             msg: format!("exchange returned {} entries for {n} ranks", all.len()),
         });
     }
-    let mut lower = Vec::new();
+    let (mut lower, mut addrs) = (Vec::new(), Vec::new());
     for &r in &ranks {
         let proto = |msg: String| Error::Protocol {
             rank: me,
@@ -555,6 +560,9 @@ fn exchange_ports(ex: &mut dyn Exchange, peers: &[(usize, IpAddr)], cfg: &Config
         }
         if r < me {
             lower.push((r, addr.ok_or_else(|| proto("no listen address".into()))?));
+        }
+        if let Some(a) = addr {
+            addrs.push((r, a));
         }
     }
     for (r, blob) in all.iter().enumerate() {
@@ -582,6 +590,7 @@ fn exchange_ports(ex: &mut dyn Exchange, peers: &[(usize, IpAddr)], cfg: &Config
         listener,
         ranks,
         lower,
+        addrs,
         streams,
         lazy,
     })
