@@ -63,6 +63,50 @@ def launch(n, worker=None, script=None, args=(), env=None, timeout=240, expect_o
     return results
 
 
+def signal_one(n, argv, env, victim, sig, after_ready_s, timeout):
+    """Starts `n` ranks of `argv` (each prints "ready" once past its set-up), sends `sig` to
+    rank `victim` `after_ready_s` seconds after every rank is ready, and returns, for every
+    other rank, `(rank, returncode, output, seconds from the signal to its exit)`. The victim
+    is continued and killed at the end."""
+    import signal as _signal
+
+    port = free_port()
+    secret = os.urandom(16).hex()
+    procs = []
+    for r in range(n):
+        e = dict(os.environ)
+        e.update(
+            RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OXCCL_SECRET=secret,
+            OXCCL_HEARTBEAT_TIMEOUT="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        )
+        e.update(env)
+        procs.append(subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO))
+    got = []
+    try:
+        deadline = time.monotonic() + 240
+        for r, p in enumerate(procs):
+            while True:
+                line = p.stdout.readline()
+                assert line and time.monotonic() < deadline, f"rank {r} ended before it was ready"
+                if line.strip() == "ready":
+                    break
+        time.sleep(after_ready_s)
+        os.kill(procs[victim].pid, sig)
+        signalled = time.monotonic()
+        for r, p in enumerate(procs):
+            if r != victim:
+                out, _ = p.communicate(timeout=timeout)
+                got.append((r, p.returncode, out, time.monotonic() - signalled))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, _signal.SIGCONT)
+                p.kill()
+            p.communicate()
+    return got
+
+
 @pytest.fixture
 def ranks():
     return launch

@@ -3,16 +3,13 @@ init is watched by the default group's communicator (`Communicator::init_watched
 survivors raise within seconds, naming the stopped rank, instead of after OXCCL_TIMEOUT.
 Both torch backends (C++ and Python), 3 ranks."""
 
-import os
 import re
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import signal_one
 
 torch = pytest.importorskip("torch")
 
@@ -43,45 +40,13 @@ _BLAME = r"(lost peer rank {v}\b|cannot connect to rank {v}\b|rank {v} failed: |
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
 def test_rank_stopped_while_groups_are_made_is_named_within_seconds(backend):
-    n, victim, timeout = 3, 1, 60
-    port = free_port()
-    secret = os.urandom(16).hex()
-    procs = []
-    for r in range(n):
-        e = dict(os.environ)
-        e.update(
-            RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OXCCL_SECRET=secret,
-            OXCCL_TIMEOUT=str(timeout), OXCCL_HEARTBEAT_TIMEOUT="1", OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1", OXCCL_TORCH_BACKEND=backend,
-        )
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=REPO))
-    try:
-        deadline = time.monotonic() + 240
-        for r, p in enumerate(procs):
-            while True:
-                line = p.stdout.readline()
-                assert line and time.monotonic() < deadline, f"rank {r} ended before its loop"
-                if line.strip() == "ready":
-                    break
-        time.sleep(0.5)  # most of a loop turn is the new group's init
-        os.kill(procs[victim].pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        for r, p in enumerate(procs):
-            if r == victim:
-                continue
-            out, _ = p.communicate(timeout=timeout + 30)
-            took = time.monotonic() - stopped
-            assert p.returncode == 0, f"rank {r} rc {p.returncode}: {out}"
-            m = re.search(r"raised (\w+) after ([0-9.]+) s: (.*)", out)
-            assert m and m.group(1) in ("PeerLostError", "AbortedError"), f"rank {r}: {out}"
-            assert re.search(_BLAME.format(v=victim), m.group(3)), f"rank {r} does not name rank {victim}: {out}"
-            # The heartbeat timeout is 1 s; before the watch, the init waited OXCCL_TIMEOUT.
-            assert took < 15, f"rank {r} raised only after {took:.1f} s: {out}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-            p.communicate()
+    victim, timeout = 1, 60
+    env = {"OXCCL_TIMEOUT": str(timeout), "OXCCL_TORCH_BACKEND": backend}
+    # 0.5 s: most of a loop turn is the new group's init
+    for r, rc, out, took in signal_one(3, [sys.executable, "-c", _WORKER], env, victim, signal.SIGSTOP, 0.5, timeout + 30):
+        assert rc == 0, f"rank {r} rc {rc}: {out}"
+        m = re.search(r"raised (\w+) after ([0-9.]+) s: (.*)", out)
+        assert m and m.group(1) in ("PeerLostError", "AbortedError"), f"rank {r}: {out}"
+        assert re.search(_BLAME.format(v=victim), m.group(3)), f"rank {r} does not name rank {victim}: {out}"
+        # The heartbeat timeout is 1 s; before the watch, the init waited OXCCL_TIMEOUT.
+        assert took < 15, f"rank {r} raised only after {took:.1f} s: {out}"

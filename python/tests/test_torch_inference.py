@@ -7,13 +7,11 @@ Python backend alone (2 ranks)."""
 import os
 import re
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import HERE, REPO, free_port, launch
+from conftest import HERE, launch, signal_one
 
 torch = pytest.importorskip("torch")
 
@@ -74,44 +72,12 @@ def test_killed_or_stopped_peer_raises_naming_it(sig, numel):
     """3 ranks loop checked inference_all_reduce calls (4 KiB: one-shot; 4 MiB: single-copy);
     rank 1 is SIGKILLed or SIGSTOPped mid-loop: ranks 0 and 2 must raise an oxccl error naming
     rank 1 within seconds (a stopped rank through the watchdog's heartbeats)."""
-    n, victim, timeout = 3, 1, 10
-    port = free_port()
-    secret = os.urandom(16).hex()
-    procs = []
-    for r in range(n):
-        e = dict(os.environ)
-        e.update(
-            RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OXCCL_SECRET=secret,
-            OXCCL_TIMEOUT=str(timeout), OXCCL_HEARTBEAT_TIMEOUT="1", OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1", INFER_KILL_NUMEL=str(numel),
-        )
-        procs.append(subprocess.Popen([sys.executable, WORKER, "killed"], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=REPO))
-    try:
-        deadline = time.monotonic() + 240
-        for r, p in enumerate(procs):  # every rank past its first call
-            while True:
-                line = p.stdout.readline()
-                assert line and time.monotonic() < deadline, f"rank {r} ended before its first call"
-                if line.strip() == "ready":
-                    break
-        time.sleep(0.02)
-        os.kill(procs[victim].pid, sig)
-        killed = time.monotonic()
-        for r, p in enumerate(procs):
-            if r == victim:
-                continue
-            out, _ = p.communicate(timeout=timeout + 30)
-            took = time.monotonic() - killed
-            assert p.returncode == 0, f"rank {r} rc {p.returncode}: {out}"
-            m = re.search(r"raised (\w+) after ([0-9.]+) s: (.*)", out)
-            # PeerLostError, or AbortedError where another rank's word of the loss came first
-            assert m and m.group(1) in ("PeerLostError", "AbortedError"), f"rank {r}: {out}"
-            assert re.search(_BLAME.format(v=victim), m.group(3)), f"rank {r} does not name rank {victim}: {out}"
-            assert took < 8, f"rank {r} raised only after {took:.1f} s: {out}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+    victim, timeout = 1, 10
+    env = {"OXCCL_TIMEOUT": str(timeout), "INFER_KILL_NUMEL": str(numel)}
+    for r, rc, out, took in signal_one(3, [sys.executable, WORKER, "killed"], env, victim, sig, 0.02, timeout + 30):
+        assert rc == 0, f"rank {r} rc {rc}: {out}"
+        m = re.search(r"raised (\w+) after ([0-9.]+) s: (.*)", out)
+        # PeerLostError, or AbortedError where another rank's word of the loss came first
+        assert m and m.group(1) in ("PeerLostError", "AbortedError"), f"rank {r}: {out}"
+        assert re.search(_BLAME.format(v=victim), m.group(3)), f"rank {r} does not name rank {victim}: {out}"
+        assert took < 8, f"rank {r} raised only after {took:.1f} s: {out}"
