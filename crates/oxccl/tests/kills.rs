@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
-use proc_common::{free_port, output_by};
+use proc_common::{child_ends, files_of, free_port, output_by, Rng};
 
 /// How long a child loops its calls at most.
 const CHILD_LOOP: Duration = Duration::from_secs(60);
@@ -85,13 +85,7 @@ fn kill_child() {
         }
         Ok(())
     };
-    match run() {
-        Ok(()) => println!("CHILD OK"),
-        Err(e) => {
-            eprintln!("CHILD_ERR {e}");
-            std::process::exit(1);
-        }
-    }
+    child_ends(run());
 }
 
 /// One case: `n` ranks running `mode` (`call` or `split`) with `bytes` per call and `env`.
@@ -180,17 +174,6 @@ const CASES: &[Case] = &[
     },
 ];
 
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 /// A seed that differs from run to run (and is never 0, which xorshift keeps).
 fn seed() -> u64 {
     let t = std::time::SystemTime::now()
@@ -198,17 +181,6 @@ fn seed() -> u64 {
         .unwrap()
         .as_nanos() as u64;
     (t ^ (std::process::id() as u64) << 32).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
-}
-
-/// Files of communicator `tag` in /dev/shm.
-fn files_of(tag: u64) -> Vec<String> {
-    let prefix = format!("oxccl-{tag:016x}");
-    std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix))
-        .collect()
 }
 
 fn signal(k: &Child, sig: &str) -> bool {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use oxccl::Communicator;
 
 mod proc_common;
-use proc_common::{free_port, output_by};
+use proc_common::{child_ends, files_of, free_port, output_by, Rng};
 
 #[test]
 #[ignore = "a rank of the other tests, run by them"]
@@ -25,17 +25,6 @@ fn startup_child() {
         .unwrap();
     assert_eq!(v[0], comm.world_size() as f32);
     println!("CHILD {} OK", comm.rank());
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
 }
 
 fn spawn_ranks(n: usize, secret: &str, port: u16) -> Vec<Child> {
@@ -57,17 +46,6 @@ fn spawn_ranks(n: usize, secret: &str, port: u16) -> Vec<Child> {
                 .spawn()
                 .unwrap()
         })
-        .collect()
-}
-
-/// Files of communicator `tag` in /dev/shm.
-fn files_of(tag: u64) -> Vec<String> {
-    let prefix = format!("oxccl-{tag:016x}");
-    std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix))
         .collect()
 }
 
@@ -136,13 +114,7 @@ fn blame_child() {
         }
         Ok(())
     };
-    match run() {
-        Ok(()) => println!("CHILD OK"),
-        Err(e) => {
-            eprintln!("CHILD_ERR {e}");
-            std::process::exit(1);
-        }
-    }
+    child_ends(run());
 }
 
 /// Microseconds since the Unix epoch (comparable between processes).

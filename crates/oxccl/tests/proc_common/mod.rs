@@ -49,3 +49,39 @@ pub fn threads<T: Send>(
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// A xorshift generator: random delays and choices for the kill tests.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// A number below `n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Files of communicator `tag` in /dev/shm.
+pub fn files_of(tag: u64) -> Vec<String> {
+    let prefix = format!("oxccl-{tag:016x}");
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&prefix))
+        .collect()
+}
+
+/// How a child rank ends: `CHILD OK` on stdout, or `CHILD_ERR` and the error on stderr and
+/// exit status 1 (what the kill tests read).
+pub fn child_ends<E: std::fmt::Display>(r: Result<(), E>) {
+    match r {
+        Ok(()) => println!("CHILD OK"),
+        Err(e) => {
+            eprintln!("CHILD_ERR {e}");
+            std::process::exit(1);
+        }
+    }
+}
