@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 # Disk: a clean run needs about 10 GB (the Rust build ~3 GB, torch from PyPI with its CUDA
 # libraries ~6 GB installed). No incremental build artefacts (a clean clone never reuses them).
 export CARGO_INCREMENTAL=0
+# The tests' choices of algorithm are the built-in ones, not those `oxccl tune` saved on this
+# machine (~/.cache/oxccl/tune.conf): a tune run under load once set cma_min past every
+# size and processes.rs's shared-buffer tests failed. Tests of the tune file set their own.
+export OXCCL_TUNE_FILE=
 free_gb() { df -Pk . | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
 echo "== disk: $(free_gb) GB free on $(df -P . | awk 'NR==2 {print $6}')"
 
