@@ -320,17 +320,11 @@ impl Bootstrap {
                 .is_some();
             match s.peek(&mut [0u8; 1]) {
                 Ok(1) => {}
-                Ok(_) | Err(_) if leader => {
-                    return Err(Error::PeerLost {
-                        rank: self.rank,
-                        peer: r,
-                        call,
-                        seq: self.seq,
-                        reason: format!(
-                            "rank {r}, the rendezvous leader of its host's ranks, closed its connection to rank 0 before the peer table was exchanged: it died or was stopped"
-                        ),
-                    })
-                }
+                Ok(_) | Err(_) if leader => return Err(self.leader_gone(
+                    r,
+                    call,
+                    "the rendezvous leader of its host's ranks, closed its connection to rank 0",
+                )),
                 _ => continue,
             }
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
@@ -361,15 +355,11 @@ impl Bootstrap {
         for (r, s) in crate::net::readable_now(&local) {
             match super::host::peek1(s) {
                 Ok(0) if Some(r) == leader => {
-                    return Err(Error::PeerLost {
-                        rank: self.rank,
-                        peer: r,
+                    return Err(self.leader_gone(
+                        r,
                         call,
-                        seq: self.seq,
-                        reason: format!(
-                            "rank {r}, this host's leader for the rendezvous, closed its connection before the peer table was exchanged: it died or was stopped"
-                        ),
-                    })
+                        "this host's leader for the rendezvous, closed its connection",
+                    ))
                 }
                 Ok(1) => {}
                 _ => continue,
@@ -388,6 +378,20 @@ impl Bootstrap {
             return Err(self.report_read(r, f, call));
         }
         Ok(())
+    }
+
+    /// Host leader `r` (`who`: which, and whose connection closed) went away before the peer
+    /// table was exchanged.
+    fn leader_gone(&self, r: usize, call: &'static str, who: &str) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            peer: r,
+            call,
+            seq: self.seq,
+            reason: format!(
+                "rank {r}, {who} before the peer table was exchanged: it died or was stopped"
+            ),
+        }
     }
 
     /// The error for what [`watch`](Self::watch) read from rank `r`'s connection.
