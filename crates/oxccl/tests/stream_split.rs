@@ -160,6 +160,41 @@ fn a_waiter_runs_a_call_not_yet_started_in_order() {
     });
 }
 
+/// Queuing does not wake the stream thread (a waiter may run the call itself), yet a call
+/// nobody waits for runs on its own: while the stream thread naps between looks, and after it
+/// has slept for good (idle past `WORKER_IDLE`), when the next call wakes it.
+#[test]
+fn calls_nobody_waits_for_still_run() {
+    ranks(2, TransportChoice::Shm, |comm| {
+        let me = std::thread::current().id();
+        let on_its_own = |comm: &Arc<Communicator>| {
+            let w = comm.submit(|_| Ok(std::thread::current().id()));
+            let start = std::time::Instant::now();
+            while !w.is_completed() {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "a queued call nobody waited for did not run"
+                );
+                std::thread::yield_now();
+            }
+            assert_ne!(w.wait().unwrap(), me, "ran on the stream thread");
+        };
+        on_its_own(&comm); // the stream thread's first call
+        on_its_own(&comm); // napping
+        std::thread::sleep(Duration::from_millis(200)); // past WORKER_IDLE: asleep for good
+        on_its_own(&comm);
+        // And collectives queued on every rank and waited for late complete in order.
+        let a = comm.all_reduce_async(vec![1u32; 4], ReduceOp::Sum);
+        let b = comm.all_reduce_async(vec![2u32; 4], ReduceOp::Sum);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(a.is_completed() && b.is_completed());
+        assert_eq!(
+            (a.wait().unwrap(), b.wait().unwrap()),
+            (vec![2; 4], vec![4; 4])
+        );
+    });
+}
+
 #[test]
 fn errors_come_back_through_the_handle() {
     ranks(2, TransportChoice::Tcp, |comm| {

@@ -15,10 +15,14 @@
 //!
 //! Where a call runs: on the worker, or on a thread that waits for it. [`Work::wait`] (and a
 //! blocking call's wait for its turn) runs a call that has not started itself when nothing
-//! queued before it is still to run, which spares the hand-over to the worker and back (two
-//! futex wake-ups) in the common "queue, then wait at once"; the worker, woken for a fresh
-//! call, leaves it to such a waiter for `HELP_GRACE` (30 µs) first. Calls still run one at a
-//! time and in order.
+//! queued before it is still to run: that spares the hand-over to the worker and back in the common "queue, then wait at once" (torch's
+//! functional collectives, `async_op=True` then `wait()`). Queuing does not wake the worker:
+//! it takes a call that nobody has taken for [`HELP_GRACE`], checking the queue on a timer
+//! while calls keep coming (every [`HELP_GRACE`] after it has run one, backing off to
+//! [`WORKER_NAP_MAX`]) and sleeping for good only after [`WORKER_IDLE`] without calls, when
+//! the next call queued wakes it. So a call nobody waits for still starts on its own, at most
+//! about [`WORKER_NAP_MAX`] late, and a call waited for at once costs no thread wake-up. Calls
+//! still run one at a time and in order.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -48,9 +52,22 @@ use crate::sched::CollKind;
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// How the worker sleeps, for [`Stream::push`] to know whether to wake it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum WorkerSleep {
+    /// Running a call, looking at the queue, or not started yet.
+    #[default]
+    Awake,
+    /// Asleep until a timeout at most [`WORKER_NAP_MAX`] away: it will see a new call then.
+    Napping,
+    /// Asleep until woken: a new call must wake it.
+    Parked,
+}
+
 #[derive(Default)]
 struct Queue {
-    jobs: VecDeque<Job>,
+    /// Calls not started, each with the moment it was queued.
+    jobs: VecDeque<(Job, Instant)>,
     /// Jobs queued since the communicator was made.
     submitted: u64,
     /// Jobs finished (in order: job k finishes before job k + 1 starts).
@@ -58,8 +75,8 @@ struct Queue {
     /// A job is running: on the worker, or on a thread that waits for it ([`Work::wait`]
     /// runs a job that has not started, when nothing runs before it, itself).
     running: bool,
-    /// The worker sleeps on [`Shared::work`] (push wakes it only then).
-    worker_parked: bool,
+    /// How the worker sleeps on [`Shared::work`] (push wakes it only when it is parked).
+    worker: WorkerSleep,
     /// Threads asleep on [`Shared::progress`].
     progress_waiters: usize,
     /// Set when the communicator is dropped: the worker exits once the queue is empty.
@@ -95,7 +112,7 @@ impl Shared {
         }
         // Jobs are taken in order and `done` counts those finished: with none running, job
         // `done` is at the front.
-        let job = q.jobs.pop_front()?;
+        let (job, _) = q.jobs.pop_front()?;
         q.running = true;
         Some(job)
     }
@@ -113,7 +130,7 @@ impl Shared {
         if q.progress_waiters > 0 {
             self.progress.notify_all();
         }
-        if q.worker_parked && (!q.jobs.is_empty() || q.closed) {
+        if q.worker == WorkerSleep::Parked && q.closed {
             self.work.notify_one();
         }
     }
@@ -166,10 +183,12 @@ impl Stream {
                 msg: "the communicator's stream thread could not be started".into(),
             });
         }
-        q.jobs.push_back(job);
+        q.jobs.push_back((job, Instant::now()));
         let k = q.submitted;
         q.submitted += 1;
-        if q.worker_parked && !q.running {
+        // A napping worker sees the call at its next look; only a parked one needs waking.
+        if q.worker == WorkerSleep::Parked {
+            q.worker = WorkerSleep::Awake;
             shared.work.notify_one();
         }
         Ok((Arc::clone(shared), k))
@@ -189,7 +208,7 @@ impl Stream {
         let target = q.submitted;
         while q.done < target && !(q.closed && q.jobs.is_empty()) {
             if !q.running {
-                if let Some(job) = q.jobs.pop_front() {
+                if let Some((job, _)) = q.jobs.pop_front() {
                     q.running = true;
                     drop(q);
                     shared.run_taken(job);
@@ -225,55 +244,86 @@ impl Drop for Stream {
     }
 }
 
-/// How long the worker, woken for a fresh job, leaves it to a thread that may be about to wait
-/// for it (and then runs it itself, [`Work::run_here`]) before taking it. The common
-/// "queue a small call, wait for it at once" then costs no hand-over to the worker and back
-/// (each a futex wake-up; on a loaded 2-core host 20-40 µs, measured in python/README's
-/// overhead section), while a call nobody waits for yet starts this much later.
-const HELP_GRACE: Duration = Duration::from_micros(30);
+/// How long a queued call is left to a thread that may be about to wait for it (and then runs
+/// it itself, [`Work::run_here`]) before the worker takes it. The common "queue a small call,
+/// wait for it at once" then costs no hand-over to the worker and back (each a futex wake-up
+/// and a thread to schedule: on a 2-core host whose cores run the ranks, 20-30 µs per call,
+/// measured with python/bench/overhead_bench.py), while a call nobody waits for yet starts
+/// this much later, or up to [`WORKER_NAP_MAX`] when the worker has been idle a while.
+pub(crate) const HELP_GRACE: Duration = Duration::from_micros(30);
+
+/// The longest the worker naps between looks at the queue while calls keep coming: its naps
+/// start at [`HELP_GRACE`] after each call it runs and double up to this.
+pub(crate) const WORKER_NAP_MAX: Duration = Duration::from_micros(500);
+
+/// After this long without a call queued the worker sleeps until the next one wakes it.
+pub(crate) const WORKER_IDLE: Duration = Duration::from_millis(50);
+
+/// What the worker does next with the queue as it is (`q` not running a call elsewhere or
+/// not): take the front call, or sleep for at most the returned time (`None`: until woken).
+/// Pure, for the unit tests.
+fn worker_step(
+    front_age: Option<Duration>,
+    running: bool,
+    nap: Duration,
+    idle: Duration,
+) -> Result<(), Option<Duration>> {
+    match front_age {
+        Some(age) if !running && age >= HELP_GRACE => Ok(()),
+        // Look again when its grace ends (or, while a call runs elsewhere, at the nap: that
+        // call's end is the waiter's to follow with the next).
+        Some(age) if !running => Err(Some(HELP_GRACE - age)),
+        _ if idle >= WORKER_IDLE => Err(None),
+        _ => Err(Some(nap)),
+    }
+}
 
 fn worker(shared: Arc<Shared>) {
     RUNNING.with(|r| r.set(Arc::as_ptr(&shared)));
+    let mut nap = HELP_GRACE;
+    let mut last_seen = Instant::now();
     loop {
         let job = {
             let mut q = shared.lock();
-            let mut woke = false;
             loop {
-                if !q.running {
-                    if woke && !q.jobs.is_empty() {
-                        // Woken for a fresh job: give a thread about to wait for it the
-                        // chance to run it itself first (see HELP_GRACE).
-                        woke = false;
-                        let k = q.done;
-                        drop(q);
-                        let start = Instant::now();
-                        loop {
-                            std::thread::yield_now();
-                            if start.elapsed() >= HELP_GRACE {
-                                break;
-                            }
-                            let g = shared.lock();
-                            if g.running || g.done != k {
-                                break;
-                            }
-                        }
-                        q = shared.lock();
-                        continue;
-                    }
-                    if let Some(j) = q.jobs.pop_front() {
+                if q.closed && q.jobs.is_empty() && !q.running {
+                    return;
+                }
+                let now = Instant::now();
+                let front_age = q
+                    .jobs
+                    .front()
+                    .map(|(_, at)| now.saturating_duration_since(*at));
+                if front_age.is_some() {
+                    last_seen = now;
+                }
+                match worker_step(front_age, q.running, nap, now - last_seen) {
+                    Ok(()) => {
+                        let (j, _) = q.jobs.pop_front().expect("front checked");
                         q.running = true;
                         break j;
                     }
-                    if q.closed {
-                        return;
+                    Err(Some(t)) => {
+                        q.worker = WorkerSleep::Napping;
+                        q = shared
+                            .work
+                            .wait_timeout(q, t)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                        if front_age.is_none() {
+                            nap = (nap * 2).min(WORKER_NAP_MAX);
+                        }
+                    }
+                    Err(None) => {
+                        q.worker = WorkerSleep::Parked;
+                        q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                        last_seen = Instant::now();
                     }
                 }
-                q.worker_parked = true;
-                q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
-                q.worker_parked = false;
-                woke = true;
+                q.worker = WorkerSleep::Awake;
             }
         };
+        nap = HELP_GRACE;
         shared.run_taken(job);
         // run_taken restored RUNNING to this stream (it was set on entry).
     }
@@ -666,5 +716,50 @@ impl RawBufs {
                 RawBufs::InPlace { buf, len } => ByteBufs::InPlace(rw(buf, len)),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn the_worker_leaves_a_fresh_call_to_a_waiter_for_the_grace_then_takes_it() {
+        let nap = WORKER_NAP_MAX;
+        // Fresh: sleep out the rest of the grace, never longer.
+        assert_eq!(
+            worker_step(Some(10 * US), false, nap, Duration::ZERO),
+            Err(Some(HELP_GRACE - 10 * US))
+        );
+        // Its grace over: take it, whatever the nap.
+        assert_eq!(
+            worker_step(Some(HELP_GRACE), false, nap, Duration::ZERO),
+            Ok(())
+        );
+        assert_eq!(
+            worker_step(Some(HELP_GRACE * 9), false, HELP_GRACE, Duration::ZERO),
+            Ok(())
+        );
+        // A call running elsewhere (a waiter took it): nap, and never take one behind it.
+        assert_eq!(
+            worker_step(Some(HELP_GRACE * 9), true, nap, Duration::ZERO),
+            Err(Some(nap))
+        );
+    }
+
+    #[test]
+    fn an_idle_worker_naps_then_sleeps_until_woken() {
+        assert_eq!(
+            worker_step(None, false, 60 * US, Duration::ZERO),
+            Err(Some(60 * US))
+        );
+        assert_eq!(
+            worker_step(None, false, 60 * US, WORKER_IDLE / 2),
+            Err(Some(60 * US))
+        );
+        assert_eq!(worker_step(None, false, 60 * US, WORKER_IDLE), Err(None));
+        assert_eq!(worker_step(None, true, 60 * US, WORKER_IDLE), Err(None));
     }
 }
