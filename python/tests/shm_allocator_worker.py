@@ -37,7 +37,7 @@ def main(mode):
     dist.init_process_group("gloo")
     ox = dist.new_group(backend="oxccl")
     r, n = dist.get_rank(), dist.get_world_size()
-    assert ot._shm_allocator_min_bytes() == ((1 << 20) if on else None), ot._shm_allocator_min_bytes()
+    assert ot._shm_allocator_min_bytes() == ((64 << 10) if on else None), ot._shm_allocator_min_bytes()
     assert not in_shm(before)
 
     # Where tensors live: large ones in shared memory, small ones not; resize_ and views.
@@ -50,6 +50,28 @@ def main(mode):
     assert in_shm(s) == on
     x.numpy()[:] = 3.0
     assert bool((x == 3).all())
+
+    # From 64 KiB on (the default threshold), tensors live in shared memory, the small ones
+    # carved from shared slabs: thousands of them take a few file descriptors, not one each
+    # (the process's limit is usually 1024).
+    assert in_shm(torch.empty(16 << 10)) == on and not in_shm(torch.empty((16 << 10) - 1))
+    fds = len(os.listdir("/proc/self/fd"))
+    many = [torch.empty(16 << 10) for _ in range(3000)]  # 3000 x 64 KiB
+    assert all(in_shm(t) == on for t in many[:: 100])
+    grown = len(os.listdir("/proc/self/fd")) - fds
+    assert grown <= 3000 // 64 + 8, f"{grown} file descriptors for 3000 small tensors"
+    del many
+    # Collectives on small shared tensors of every size class against a plain reference
+    # (blocks of one slab side by side: a call must touch only its own).
+    for numel in (16 << 10, (16 << 10) + 1, 25_000, 65_537, 131_072 - 5):
+        t = [torch.full((numel,), float(k + r)) for k in range(3)]
+        for k in range(3):
+            dist.all_reduce(t[k], group=ox)
+        for k in range(3):
+            assert torch.equal(t[k], torch.full((numel,), float(n * k + n * (n - 1) // 2))), (numel, k)
+        g = torch.empty(n * numel)
+        dist.all_gather_into_tensor(g, torch.full((numel,), float(r)), group=ox)
+        assert torch.equal(g, torch.arange(n, dtype=torch.float32).repeat_interleave(numel)), numel
 
     # Collectives on them against a plain reference.
     N = (1 << 20) + 3

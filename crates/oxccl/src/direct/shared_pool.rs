@@ -9,13 +9,22 @@
 //!   a multiple of a sixteenth of the next power of two, so under 12.5% more address space,
 //!   and untouched pages of a memfd take no memory) and hands out a cached block of that
 //!   class if there is one, else a fresh `SharedBuffer` (registered in the process's table).
+//! - Requests up to [`SMALL_MAX`] bytes are carved from slabs instead: a slab is one
+//!   [`SLAB_BYTES`] shared buffer cut into blocks of one power-of-two class, so that many
+//!   small tensors cost one memfd (one file descriptor, one mapping, one peer mapping) per
+//!   slab rather than each their own: a process may hold thousands of tensors of 64 KB-1 MB
+//!   (activations), and a file descriptor each would exhaust `RLIMIT_NOFILE` (1024 by
+//!   default) for the rest of the program. A block's region is its slab
+//!   ([`region_of`](crate::direct::shared_buffer::region_of) finds the buffer that covers an
+//!   address), so peers map a slab once for all its blocks.
 //! - [`SharedPool::free`] puts the block back in the cache. A block allocated again keeps its
 //!   region id, so the peers' mappings of it (cached per id) stay valid: a tensor freed and
 //!   allocated again every step (a temporary, a bucket rebuilt) is mapped by each peer once.
 //! - The cache holds at most a bound of bytes (`OXCCL_SHM_POOL_CACHE`, see
 //!   [`crate::base::param::shm_pool_cache_bytes`]); beyond it the least recently freed blocks
 //!   are unmapped (their memory returns to the system once the peers that mapped them evict
-//!   their mappings too).
+//!   their mappings too). Free blocks of a slab count as cached; a slab is unmapped when none
+//!   of its blocks is live and the cache is over its bound (a slab with a live block stays).
 //!
 //! After `fork` the child holds private copies of the parent's blocks (at the same addresses,
 //! see [`shared_buffer`](crate::direct::shared_buffer)'s fork handler), so neither sees the
@@ -38,14 +47,54 @@ pub struct SharedPool {
     limit: usize,
 }
 
+/// Bytes of one slab (see the [module](self)).
+pub(crate) const SLAB_BYTES: usize = 4 << 20;
+
+/// The largest request served from a slab; larger ones get a shared buffer each.
+pub(crate) const SMALL_MAX: usize = 512 << 10;
+
 struct State {
     /// The process the blocks were made in (a forked child starts afresh).
     pid: u32,
     /// Handed out, by address, with the process that allocated them.
-    live: HashMap<usize, (SharedBuffer, u32)>,
+    live: HashMap<usize, Live>,
     /// Freed and kept, the most recently freed last.
     cached: VecDeque<SharedBuffer>,
+    /// Bytes of `cached` and of the free blocks of this process's slabs.
     cached_bytes: usize,
+    /// Slabs, by base address.
+    slabs: HashMap<usize, Slab>,
+    /// Free blocks of this process's slabs (address, slab), by class (a power of two), the
+    /// most recently freed last.
+    small_free: HashMap<usize, Vec<(usize, usize)>>,
+}
+
+/// A block handed out.
+enum Live {
+    /// A shared buffer of its own, with the process that allocated it.
+    Whole(SharedBuffer, u32),
+    /// A block of the slab at `slab`, of `class` bytes, allocated by process `pid`.
+    Small { slab: usize, class: usize, pid: u32 },
+}
+
+impl Live {
+    fn bytes(&self) -> usize {
+        match self {
+            Live::Whole(b, _) => b.len(),
+            Live::Small { class, .. } => *class,
+        }
+    }
+}
+
+/// One slab: a shared buffer cut into blocks of one class.
+struct Slab {
+    /// The slab's memory, unmapped when the slab is dropped.
+    _buf: SharedBuffer,
+    /// Its blocks handed out.
+    live: usize,
+    /// Made by a parent process (this is a forked child): never handed out nor unmapped here,
+    /// as blocks the parent allocated may still be in use.
+    inherited: bool,
 }
 
 /// What a pool holds: blocks handed out and blocks cached, and their bytes (size classes).
@@ -86,6 +135,8 @@ impl SharedPool {
                 live: HashMap::new(),
                 cached: VecDeque::new(),
                 cached_bytes: 0,
+                slabs: HashMap::new(),
+                small_free: HashMap::new(),
             }),
             limit: cache_bytes,
         }
@@ -106,6 +157,10 @@ impl SharedPool {
             s.pid = me;
             s.cached.clear();
             s.cached_bytes = 0;
+            s.small_free.clear();
+            for slab in s.slabs.values_mut() {
+                slab.inherited = true;
+            }
         }
         s
     }
@@ -116,6 +171,9 @@ impl SharedPool {
     pub fn alloc(&self, bytes: usize) -> Result<NonNull<u8>> {
         let class = size_class(bytes)
             .ok_or_else(|| pool_error(format!("a shared block of {bytes} bytes is too large")))?;
+        if class <= SMALL_MAX {
+            return self.alloc_small(class.next_power_of_two());
+        }
         let mut s = self.lock();
         let reuse = s.cached.iter().rposition(|b| b.len() == class);
         let block = match reuse {
@@ -138,19 +196,94 @@ impl SharedPool {
         };
         let ptr = NonNull::new(block.as_ptr().cast_mut()).expect("a mapping is not null");
         let pid = s.pid;
-        s.live.insert(ptr.as_ptr() as usize, (block, pid));
+        s.live
+            .insert(ptr.as_ptr() as usize, Live::Whole(block, pid));
         Ok(ptr)
+    }
+
+    /// A block of `class` bytes (a power of two up to [`SMALL_MAX`]) from a slab.
+    fn alloc_small(&self, class: usize) -> Result<NonNull<u8>> {
+        let mut s = self.lock();
+        let (addr, slab) = match s.small_free.get_mut(&class).and_then(Vec::pop) {
+            Some(a) => {
+                s.cached_bytes -= class;
+                a
+            }
+            None => {
+                // Not under the lock: creating and mapping a memfd takes system calls.
+                drop(s);
+                let buf = SharedBuffer::new(SLAB_BYTES, 0).map_err(|e| match e {
+                    Error::SharedMemory { msg, .. } => {
+                        pool_error(format!("cannot allocate a {class}-byte block: {msg}"))
+                    }
+                    other => other,
+                })?;
+                let base = buf.as_ptr() as usize;
+                s = self.lock();
+                // The other blocks go to the free list, the lowest address handed out first.
+                let free = s.small_free.entry(class).or_default();
+                free.extend(
+                    (1..SLAB_BYTES / class)
+                        .rev()
+                        .map(|i| (base + i * class, base)),
+                );
+                s.cached_bytes += SLAB_BYTES - class;
+                s.slabs.insert(
+                    base,
+                    Slab {
+                        _buf: buf,
+                        live: 0,
+                        inherited: false,
+                    },
+                );
+                (base, base)
+            }
+        };
+        s.slabs.get_mut(&slab).expect("a free block's slab").live += 1;
+        let pid = s.pid;
+        s.live.insert(addr, Live::Small { slab, class, pid });
+        Ok(NonNull::new(addr as *mut u8).expect("a mapping is not null"))
     }
 
     /// Returns the block at `ptr` (as [`alloc`](Self::alloc) gave it) to the cache; fails,
     /// changing nothing, if `ptr` is not a live block of this pool.
     pub fn free(&self, ptr: *const u8) -> Result<()> {
         let mut s = self.lock();
-        let Some((block, pid)) = s.live.remove(&(ptr as usize)) else {
-            return Err(pool_error(format!(
-                "free of {ptr:?}, which is not a live block of the pool (freed twice, or not \
-                 from oxcclMemAlloc)"
-            )));
+        let (block, pid) = match s.live.remove(&(ptr as usize)) {
+            Some(Live::Whole(block, pid)) => (block, pid),
+            Some(Live::Small { slab, class, pid }) => {
+                if pid != s.pid {
+                    // The parent's block, in the parent's slab: never handed out here.
+                    return Ok(());
+                }
+                let sl = s.slabs.get_mut(&slab).expect("a live block's slab");
+                sl.live -= 1;
+                let empty = sl.live == 0;
+                s.cached_bytes += class;
+                s.small_free
+                    .entry(class)
+                    .or_default()
+                    .push((ptr as usize, slab));
+                if !(empty && s.cached_bytes > self.limit) {
+                    return Ok(());
+                }
+                // Over the bound with this slab unused: unmap it.
+                s.small_free
+                    .get_mut(&class)
+                    .expect("pushed above")
+                    .retain(|&(_, sb)| sb != slab);
+                s.cached_bytes -= SLAB_BYTES;
+                let gone = s.slabs.remove(&slab).expect("a live block's slab");
+                drop(s);
+                drop(gone); // munmap outside the lock
+                return Ok(());
+            }
+            None => {
+                return Err(pool_error(format!(
+                    "free of {ptr:?}, which is not a live block of the pool (freed twice, or \
+                     not from oxcclMemAlloc)"
+                )))
+            }
         };
         if pid != s.pid {
             // The parent's block: still in use there; unmap it here only.
@@ -181,8 +314,8 @@ impl SharedPool {
         let s = self.lock();
         PoolStats {
             live_blocks: s.live.len(),
-            live_bytes: s.live.values().map(|(b, _)| b.len()).sum(),
-            cached_blocks: s.cached.len(),
+            live_bytes: s.live.values().map(Live::bytes).sum(),
+            cached_blocks: s.cached.len() + s.small_free.values().map(Vec::len).sum::<usize>(),
             cached_bytes: s.cached_bytes,
         }
     }
@@ -295,6 +428,73 @@ mod tests {
         none.free(p.as_ptr()).unwrap();
         assert_eq!(none.stats(), PoolStats::default());
         assert!(region_of(p.as_ptr(), 1).is_none());
+    }
+
+    #[test]
+    fn small_blocks_share_a_slab_and_its_region_and_come_back_in_their_class() {
+        let page = rustix::param::page_size();
+        let pool = SharedPool::new(64 << 20);
+        // 64 blocks of 64 KiB fill one 4 MiB slab: one region, one memfd, for all of them.
+        let blocks: Vec<_> = (0..64).map(|_| pool.alloc(60 << 10).unwrap()).collect();
+        let r0 = region_of(blocks[0].as_ptr(), 64 << 10).expect("a shared buffer");
+        assert_eq!(r0.len as usize, SLAB_BYTES);
+        for (i, b) in blocks.iter().enumerate() {
+            let r = region_of(b.as_ptr(), 64 << 10).expect("a shared buffer");
+            assert_eq!(r.id, r0.id, "block {i} in another slab");
+            assert_eq!(b.as_ptr() as usize % page, 0);
+        }
+        // Distinct, non-overlapping blocks: each keeps what is written into it.
+        for (i, b) in blocks.iter().enumerate() {
+            // SAFETY: each block holds 64 KiB and is this test's alone.
+            unsafe { std::ptr::write_bytes(b.as_ptr(), i as u8, 64 << 10) };
+        }
+        for (i, b) in blocks.iter().enumerate() {
+            // SAFETY: as above.
+            let s = unsafe { std::slice::from_raw_parts(b.as_ptr(), 64 << 10) };
+            assert!(s.iter().all(|&x| x == i as u8), "block {i} overwritten");
+        }
+        // The 65th opens a second slab; other classes have slabs of their own.
+        let more = pool.alloc(64 << 10).unwrap();
+        assert_ne!(region_of(more.as_ptr(), 1).unwrap().id, r0.id);
+        let small = pool.alloc(100).unwrap();
+        assert_ne!(region_of(small.as_ptr(), 1).unwrap().id, r0.id);
+        let st = pool.stats();
+        assert_eq!(st.live_blocks, 66);
+        assert_eq!(st.live_bytes, 65 * (64 << 10) + page);
+        // A freed block is handed out again for its class (most recently freed first).
+        pool.free(blocks[7].as_ptr()).unwrap();
+        assert_eq!(pool.alloc(33 << 10).unwrap(), blocks[7]);
+        for b in blocks.iter().chain([&more, &small]) {
+            pool.free(b.as_ptr()).unwrap();
+        }
+        assert_eq!(pool.stats().live_blocks, 0);
+        // A block freed twice is refused, as a whole block is.
+        assert!(pool.free(blocks[0].as_ptr()).is_err());
+    }
+
+    #[test]
+    fn an_unused_slab_is_unmapped_over_the_bound_and_a_used_one_stays() {
+        let pool = SharedPool::new(0);
+        let a = pool.alloc(128 << 10).unwrap();
+        let b = pool.alloc(128 << 10).unwrap();
+        pool.free(a.as_ptr()).unwrap();
+        // b still lives in the slab: it stays mapped and registered.
+        assert!(region_of(b.as_ptr(), 128 << 10).is_some());
+        assert!(region_of(a.as_ptr(), 1).is_some());
+        pool.free(b.as_ptr()).unwrap();
+        assert!(
+            region_of(b.as_ptr(), 1).is_none(),
+            "the empty slab stays mapped"
+        );
+        assert_eq!(pool.stats(), PoolStats::default());
+        // Under the bound an empty slab is kept, its blocks counted as cached.
+        let keep = SharedPool::new(64 << 20);
+        let c = keep.alloc(256 << 10).unwrap();
+        keep.free(c.as_ptr()).unwrap();
+        let st = keep.stats();
+        assert_eq!((st.cached_blocks, st.cached_bytes), (16, SLAB_BYTES));
+        assert_eq!(keep.alloc(256 << 10).unwrap(), c);
+        keep.free(c.as_ptr()).unwrap();
     }
 
     #[test]
