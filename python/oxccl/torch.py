@@ -1876,14 +1876,14 @@ else:
 
 def _shm_allocator_settings() -> Optional[int]:
     """The threshold of the shared-memory CPU allocator in bytes (``OXCCL_TORCH_SHM_MIN``,
-    default 64 KiB; a number with an optional K/M/G suffix), or None when
+    default 8 KiB; a number with an optional K/M/G suffix), or None when
     ``OXCCL_TORCH_ALLOCATOR=0`` turns it off."""
     on = os.environ.get("OXCCL_TORCH_ALLOCATOR", "1").strip().lower()
     if on in ("0", "false", "off", "no"):
         return None
     if on not in ("1", "true", "on", "yes"):
         raise InvalidArgumentError(f"OXCCL_TORCH_ALLOCATOR={on!r}: expected 0 or 1")
-    text = os.environ.get("OXCCL_TORCH_SHM_MIN", "64K").strip()
+    text = os.environ.get("OXCCL_TORCH_SHM_MIN", "8K").strip()
     scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
     try:
         return int(text[:-1] if scale > 1 else text) * scale

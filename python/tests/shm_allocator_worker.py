@@ -37,13 +37,13 @@ def main(mode):
     dist.init_process_group("gloo")
     ox = dist.new_group(backend="oxccl")
     r, n = dist.get_rank(), dist.get_world_size()
-    assert ot._shm_allocator_min_bytes() == ((64 << 10) if on else None), ot._shm_allocator_min_bytes()
+    assert ot._shm_allocator_min_bytes() == ((8 << 10) if on else None), ot._shm_allocator_min_bytes()
     assert not in_shm(before)
 
     # Where tensors live: large ones in shared memory, small ones not; resize_ and views.
     x = torch.empty(1 << 20)  # 4 MiB
     assert in_shm(x) == on
-    assert not in_shm(torch.empty(1000)) and not in_shm(torch.zeros(100, 100))
+    assert not in_shm(torch.empty(1000)) and not in_shm(torch.zeros(10, 100))
     s = torch.empty(10)
     assert not in_shm(s)
     s.resize_(1 << 20)
@@ -51,10 +51,10 @@ def main(mode):
     x.numpy()[:] = 3.0
     assert bool((x == 3).all())
 
-    # From 64 KiB on (the default threshold), tensors live in shared memory, the small ones
+    # From 8 KiB on (the default threshold), tensors live in shared memory, the small ones
     # carved from shared slabs: thousands of them take a few file descriptors, not one each
     # (the process's limit is usually 1024).
-    assert in_shm(torch.empty(16 << 10)) == on and not in_shm(torch.empty((16 << 10) - 1))
+    assert in_shm(torch.empty(2048)) == on and not in_shm(torch.empty(2047))
     fds = len(os.listdir("/proc/self/fd"))
     many = [torch.empty(16 << 10) for _ in range(3000)]  # 3000 x 64 KiB
     assert all(in_shm(t) == on for t in many[:: 100])
@@ -63,7 +63,7 @@ def main(mode):
     del many
     # Collectives on small shared tensors of every size class against a plain reference
     # (blocks of one slab side by side: a call must touch only its own).
-    for numel in (16 << 10, (16 << 10) + 1, 25_000, 65_537, 131_072 - 5):
+    for numel in (2048, 2049, 4097, 8191, 16 << 10, (16 << 10) + 1, 25_000, 65_537, 131_072 - 5):
         t = [torch.full((numel,), float(k + r)) for k in range(3)]
         for k in range(3):
             dist.all_reduce(t[k], group=ox)

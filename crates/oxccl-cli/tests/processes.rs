@@ -59,6 +59,9 @@ fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
     match mode {
         // 0, 1, odd, not divisible by the rank count, a few pages.
         "matrix" => v = oxccl::check::matrix(rank, n, &[0, 1, 7, 13, 2049]),
+        // Around one-shot's switch to the peers' shared buffers (8 KiB, direct/oneshot.rs) and
+        // up to its slot: every collective, type and op.
+        "mid" => v = oxccl::check::matrix(rank, n, &[2047, 4099, 8197]),
         "large" => {
             // 64 MiB buffers: larger than every transport buffer (shm rings 4 MiB, sockets).
             for (kind, root) in kinds(n) {
@@ -259,6 +262,9 @@ matrix! {
     shared_matrix_2: 2, "shm", "shared-matrix";
     shared_matrix_3: 3, "shm", "shared-matrix";
     mixed_matrix_3: 3, "shm", "mixed-matrix";
+    shared_mid_2: 2, "shm", "shared-mid";
+    shared_mid_3: 3, "shm", "shared-mid";
+    mixed_mid_3: 3, "shm", "mixed-mid";
     shared_large_2: 2, "shm", "shared-large";
     mixed_large_4: 4, "shm", "mixed-large";
     p2p_shm_1: 1, "shm", "p2p";

@@ -7,29 +7,96 @@
 //! latency is one cache-line transfer plus the reads, and no system call is made unless a rank
 //! has to sleep. Limited to inputs that fit a slot
 //! ([`Direct::slot_bytes`](crate::direct::link::Direct::slot_bytes)).
+//!
+//! From [`MAPPED_MIN`] bytes on (all_reduce, reduce_scatter, all_gather), a rank whose input
+//! and output both lie in shared buffers (`Communicator::alloc_shared`, torch's shared-memory
+//! allocator) publishes where they lie instead of copying its input into its slot (the first
+//! event's record then holds its buffers; a rank that copied leaves the record empty), and
+//! every rank reads from the first event who did what, so all decide alike:
+//! - every rank shared: the call goes on as single-copy ([`cma`](crate::direct::cma)), each
+//!   rank folding its block straight from the peers' mapped buffers into theirs: no copy into
+//!   a slot, whose lines the peer still holds from its last read (2-4x faster at 8-32 KB);
+//! - none: the slots hold every input, as above;
+//! - some: every rank publishes its input in a second event and folds from those slots.
 
 use crate::base::buffers::Buffers;
 use crate::base::error::Result;
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
+use crate::direct::cma;
 use crate::direct::exec::DirectCtx;
 use crate::direct::link::EventRecord;
 use crate::sched::{Coll, CollKind};
 
-/// Runs `c` one-shot.
-pub(crate) fn run(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>) -> Result<()> {
-    let (n, me, es) = (c.nranks, c.rank, c.dtype.size());
+/// The smallest input that may go through the peers' shared buffers (see the module).
+pub(crate) const MAPPED_MIN: usize = 8 << 10;
+
+/// Runs `c` one-shot (or, where every rank's buffers are shared, single-copy: see the
+/// module). `tmp` is single-copy's scratch, reused across calls.
+pub(crate) fn run(
+    cx: &mut DirectCtx<'_>,
+    c: &Coll,
+    bufs: &mut Buffers<'_>,
+    tmp: &mut Vec<u64>,
+) -> Result<()> {
+    let (n, me) = (c.nranks, c.rank);
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
     // SAFETY: the buffers are valid for their lengths for the whole call (Buffers' contract);
     // the input is only read here, before anything is written to the output.
     let input = unsafe { std::slice::from_raw_parts(inp, in_len) };
-    // A broadcast needs only the root's data: the others publish none (no copy into the slot).
-    let publish = match c.kind {
-        CollKind::Broadcast if me != c.root => &input[..0],
-        _ => input,
+    // Every rank decides this alike: the kind, the input's length and whether ranks can
+    // reach each other's memory are the same on all.
+    let may_map = n > 1
+        && in_len >= MAPPED_MIN
+        && matches!(
+            c.kind,
+            CollKind::AllReduce | CollKind::ReduceScatter | CollKind::AllGather
+        )
+        && cx.direct.can_read_peers();
+    if !may_map {
+        // A broadcast needs only the root's data: the others publish none (no copy).
+        let publish = match c.kind {
+            CollKind::Broadcast if me != c.root => &input[..0],
+            _ => input,
+        };
+        let e = cx.begin(publish, EventRecord::default())?;
+        return fold(cx, c, bufs, e);
+    }
+    let (regions, shared) = cma::regions(bufs);
+    let e = if shared {
+        cx.begin(
+            bytemuck::bytes_of(&regions),
+            EventRecord::buffers(inp, in_len, outp, out_len),
+        )?
+    } else {
+        cx.begin(input, EventRecord::default())?
     };
-    let e = cx.begin(publish, EventRecord::default())?;
+    let sharing = (0..n)
+        .filter(|&p| {
+            if p == me {
+                shared
+            } else {
+                cx.direct.peer_record(p, e).input_len != 0
+            }
+        })
+        .count();
+    if sharing == n {
+        return cma::run_from(cx, c, bufs, tmp, e, regions);
+    }
+    if sharing == 0 {
+        return fold(cx, c, bufs, e);
+    }
+    // Some ranks published their buffers, some their data: every rank publishes its data.
+    let e2 = cx.publish(input, &EventRecord::default());
+    cx.wait_all(e2)?;
+    fold(cx, c, bufs, e2)
+}
+
+/// Computes this rank's output of `c` from the data every rank published with event `e`.
+fn fold(cx: &mut DirectCtx<'_>, c: &Coll, bufs: &mut Buffers<'_>, e: u64) -> Result<()> {
+    let (n, me, es) = (c.nranks, c.rank, c.dtype.size());
+    let (outp, out_len) = bufs.output_raw();
     // From here the input is no longer needed (it is in this rank's own slot), so writing the
     // output is fine even when it aliases the input.
     // SAFETY: valid for out_len bytes; no other reference to the output is live.

@@ -91,7 +91,7 @@ impl Call<'_> {
                     nt_bytes,
                 };
                 match algo {
-                    Algo::OneShot => oneshot::run(&mut cx, &coll, bufs),
+                    Algo::OneShot => oneshot::run(&mut cx, &coll, bufs, scratch),
                     _ => cma::run(&mut cx, &coll, bufs, scratch),
                 }
             }

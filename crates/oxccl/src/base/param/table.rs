@@ -591,7 +591,7 @@ pub const TORCH_ALLOCATOR: Param = p(
 pub const TORCH_SHM_MIN: Param = p(
     "OXCCL_TORCH_SHM_MIN",
     bytes(0, MAX_THRESHOLD),
-    "64K",
+    "8K",
     Python,
     "smallest tensor the shared-memory allocator serves",
 );

@@ -85,6 +85,25 @@ impl Call<'_> {
     }
 }
 
+/// Where this rank's input and output lie in shared buffers, as the words the first event
+/// publishes (a region's four words each, zero for a private buffer), and whether both do.
+pub(crate) fn regions(bufs: &mut Buffers<'_>) -> ([u64; 8], bool) {
+    let (inp, in_len) = bufs.input_raw();
+    let (outp, out_len) = bufs.output_raw();
+    let mut regions = [0u64; 8];
+    let mut both = true;
+    for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
+        .into_iter()
+        .enumerate()
+    {
+        match region_of(p, l) {
+            Some(r) => regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words()),
+            None => both = false,
+        }
+    }
+    (regions, both)
+}
+
 /// Runs `c` single-copy. `tmp` is reused across calls.
 pub(crate) fn run(
     cx: &mut DirectCtx<'_>,
@@ -92,28 +111,42 @@ pub(crate) fn run(
     bufs: &mut Buffers<'_>,
     tmp: &mut Vec<u64>,
 ) -> Result<()> {
-    let (n, me) = (c.nranks, c.rank);
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
     // The first event carries the call's header: every rank checks that its peers called the
     // same collective on the same count before touching their memory. Its data: where this
     // rank's buffers lie in shared buffers, if they do, for peers to map.
-    let mut regions = [0u64; 8];
+    let (regions, _) = regions(bufs);
     for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
         .into_iter()
         .enumerate()
     {
-        match region_of(p, l) {
-            Some(r) => regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words()),
+        if regions[4 * i..4 * i + 4] == [0; 4] {
             // Private: the peers' cross-memory copies walk its pages (huge ones, once
             // registered).
-            None => hugepages::register(p, l),
+            hugepages::register(p, l);
         }
     }
     let e1 = cx.begin(
         bytemuck::bytes_of(&regions),
         EventRecord::buffers(inp, in_len, outp, out_len),
     )?;
+    run_from(cx, c, bufs, tmp, e1, regions)
+}
+
+/// Runs `c` single-copy from its first event `e1` on: every rank has published `e1` with
+/// [`EventRecord::buffers`] and its [`regions`] (this rank's are `regions`) as its data.
+pub(crate) fn run_from(
+    cx: &mut DirectCtx<'_>,
+    c: &Coll,
+    bufs: &mut Buffers<'_>,
+    tmp: &mut Vec<u64>,
+    e1: u64,
+    regions: [u64; 8],
+) -> Result<()> {
+    let (n, me) = (c.nranks, c.rank);
+    let (inp, in_len) = bufs.input_raw();
+    let (outp, out_len) = bufs.output_raw();
     // Each peer's input and output, mapped where the peer has them in shared buffers.
     let mut peers: Vec<[PeerBuf; 2]> = Vec::with_capacity(n);
     for p in 0..n {
