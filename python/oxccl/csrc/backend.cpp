@@ -31,6 +31,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cxxabi.h>
 #include <chrono>
 #include <condition_variable>
@@ -40,6 +41,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <pthread.h>
 #include <unistd.h>
 #include <vector>
 
@@ -984,10 +986,14 @@ class BackendOxcclCpp : public c10d::Backend {
 class ShmAllocator final : public c10::Allocator {
  public:
   ShmAllocator(c10::Allocator* prev, const oxcclApi_t* api, size_t min_bytes)
-      : prev_(prev), prev_raw_(prev->raw_deleter()), api_(api), min_(min_bytes), pid_(getpid()) {}
+      : prev_(prev), prev_raw_(prev->raw_deleter()), api_(api), min_(min_bytes) {
+    // A forked child allocates privately (see above); a flag its fork handler sets, where
+    // getpid() would be a system call on every allocation.
+    pthread_atfork(nullptr, nullptr, [] { forked.store(true, std::memory_order_relaxed); });
+  }
 
   c10::DataPtr allocate(size_t n) override {
-    if (n >= min_ && getpid() == pid_) {
+    if (n >= min_ && !forked.load(std::memory_order_relaxed)) {
       void* p = nullptr;
       if (api_->mem_alloc(&p, n) == oxcclSuccess) {
         return {p, p, &ShmAllocator::freeShared, c10::Device(c10::DeviceType::CPU)};
@@ -1018,8 +1024,10 @@ class ShmAllocator final : public c10::Allocator {
   c10::DeleterFnPtr prev_raw_;
   const oxcclApi_t* api_;
   size_t min_;
-  pid_t pid_;
+  static std::atomic<bool> forked;  // this process is a fork of the one that installed it
 };
+
+std::atomic<bool> ShmAllocator::forked{false};
 
 ShmAllocator* ShmAllocator::installed = nullptr;
 

@@ -273,11 +273,13 @@ pub const FORK_COPY_WAIT_MS: i32 = 60_000;
 /// The registry's write lock is taken in `prepare` (no thread changes the table while the
 /// child walks it) and released in both `parent` and `child`. The child's handler is
 /// async-signal-safe: raw system calls only, no allocation (it walks the table in place).
+pub(crate) use fork::generation as fork_generation;
+
 mod fork {
     use super::{Entry, REGISTRY};
     use std::cell::UnsafeCell;
     use std::collections::BTreeMap;
-    use std::sync::atomic::{AtomicI32, Ordering};
+    use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
     use std::sync::{Once, RwLockWriteGuard};
 
     type Guard = RwLockWriteGuard<'static, BTreeMap<usize, Entry>>;
@@ -359,7 +361,18 @@ mod fork {
         unsafe { libc::close(r) };
     }
 
+    /// Forks survived, counted in the children (see [`generation`]).
+    static FORKS: AtomicU64 = AtomicU64::new(0);
+
+    /// How many forks made this process from the one that first created a shared buffer: a
+    /// process's memory is shared with its peers only in the generation that made it. One
+    /// atomic load, where `getpid` is a system call (the pool asks on every allocation).
+    pub(crate) fn generation() -> u64 {
+        FORKS.load(Ordering::Relaxed)
+    }
+
     unsafe extern "C" fn child() {
+        FORKS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: see `Held`; the child's only thread is the one that ran `prepare`.
         let slot = unsafe { &mut *HELD.0.get() };
         let r = PIPE_R.swap(-1, Ordering::Relaxed);

@@ -37,7 +37,7 @@ use std::ptr::NonNull;
 use std::sync::{Mutex, OnceLock};
 
 use crate::base::error::{Error, Result};
-use crate::direct::shared_buffer::SharedBuffer;
+use crate::direct::shared_buffer::{fork_generation, SharedBuffer};
 
 /// A caching pool of shared buffers (see the [module](self)); [`SharedPool::global`] is the
 /// process's, which the C ABI and the torch allocator use.
@@ -47,6 +47,27 @@ pub struct SharedPool {
     limit: usize,
 }
 
+/// Hashes block addresses (page-aligned, distinct) with one multiplication: the pool looks
+/// one up on every allocation and free, and the default SipHash costs more than the rest.
+#[derive(Clone, Copy, Default)]
+struct AddrHash(u64);
+
+impl std::hash::Hasher for AddrHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = ((n as u64) >> 12 ^ n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type AddrMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<AddrHash>>;
+
 /// Bytes of one slab (see the [module](self)).
 pub(crate) const SLAB_BYTES: usize = 4 << 20;
 
@@ -54,16 +75,17 @@ pub(crate) const SLAB_BYTES: usize = 4 << 20;
 pub(crate) const SMALL_MAX: usize = 512 << 10;
 
 struct State {
-    /// The process the blocks were made in (a forked child starts afresh).
-    pid: u32,
+    /// The fork generation the blocks were made in ([`fork_generation`]; a forked child
+    /// starts afresh).
+    generation: u64,
     /// Handed out, by address, with the process that allocated them.
-    live: HashMap<usize, Live>,
+    live: AddrMap<Live>,
     /// Freed and kept, the most recently freed last.
     cached: VecDeque<SharedBuffer>,
     /// Bytes of `cached` and of the free blocks of this process's slabs.
     cached_bytes: usize,
     /// Slabs, by base address.
-    slabs: HashMap<usize, Slab>,
+    slabs: AddrMap<Slab>,
     /// Free blocks of this process's slabs (address, slab), by class (a power of two), the
     /// most recently freed last.
     small_free: HashMap<usize, Vec<(usize, usize)>>,
@@ -72,9 +94,13 @@ struct State {
 /// A block handed out.
 enum Live {
     /// A shared buffer of its own, with the process that allocated it.
-    Whole(SharedBuffer, u32),
-    /// A block of the slab at `slab`, of `class` bytes, allocated by process `pid`.
-    Small { slab: usize, class: usize, pid: u32 },
+    Whole(SharedBuffer, u64),
+    /// A block of the slab at `slab`, of `class` bytes, allocated in fork generation `generation`.
+    Small {
+        slab: usize,
+        class: usize,
+        generation: u64,
+    },
 }
 
 impl Live {
@@ -131,11 +157,11 @@ impl SharedPool {
     pub fn new(cache_bytes: usize) -> SharedPool {
         SharedPool {
             state: Mutex::new(State {
-                pid: std::process::id(),
-                live: HashMap::new(),
+                generation: fork_generation(),
+                live: AddrMap::default(),
                 cached: VecDeque::new(),
                 cached_bytes: 0,
-                slabs: HashMap::new(),
+                slabs: AddrMap::default(),
                 small_free: HashMap::new(),
             }),
             limit: cache_bytes,
@@ -150,11 +176,11 @@ impl SharedPool {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let me = std::process::id();
-        if s.pid != me {
+        let me = fork_generation();
+        if s.generation != me {
             // A forked child: the cached blocks are the parent's to hand out again. Dropping
             // them here unmaps them in this process only.
-            s.pid = me;
+            s.generation = me;
             s.cached.clear();
             s.cached_bytes = 0;
             s.small_free.clear();
@@ -195,9 +221,9 @@ impl SharedPool {
             }
         };
         let ptr = NonNull::new(block.as_ptr().cast_mut()).expect("a mapping is not null");
-        let pid = s.pid;
+        let generation = s.generation;
         s.live
-            .insert(ptr.as_ptr() as usize, Live::Whole(block, pid));
+            .insert(ptr.as_ptr() as usize, Live::Whole(block, generation));
         Ok(ptr)
     }
 
@@ -240,8 +266,15 @@ impl SharedPool {
             }
         };
         s.slabs.get_mut(&slab).expect("a free block's slab").live += 1;
-        let pid = s.pid;
-        s.live.insert(addr, Live::Small { slab, class, pid });
+        let generation = s.generation;
+        s.live.insert(
+            addr,
+            Live::Small {
+                slab,
+                class,
+                generation,
+            },
+        );
         Ok(NonNull::new(addr as *mut u8).expect("a mapping is not null"))
     }
 
@@ -249,10 +282,14 @@ impl SharedPool {
     /// changing nothing, if `ptr` is not a live block of this pool.
     pub fn free(&self, ptr: *const u8) -> Result<()> {
         let mut s = self.lock();
-        let (block, pid) = match s.live.remove(&(ptr as usize)) {
-            Some(Live::Whole(block, pid)) => (block, pid),
-            Some(Live::Small { slab, class, pid }) => {
-                if pid != s.pid {
+        let (block, generation) = match s.live.remove(&(ptr as usize)) {
+            Some(Live::Whole(block, generation)) => (block, generation),
+            Some(Live::Small {
+                slab,
+                class,
+                generation,
+            }) => {
+                if generation != s.generation {
                     // The parent's block, in the parent's slab: never handed out here.
                     return Ok(());
                 }
@@ -285,7 +322,7 @@ impl SharedPool {
                 )))
             }
         };
-        if pid != s.pid {
+        if generation != s.generation {
             // The parent's block: still in use there; unmap it here only.
             return Ok(());
         }
