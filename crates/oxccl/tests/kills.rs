@@ -21,13 +21,13 @@
 //! `OXCCL_KILL_CHILD` set.
 
 use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
-use proc_common::{child_ends, files_of, free_port, output_by, Rng};
+use proc_common::{child_ends, env_u64, files_of, free_port, output_by, rank_command, signal, Rng};
 
 /// How long a child loops its calls at most.
 const CHILD_LOOP: Duration = Duration::from_secs(60);
@@ -183,13 +183,6 @@ fn seed() -> u64 {
     (t ^ (std::process::id() as u64) << 32).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
 }
 
-fn signal(k: &Child, sig: &str) -> bool {
-    Command::new("kill")
-        .args([sig, &k.id().to_string()])
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// What a rank's end said: (exit code, `CHILD_ERR` line or other last stderr line, stdout).
 fn ended(k: Child, by: Instant) -> (Option<i32>, String, String) {
     let o = output_by(k, by, Duration::from_millis(5));
@@ -227,15 +220,9 @@ fn run_case(
     let (tx, rx) = std::sync::mpsc::channel();
     let mut kids: Vec<Option<Child>> = (0..case.n)
         .map(|r| {
-            let mut c = Command::new(std::env::current_exe().unwrap());
-            c.args(["--exact", "kill_child", "--ignored", "--nocapture"])
-                .env("OXCCL_KILL_CHILD", case.mode)
+            let mut c = rank_command("kill_child", r, case.n, port, &hex);
+            c.env("OXCCL_KILL_CHILD", case.mode)
                 .env("OXCCL_KILL_BYTES", case.bytes.to_string())
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", case.n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("OXCCL_SECRET", &hex)
                 .env("OXCCL_SHM_RING_BYTES", "1M")
                 .env("OXCCL_TIMEOUT", timeout.to_string())
                 .env("OXCCL_HEARTBEAT_TIMEOUT", "1")
@@ -367,10 +354,7 @@ fn run_case(
 /// turns (rank 0, the rendezvous and the watchdog's hub, included).
 #[test]
 fn a_rank_killed_or_stopped_mid_call_fails_every_survivor_naming_it() {
-    let sweep: u64 = std::env::var("OXCCL_KILL_SWEEP")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
+    let sweep = env_u64("OXCCL_KILL_SWEEP", 1);
     let only = std::env::var("OXCCL_KILL_CASE").unwrap_or_default();
     let mut rng = Rng(seed());
     let mut failures = Vec::new();
@@ -418,10 +402,7 @@ fn a_rank_killed_or_stopped_mid_call_fails_every_survivor_naming_it() {
 /// `OXCCL_KILL_SWEEP` multiplies the rounds (default 6: every victim of 3 twice).
 #[test]
 fn a_rank_stopped_or_killed_during_start_up_fails_every_survivor_naming_it() {
-    let sweep: u64 = std::env::var("OXCCL_KILL_SWEEP")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
+    let sweep = env_u64("OXCCL_KILL_SWEEP", 1);
     let mut rng = Rng(seed());
     let cases = [&CASES[0], &CASES[5]];
     let mut failures = Vec::new();

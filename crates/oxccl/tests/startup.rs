@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use oxccl::Communicator;
 
 mod proc_common;
-use proc_common::{child_ends, files_of, free_port, output_by, Rng};
+use proc_common::{child_ends, files_of, free_port, output_by, rank_command, Rng};
 
 #[test]
 #[ignore = "a rank of the other tests, run by them"]
@@ -359,14 +359,8 @@ fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
         let (tx, rx) = std::sync::mpsc::channel();
         let mut kids: Vec<Option<Child>> = (0..N)
             .map(|r| {
-                let mut c = Command::new(std::env::current_exe().unwrap());
-                c.args(["--exact", "idle_child", "--ignored", "--nocapture"])
-                    .env("OXCCL_IDLE_CHILD", "1")
-                    .env("RANK", r.to_string())
-                    .env("WORLD_SIZE", N.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env("OXCCL_SECRET", &secret)
+                let mut c = rank_command("idle_child", r, N, port, &secret);
+                c.env("OXCCL_IDLE_CHILD", "1")
                     .env("OXCCL_TRANSPORT", "shm")
                     .env("OXCCL_SHM_RING_BYTES", "1M")
                     .env("OXCCL_TIMEOUT", "10")

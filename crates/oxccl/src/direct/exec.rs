@@ -284,6 +284,11 @@ impl DirectCtx<'_> {
                     }
                     for &p in waiting {
                         if let Err(err) = direct.check_alive(p) {
+                            // Looked at after its close or exit: a peer that published the
+                            // event before it left did its part (`waiting` may predate it).
+                            if direct.reached(p, e) {
+                                continue;
+                            }
                             return Err(err.into_error(id.rank, p, id.call, id.seq));
                         }
                     }
@@ -315,6 +320,9 @@ mod tests {
         /// Whether rank 1 publishes this call's first event before it sends its next call's
         /// header (it finished this call) or not (it is in a link call instead).
         publish_first: bool,
+        /// Whether rank 1 instead publishes this call's event, then drops its communicator
+        /// and sends nothing (it finished the call and left).
+        leave: bool,
         /// Rank 1's header of this call (its event) and of its next call (its link bytes).
         this_call: [u8; HEADER_BYTES],
         next_call: [u8; HEADER_BYTES],
@@ -332,6 +340,16 @@ mod tests {
             &mut self,
             consume: &mut dyn FnMut(&[u8]) -> usize,
         ) -> std::result::Result<usize, LinkError> {
+            if !self.fired && self.leave {
+                self.fired = true;
+                let (mut d, link) = self.peer.take().expect("the peer's ends");
+                let rec = EventRecord {
+                    header: self.this_call,
+                    ..Default::default()
+                };
+                d.publish(&[], &rec);
+                drop((d, link));
+            }
             if !self.fired {
                 self.fired = true;
                 let (d, link) = self.peer.as_mut().expect("the peer's ends");
@@ -356,7 +374,7 @@ mod tests {
 
     /// Rank 0 begins a direct-area all-reduce (call #2) and waits for rank 1's first event;
     /// rank 1 acts (see [`HookLink`]) once rank 0's check peeks its link.
-    fn run(publish_first: bool) -> (Result<u64>, bool) {
+    fn run(publish_first: bool, leave: bool) -> (Result<u64>, bool) {
         let mut g = crate::transport::mem::group(2, 1 << 16);
         let (_, peer_link) = g[1].pop().unwrap();
         let (_, my_link) = g[0].pop().unwrap();
@@ -380,6 +398,7 @@ mod tests {
                 mine: my_link,
                 peer: Some((peer_area, peer_link)),
                 publish_first,
+                leave,
                 this_call: print.header(),
                 next_call: next.header(),
                 fired: false,
@@ -422,14 +441,24 @@ mod tests {
     fn a_peer_that_finished_and_began_a_link_call_is_no_mismatch() {
         // Rank 0 saw rank 1 short of the event, then rank 1 published it, finished the
         // call and sent its next call's header, then rank 0 peeked the link.
-        let (res, fired) = run(true);
+        let (res, fired) = run(true, false);
         assert!(fired, "the check never peeked the link");
         res.expect("rank 1 finished this call before it sent its next call's header");
     }
 
+    /// Rank 0 saw rank 1 short of the event; then rank 1 published it, finished the call and
+    /// dropped its communicator; then rank 0 checked that rank 1 is alive: it did its part,
+    /// the wait ends (rank 1 publishes only when rank 0 first peeks its link, so a wait that
+    /// ends did not end before the check).
+    #[test]
+    fn a_peer_that_published_and_then_left_did_its_part() {
+        let (res, _) = run(false, true);
+        res.expect("rank 1 published the event before it left");
+    }
+
     #[test]
     fn a_peer_in_a_link_call_instead_is_a_mismatch() {
-        let (res, fired) = run(false);
+        let (res, fired) = run(false, false);
         assert!(fired, "the check never peeked the link");
         match res {
             Err(Error::Mismatch {

@@ -176,6 +176,17 @@ fn run(
         if stopping {
             w.goodbye();
             flush(&mut w);
+            // Take what the peers sent meanwhile (heartbeats) before the sockets close: a
+            // close with unread bytes resets the connection, and a reset may drop the goodbye
+            // before it leaves (the peer would then report this rank lost).
+            for s in &conns {
+                for _ in 0..64 {
+                    match rustix::net::recv(s, &mut tmp, RecvFlags::DONTWAIT) {
+                        Ok((n, _)) if n > 0 => {}
+                        _ => break,
+                    }
+                }
+            }
             return;
         }
         w.handle_timeout(Instant::now());

@@ -84,6 +84,10 @@ struct Peer {
     heard: bool,
     /// Closed, lost or said goodbye: no longer watched.
     done: bool,
+    /// A frame of this rank's could not be sent to it: nothing more is sent, and once what it
+    /// sent is read (a goodbye that came before its close makes its loss no loss) it is
+    /// no longer watched.
+    unsendable: bool,
     /// Heartbeats go both ways over this connection (and its silence loses the peer).
     beats: bool,
 }
@@ -162,6 +166,7 @@ impl Watch {
                     last_seen: now,
                     heard: false,
                     done: false,
+                    unsendable: false,
                     beats: true,
                 })
                 .collect(),
@@ -230,7 +235,10 @@ impl Watch {
             let peers = &self.peers;
             let beat = matches!(b.frame, Frame::Heartbeat);
             let found = (b.next..peers.len()).find(|&i| {
-                !peers[i].done && Some(peers[i].peer) != b.skip && (peers[i].beats || !beat)
+                !peers[i].done
+                    && !peers[i].unsendable
+                    && Some(peers[i].peer) != b.skip
+                    && (peers[i].beats || !beat)
             });
             match found {
                 Some(i) => {
@@ -254,10 +262,14 @@ impl Watch {
             return;
         }
         let p = &mut self.peers[i];
-        p.done = true;
         if kind == Kind::Own {
+            // Read once more before it counts ([`Watch::input_done`]): a peer that said
+            // goodbye and closed resets the connection when this rank's heartbeat reaches it.
+            p.unsendable = true;
             self.lost
                 .push((p.peer, "its control connection does not take data".into()));
+        } else {
+            p.done = true;
         }
     }
 
@@ -285,7 +297,10 @@ impl Watch {
     fn lose(&mut self, conn: usize, reason: String) {
         let p = &mut self.peers[conn];
         p.done = true;
-        self.lost.push((p.peer, reason));
+        if !p.unsendable {
+            // (An unsendable peer's loss is already counted.)
+            self.lost.push((p.peer, reason));
+        }
     }
 
     /// Everything connection `conn` had to read in this round was given: decodes its
@@ -318,6 +333,9 @@ impl Watch {
             }
         }
         p.buf.drain(..used.min(p.buf.len()));
+        if p.unsendable {
+            p.done = true;
+        }
         if let (Some(h), true) = (self.heartbeat, p.beats) {
             let silent = now.saturating_duration_since(p.last_seen);
             let limit = if p.heard { h } else { h.max(self.first_heard) };
@@ -595,6 +613,29 @@ mod tests {
         assert!(flush(&mut w, |_| true).is_empty());
     }
 
+    /// A peer that said goodbye and closed resets the connection when a heartbeat reaches
+    /// it: the next heartbeat fails to go out before the goodbye is read. Its goodbye, read
+    /// in the same round, makes that no loss; a peer that sent none is lost.
+    #[test]
+    fn a_failed_send_to_a_peer_whose_goodbye_is_unread_is_no_loss() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2], settings(), t0);
+        w.handle_timeout(t0);
+        assert_eq!(flush(&mut w, |_| false).len(), 2);
+        // Not sent to again, but read once more.
+        w.handle_timeout(t0 + HB);
+        assert!(flush(&mut w, |_| true).is_empty());
+        assert!(w.is_watched(0) && w.is_watched(1));
+        w.handle_data(0, &Frame::Bye.encode(), t0);
+        w.handle_error(0, "Connection reset by peer");
+        w.input_done(0, t0);
+        w.handle_error(1, "Connection reset by peer");
+        w.input_done(1, t0);
+        let reason = "its control connection does not take data".to_string();
+        assert_eq!(w.end_round(), [Failure::Lost { peer: 2, reason }]);
+        assert!(!w.is_watched(0) && !w.is_watched(1));
+    }
+
     #[test]
     fn rank_0_passes_failures_on_to_all_but_the_sender() {
         let t0 = Instant::now();
@@ -819,6 +860,7 @@ mod tests {
         w.goodbye();
         // A goodbye that does not go out changes nothing.
         assert_eq!(flush(&mut w, |_| false), [(0, f)]);
+        w.input_done(0, t0);
         assert!(!w.is_watched(0));
         let mut w = Watch::new(1, &[0], settings(), t0);
         w.goodbye();

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::process::{Child, Output};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous address).
@@ -84,4 +84,34 @@ pub fn child_ends<E: std::fmt::Display>(r: Result<(), E>) {
             std::process::exit(1);
         }
     }
+}
+
+/// A rank of a job of `n`: this test binary re-executed to run the ignored test `child`, with
+/// the launcher's variables (rank `r`, rendezvous on 127.0.0.1:`port`, secret `secret_hex`).
+pub fn rank_command(child: &str, r: usize, n: usize, port: u16, secret_hex: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", child, "--ignored", "--nocapture"])
+        .env("RANK", r.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("OXCCL_SECRET", secret_hex);
+    c
+}
+
+/// Sends signal `sig` (`-STOP`, `-CONT`, ...) to child `k`; false if it could not.
+pub fn signal(k: &Child, sig: &str) -> bool {
+    Command::new("kill")
+        .args([sig, &k.id().to_string()])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The whole number in environment variable `name`, or `default` where it is unset or not
+/// one (the tests' round counts).
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }

@@ -697,23 +697,42 @@ impl Link for ShmLink {
         WaitSource::Doorbell(self.own.doorbell())
     }
 
-    /// `Closed` once nothing more can come from the peer: it closed its link and everything
-    /// it sent has been received, or its process is gone. (A send to a peer that closed
-    /// fails in [`try_send`](Link::try_send) itself, and its close rings this rank's doorbell.)
+    /// `Closed` once the peer has left (closed its link, or its process is gone) and nothing
+    /// it sent is left to read: what a peer wrote before it left is still delivered (a rank
+    /// that finished its part of a call and exited is not lost to a slower peer that has yet
+    /// to read its last bytes). Also `Closed` when its process is gone with bytes this rank
+    /// sent it unread: a send to it can never end. (A send to a peer that closed fails in
+    /// [`try_send`](Link::try_send) itself, and its close rings this rank's doorbell.)
     fn check_alive(&mut self) -> std::result::Result<(), LinkError> {
-        if self.rx.producer_closed() && self.rx.pending()? == 0 {
-            return Err(self.closed("closed its end of the shared-memory link"));
+        // Both before the ring is looked at: whatever the peer wrote before it closed or
+        // exited is then seen below (its exit, or the Acquire of the flag, orders its writes
+        // before these loads).
+        let gone = self.peer_pid.filter(|&pid| process_gone(pid));
+        let closed = self.rx.producer_closed();
+        if gone.is_none() && !closed {
+            return Ok(());
         }
-        if let Some(pid) = self.peer_pid {
-            if process_gone(pid) {
+        if let Some(pid) = gone {
+            let unread = self.tx.in_flight()?;
+            if unread > 0 {
                 return Err(LinkError::Closed(format!(
-                    "process {} of rank {} exited",
+                    "process {} of rank {} exited without reading {unread} byte(s) sent to it",
                     pid.as_raw_nonzero(),
                     self.peer
                 )));
             }
         }
-        Ok(())
+        if self.rx.pending()? > 0 {
+            return Ok(());
+        }
+        Err(match gone {
+            Some(pid) => LinkError::Closed(format!(
+                "process {} of rank {} exited",
+                pid.as_raw_nonzero(),
+                self.peer
+            )),
+            None => self.closed("closed its end of the shared-memory link"),
+        })
     }
 }
 
@@ -765,14 +784,19 @@ mod tests {
     use super::*;
     use crate::bootstrap::local::LocalExchange;
 
+    /// A communicator tag of its own for one test's segments.
+    fn random_tag() -> u64 {
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).unwrap();
+        u64::from_le_bytes(b)
+    }
+
     /// Both ways of sharing: links carry bytes, and nothing of the communicator is left in
     /// `/dev/shm` once `connect_as` returns.
     #[test]
     fn memfd_and_named_segments_both_carry_bytes_and_leave_nothing() {
         for sharing in [Sharing::Memfd, Sharing::Named] {
-            let mut tag_bytes = [0u8; 8];
-            getrandom::fill(&mut tag_bytes).unwrap();
-            let tag = u64::from_le_bytes(tag_bytes);
+            let tag = random_tag();
             let pid = std::process::id();
             let ts: Vec<_> = LocalExchange::group(2)
                 .into_iter()
@@ -817,6 +841,63 @@ mod tests {
         }
     }
 
+    /// A peer whose process is gone is lost only once nothing it sent is left to read (a
+    /// rank that finished its part of a call and exited is not lost to a slower peer), and
+    /// at once when it left bytes sent to it unread (a send to it can never end).
+    #[test]
+    fn a_gone_peers_bytes_are_read_before_it_counts_as_lost() {
+        let dead = {
+            let mut c = std::process::Command::new("true").spawn().unwrap();
+            let pid = c.id();
+            c.wait().unwrap();
+            rustix::process::Pid::from_raw(pid as i32).unwrap()
+        };
+        let tag = random_tag();
+        let pid = std::process::id();
+        let ts: Vec<_> = LocalExchange::group(2)
+            .into_iter()
+            .map(|mut ex| {
+                std::thread::spawn(move || {
+                    let me = ex.rank();
+                    let mut links =
+                        connect_as(&mut ex, &[(1 - me, pid)], tag, &Config::default(), Sharing::Memfd)
+                            .unwrap()
+                            .unwrap();
+                    let link = &mut links[0].1;
+                    if me == 1 {
+                        assert_eq!(link.try_send(&[5u8; 1000]).unwrap(), 1000);
+                    }
+                    ex.barrier().unwrap();
+                    if me == 0 {
+                        // Rank 1 "exited" after its send.
+                        link.peer_pid = Some(dead);
+                        link.check_alive().expect("its bytes are still to read");
+                        let mut got = 0;
+                        link.try_recv(&mut |d: &[u8]| {
+                            got += d.len();
+                            d.len()
+                        })
+                        .unwrap();
+                        assert_eq!(got, 1000);
+                        let e = link.check_alive().unwrap_err();
+                        assert!(matches!(&e, LinkError::Closed(m) if m.ends_with("exited")), "{e}");
+                        // Bytes it will never read.
+                        assert_eq!(link.try_send(&[6u8; 10]).unwrap(), 10);
+                        let e = link.check_alive().unwrap_err();
+                        assert!(
+                            matches!(&e, LinkError::Closed(m) if m.contains("without reading 10 byte(s)")),
+                            "{e}"
+                        );
+                    }
+                    ex.barrier().unwrap();
+                })
+            })
+            .collect();
+        for t in ts {
+            t.join().unwrap();
+        }
+    }
+
     /// Rings allocated as they are first written: many times their capacity, in writes of
     /// every size (some beyond what is allocated, some wrapping), arrive intact; also where
     /// the segment's budget (one header page, one control page and 40 KiB) stops a ring at
@@ -829,9 +910,7 @@ mod tests {
     }
 
     fn rings_grow_and_wrap(budget: usize, ring: u64) {
-        let mut tag_bytes = [0u8; 8];
-        getrandom::fill(&mut tag_bytes).unwrap();
-        let tag = u64::from_le_bytes(tag_bytes);
+        let tag = random_tag();
         let pid = std::process::id();
         let cfg = Config {
             shm_ring_bytes: 1 << 20,
@@ -907,9 +986,7 @@ mod tests {
     #[test]
     fn lent_messages_are_copied_out_of_the_senders_memory() {
         for cma in [true, false] {
-            let mut tag_bytes = [0u8; 8];
-            getrandom::fill(&mut tag_bytes).unwrap();
-            let tag = u64::from_le_bytes(tag_bytes);
+            let tag = random_tag();
             let pid = std::process::id();
             let len = lend::LEND_MIN + 12_345;
             let cfg = Config {

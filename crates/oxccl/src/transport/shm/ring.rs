@@ -309,7 +309,6 @@ impl Producer {
     }
 
     /// Bytes written and not yet consumed, as of a fresh load of `tail`.
-    #[cfg(all(test, not(loom)))]
     pub(crate) fn in_flight(&mut self) -> Result<u64, LinkError> {
         self.reload_tail()?;
         Ok(self.head - self.cached_tail)

@@ -38,7 +38,10 @@ pub(crate) struct TcpLink {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// Nothing more comes from the socket: the peer closed it, or (`reset`) a read failed
+    /// because it was reset. What is buffered is still taken first.
     eof: bool,
+    reset: Option<String>,
     /// See [`TcpLink::with_dead_after`]; zero: no check.
     dead_after: Duration,
     /// When [`Link::check_alive`] first saw sent bytes unacknowledged (reset once all are).
@@ -71,6 +74,7 @@ impl TcpLink {
             start: 0,
             end: 0,
             eof: false,
+            reset: None,
             dead_after: Duration::ZERO,
             unacked_since: None,
         })
@@ -102,6 +106,20 @@ impl TcpLink {
             r.set_keepalive(true)?;
         }
         Ok(self)
+    }
+
+    /// A read failed with `e` (reset): nothing more comes, what is buffered still goes first.
+    fn reset_by(&mut self, e: &io::Error) {
+        self.eof = true;
+        self.reset = Some(e.to_string());
+    }
+
+    /// The error of a read once everything that came is taken.
+    fn ended(&self) -> LinkError {
+        LinkError::Closed(match &self.reset {
+            Some(e) => format!("rank {}: {e}", self.peer),
+            None => format!("rank {} closed the connection", self.peer),
+        })
     }
 
     #[cfg(test)]
@@ -167,19 +185,14 @@ impl Link for TcpLink {
                     Ok(n) => self.end += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) if closed(&e) => {
-                        return Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
-                    }
+                    Err(e) if closed(&e) => self.reset_by(&e),
                     Err(e) => return Err(LinkError::Io(e)),
                 }
             }
             let avail = self.end - self.start;
             if avail == 0 {
                 if self.eof && total == 0 {
-                    return Err(LinkError::Closed(format!(
-                        "rank {} closed the connection",
-                        self.peer
-                    )));
+                    return Err(self.ended());
                 }
                 return Ok(total);
             }
@@ -206,17 +219,12 @@ impl Link for TcpLink {
                 Ok(n) => total += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if closed(&e) => {
-                    return Err(LinkError::Closed(format!("rank {}: {e}", self.peer)))
-                }
+                Err(e) if closed(&e) => self.reset_by(&e),
                 Err(e) => return Err(LinkError::Io(e)),
             }
         }
         if total == 0 && self.eof && !dst.is_empty() {
-            return Err(LinkError::Closed(format!(
-                "rank {} closed the connection",
-                self.peer
-            )));
+            return Err(self.ended());
         }
         Ok(total)
     }
@@ -231,6 +239,13 @@ impl Link for TcpLink {
 
     fn check_alive(&mut self) -> Result<(), LinkError> {
         if self.dead_after.is_zero() {
+            return Ok(());
+        }
+        // Bytes the peer sent and this rank has yet to read come first, even when a reset
+        // followed them (the kernel keeps them readable): the next read takes them, and ends
+        // the link only once they are taken. (Looked at before the socket's error, which
+        // reading clears.)
+        if self.end > self.start || rustix::io::ioctl_fionread(&self.stream).is_ok_and(|n| n > 0) {
             return Ok(());
         }
         if let Ok(Err(e)) = rustix::net::sockopt::socket_error(&self.stream) {
@@ -259,6 +274,22 @@ impl Link for TcpLink {
             )));
         }
         Ok(())
+    }
+}
+
+impl Drop for TcpLink {
+    /// Reads what the peer sent and this end did not take before the socket closes: a close
+    /// with unread bytes sends a reset instead of a FIN, and a reset drops whatever this end
+    /// sent that has not left its send buffer yet (the last bytes of a rank that finished its
+    /// call and exits). Bounded: a peer that keeps sending is not waited for.
+    fn drop(&mut self) {
+        for _ in 0..16 {
+            match (&self.stream).read(&mut self.buf) {
+                Ok(n) if n > 0 => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                _ => break,
+            }
+        }
     }
 }
 

@@ -427,3 +427,73 @@ fn bootstrap_then_tcp_links() {
         h.join().unwrap();
     }
 }
+
+/// A connected pair over loopback: (this rank's link to rank 1, rank 1's raw socket).
+fn raw_pair() -> (TcpLink, TcpStream) {
+    let l = TcpListener::bind((LO, 0)).unwrap();
+    let peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mine, _) = l.accept().unwrap();
+    let link = TcpLink::new(mine, 1)
+        .unwrap()
+        .with_dead_after(Duration::from_secs(5))
+        .unwrap();
+    (link, peer)
+}
+
+/// A peer that sends its last bytes and closes its socket with bytes of this rank's unread
+/// resets the connection: its bytes are still taken, in small bites, before the link ends,
+/// whether the waiting rank checks the link's liveness first or reads first.
+#[test]
+fn bytes_sent_before_a_reset_are_taken_before_the_link_ends() {
+    for check_first in [true, false] {
+        let (mut link, peer) = raw_pair();
+        assert_eq!(link.try_send(b"never read").unwrap(), 10);
+        let last: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        (&peer).write_all(&last).unwrap();
+        thread::sleep(Duration::from_millis(100));
+        drop(peer); // with bytes unread: a reset
+        thread::sleep(Duration::from_millis(50));
+        if check_first {
+            link.check_alive()
+                .expect("the peer's bytes are still to read");
+        }
+        let mut got = Vec::new();
+        let start = Instant::now();
+        let end = loop {
+            assert!(start.elapsed() < Duration::from_secs(10));
+            match link.try_recv(&mut |d: &[u8]| {
+                let k = d.len().min(4096);
+                got.extend_from_slice(&d[..k]);
+                k
+            }) {
+                Ok(_) => {}
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(end, LinkError::Closed(_)), "{end}");
+        assert_eq!(got.len(), last.len(), "check first: {check_first}");
+        assert!(got == last);
+    }
+}
+
+/// A link dropped with bytes of its peer unread closes with a FIN, not a reset: the peer
+/// gets everything the link sent last, then the end of the stream (a reset would have
+/// dropped what had not left the send buffer yet, and failed the peer's reads).
+#[test]
+fn a_link_dropped_with_unread_bytes_ends_its_stream_cleanly() {
+    let (mut link, mut peer) = raw_pair();
+    peer.write_all(b"bytes the link never reads").unwrap();
+    thread::sleep(Duration::from_millis(50));
+    let last = vec![7u8; 64 << 10];
+    let mut sent = 0;
+    while sent < last.len() {
+        sent += link.try_send(&last[sent..]).unwrap();
+    }
+    drop(link);
+    peer.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut got = Vec::new();
+    let res = peer.read_to_end(&mut got);
+    assert!(res.is_ok(), "{res:?} after {} bytes", got.len());
+    assert!(got == last, "{} bytes", got.len());
+}

@@ -1,0 +1,421 @@
+//! Ranks that finish their last call and leave at once, with real processes: a rank that
+//! completed its part of a call and then dropped its communicator (or exited without
+//! dropping it) is not a lost peer, and what it sent before it left must still be delivered
+//! to the ranks that are slower to finish that call. Only a later call that needs it fails,
+//! promptly and naming it.
+//!
+//! Each round: `n` ranks make a checked warm-up call, then the survivors enter the final call
+//! and sleep in it waiting for the leavers; the test SIGSTOPs the survivors, lets the leavers
+//! make the same call, leave and exit, and SIGCONTs the survivors once the leavers are gone
+//! (and more than a sleep slice later, so that the survivors' first act is a liveness check
+//! of the peers they wait for, whose data is already in their links). Every survivor must
+//! complete that call with the right result; its next call must fail naming a leaver, well
+//! before its timeout. One leaver (rank 0, the rendezvous's hub, or the last rank) or all but
+//! one rank, which drop their communicator and exit; the calls run over shared-memory links,
+//! the direct area (one-shot, single-copy), TCP, and two emulated hosts (shared memory inside,
+//! TCP between).
+//!
+//! `OXCCL_EXIT_ROUNDS=N` runs the matrix N times (default 1); `OXCCL_EXIT_CASE=TEXT` only the
+//! cases whose name contains TEXT; `OXCCL_EXIT_FORGET=1` adds leavers that exit without
+//! dropping their communicator (no goodbye: a rank that its peers cannot tell from a killed
+//! one, so that a survivor still waiting on another rank when the loss is reported may fail;
+//! not part of the default run). The ranks are this test binary, re-executed to run the
+//! ignored test `exit_child` with `OXCCL_EXIT_CHILD` set.
+
+use std::io::{BufRead, Write};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use oxccl::{Communicator, ReduceOp};
+
+mod proc_common;
+use proc_common::{env_u64, files_of, free_port, output_by, rank_command, signal, Rng};
+
+/// The value element `i` of rank `rank`'s input has in call `it`.
+fn val(rank: usize, i: usize, it: usize) -> f32 {
+    (rank * 7 + (i + it) % 13) as f32
+}
+
+/// One checked call of `coll` on `bytes` bytes of f32 (broadcast from `root`).
+fn call(c: &Communicator, coll: &str, bytes: usize, root: usize, it: usize) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.world_size());
+    let k = (bytes / 4).max(1);
+    let mine: Vec<f32> = (0..k).map(|i| val(r, i, it)).collect();
+    let (got, want): (Vec<f32>, Vec<f32>) = match coll {
+        "barrier" => {
+            c.barrier().map_err(|e| e.to_string())?;
+            (vec![], vec![])
+        }
+        "all_reduce" => {
+            let mut v = mine;
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            let want = (0..k)
+                .map(|i| (0..n).map(|q| val(q, i, it)).sum())
+                .collect();
+            (v, want)
+        }
+        "broadcast" => {
+            let mut v = if r == root { mine } else { vec![-1.0; k] };
+            c.broadcast_in_place(&mut v, root)
+                .map_err(|e| e.to_string())?;
+            (v, (0..k).map(|i| val(root, i, it)).collect())
+        }
+        "all_gather" => {
+            let mut v = vec![-1.0; k * n];
+            c.all_gather(&mine, &mut v).map_err(|e| e.to_string())?;
+            let want = (0..n)
+                .flat_map(|q| (0..k).map(move |i| val(q, i, it)))
+                .collect();
+            (v, want)
+        }
+        other => panic!("no collective {other}"),
+    };
+    match got.iter().zip(&want).position(|(a, b)| a != b) {
+        Some(i) => Err(format!(
+            "WRONG {coll} call {it}: element {i} is {} instead of {}",
+            got[i], want[i]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A rank: a warm-up call (`CHILD READY <algo>`), then the final call. A leaver
+/// (`OXCCL_EXIT_LEAVERS`, comma-separated) makes it once it reads a line on stdin, says
+/// `CHILD LEFT`, and drops its communicator (or forgets it, `OXCCL_EXIT_FORGET=1`: the
+/// process exits without dropping it); a survivor makes it at once, says `CHILD FINAL OK`,
+/// then makes an all-reduce that needs the leavers and says `CHILD NEXT_ERR <ms> <error>`.
+/// Anything else is `CHILD_ERR <what>` on stdout and exit status 1.
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn exit_child() {
+    let Ok(coll) = std::env::var("OXCCL_EXIT_CHILD") else {
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let bytes: usize = var("OXCCL_EXIT_BYTES").parse().unwrap_or(8);
+    let leavers: Vec<usize> = var("OXCCL_EXIT_LEAVERS")
+        .split(',')
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    let forget = var("OXCCL_EXIT_FORGET") == "1";
+    let run = || -> Result<(), String> {
+        let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+        let r = comm.rank();
+        let root = leavers[0];
+        call(&comm, &coll, bytes, root, 0)?;
+        println!("CHILD READY {}", comm.last_algo());
+        if leavers.contains(&r) {
+            let mut line = String::new();
+            std::io::stdin()
+                .read_line(&mut line)
+                .map_err(|e| e.to_string())?;
+            call(&comm, &coll, bytes, root, 1)?;
+            println!("CHILD LEFT {}", comm.last_algo());
+            if forget {
+                std::mem::forget(comm);
+            } else {
+                drop(comm);
+            }
+            return Ok(());
+        }
+        call(&comm, &coll, bytes, root, 1)?;
+        println!("CHILD FINAL OK {}", comm.last_algo());
+        let t = Instant::now();
+        let mut v = [1f32; 2];
+        match comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+            Ok(()) => Err("the call after the leavers left succeeded".into()),
+            Err(e) => {
+                println!("CHILD NEXT_ERR {} {e}", t.elapsed().as_millis());
+                Ok(())
+            }
+        }
+    };
+    if let Err(e) = run() {
+        println!("CHILD_ERR {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Where the calls run.
+struct Path {
+    name: &'static str,
+    n: usize,
+    env: &'static [(&'static str, &'static str)],
+    /// Ranks per emulated host (`OXCCL_HOSTID`).
+    per_host: usize,
+}
+
+const PATHS: &[Path] = &[
+    Path {
+        name: "shared-memory links",
+        n: 3,
+        // No one-shot, no single-copy: the schedules (ring, chain, dissemination).
+        env: &[
+            ("OXCCL_TRANSPORT", "shm"),
+            ("OXCCL_ONESHOT_MAX", "0"),
+            ("OXCCL_CMA", "0"),
+        ],
+        per_host: 3,
+    },
+    Path {
+        name: "direct area",
+        n: 3,
+        env: &[("OXCCL_TRANSPORT", "shm")],
+        per_host: 3,
+    },
+    Path {
+        name: "tcp",
+        n: 3,
+        env: &[("OXCCL_TRANSPORT", "tcp")],
+        per_host: 3,
+    },
+    Path {
+        name: "two hosts",
+        n: 4,
+        env: &[],
+        per_host: 2,
+    },
+];
+
+/// (collective, bytes)
+const CALLS: &[(&str, usize)] = &[
+    ("barrier", 0),
+    ("all_reduce", 8),
+    ("all_reduce", 192 << 10),
+    ("broadcast", 64 << 10),
+    ("all_gather", 4 << 10),
+];
+
+/// Runs one round; returns what went wrong, if anything.
+fn run_round(
+    path: &Path,
+    coll: &str,
+    bytes: usize,
+    leavers: &[usize],
+    forget: bool,
+) -> Result<String, String> {
+    let n = path.n;
+    let mut secret = [0u8; 16];
+    getrandom::fill(&mut secret).unwrap();
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let tag = oxccl::testing::auth::comm_tag(&secret);
+    let port = free_port();
+    let list: Vec<String> = leavers.iter().map(|l| l.to_string()).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| {
+            let mut c = rank_command("exit_child", r, n, port, &hex);
+            c.env("OXCCL_EXIT_CHILD", coll)
+                .env("OXCCL_EXIT_BYTES", bytes.to_string())
+                .env("OXCCL_EXIT_LEAVERS", list.join(","))
+                .env("OXCCL_EXIT_FORGET", if forget { "1" } else { "0" })
+                .env("OXCCL_SHM_RING_BYTES", "1M")
+                .env("OXCCL_TIMEOUT", "15")
+                .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
+                .env("OXCCL_TUNE_FILE", "")
+                .env("OXCCL_HOSTID", format!("exits-host-{}", r / path.per_host))
+                .envs(path.env.iter().copied())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut k = c.spawn().unwrap();
+            let out = k.stdout.take().unwrap();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                    if let Some(l) = line.strip_prefix("CHILD") {
+                        let _ = tx.send((r, l.trim().to_string()));
+                    }
+                }
+                let _ = tx.send((r, "EOF".into()));
+            });
+            k
+        })
+        .collect();
+    let kill_all = |kids: &mut Vec<Child>| {
+        for k in kids.iter_mut() {
+            let _ = signal(k, "-CONT");
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    };
+    let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
+    let mut ready = 0;
+    while ready < n {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok((r, l)) => {
+                if l.starts_with("READY") {
+                    ready += 1;
+                } else {
+                    kill_all(&mut kids);
+                    return Err(format!("rank {r} before its first call ended: {l}"));
+                }
+                said[r].push(l);
+            }
+            Err(_) => {
+                kill_all(&mut kids);
+                return Err(format!(
+                    "only {ready} of {n} ranks made a first call in 60 s"
+                ));
+            }
+        }
+    }
+    // The survivors enter the final call and sleep in it, waiting for the leavers.
+    std::thread::sleep(Duration::from_millis(150));
+    let survivors: Vec<usize> = (0..n).filter(|r| !leavers.contains(r)).collect();
+    for &s in &survivors {
+        assert!(signal(&kids[s], "-STOP"), "cannot stop rank {s}");
+    }
+    for &l in leavers {
+        let mut stdin = kids[l].stdin.take().unwrap();
+        let _ = stdin.write_all(b"GO\n");
+    }
+    // The leavers finish (where they need nothing more from the stopped ranks) and exit.
+    let t = Instant::now();
+    let mut gone = false;
+    while t.elapsed() < Duration::from_secs(1) {
+        gone = leavers
+            .iter()
+            .all(|&l| kids[l].try_wait().ok().flatten().is_some());
+        if gone {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // More than a sleep slice (50 ms) after the survivors' last check.
+    std::thread::sleep(Duration::from_millis(80));
+    for &s in &survivors {
+        signal(&kids[s], "-CONT");
+    }
+    let by = Instant::now() + Duration::from_secs(25);
+    let outs: Vec<_> = kids
+        .into_iter()
+        .map(|k| output_by(k, by, Duration::from_millis(5)))
+        .collect();
+    // Every rank's stdout to its end.
+    let mut ended = 0;
+    while ended < n {
+        match rx.recv_timeout(Duration::from_secs(5)) {
+            Ok((r, l)) => {
+                ended += (l == "EOF") as usize;
+                said[r].push(l);
+            }
+            Err(_) => break,
+        }
+    }
+    let mut wrong = Vec::new();
+    let mut named_a_leaver = false;
+    for (r, o) in outs.iter().enumerate() {
+        let lines = &said[r];
+        let err = String::from_utf8_lossy(&o.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(3).collect();
+        let line = |p: &str| lines.iter().find(|l| l.starts_with(p)).cloned();
+        if leavers.contains(&r) {
+            if o.status.code() != Some(0) || line("LEFT").is_none() {
+                wrong.push(format!(
+                    "leaver {r} ended with {:?}: {lines:?} {tail:?}",
+                    o.status.code()
+                ));
+            }
+            continue;
+        }
+        let next = line("NEXT_ERR ").unwrap_or_default();
+        let mut words = next.split_whitespace().skip(1);
+        let ms: u64 = words
+            .next()
+            .and_then(|w| w.parse().ok())
+            .unwrap_or(u64::MAX);
+        let msg = words.collect::<Vec<_>>().join(" ");
+        let blamed = oxccl::blamed_rank(&msg);
+        if o.status.code() != Some(0) || line("FINAL OK").is_none() {
+            wrong.push(format!(
+                "survivor {r} ended with {:?}: {lines:?} {tail:?}",
+                o.status.code()
+            ));
+        } else if msg.contains("timed out") || ms > 3000 || blamed.is_none_or(|b| b == r) {
+            wrong.push(format!(
+                "survivor {r}'s next call did not fail promptly naming another rank: {next}"
+            ));
+        }
+        // The first to fail names a leaver; the others may name a survivor that failed
+        // before them and exited.
+        named_a_leaver |= blamed.is_some_and(|b| leavers.contains(&b));
+    }
+    if wrong.is_empty() && !named_a_leaver {
+        wrong.push("no survivor's next call named a leaver".into());
+    }
+    let left = files_of(tag);
+    if !left.is_empty() {
+        wrong.push(format!("left in /dev/shm: {left:?}"));
+    }
+    let algo = said[leavers[0]].first().cloned().unwrap_or_default();
+    if wrong.is_empty() {
+        Ok(format!(
+            "{algo}, leavers {}",
+            if gone {
+                "gone while the others were stopped"
+            } else {
+                "waited for the others"
+            }
+        ))
+    } else {
+        Err(wrong.join("\n"))
+    }
+}
+
+/// Every path and call, the leavers one rank (rank 0 or the last) or all but one: every
+/// survivor completes the call the leavers completed before they left, and its next call
+/// fails (the first to fail naming a leaver).
+#[test]
+fn ranks_that_finish_their_last_call_and_exit_never_fail_the_slower_ranks() {
+    let rounds = env_u64("OXCCL_EXIT_ROUNDS", 1);
+    let only = std::env::var("OXCCL_EXIT_CASE").unwrap_or_default();
+    let modes: &[bool] = if std::env::var("OXCCL_EXIT_FORGET").is_ok_and(|v| v == "1") {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ u64::from(std::process::id()));
+    let (mut runs, mut failures) = (0, Vec::new());
+    for round in 0..rounds {
+        for path in PATHS {
+            for (j, &(coll, bytes)) in CALLS.iter().enumerate() {
+                for &forget in modes {
+                    let name = format!(
+                        "{}: {coll} {bytes} B, {}",
+                        path.name,
+                        if forget {
+                            "exit without drop"
+                        } else {
+                            "drop and exit"
+                        }
+                    );
+                    if !name.contains(&only) {
+                        continue;
+                    }
+                    let n = path.n;
+                    let leavers: Vec<usize> = match (round + j as u64 + forget as u64) % 3 {
+                        0 => vec![0],
+                        1 => vec![n - 1],
+                        _ => {
+                            let keep = rng.below(n as u64) as usize;
+                            (0..n).filter(|&r| r != keep).collect()
+                        }
+                    };
+                    runs += 1;
+                    match run_round(path, coll, bytes, &leavers, forget) {
+                        Ok(s) => println!("{name}, leavers {leavers:?}: ok ({s})"),
+                        Err(e) => {
+                            let line = format!("{name}, leavers {leavers:?}:\n{e}");
+                            eprintln!("FAILED {line}");
+                            failures.push(line);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("{runs} rounds, {} failed", failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
