@@ -141,6 +141,7 @@ impl Communicator {
             scratch,
             held: stash.held_mut(),
             nt_bytes: self.cfg.nt_bytes,
+            mapped_min: self.cfg.oneshot_mapped_min,
             lazy: lazy.as_mut(),
         }
         .collective(algo, coll, self.topo.as_ref(), &mut bufs);

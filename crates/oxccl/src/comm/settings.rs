@@ -19,6 +19,7 @@ struct Agreed {
     transport: TransportChoice,
     algo: Option<String>,
     oneshot_max: usize,
+    oneshot_mapped_min: usize,
     cma_min: usize,
     cma: bool,
     chunk_bytes: usize,
@@ -26,8 +27,9 @@ struct Agreed {
 }
 
 /// Bytes of an encoding before the algorithm's name: transport, cma and deterministic (one
-/// byte each), then oneshot_max, cma_min and chunk_bytes (8 bytes each, little-endian).
-const FIXED: usize = 3 + 3 * 8;
+/// byte each), then oneshot_max, cma_min, chunk_bytes and oneshot_mapped_min (8 bytes each,
+/// little-endian).
+const FIXED: usize = 3 + 4 * 8;
 
 impl Agreed {
     fn of(cfg: &Config) -> Agreed {
@@ -35,6 +37,7 @@ impl Agreed {
             transport: cfg.transport,
             algo: cfg.algo.clone(),
             oneshot_max: cfg.oneshot_max,
+            oneshot_mapped_min: cfg.oneshot_mapped_min,
             cma_min: cfg.cma_min,
             cma: cfg.cma,
             chunk_bytes: cfg.chunk_bytes,
@@ -47,6 +50,7 @@ impl Agreed {
         cfg.transport = self.transport;
         cfg.algo = self.algo;
         cfg.oneshot_max = self.oneshot_max;
+        cfg.oneshot_mapped_min = self.oneshot_mapped_min;
         cfg.cma_min = self.cma_min;
         cfg.cma = self.cma;
         cfg.chunk_bytes = self.chunk_bytes;
@@ -66,7 +70,12 @@ impl Agreed {
         });
         out.push(self.cma.into());
         out.push(self.deterministic.into());
-        for n in [self.oneshot_max, self.cma_min, self.chunk_bytes] {
+        for n in [
+            self.oneshot_max,
+            self.cma_min,
+            self.chunk_bytes,
+            self.oneshot_mapped_min,
+        ] {
             out.extend_from_slice(&(n as u64).to_le_bytes());
         }
         out.extend_from_slice(algo.as_bytes());
@@ -102,6 +111,7 @@ impl Agreed {
             transport,
             algo: (!algo.is_empty()).then(|| algo.to_string()),
             oneshot_max: num(0)?,
+            oneshot_mapped_min: num(3)?,
             cma_min: num(1)?,
             cma: flag(1)?,
             chunk_bytes: num(2)?,
@@ -128,6 +138,11 @@ impl Agreed {
         );
         field("algo", &algo(self), &algo(root));
         field("oneshot_max", &self.oneshot_max, &root.oneshot_max);
+        field(
+            "oneshot_mapped_min",
+            &self.oneshot_mapped_min,
+            &root.oneshot_mapped_min,
+        );
         field("cma_min", &self.cma_min, &root.cma_min);
         field("cma", &self.cma, &root.cma);
         field("chunk_bytes", &self.chunk_bytes, &root.chunk_bytes);
@@ -184,6 +199,7 @@ mod tests {
             a.deterministic = det;
             a.oneshot_max = 12345;
             a.cma_min = usize::MAX;
+            a.oneshot_mapped_min = 777;
             a.chunk_bytes = 1 << 20;
             assert_eq!(Agreed::decode(&a.encode()), Ok(a.clone()));
         }

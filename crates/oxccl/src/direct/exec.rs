@@ -35,6 +35,9 @@ pub(crate) struct DirectCtx<'a> {
     /// Out-of-place results are written with streaming stores from this footprint on
     /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
     pub nt_bytes: usize,
+    /// One-shot inputs from this size on may run through shared buffers
+    /// ([`Config::oneshot_mapped_min`](crate::base::param::Config::oneshot_mapped_min)).
+    pub mapped_min: usize,
 }
 
 fn mismatch(
@@ -419,6 +422,7 @@ mod tests {
                 links: Some(&mut links),
                 step_ends: None,
                 nt_bytes: usize::MAX,
+                mapped_min: usize::MAX,
             };
             cx.begin(&[], EventRecord::default())
         };
@@ -507,6 +511,7 @@ mod cadence_tests {
             links: None,
             step_ends: None,
             nt_bytes: 0,
+            mapped_min: usize::MAX,
         };
         for _ in 0..EVENTS {
             let e = cx.direct.publish(&[], &EventRecord::default());

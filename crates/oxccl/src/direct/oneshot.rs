@@ -8,7 +8,7 @@
 //! has to sleep. Limited to inputs that fit a slot
 //! ([`Direct::slot_bytes`](crate::direct::link::Direct::slot_bytes)).
 //!
-//! From [`MAPPED_MIN`] bytes on (all_reduce, reduce_scatter, all_gather), a rank whose input
+//! From `OXCCL_ONESHOT_MAPPED_MIN` bytes on (8 KiB by default; all_reduce, reduce_scatter, all_gather), a rank whose input
 //! and output both lie in shared buffers (`Communicator::alloc_shared`, torch's shared-memory
 //! allocator) publishes where they lie instead of copying its input into its slot (the first
 //! event's record then holds its buffers; a rank that copied leaves the record empty), and
@@ -28,9 +28,6 @@ use crate::direct::exec::DirectCtx;
 use crate::direct::link::EventRecord;
 use crate::sched::{Coll, CollKind};
 
-/// The smallest input that may go through the peers' shared buffers (see the module).
-pub(crate) const MAPPED_MIN: usize = 8 << 10;
-
 /// Runs `c` one-shot (or, where every rank's buffers are shared, single-copy: see the
 /// module). `tmp` is single-copy's scratch, reused across calls.
 pub(crate) fn run(
@@ -48,7 +45,7 @@ pub(crate) fn run(
     // Every rank decides this alike: the kind, the input's length and whether ranks can
     // reach each other's memory are the same on all.
     let may_map = n > 1
-        && in_len >= MAPPED_MIN
+        && in_len >= cx.mapped_min
         && matches!(
             c.kind,
             CollKind::AllReduce | CollKind::ReduceScatter | CollKind::AllGather

@@ -48,6 +48,9 @@ pub(crate) struct Call<'a> {
     /// Out-of-place results are written with streaming stores from this footprint on
     /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
     pub nt_bytes: usize,
+    /// One-shot calls from this input size on may run through shared buffers
+    /// ([`Config::oneshot_mapped_min`](crate::base::param::Config::oneshot_mapped_min)).
+    pub mapped_min: usize,
     /// The TCP links not made yet (`OXCCL_TCP_CONNECT=lazy`): a schedule's missing links are
     /// made before its first step, within the call's timeout.
     pub lazy: Option<&'a mut LazyTcp>,
@@ -76,6 +79,7 @@ impl Call<'_> {
             scratch,
             held,
             nt_bytes,
+            mapped_min,
             lazy,
         } = self;
         match direct {
@@ -89,6 +93,7 @@ impl Call<'_> {
                     links: Some(links),
                     step_ends,
                     nt_bytes,
+                    mapped_min,
                 };
                 match algo {
                     Algo::OneShot => oneshot::run(&mut cx, &coll, bufs, scratch),

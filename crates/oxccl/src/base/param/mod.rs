@@ -109,6 +109,11 @@ pub struct Config {
     /// shared slots when every rank shares a host; with `n` ranks, `n - 1` times as many (up
     /// to a slot, 64 KiB). Default 32 KiB.
     pub oneshot_max: usize,
+    /// `OXCCL_ONESHOT_MAPPED_MIN`: a one-shot all_reduce, reduce_scatter or all_gather of at
+    /// least this many bytes whose ranks all have their buffers in shared buffers runs
+    /// through those buffers (single-copy) instead of the slots (`direct/oneshot.rs`).
+    /// Default 8 KiB.
+    pub oneshot_mapped_min: usize,
     /// `OXCCL_CMA_MIN`: inputs from this many bytes on are copied straight from peers' buffers
     /// (`process_vm_readv`) when every rank shares a host. Default 64 KiB.
     pub cma_min: usize,
@@ -216,6 +221,7 @@ impl Default for Config {
             algo: None,
             chunk_bytes: 256 << 10,
             oneshot_max: 32 << 10,
+            oneshot_mapped_min: 8 << 10,
             cma_min: 64 << 10,
             cma: true,
             nt_bytes: last_level_cache().unwrap_or(32 << 20) / 4,
@@ -540,6 +546,9 @@ impl Config {
         }
         if let Some(b) = ONESHOT_MAX.bytes()? {
             c.oneshot_max = b;
+        }
+        if let Some(b) = ONESHOT_MAPPED_MIN.bytes()? {
+            c.oneshot_mapped_min = b;
         }
         if let Some(b) = CMA_MIN.bytes()? {
             c.cma_min = b;

@@ -278,6 +278,14 @@ pub const ONESHOT_MAX: Param = p(
     Comm,
     "largest input sent one-shot through shared slots",
 );
+/// `OXCCL_ONESHOT_MAPPED_MIN`.
+pub const ONESHOT_MAPPED_MIN: Param = p(
+    "OXCCL_ONESHOT_MAPPED_MIN",
+    bytes(0, MAX_THRESHOLD),
+    "8K",
+    Comm,
+    "one-shot input from which shared buffers are used in place of the slots",
+);
 /// `OXCCL_CMA_MIN`.
 pub const CMA_MIN: Param = p(
     "OXCCL_CMA_MIN",
@@ -682,6 +690,7 @@ pub const PARAMS: &[Param] = &[
     SOCKET_IFNAME,
     ALGO,
     ONESHOT_MAX,
+    ONESHOT_MAPPED_MIN,
     CMA_MIN,
     CMA,
     NT_BYTES,
