@@ -450,36 +450,19 @@ impl Tuning {
         out
     }
 
-    /// `self` without the values [`Tuning::implausible`] finds, each announced once per
-    /// process naming `path` and the key: a threshold takes its built-in value, and one
-    /// implausible rate drops them all (the cost model's built-in ones are used).
-    fn trusted(mut self, path: &std::path::Path) -> Tuning {
+    /// `self` without the values [`Tuning::implausible`] finds, and those values as
+    /// `(key, why)`: a threshold takes its built-in value, and one implausible rate drops
+    /// them all (the cost model's built-in ones stand).
+    pub fn trusted(mut self) -> (Tuning, Vec<(&'static str, String)>) {
         let doubts = self.implausible();
-        for (key, why) in &doubts {
-            let instead = match *key {
-                "oneshot_max" => {
-                    self.oneshot_max = ONESHOT_MAX_DEFAULT;
-                    "the built-in value is used"
-                }
-                "cma_min" => {
-                    self.cma_min = CMA_MIN_DEFAULT;
-                    "the built-in value is used"
-                }
-                _ => "no rate of the file is used",
-            };
-            warn_once(format!(
-                "{}: {why}: not used, {instead} (a disturbed `oxccl tune`? rerun it on a quiet \
-                 machine, or delete the file)",
-                path.display()
-            ));
+        for (key, _) in &doubts {
+            match *key {
+                "oneshot_max" => self.oneshot_max = ONESHOT_MAX_DEFAULT,
+                "cma_min" => self.cma_min = CMA_MIN_DEFAULT,
+                _ => self.rates = None,
+            }
         }
-        if doubts
-            .iter()
-            .any(|(k, _)| !matches!(*k, "oneshot_max" | "cma_min"))
-        {
-            self.rates = None;
-        }
-        self
+        (self, doubts)
     }
 
     /// Where the measured tuning lives (`None` when `OXCCL_TUNE_FILE` is set empty: no file).
@@ -519,7 +502,20 @@ impl Tuning {
                 path.display()
             ))
         })?;
-        Ok(Some(t.trusted(path)))
+        let (t, dropped) = t.trusted();
+        for (key, why) in dropped {
+            let instead = if Rates::KEYS.iter().any(|(k, _)| *k == key) {
+                "no rate of the file is used"
+            } else {
+                "the built-in value is used"
+            };
+            warn_once(format!(
+                "{}: {why}: not used, {instead} (a disturbed `oxccl tune`? rerun it on a quiet \
+                 machine, or delete the file)",
+                path.display()
+            ));
+        }
+        Ok(Some(t))
     }
 
     /// Parses the `key=value` form (`#` starts a comment).
