@@ -24,7 +24,7 @@ use crate::args::{self, MAX_ITERS as MAX_ITER_ARG, MAX_LOCAL_RANKS, MAX_PERF_BYT
 use crate::launch::rank_or_launch;
 
 mod inject;
-mod runq;
+pub(crate) mod runq;
 
 /// `oxccl perf` arguments (nccl-tests' names).
 #[derive(ClapArgs, Clone)]
@@ -390,7 +390,7 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     let mut bufs = case.buffers((a.register == Some(1)).then_some(comm))?;
     let (send, recv) = bufs.get();
     case.fill(send, recv);
-    let t = time_calls_cpu(comm, case, send, recv, a.warmup, a.iters)?;
+    let t = time_calls(comm, case, send, recv, a.warmup, a.iters)?;
     let wrong = if a.check == 1 {
         case.fill(send, recv);
         case.call(comm, send, recv)?;
@@ -410,32 +410,19 @@ fn measure(comm: &Communicator, case: &Case, a: &Args) -> oxccl::Result<Measured
     })
 }
 
-/// Seconds one call of `case` takes, the slowest rank's average over `iters` calls (by
-/// default as many as fit about 20 ms) after `warmup` calls, and the algorithm that ran.
-/// Collective: every rank calls it.
-pub(crate) fn time_calls(
-    comm: &Communicator,
-    case: &Case,
-    send: &[u8],
-    recv: &mut [u8],
-    warmup: usize,
-    iters: Option<usize>,
-) -> oxccl::Result<(f64, &'static str)> {
-    time_calls_cpu(comm, case, send, recv, warmup, iters).map(|t| (t.secs, t.algo))
-}
-
-/// What [`time_calls_cpu`] measures, per call.
-struct Timed {
+/// What [`time_calls`] measures, per call.
+pub(crate) struct Timed {
     /// The slowest rank's wall time.
-    secs: f64,
-    algo: &'static str,
+    pub(crate) secs: f64,
+    /// The algorithm that ran.
+    pub(crate) algo: &'static str,
     /// CPU time, summed over ranks.
     cpu: f64,
     /// The part of `cpu` spent in the kernel, summed over ranks.
     sys: f64,
     /// Time the ranks' threads waited for a CPU ([`runq`]), summed over ranks; `None` where
     /// any rank cannot read it.
-    runq_wait: Option<f64>,
+    pub(crate) runq_wait: Option<f64>,
 }
 
 /// This process's CPU time so far (user + system, all threads), in seconds.
@@ -455,9 +442,11 @@ fn sys_now() -> f64 {
     r.ru_stime.tv_sec as f64 + r.ru_stime.tv_usec as f64 * 1e-6
 }
 
-/// [`time_calls`], and the CPU seconds one call costs and the seconds its ranks waited for a
-/// CPU, each summed over all ranks.
-fn time_calls_cpu(
+/// Seconds one call of `case` takes, the slowest rank's average over `iters` calls (by
+/// default as many as fit about 20 ms) after `warmup` calls, the algorithm that ran, and the
+/// CPU seconds one call costs and the seconds its ranks waited for a CPU, each summed over
+/// all ranks. Collective: every rank calls it.
+pub(crate) fn time_calls(
     comm: &Communicator,
     case: &Case,
     send: &[u8],

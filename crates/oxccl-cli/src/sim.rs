@@ -193,7 +193,8 @@ fn run(a: &Args, out: &mut dyn Write) -> Result<(), String> {
                 .ok_or_else(|| format!("--tune-file {}: no such file", f.display()))?;
             let r = t.rates.ok_or_else(|| {
                 format!(
-                    "--tune-file {}: no measured rates (written by an older `oxccl tune`: rerun it)",
+                    "--tune-file {}: no measured rates (written by an older `oxccl tune`, or \
+                     implausible as said above: rerun it)",
                     f.display()
                 )
             })?;

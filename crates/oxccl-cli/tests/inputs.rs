@@ -273,6 +273,16 @@ fn flags() -> Vec<(Vec<&'static str>, &'static str, &'static str)> {
         (vec!["run"], "--expect-kill", "--expect-kill"),
         (vec!["tune", "--dry-run"], "--ranks", "--ranks"),
         (vec!["tune", "--dry-run"], "--max-bytes", "--max-bytes"),
+        (
+            vec!["tune", "--dry-run", "--max-bytes", "64K"],
+            "--repeats",
+            "--repeats",
+        ),
+        (
+            vec!["tune", "--dry-run", "--max-bytes", "64K"],
+            "--max-wait",
+            "--max-wait",
+        ),
         (vec!["status", "127.0.0.1:9"], "--timeout", "--timeout"),
         (vec!["status", "127.0.0.1:9"], "--watch", "--watch"),
         (vec!["sim", "--hosts", "2", "-e", "8"], "--minbytes", "-b"),

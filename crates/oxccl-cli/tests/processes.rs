@@ -490,17 +490,26 @@ fn perf_reports_the_algorithm_that_ran_and_obeys_algo() {
     );
 }
 
+/// `oxccl tune --ranks 2 --max-bytes 256K ARGS --out FILE`.
+fn tune(args: &[&str], file: &std::path::Path) -> Output {
+    Command::new(OXCCL)
+        .args(["tune", "--ranks", "2", "--max-bytes", "256K"])
+        .args(args)
+        .arg("--out")
+        .arg(file)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn tune_measures_and_saves() {
     let file = std::env::temp_dir().join(format!("oxccl-tune-{}.conf", std::process::id()));
-    let out = Command::new(OXCCL)
-        .args(["tune", "--ranks", "2", "--max-bytes", "256K", "--out"])
-        .arg(&file)
-        .output()
-        .unwrap();
+    // --force: the test suite's load may fail tune's checks (tune_refuses_what_it_cannot_trust).
+    let out = tune(&["--force"], &file);
     assert_ok(&out, "tune");
     let saved = oxccl::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("# checks: waited for a CPU"), "{stdout}");
     assert!(
         stdout.contains(&format!("oneshot_max={}", saved.oneshot_max)),
         "{stdout}"
@@ -526,6 +535,39 @@ fn tune_measures_and_saves() {
         table.contains(&format!("rates: measured, {}", file.display())),
         "{table}"
     );
+    let _ = std::fs::remove_file(file);
+}
+
+/// `oxccl tune` does not save measurements it does not trust: here any wait for a CPU
+/// (`--max-wait 0`; every run waits a little, for wake-ups at least). It says why and exits
+/// non-zero; `--force` saves them anyway.
+#[test]
+fn tune_refuses_what_it_cannot_trust() {
+    if !std::path::Path::new("/proc/self/schedstat").exists() {
+        return; // no scheduler statistics: tune cannot see waits
+    }
+    let file = std::env::temp_dir().join(format!("oxccl-tune-refused-{}.conf", std::process::id()));
+    let _ = std::fs::remove_file(&file);
+    let out = tune(&["--repeats", "1", "--max-wait", "0"], &file);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("# not trusted: rank 0 measuring the rates waited for a CPU"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("not saved") && stderr.contains("--force"),
+        "{stderr}"
+    );
+    assert!(!file.exists(), "nothing saved");
+    let out = tune(&["--repeats", "1", "--max-wait", "0", "--force"], &file);
+    assert_ok(&out, "tune --force");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("saved despite failed checks"), "{stdout}");
+    oxccl::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let _ = std::fs::remove_file(file);
 }
 

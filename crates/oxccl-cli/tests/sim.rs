@@ -261,4 +261,16 @@ fn tune_file_refused_with_a_reason() {
     let e = run(&old);
     assert!(e.contains("--tune-file") && e.contains("missing"), "{e}");
     let _ = std::fs::remove_file(old);
+    // A rate no host has (a disturbed `oxccl tune`): not used, named with its file; one
+    // such rate drops them all.
+    let absurd = tune_file("absurd", 1e6);
+    let e = run(&absurd);
+    assert!(
+        e.contains(&format!(
+            "{}: tcp_gbps=1000000 is outside",
+            absurd.display()
+        )) && e.contains("no measured rates"),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(absurd);
 }

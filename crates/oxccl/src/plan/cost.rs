@@ -72,17 +72,19 @@ pub(crate) struct CostModel {
 
 impl Default for CostModel {
     fn default() -> Self {
+        // The built-in rates, also the nominal ones a tune file's are checked against.
+        let r = crate::base::param::Rates::NOMINAL;
         CostModel {
             shm: LinkCost {
-                alpha_us: 4.0,
-                gbps: 3.0,
+                alpha_us: r.shm_lat_us,
+                gbps: r.shm_gbps,
             },
             net: LinkCost {
                 alpha_us: 30.0,
                 gbps: 1.2,
             },
-            local_gbps: 2.0,
-            cached_gbps: 10.0,
+            local_gbps: r.reduce_gbps,
+            cached_gbps: r.reduce_cached_gbps,
             tcp: None,
             cpu_share: 1.0,
         }
@@ -382,14 +384,9 @@ mod tests {
 
     fn rates(tcp_lat_us: f64, tcp_gbps: f64) -> crate::base::param::Rates {
         crate::base::param::Rates {
-            shm_lat_us: 4.0,
-            shm_gbps: 3.0,
-            reduce_gbps: 2.0,
-            reduce_cached_gbps: 10.0,
-            copy_gbps: 4.0,
-            copy_cached_gbps: 20.0,
             tcp_lat_us,
             tcp_gbps,
+            ..crate::base::param::Rates::NOMINAL
         }
     }
 

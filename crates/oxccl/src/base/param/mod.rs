@@ -220,9 +220,9 @@ impl Default for Config {
             socket_ifname: None,
             algo: None,
             chunk_bytes: 256 << 10,
-            oneshot_max: 32 << 10,
+            oneshot_max: ONESHOT_MAX_DEFAULT,
             oneshot_mapped_min: 8 << 10,
-            cma_min: 64 << 10,
+            cma_min: CMA_MIN_DEFAULT,
             cma: true,
             nt_bytes: last_level_cache().unwrap_or(32 << 20) / 4,
             deterministic: false,
@@ -298,6 +298,11 @@ fn last_level_cache() -> Option<usize> {
     })
 }
 
+/// `OXCCL_ONESHOT_MAX`'s built-in value: 32 KiB.
+const ONESHOT_MAX_DEFAULT: usize = 32 << 10;
+/// `OXCCL_CMA_MIN`'s built-in value: 64 KiB.
+const CMA_MIN_DEFAULT: usize = 64 << 10;
+
 /// What `oxccl tune` measured on this host: the sizes where one algorithm overtakes another.
 /// Saved as `key=value` lines in `OXCCL_TUNE_FILE` (default `~/.cache/oxccl/tune.conf`) and
 /// read by [`Config::from_env`]; `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` override it.
@@ -353,6 +358,21 @@ impl Rates {
         ("tcp_gbps", |r| &mut r.tcp_gbps),
     ];
 
+    /// What the cost model assumes without a tune file (`plan/cost.rs` takes its
+    /// shared-memory link and reduction rates from here), and typical values for the rates
+    /// it has no built-in use for (copy; the loopback TCP stack). A tune file's rate more than
+    /// [`Tuning::TRUST_FACTOR`] times away from its nominal value, either way, is not used.
+    pub const NOMINAL: Rates = Rates {
+        shm_lat_us: 4.0,
+        shm_gbps: 3.0,
+        reduce_gbps: 2.0,
+        reduce_cached_gbps: 10.0,
+        copy_gbps: 4.0,
+        copy_cached_gbps: 20.0,
+        tcp_lat_us: 10.0,
+        tcp_gbps: 2.0,
+    };
+
     /// Every rate as `(key, value)`, in the file's order.
     pub fn entries(&self) -> Vec<(&'static str, f64)> {
         let mut r = *self;
@@ -360,7 +380,97 @@ impl Rates {
     }
 }
 
+/// `why` when `value` lies outside `lo..=hi`: `KEY=VALUE is outside LO to HI (RULE)`.
+fn outside(key: &str, value: f64, lo: f64, hi: f64, rule: &str) -> Option<String> {
+    (!(lo..=hi).contains(&value)).then(|| {
+        let shown = if value >= table::MAX_THRESHOLD as f64 {
+            format!("{value} (never)")
+        } else {
+            format!("{value}")
+        };
+        format!("{key}={shown} is outside {lo} to {hi} ({rule})")
+    })
+}
+
+/// Announces `msg` once per process (a tune file is read by every communicator).
+fn warn_once(msg: String) {
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if !seen.contains(&msg) {
+        crate::base::debug::announce(&msg);
+        seen.push(msg);
+    }
+}
+
 impl Tuning {
+    /// How far from its built-in value (a factor, either way) a threshold or a rate in a tune
+    /// file may lie and still be used: a file from an `oxccl tune` run that other processes
+    /// disturbed (single-copy never the fastest, link latencies of milliseconds) must not
+    /// make a host worse than no file would. 32, not 16: on a quiet 2-core VM (load 0.6)
+    /// four `oxccl tune` runs saved `cma_min` 2 MiB, 2 MiB, 1 MiB and never (ring and
+    /// single-copy within noise of each other from 512 KiB on); under three busy loops
+    /// `shm_lat_us` came out 1000 to 5400 µs.
+    pub const TRUST_FACTOR: f64 = 32.0;
+    /// The largest `oneshot_max` a tune file may set: one-shot carries at most a slot of the
+    /// direct area (64 KiB).
+    pub const ONESHOT_MAX_LIMIT: usize = 64 << 10;
+
+    /// Every value of `self` this library does not use, as `(key, why)`: a threshold more
+    /// than [`Tuning::TRUST_FACTOR`] times away from its built-in value (`oneshot_max`
+    /// beyond a slot, [`Tuning::ONESHOT_MAX_LIMIT`]; `cma_min` "never"), a rate more than
+    /// that away from [`Rates::NOMINAL`]. `oxccl tune` refuses to save such values, and
+    /// [`Tuning::read`] ignores them.
+    pub fn implausible(&self) -> Vec<(&'static str, String)> {
+        let f = Self::TRUST_FACTOR;
+        let mut out = Vec::new();
+        let thresholds = [
+            (
+                "oneshot_max",
+                self.oneshot_max,
+                ONESHOT_MAX_DEFAULT,
+                Self::ONESHOT_MAX_LIMIT,
+                format!("the built-in 32 KiB ÷/× {f}, at most a slot"),
+            ),
+            (
+                "cma_min",
+                self.cma_min,
+                CMA_MIN_DEFAULT,
+                CMA_MIN_DEFAULT * f as usize,
+                format!("the built-in 64 KiB ÷/× {f}"),
+            ),
+        ];
+        for (key, v, default, hi, rule) in thresholds {
+            let lo = (default as f64 / f) as usize;
+            if let Some(why) = outside(key, v as f64, lo as f64, hi as f64, &rule) {
+                out.push((key, why));
+            }
+        }
+        if let Some(r) = &self.rates {
+            for ((key, v), (_, nominal)) in r.entries().into_iter().zip(Rates::NOMINAL.entries()) {
+                let rule = format!("the nominal {nominal} ÷/× {f}");
+                if let Some(why) = outside(key, v, nominal / f, nominal * f, &rule) {
+                    out.push((key, why));
+                }
+            }
+        }
+        out
+    }
+
+    /// `self` without the values [`Tuning::implausible`] finds, and those values as
+    /// `(key, why)`: a threshold takes its built-in value, and one implausible rate drops
+    /// them all (the cost model's built-in ones stand).
+    pub fn trusted(mut self) -> (Tuning, Vec<(&'static str, String)>) {
+        let doubts = self.implausible();
+        for (key, _) in &doubts {
+            match *key {
+                "oneshot_max" => self.oneshot_max = ONESHOT_MAX_DEFAULT,
+                "cma_min" => self.cma_min = CMA_MIN_DEFAULT,
+                _ => self.rates = None,
+            }
+        }
+        (self, doubts)
+    }
+
     /// Where the measured tuning lives (`None` when `OXCCL_TUNE_FILE` is set empty: no file).
     pub fn path() -> Option<std::path::PathBuf> {
         if let Some(p) = std::env::var_os(table::TUNE_FILE.name) {
@@ -383,19 +493,35 @@ impl Tuning {
     }
 
     /// The tuning saved in `path` (`None` when there is no such file); a malformed file is
-    /// an error naming it.
+    /// an error naming it. Values outside sane bounds ([`Tuning::implausible`]) are not
+    /// used: a warning names the file and the key, once per process, and the threshold
+    /// takes its built-in value (the rates: none of them).
     pub fn read(path: &std::path::Path) -> Result<Option<Tuning>> {
         let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::Env(format!("{}: {e}", path.display()))),
         };
-        Self::parse(&text).map(Some).map_err(|e| {
+        let t = Self::parse(&text).map_err(|e| {
             Error::Env(format!(
                 "{}: {e} (rerun `oxccl tune` or delete it)",
                 path.display()
             ))
-        })
+        })?;
+        let (t, dropped) = t.trusted();
+        for (key, why) in dropped {
+            let instead = if Rates::KEYS.iter().any(|(k, _)| *k == key) {
+                "no rate of the file is used"
+            } else {
+                "the built-in value is used"
+            };
+            warn_once(format!(
+                "{}: {why}: not used, {instead} (a disturbed `oxccl tune`? rerun it on a quiet \
+                 machine, or delete the file)",
+                path.display()
+            ));
+        }
+        Ok(Some(t))
     }
 
     /// Parses the `key=value` form (`#` starts a comment).
@@ -665,5 +791,62 @@ mod tests {
             rates: None,
         };
         assert_eq!(Tuning::parse(&never.render("never")).unwrap(), never);
+    }
+
+    /// A tune file from a disturbed `oxccl tune` (single-copy never the fastest, a link
+    /// latency of 56 ms) is read without its implausible values, each named once.
+    #[test]
+    fn implausible_values_of_a_tune_file_are_not_used() {
+        let path =
+            std::env::temp_dir().join(format!("oxccl-implausible-{}.conf", std::process::id()));
+        let good = Rates {
+            shm_lat_us: 2.0,
+            ..Rates::NOMINAL
+        };
+        let t = Tuning {
+            oneshot_max: 16 << 10,
+            cma_min: table::MAX_THRESHOLD as usize,
+            rates: Some(good),
+        };
+        std::fs::write(&path, t.render("loaded")).unwrap();
+        let read = Tuning::read(&path).unwrap().unwrap();
+        assert_eq!(
+            read.cma_min, CMA_MIN_DEFAULT,
+            "never single-copy is not used"
+        );
+        assert_eq!(read.oneshot_max, 16 << 10, "a sane threshold stays");
+        assert_eq!(read.rates, Some(good), "sane rates stay");
+        let bad = Tuning {
+            oneshot_max: 1 << 20,
+            cma_min: 128 << 10,
+            rates: Some(Rates {
+                shm_lat_us: 56_000.0,
+                ..good
+            }),
+        };
+        std::fs::write(&path, bad.render("loaded")).unwrap();
+        for _ in 0..2 {
+            let read = Tuning::read(&path).unwrap().unwrap();
+            assert_eq!(read.oneshot_max, ONESHOT_MAX_DEFAULT, "past a slot");
+            assert_eq!(read.cma_min, 128 << 10);
+            assert_eq!(read.rates, None, "one absurd rate drops them all");
+        }
+        let said: Vec<String> = crate::base::debug::ANNOUNCED
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.starts_with(&path.display().to_string()))
+            .cloned()
+            .collect();
+        assert_eq!(said.len(), 3, "once each, naming file and key: {said:?}");
+        for key in [
+            "cma_min=1099511627776 (never)",
+            "oneshot_max=1048576",
+            "shm_lat_us=56000",
+        ] {
+            assert!(said.iter().any(|m| m.contains(key)), "{key}: {said:?}");
+        }
+        assert!(bad.implausible().len() == 2 && t.implausible().len() == 1);
+        let _ = std::fs::remove_file(path);
     }
 }
