@@ -152,6 +152,14 @@ fn pool_error(msg: String) -> Error {
     Error::SharedPool { msg }
 }
 
+/// A fresh shared buffer of `bytes` bytes; an error names `what` was asked for.
+fn fresh(bytes: usize, what: impl FnOnce() -> String) -> Result<SharedBuffer> {
+    SharedBuffer::new(bytes, 0).map_err(|e| match e {
+        Error::SharedMemory { msg, .. } => pool_error(format!("cannot allocate {}: {msg}", what())),
+        other => other,
+    })
+}
+
 impl SharedPool {
     /// An empty pool whose cache holds at most `cache_bytes` bytes.
     pub fn new(cache_bytes: usize) -> SharedPool {
@@ -210,12 +218,7 @@ impl SharedPool {
             None => {
                 // Not under the lock: creating and mapping a memfd takes system calls.
                 drop(s);
-                let b = SharedBuffer::new(class, 0).map_err(|e| match e {
-                    Error::SharedMemory { msg, .. } => {
-                        pool_error(format!("cannot allocate {bytes} bytes: {msg}"))
-                    }
-                    other => other,
-                })?;
+                let b = fresh(class, || format!("{bytes} bytes"))?;
                 s = self.lock();
                 b
             }
@@ -238,12 +241,7 @@ impl SharedPool {
             None => {
                 // Not under the lock: creating and mapping a memfd takes system calls.
                 drop(s);
-                let buf = SharedBuffer::new(SLAB_BYTES, 0).map_err(|e| match e {
-                    Error::SharedMemory { msg, .. } => {
-                        pool_error(format!("cannot allocate a {class}-byte block: {msg}"))
-                    }
-                    other => other,
-                })?;
+                let buf = fresh(SLAB_BYTES, || format!("a {class}-byte block"))?;
                 let base = buf.as_ptr() as usize;
                 s = self.lock();
                 // The other blocks go to the free list, the lowest address handed out first.
