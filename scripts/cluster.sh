@@ -37,7 +37,9 @@
 # net.ipv4.tcp_slow_start_after_idle: 0 keeps an idle connection's congestion window), GLOO_PY (python with torch; default
 # ~/.cache/oxccl-anchors/venv/bin/python), ANCHORS (../shared/anchors),
 # OXCCL_CLUSTER_CC (each host's net.ipv4.tcp_congestion_control; default: the machine's, which
-# a new namespace inherits), OXCCL_CLUSTER_TBF (the tbf's parameters after its rate; default
+# a new namespace inherits; only those of net.ipv4.tcp_allowed_congestion_control: reno and
+# bbr on the test VM, not cubic), OXCCL_CLUSTER_SYSCTL (key=value words set in every host),
+# OXCCL_CLUSTER_TBF (the tbf's parameters after its rate; default
 # "burst 512k latency 2ms"), OXCCL_CLUSTER_HOST_QDISC and OXCCL_CLUSTER_PORT_QDISC (the root
 # qdisc of each host's eth0 and of each switch port, as tc words, e.g. "fq maxrate 10gbit";
 # none: the veth's default; default "tbf rate RATE OXCCL_CLUSTER_TBF"), OXCCL_CLUSTER_STATS=DIR (`perf` only: writes into DIR, after
@@ -125,11 +127,17 @@ up() {
       ip netns exec "$h" sysctl -qw net.ipv4.tcp_slow_start_after_idle="$OXCCL_CLUSTER_SSAI"
     [ -z "${OXCCL_CLUSTER_CC:-}" ] ||
       ip netns exec "$h" sysctl -qw net.ipv4.tcp_congestion_control="$OXCCL_CLUSTER_CC"
+    # shellcheck disable=SC2086 # a list of key=value words
+    [ -z "${OXCCL_CLUSTER_SYSCTL:-}" ] || ip netns exec "$h" sysctl -qw $OXCCL_CLUSTER_SYSCTL
     ip -n "$h" addr add "$NET.$((k + 1))/24" dev eth0
     ip -n "$h" link set eth0 up
     ip -n "${P}sw" link set "p$k" master br0
     ip -n "${P}sw" link set "p$k" up
-    # Shape both directions: host -> switch on eth0, switch -> host on p$k.
+    # Shape both directions: host -> switch on eth0, switch -> host on p$k. The shapers run
+    # on this machine's cores: a throttled tbf releases each packet from a timer softirq, so
+    # a link shaped below the CPU's TCP rate costs more CPU per byte than an unshaped one
+    # (10 Gbit/s on 2 cores: 34-37 core-ms per 16 MB ring against 27-32; docs/scale.md,
+    # "Why 10 Gbit/s rows ran slower than both bounds").
     local hq=${OXCCL_CLUSTER_HOST_QDISC:-tbf rate $RATE $TBF} pq=${OXCCL_CLUSTER_PORT_QDISC:-tbf rate $RATE $TBF}
     # shellcheck disable=SC2086 # a qdisc is a list of tc words
     [ "$hq" = none ] || tc -n "$h" qdisc add dev eth0 root $hq

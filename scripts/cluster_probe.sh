@@ -8,9 +8,9 @@
 # was limited by the receive window or its send buffer). scripts/cluster_probe.py reads one
 # run's files.
 #
-# Usage (root): scripts/cluster_probe.sh ROUNDS "NAME VAR=VALUE ..." ...
-#   e.g. scripts/cluster_probe.sh 3 "10g OXCCL_CLUSTER_RATE=10gbit" "100g OXCCL_CLUSTER_RATE=100gbit" \
-#        "10g-cubic OXCCL_CLUSTER_RATE=10gbit OXCCL_CLUSTER_CC=cubic"
+# Usage (root): scripts/cluster_probe.sh ROUNDS "NAME;VAR=VALUE;..." ...
+#   e.g. scripts/cluster_probe.sh 3 "10g;OXCCL_CLUSTER_RATE=10gbit" "100g;OXCCL_CLUSTER_RATE=100gbit" \
+#        "10g-deep;OXCCL_CLUSTER_RATE=10gbit;OXCCL_CLUSTER_TBF=burst 512k latency 20ms"
 # Settings: SHAPE (2x1), SIZE (16M), ALGO (ring), ITERS (40), OUT (a new /tmp/oxccl-probe.*;
 # kept: one folder per run, NAME-ROUND).
 set -euo pipefail
@@ -27,12 +27,12 @@ echo "# $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg), files in $OUT"
 python3 scripts/cluster_probe.py --header
 for ((i = 1; i <= rounds; i++)); do
   for setting in "$@"; do
-    read -r name vars <<<"$setting"
+    IFS=';' read -r -a parts <<<"$setting"
+    name=${parts[0]}
     dir="$OUT/$name-$i"
     rm -rf "$dir"
     mkdir -p "$dir"
-    # shellcheck disable=SC2086 # vars is a list of VAR=VALUE words
-    if ! env $vars OXCCL_CLUSTER_STATS="$dir" scripts/cluster.sh perf "${shape%x*}" "${shape#*x}" \
+    if ! env "${parts[@]:1}" OXCCL_CLUSTER_STATS="$dir" scripts/cluster.sh perf "${shape%x*}" "${shape#*x}" \
       all_reduce -b "${SIZE:-16M}" -e "${SIZE:-16M}" -n "${ITERS:-40}" -w 3 --algo "${ALGO:-ring}" \
       --json "$dir/perf.json" >"$dir/out.txt" 2>&1; then
       echo "$name round $i: FAILED" >&2

@@ -699,6 +699,14 @@ pub const CLUSTER_SSAI: Param = p(
     Script,
     "net.ipv4.tcp_slow_start_after_idle of the emulated hosts",
 );
+/// `OXCCL_CLUSTER_SYSCTL`.
+pub const CLUSTER_SYSCTL: Param = p(
+    "OXCCL_CLUSTER_SYSCTL",
+    Kind::Text { max_len: 1024 },
+    "unset",
+    Script,
+    "sysctl key=value words set in every emulated host",
+);
 /// `OXCCL_CLUSTER_STATS`.
 pub const CLUSTER_STATS: Param = p(
     "OXCCL_CLUSTER_STATS",
@@ -775,6 +783,7 @@ pub const PARAMS: &[Param] = &[
     CLUSTER_PORT_QDISC,
     CLUSTER_CC,
     CLUSTER_SSAI,
+    CLUSTER_SYSCTL,
     CLUSTER_STATS,
 ];
 
