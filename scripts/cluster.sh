@@ -35,7 +35,18 @@
 # Settings: OXCCL_BIN (default target/release/oxccl), OXCCL_CLUSTER_RATE (10gbit),
 # OXCCL_CLUSTER_MTU (9000; 1500 for standard frames), OXCCL_CLUSTER_SSAI (when set, each host's
 # net.ipv4.tcp_slow_start_after_idle: 0 keeps an idle connection's congestion window), GLOO_PY (python with torch; default
-# ~/.cache/oxccl-anchors/venv/bin/python), ANCHORS (../shared/anchors).
+# ~/.cache/oxccl-anchors/venv/bin/python), ANCHORS (../shared/anchors),
+# OXCCL_CLUSTER_CC (each host's net.ipv4.tcp_congestion_control; default: the machine's, which
+# a new namespace inherits; only those of net.ipv4.tcp_allowed_congestion_control: reno and
+# bbr on the test VM, not cubic), OXCCL_CLUSTER_SYSCTL (key=value words set in every host),
+# OXCCL_CLUSTER_TBF (the tbf's parameters after its rate; default
+# "burst 512k latency 2ms"), OXCCL_CLUSTER_HOST_QDISC and OXCCL_CLUSTER_PORT_QDISC (the root
+# qdisc of each host's eth0 and of each switch port, as tc words, e.g. "fq maxrate 10gbit";
+# none: the veth's default; default "tbf rate RATE OXCCL_CLUSTER_TBF"), OXCCL_CLUSTER_STATS=DIR (`perf` only: writes into DIR, after
+# the run, each namespace's `tc -s qdisc` and `nstat -asz` (a namespace's counters start at
+# zero when it is made), and during the run, every 100 ms, the machine's CPU line, context
+# switches, softirq counts and ksoftirqd's CPU time with `ss -tin` of every host (ss.txt;
+# scripts/cluster_probe.py samples and reads them)).
 #
 # Addresses are 10.77.0.K+1/24, inside namespaces this script creates (named oxc<pid>-...),
 # so nothing outside them is touched; everything is removed on exit, also on failure.
@@ -45,6 +56,7 @@ cd "$(dirname "$0")/.."
 
 BIN=${OXCCL_BIN:-target/release/oxccl}
 RATE=${OXCCL_CLUSTER_RATE:-10gbit}
+TBF=${OXCCL_CLUSTER_TBF:-burst 512k latency 2ms}
 MTU=${OXCCL_CLUSTER_MTU:-9000}
 P="oxc$$-"
 NET=10.77.0
@@ -93,6 +105,7 @@ down() {
 
 cleanup() {
   local rc=$?
+  [ -z "${SAMPLER:-}" ] || kill "$SAMPLER" 2>/dev/null || true
   down
   if [ "$rc" = 0 ]; then rm -rf "$LOGS"; else echo "cluster.sh: logs kept in $LOGS" >&2; fi
 }
@@ -112,13 +125,24 @@ up() {
     ip -n "$h" link set lo up
     [ -z "${OXCCL_CLUSTER_SSAI:-}" ] ||
       ip netns exec "$h" sysctl -qw net.ipv4.tcp_slow_start_after_idle="$OXCCL_CLUSTER_SSAI"
+    [ -z "${OXCCL_CLUSTER_CC:-}" ] ||
+      ip netns exec "$h" sysctl -qw net.ipv4.tcp_congestion_control="$OXCCL_CLUSTER_CC"
+    # shellcheck disable=SC2086 # a list of key=value words
+    [ -z "${OXCCL_CLUSTER_SYSCTL:-}" ] || ip netns exec "$h" sysctl -qw $OXCCL_CLUSTER_SYSCTL
     ip -n "$h" addr add "$NET.$((k + 1))/24" dev eth0
     ip -n "$h" link set eth0 up
     ip -n "${P}sw" link set "p$k" master br0
     ip -n "${P}sw" link set "p$k" up
-    # Shape both directions: host -> switch on eth0, switch -> host on p$k.
-    tc -n "$h" qdisc add dev eth0 root tbf rate "$RATE" burst 512k latency 2ms
-    tc -n "${P}sw" qdisc add dev "p$k" root tbf rate "$RATE" burst 512k latency 2ms
+    # Shape both directions: host -> switch on eth0, switch -> host on p$k. The shapers run
+    # on this machine's cores: a throttled tbf releases each packet from a timer softirq, so
+    # a link shaped below the CPU's TCP rate costs more CPU per byte than an unshaped one
+    # (10 Gbit/s on 2 cores: 34-37 core-ms per 16 MB ring against 27-32; docs/scale.md,
+    # "Why 10 Gbit/s rows ran slower than both bounds").
+    local hq=${OXCCL_CLUSTER_HOST_QDISC:-tbf rate $RATE $TBF} pq=${OXCCL_CLUSTER_PORT_QDISC:-tbf rate $RATE $TBF}
+    # shellcheck disable=SC2086 # a qdisc is a list of tc words
+    [ "$hq" = none ] || tc -n "$h" qdisc add dev eth0 root $hq
+    # shellcheck disable=SC2086
+    [ "$pq" = none ] || tc -n "${P}sw" qdisc add dev "p$k" root $pq
   done
   for ((k = 1; k < HOSTS; k++)); do
     # A refused connection proves the path works (no ping needed): only a timeout fails.
@@ -175,6 +199,33 @@ run() {
   wait_ok
   grep -q '# Out of bounds values : 0 OK' "$LOGDIR/rank0.log" || die "$name: results not checked OK"
   grep -v '^#  *iters\|^# *(B)' "$LOGDIR/rank0.log" | sed "s/^/[$name] /"
+}
+
+# stats_begin DIR: samples, every 100 ms until stats_end, the machine's CPU time (the `cpu`
+# line of /proc/stat), context switches, softirq counts, the ksoftirqd threads' CPU time
+# (/proc/PID/schedstat) and every host's TCP sockets
+# (`ss -tin`: cwnd, rtt, pacing and delivery rate, the time limited by the receive window
+# or the send buffer) into DIR/ss.txt.
+stats_begin() {
+  mkdir -p "$1"
+  # One python process reads the /proc files itself: a shell loop forking a dozen
+  # commands every 100 ms would take a noticeable share of the cores it measures.
+  python3 scripts/cluster_probe.py --sample "$P" "$HOSTS" >"$1/ss.txt" &
+  SAMPLER=$!
+}
+
+# stats_end DIR: stops the sampler; each namespace's qdisc counters (drops, overlimits) and
+# each host's TCP counters (retransmits, loss probes) since it was made.
+stats_end() {
+  local dir=$1 k
+  kill "$SAMPLER" 2>/dev/null || true
+  wait "$SAMPLER" 2>/dev/null || true
+  SAMPLER=
+  for ((k = 0; k < HOSTS; k++)); do
+    tc -s -n "${P}h$k" qdisc show dev eth0 >"$dir/tc-h$k.txt"
+    tc -s -n "${P}sw" qdisc show dev "p$k" >"$dir/tc-p$k.txt"
+    ip netns exec "${P}h$k" nstat -asz >"$dir/nstat-h$k.txt"
+  done
 }
 
 t_correctness() {
@@ -502,7 +553,9 @@ perf)
   EXTRA_ENV=()
   h=$1 per=$2
   shift 2
+  [ -z "${OXCCL_CLUSTER_STATS:-}" ] || stats_begin "$OXCCL_CLUSTER_STATS"
   run "perf-${h}x$per" "$h" "$per" block -- perf "$@"
+  [ -z "${OXCCL_CLUSTER_STATS:-}" ] || stats_end "$OXCCL_CLUSTER_STATS"
   ;;
 cut) t_cut "${1:-2}" "${2:-1}" ;;
 torchrun) t_torchrun ;;

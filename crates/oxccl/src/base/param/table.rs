@@ -667,6 +667,62 @@ pub const CLUSTER_MTU: Param = p(
     Script,
     "MTU of the emulated links",
 );
+/// `OXCCL_CLUSTER_TBF`.
+pub const CLUSTER_TBF: Param = p(
+    "OXCCL_CLUSTER_TBF",
+    Kind::Text { max_len: 256 },
+    "burst 512k latency 2ms",
+    Script,
+    "the emulated links' tbf parameters after the rate",
+);
+/// `OXCCL_CLUSTER_HOST_QDISC`.
+pub const CLUSTER_HOST_QDISC: Param = p(
+    "OXCCL_CLUSTER_HOST_QDISC",
+    Kind::Text { max_len: 256 },
+    "tbf rate OXCCL_CLUSTER_RATE OXCCL_CLUSTER_TBF",
+    Script,
+    "root qdisc of each emulated host's link (tc words; none: the veth's default)",
+);
+/// `OXCCL_CLUSTER_PORT_QDISC`.
+pub const CLUSTER_PORT_QDISC: Param = p(
+    "OXCCL_CLUSTER_PORT_QDISC",
+    Kind::Text { max_len: 256 },
+    "tbf rate OXCCL_CLUSTER_RATE OXCCL_CLUSTER_TBF",
+    Script,
+    "root qdisc of each emulated switch port (tc words; none: the veth's default)",
+);
+/// `OXCCL_CLUSTER_CC`.
+pub const CLUSTER_CC: Param = p(
+    "OXCCL_CLUSTER_CC",
+    Kind::Text { max_len: 64 },
+    "the machine's",
+    Script,
+    "TCP congestion control of the emulated hosts",
+);
+/// `OXCCL_CLUSTER_SSAI`.
+pub const CLUSTER_SSAI: Param = p(
+    "OXCCL_CLUSTER_SSAI",
+    count(0, 1),
+    "the machine's",
+    Script,
+    "net.ipv4.tcp_slow_start_after_idle of the emulated hosts",
+);
+/// `OXCCL_CLUSTER_SYSCTL`.
+pub const CLUSTER_SYSCTL: Param = p(
+    "OXCCL_CLUSTER_SYSCTL",
+    Kind::Text { max_len: 1024 },
+    "unset",
+    Script,
+    "sysctl key=value words set in every emulated host",
+);
+/// `OXCCL_CLUSTER_STATS`.
+pub const CLUSTER_STATS: Param = p(
+    "OXCCL_CLUSTER_STATS",
+    TEXT,
+    "unset",
+    Script,
+    "folder where scripts/cluster.sh perf writes the links' and sockets' counters",
+);
 
 /// Every `OXCCL_*` variable, in the order of docs/environment.md's tables.
 pub const PARAMS: &[Param] = &[
@@ -731,6 +787,13 @@ pub const PARAMS: &[Param] = &[
     BIN,
     CLUSTER_RATE,
     CLUSTER_MTU,
+    CLUSTER_TBF,
+    CLUSTER_HOST_QDISC,
+    CLUSTER_PORT_QDISC,
+    CLUSTER_CC,
+    CLUSTER_SSAI,
+    CLUSTER_SYSCTL,
+    CLUSTER_STATS,
 ];
 
 /// The entry named `name`, if the table has one.
