@@ -15,8 +15,9 @@
 //!
 //! Where a call runs: on the worker, or on a thread that waits for it. [`Work::wait`] (and a
 //! blocking call's wait for its turn) runs a call that has not started itself when nothing
-//! queued before it is still to run: that spares the hand-over to the worker and back in the common "queue, then wait at once" (torch's
-//! functional collectives, `async_op=True` then `wait()`). Queuing does not wake the worker:
+//! queued before it is still to run: that spares the hand-over to the worker and back in the
+//! common "queue, then wait at once" (torch's functional collectives, `async_op=True` then
+//! `wait()`). Queuing does not wake the worker:
 //! it takes a call that nobody has taken for [`HELP_GRACE`], checking the queue on a timer
 //! while calls keep coming (every [`HELP_GRACE`] after it has run one, backing off to
 //! [`WORKER_NAP_MAX`]) and sleeping for good only after [`WORKER_IDLE`] without calls, when

@@ -8,8 +8,8 @@
 //! has to sleep. Limited to inputs that fit a slot
 //! ([`Direct::slot_bytes`](crate::direct::link::Direct::slot_bytes)).
 //!
-//! From `OXCCL_ONESHOT_MAPPED_MIN` bytes on (8 KiB by default; all_reduce, reduce_scatter, all_gather), a rank whose input
-//! and output both lie in shared buffers (`Communicator::alloc_shared`, torch's shared-memory
+//! From `OXCCL_ONESHOT_MAPPED_MIN` bytes on (8 KiB by default; all_reduce, reduce_scatter,
+//! all_gather), a rank whose input and output both lie in shared buffers (`Communicator::alloc_shared`, torch's shared-memory
 //! allocator) publishes where they lie instead of copying its input into its slot (the first
 //! event's record then holds its buffers; a rank that copied leaves the record empty), and
 //! every rank reads from the first event who did what, so all decide alike:
@@ -60,7 +60,8 @@ pub(crate) fn run(
         let e = cx.begin(publish, EventRecord::default())?;
         return fold(cx, c, bufs, e);
     }
-    let (regions, shared) = cma::regions(bufs);
+    let (regions, [in_shared, out_shared]) = cma::regions(bufs);
+    let shared = in_shared && out_shared;
     let e = if shared {
         cx.begin(
             bytemuck::bytes_of(&regions),

@@ -47,8 +47,9 @@ pub struct SharedPool {
     limit: usize,
 }
 
-/// Hashes block addresses (page-aligned, distinct) with one multiplication: the pool looks
-/// one up on every allocation and free, and the default SipHash costs more than the rest.
+/// Hashes block addresses and size classes (page multiples) with one multiplication: the
+/// pool looks them up on every allocation and free, and the default SipHash costs more than
+/// the rest.
 #[derive(Clone, Copy, Default)]
 struct AddrHash(u64);
 
@@ -78,7 +79,7 @@ struct State {
     /// The fork generation the blocks were made in ([`fork_generation`]; a forked child
     /// starts afresh).
     generation: u64,
-    /// Handed out, by address, with the process that allocated them.
+    /// Handed out, by address, with the fork generation that allocated them.
     live: AddrMap<Live>,
     /// Freed and kept, the most recently freed last.
     cached: VecDeque<SharedBuffer>,
@@ -88,12 +89,12 @@ struct State {
     slabs: AddrMap<Slab>,
     /// Free blocks of this process's slabs (address, slab), by class (a power of two), the
     /// most recently freed last.
-    small_free: HashMap<usize, Vec<(usize, usize)>>,
+    small_free: AddrMap<Vec<(usize, usize)>>,
 }
 
 /// A block handed out.
 enum Live {
-    /// A shared buffer of its own, with the process that allocated it.
+    /// A shared buffer of its own, with the fork generation that allocated it.
     Whole(SharedBuffer, u64),
     /// A block of the slab at `slab`, of `class` bytes, allocated in fork generation `generation`.
     Small {
@@ -170,7 +171,7 @@ impl SharedPool {
                 cached: VecDeque::new(),
                 cached_bytes: 0,
                 slabs: AddrMap::default(),
-                small_free: HashMap::new(),
+                small_free: AddrMap::default(),
             }),
             limit: cache_bytes,
         }

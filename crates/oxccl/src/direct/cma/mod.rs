@@ -86,22 +86,23 @@ impl Call<'_> {
 }
 
 /// Where this rank's input and output lie in shared buffers, as the words the first event
-/// publishes (a region's four words each, zero for a private buffer), and whether both do.
-pub(crate) fn regions(bufs: &mut Buffers<'_>) -> ([u64; 8], bool) {
+/// publishes (a region's four words each, zero for a private buffer), and whether each
+/// (input, output) does.
+pub(crate) fn regions(bufs: &mut Buffers<'_>) -> ([u64; 8], [bool; 2]) {
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
     let mut regions = [0u64; 8];
-    let mut both = true;
+    let mut shared = [false; 2];
     for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
         .into_iter()
         .enumerate()
     {
-        match region_of(p, l) {
-            Some(r) => regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words()),
-            None => both = false,
+        if let Some(r) = region_of(p, l) {
+            regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words());
+            shared[i] = true;
         }
     }
-    (regions, both)
+    (regions, shared)
 }
 
 /// Runs `c` single-copy. `tmp` is reused across calls.
@@ -116,12 +117,12 @@ pub(crate) fn run(
     // The first event carries the call's header: every rank checks that its peers called the
     // same collective on the same count before touching their memory. Its data: where this
     // rank's buffers lie in shared buffers, if they do, for peers to map.
-    let (regions, _) = regions(bufs);
-    for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
+    let (regions, shared) = regions(bufs);
+    for ((p, l), shared) in [(inp, in_len), (outp.cast_const(), out_len)]
         .into_iter()
-        .enumerate()
+        .zip(shared)
     {
-        if regions[4 * i..4 * i + 4] == [0; 4] {
+        if !shared {
             // Private: the peers' cross-memory copies walk its pages (huge ones, once
             // registered).
             hugepages::register(p, l);
