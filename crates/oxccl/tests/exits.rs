@@ -22,14 +22,16 @@
 //! not part of the default run). The ranks are this test binary, re-executed to run the
 //! ignored test `exit_child` with `OXCCL_EXIT_CHILD` set.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
-use proc_common::{env_u64, files_of, free_port, output_by, rank_command, signal, Rng};
+use proc_common::{
+    env_u64, files_of, free_port, output_by, rank_command, signal, spawn_reading, Rng,
+};
 
 /// The value element `i` of rank `rank`'s input has in call `it`.
 fn val(rank: usize, i: usize, it: usize) -> f32 {
@@ -219,18 +221,17 @@ fn run_round(
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            let mut k = c.spawn().unwrap();
-            let out = k.stdout.take().unwrap();
             let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+            spawn_reading(&mut c, move |line| match line {
+                Some(line) => {
                     if let Some(l) = line.strip_prefix("CHILD") {
                         let _ = tx.send((r, l.trim().to_string()));
                     }
                 }
-                let _ = tx.send((r, "EOF".into()));
-            });
-            k
+                None => {
+                    let _ = tx.send((r, "EOF".into()));
+                }
+            })
         })
         .collect();
     let kill_all = |kids: &mut Vec<Child>| {

@@ -20,14 +20,15 @@
 //! The ranks are this test binary, re-executed to run the ignored test `kill_child` with
 //! `OXCCL_KILL_CHILD` set.
 
-use std::io::BufRead;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
-use proc_common::{child_ends, env_u64, files_of, free_port, output_by, rank_command, signal, Rng};
+use proc_common::{
+    child_ends, env_u64, files_of, free_port, output_by, rank_command, signal, spawn_reading, Rng,
+};
 
 /// How long a child loops its calls at most.
 const CHILD_LOOP: Duration = Duration::from_secs(60);
@@ -240,12 +241,10 @@ fn run_case(
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            let mut k = c.spawn().unwrap();
-            let out = k.stdout.take().unwrap();
             let tx = tx.clone();
-            std::thread::spawn(move || {
-                let mut rest = String::new();
-                for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+            let mut rest = String::new();
+            Some(spawn_reading(&mut c, move |line| match line {
+                Some(line) => {
                     if let Some(algo) = line.strip_prefix("CHILD READY ") {
                         let _ = tx.send(Ok((r, algo.to_string())));
                     } else {
@@ -253,9 +252,10 @@ fn run_case(
                         rest.push('\n');
                     }
                 }
-                let _ = tx.send(Err((r, rest)));
-            });
-            Some(k)
+                None => {
+                    let _ = tx.send(Err((r, std::mem::take(&mut rest))));
+                }
+            }))
         })
         .collect();
     let kill_all = |kids: &mut Vec<Option<Child>>| {

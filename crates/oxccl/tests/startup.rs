@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use oxccl::Communicator;
 
 mod proc_common;
-use proc_common::{child_ends, files_of, free_port, output_by, rank_command, Rng};
+use proc_common::{child_ends, files_of, free_port, output_by, rank_command, spawn_reading, Rng};
 
 #[test]
 #[ignore = "a rank of the other tests, run by them"]
@@ -346,7 +346,6 @@ fn idle_child() {
 /// (`OXCCL_HEARTBEAT_TIMEOUT=1`); their word must reach every survivor.
 #[test]
 fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
-    use std::io::BufRead;
     const N: usize = 12;
     for (direct, victim, stop) in [
         (true, 3, false),
@@ -369,17 +368,12 @@ fn a_rank_killed_after_init_is_an_error_on_every_idle_survivor() {
                     .stdin(Stdio::null())
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped());
-                let mut k = c.spawn().unwrap();
-                let out = k.stdout.take().unwrap();
                 let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
-                        if line == "CHILD READY" {
-                            let _ = tx.send(r);
-                        }
+                Some(spawn_reading(&mut c, move |line| {
+                    if line.as_deref() == Some("CHILD READY") {
+                        let _ = tx.send(r);
                     }
-                });
-                Some(k)
+                }))
             })
             .collect();
         let mut ready = 0;

@@ -25,6 +25,21 @@ pub fn output_by(mut k: Child, deadline: Instant, poll: Duration) -> Output {
     k.wait_with_output().unwrap()
 }
 
+/// Starts `c` (its stdout piped) and hands each line it prints to `f` on a thread of its own,
+/// then `None` once its stdout ends (it exited or closed it).
+pub fn spawn_reading(c: &mut Command, mut f: impl FnMut(Option<String>) + Send + 'static) -> Child {
+    use std::io::BufRead;
+    let mut k = c.spawn().unwrap();
+    let out = k.stdout.take().expect("stdout piped");
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+            f(Some(line));
+        }
+        f(None);
+    });
+    k
+}
+
 /// Runs `f(rank, comm)` on `n` threads, each with a communicator of config `cfg(rank)`,
 /// joined by a rendezvous on loopback; returns each rank's result, by rank.
 pub fn threads<T: Send>(
