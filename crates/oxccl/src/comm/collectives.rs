@@ -28,10 +28,6 @@ struct Call {
 }
 
 impl Communicator {
-    fn cost_model(&self) -> crate::plan::cost::CostModel {
-        crate::plan::cost::CostModel::for_config(&self.cfg)
-    }
-
     fn bad(&self, call: &'static str, seq: u64, msg: String) -> Error {
         Error::InvalidArgument {
             rank: self.rank,
@@ -109,7 +105,7 @@ impl Communicator {
             deterministic: self.cfg.deterministic,
         };
         let algo = self
-            .cost_model()
+            .model
             .choose(&situation, self.topo.as_deref(), self.forced_algo);
         debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");
         st.last_algo = algo.name();

@@ -242,6 +242,7 @@ impl Communicator {
             local_size: 1,
             guard: Supervisor::local(rank, nranks, &cfg),
             spin: Spin::from_config(&cfg, 1),
+            model: crate::plan::cost::CostModel::for_config(&cfg),
             cfg,
             forced_algo,
             transports,

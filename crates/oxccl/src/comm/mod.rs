@@ -59,6 +59,9 @@ pub struct Communicator {
     local_rank: usize,
     local_size: usize,
     cfg: Config,
+    /// The cost model for `cfg` (its rates and network), made once: each call's choice
+    /// reads it.
+    model: crate::plan::cost::CostModel,
     /// How waiting calls spin: `cfg`'s settings, for this host's rank count.
     spin: Spin,
     forced_algo: Option<Algo>,

@@ -130,6 +130,25 @@ impl Area {
         };
         self.at(RECORDS_OFF + parity * RECORD + off)
     }
+    /// Asks for the record's data lines (the two before the polled one) while polling, so
+    /// that data of 33-160 bytes, which the peer writes before its event number, arrives
+    /// together with that number instead of one cross-core transfer after it. Only a hint:
+    /// what the reader uses is read again after the event number (Acquire).
+    fn prefetch_data(&self, parity: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let r = self.record(parity).cast_const().cast::<i8>();
+            // SAFETY: a prefetch reads nothing architecturally and cannot fault; both
+            // addresses lie in the mapped record anyway.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(r);
+                _mm_prefetch::<_MM_HINT_T0>(r.add(64));
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = parity;
+    }
     fn slot(&self, parity: usize) -> *mut u8 {
         // SAFETY: SLOTS_OFF + parity * SLOT_BYTES + SLOT_BYTES <= TOTAL for parity 0 and 1.
         unsafe { self.base.as_ptr().add(SLOTS_OFF + parity * SLOT_BYTES) }
@@ -425,10 +444,13 @@ impl Direct for ShmDirect {
     fn reached(&self, peer: usize, e: u64) -> bool {
         // The line of e's parity holds e - 2, e, or nothing newer: the peer cannot publish
         // e + 2 before this rank publishes e + 1 (the reuse rule).
-        self.area(peer)
-            .event_of((e % 2) as usize)
-            .load(Ordering::Acquire)
-            >= e
+        let area = self.area(peer);
+        let p = (e % 2) as usize;
+        let done = area.event_of(p).load(Ordering::Acquire) >= e;
+        if !done {
+            area.prefetch_data(p);
+        }
+        done
     }
 
     fn event(&self) -> u64 {

@@ -10,7 +10,7 @@
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once, Weak};
 
 use crate::fault::fingerprint::Fingerprint;
@@ -126,6 +126,9 @@ pub struct Recorder {
     slots: Box<[Slot]>,
     /// Calls recorded so far (the next slot is `count % slots`).
     count: AtomicU64,
+    /// The slot of the last call begun (`(count - 1) % slots`), kept so that a call does not
+    /// divide by the capacity twice (a 64-bit division is about 15 ns here).
+    last: AtomicUsize,
     /// Error texts of the last failed calls, by call number.
     errors: Mutex<Vec<(u64, String)>>,
 }
@@ -157,6 +160,7 @@ impl Recorder {
             torch,
             slots: (0..cap).map(|_| Slot::default()).collect(),
             count: AtomicU64::new(0),
+            last: AtomicUsize::new(cap.saturating_sub(1)),
             errors: Mutex::new(Vec::new()),
         });
         if r.path.is_some() || r.torch.is_some() {
@@ -181,7 +185,13 @@ impl Recorder {
         }
         let n = self.count.load(Ordering::Relaxed);
         let start = now_us();
-        self.slots[(n % cap) as usize].write(|w| {
+        // The slot after the last one, wrapping: `n % cap`.
+        let i = match self.last.load(Ordering::Relaxed) + 1 {
+            i if i as u64 == cap => 0,
+            i => i,
+        };
+        self.last.store(i, Ordering::Relaxed);
+        self.slots[i].write(|w| {
             w[W_SEQ].store(seq, Ordering::Relaxed);
             let packed = fp.kind as u64
                 | (fp.dtype as u64) << 8
@@ -206,7 +216,7 @@ impl Recorder {
         if cap == 0 || n == 0 {
             return;
         }
-        let slot = &self.slots[((n - 1) % cap) as usize];
+        let slot = &self.slots[self.last.load(Ordering::Relaxed)];
         if slot.w[W_SEQ].load(Ordering::Relaxed) != seq {
             return;
         }
