@@ -791,50 +791,64 @@ mod tests {
         u64::from_le_bytes(b)
     }
 
+    /// Runs `f` on two threads, ranks 0 and 1 of one host, each with its shared-memory link
+    /// to the other (segments of `tag`, shared as `sharing`, made under `cfg`); returns what
+    /// each returned, by rank.
+    fn pair<T: Send + 'static>(
+        tag: u64,
+        sharing: Sharing,
+        cfg: &Config,
+        f: impl Fn(&mut LocalExchange, &mut ShmLink) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let pid = std::process::id();
+        let f = std::sync::Arc::new(f);
+        let ts: Vec<_> = LocalExchange::group(2)
+            .into_iter()
+            .map(|mut ex| {
+                let (cfg, f) = (cfg.clone(), f.clone());
+                std::thread::spawn(move || {
+                    let peer = 1 - ex.rank();
+                    let mut links = connect_as(&mut ex, &[(peer, pid)], tag, &cfg, sharing)
+                        .unwrap()
+                        .unwrap();
+                    f(&mut ex, &mut links[0].1)
+                })
+            })
+            .collect();
+        ts.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
     /// Both ways of sharing: links carry bytes, and nothing of the communicator is left in
     /// `/dev/shm` once `connect_as` returns.
     #[test]
     fn memfd_and_named_segments_both_carry_bytes_and_leave_nothing() {
         for sharing in [Sharing::Memfd, Sharing::Named] {
             let tag = random_tag();
-            let pid = std::process::id();
-            let ts: Vec<_> = LocalExchange::group(2)
-                .into_iter()
-                .map(|mut ex| {
-                    std::thread::spawn(move || {
-                        let peer = 1 - ex.rank();
-                        let mut links =
-                            connect_as(&mut ex, &[(peer, pid)], tag, &Config::default(), sharing)
-                                .unwrap()
-                                .unwrap();
-                        ex.barrier().unwrap();
-                        let left: Vec<String> = std::fs::read_dir(segment::SHM_DIR)
-                            .unwrap()
-                            .flatten()
-                            .filter_map(|e| e.file_name().into_string().ok())
-                            .filter(|n| n.contains(&format!("{tag:016x}")))
-                            .collect();
-                        let msg = [ex.rank() as u8 + 1; 100];
-                        let link = &mut links[0].1;
-                        let mut sent = 0;
-                        let mut got = Vec::new();
-                        while sent < msg.len() || got.len() < msg.len() {
-                            if sent < msg.len() {
-                                sent += link.try_send(&msg[sent..]).unwrap();
-                            }
-                            link.try_recv(&mut |d| {
-                                got.extend_from_slice(d);
-                                d.len()
-                            })
-                            .unwrap();
-                        }
-                        ex.barrier().unwrap();
-                        (left, got)
+            let res = pair(tag, sharing, &Config::default(), move |ex, link| {
+                ex.barrier().unwrap();
+                let left: Vec<String> = std::fs::read_dir(segment::SHM_DIR)
+                    .unwrap()
+                    .flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .filter(|n| n.contains(&format!("{tag:016x}")))
+                    .collect();
+                let msg = [ex.rank() as u8 + 1; 100];
+                let mut sent = 0;
+                let mut got = Vec::new();
+                while sent < msg.len() || got.len() < msg.len() {
+                    if sent < msg.len() {
+                        sent += link.try_send(&msg[sent..]).unwrap();
+                    }
+                    link.try_recv(&mut |d| {
+                        got.extend_from_slice(d);
+                        d.len()
                     })
-                })
-                .collect();
-            for (r, t) in ts.into_iter().enumerate() {
-                let (left, got) = t.join().unwrap();
+                    .unwrap();
+                }
+                ex.barrier().unwrap();
+                (left, got)
+            });
+            for (r, (left, got)) in res.into_iter().enumerate() {
                 assert!(left.is_empty(), "{sharing:?}: left {left:?}");
                 assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
             }
@@ -852,50 +866,43 @@ mod tests {
             c.wait().unwrap();
             rustix::process::Pid::from_raw(pid as i32).unwrap()
         };
-        let tag = random_tag();
-        let pid = std::process::id();
-        let ts: Vec<_> = LocalExchange::group(2)
-            .into_iter()
-            .map(|mut ex| {
-                std::thread::spawn(move || {
-                    let me = ex.rank();
-                    let mut links =
-                        connect_as(&mut ex, &[(1 - me, pid)], tag, &Config::default(), Sharing::Memfd)
-                            .unwrap()
-                            .unwrap();
-                    let link = &mut links[0].1;
-                    if me == 1 {
-                        assert_eq!(link.try_send(&[5u8; 1000]).unwrap(), 1000);
-                    }
-                    ex.barrier().unwrap();
-                    if me == 0 {
-                        // Rank 1 "exited" after its send.
-                        link.peer_pid = Some(dead);
-                        link.check_alive().expect("its bytes are still to read");
-                        let mut got = 0;
-                        link.try_recv(&mut |d: &[u8]| {
-                            got += d.len();
-                            d.len()
-                        })
-                        .unwrap();
-                        assert_eq!(got, 1000);
-                        let e = link.check_alive().unwrap_err();
-                        assert!(matches!(&e, LinkError::Closed(m) if m.ends_with("exited")), "{e}");
-                        // Bytes it will never read.
-                        assert_eq!(link.try_send(&[6u8; 10]).unwrap(), 10);
-                        let e = link.check_alive().unwrap_err();
-                        assert!(
-                            matches!(&e, LinkError::Closed(m) if m.contains("without reading 10 byte(s)")),
-                            "{e}"
-                        );
-                    }
-                    ex.barrier().unwrap();
-                })
-            })
-            .collect();
-        for t in ts {
-            t.join().unwrap();
-        }
+        pair(
+            random_tag(),
+            Sharing::Memfd,
+            &Config::default(),
+            move |ex, link| {
+                let me = ex.rank();
+                if me == 1 {
+                    assert_eq!(link.try_send(&[5u8; 1000]).unwrap(), 1000);
+                }
+                ex.barrier().unwrap();
+                if me == 0 {
+                    // Rank 1 "exited" after its send.
+                    link.peer_pid = Some(dead);
+                    link.check_alive().expect("its bytes are still to read");
+                    let mut got = 0;
+                    link.try_recv(&mut |d: &[u8]| {
+                        got += d.len();
+                        d.len()
+                    })
+                    .unwrap();
+                    assert_eq!(got, 1000);
+                    let e = link.check_alive().unwrap_err();
+                    assert!(
+                        matches!(&e, LinkError::Closed(m) if m.ends_with("exited")),
+                        "{e}"
+                    );
+                    // Bytes it will never read.
+                    assert_eq!(link.try_send(&[6u8; 10]).unwrap(), 10);
+                    let e = link.check_alive().unwrap_err();
+                    assert!(
+                        matches!(&e, LinkError::Closed(m) if m.contains("without reading 10 byte(s)")),
+                        "{e}"
+                    );
+                }
+                ex.barrier().unwrap();
+            },
+        );
     }
 
     /// Rings allocated as they are first written: many times their capacity, in writes of
@@ -910,8 +917,6 @@ mod tests {
     }
 
     fn rings_grow_and_wrap(budget: usize, ring: u64) {
-        let tag = random_tag();
-        let pid = std::process::id();
         let cfg = Config {
             shm_ring_bytes: 1 << 20,
             shm_budget_bytes: budget,
@@ -919,42 +924,29 @@ mod tests {
         };
         let total: usize = 3 << 20;
         let pattern = |i: usize| (i * 7 + i / 251) as u8;
-        let ts: Vec<_> = LocalExchange::group(2)
-            .into_iter()
-            .map(|mut ex| {
-                let cfg = cfg.clone();
-                std::thread::spawn(move || {
-                    let peer = 1 - ex.rank();
-                    let mut links = connect_as(&mut ex, &[(peer, pid)], tag, &cfg, Sharing::Memfd)
-                        .unwrap()
-                        .unwrap();
-                    let link = &mut links[0].1;
-                    let msg: Vec<u8> = (0..total).map(pattern).collect();
-                    let (mut sent, mut got, mut chunk) = (0, Vec::new(), 1usize);
-                    while sent < total || got.len() < total {
-                        if sent < total {
-                            let end = (sent + chunk).min(total);
-                            sent += link.try_send(&msg[sent..end]).unwrap();
-                            chunk = chunk * 3 % 300_007 + 1;
-                        }
-                        link.try_recv(&mut |d| {
-                            got.extend_from_slice(d);
-                            d.len()
-                        })
-                        .unwrap();
-                    }
-                    let (allocated, b) = link.remote.allocation();
-                    assert!(b == 0 || allocated <= b, "{allocated} of {b}");
-                    if b > 0 {
-                        assert_eq!(link.tx.capacity(), ring, "budget {budget}");
-                    }
-                    got == msg
+        let res = pair(random_tag(), Sharing::Memfd, &cfg, move |_, link| {
+            let msg: Vec<u8> = (0..total).map(pattern).collect();
+            let (mut sent, mut got, mut chunk) = (0, Vec::new(), 1usize);
+            while sent < total || got.len() < total {
+                if sent < total {
+                    let end = (sent + chunk).min(total);
+                    sent += link.try_send(&msg[sent..end]).unwrap();
+                    chunk = chunk * 3 % 300_007 + 1;
+                }
+                link.try_recv(&mut |d| {
+                    got.extend_from_slice(d);
+                    d.len()
                 })
-            })
-            .collect();
-        for t in ts {
-            assert!(t.join().unwrap(), "budget {budget}");
-        }
+                .unwrap();
+            }
+            let (allocated, b) = link.remote.allocation();
+            assert!(b == 0 || allocated <= b, "{allocated} of {b}");
+            if b > 0 {
+                assert_eq!(link.tx.capacity(), ring, "budget {budget}");
+            }
+            got == msg
+        });
+        assert!(res.into_iter().all(|ok| ok), "budget {budget}");
     }
 
     /// Under the default budget a rank's segment holds at most `OXCCL_SHM_BUDGET_BYTES`,
