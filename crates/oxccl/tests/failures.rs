@@ -356,6 +356,31 @@ fn overlapping_and_mismatched_buffers_are_errors() {
             .all_reduce(&[1u8; 4], &mut [0u8; 5], ReduceOp::Sum)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        // A length that is no multiple of the element size, and a buffer not aligned for it.
+        let words = [0u64; 4];
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        let mut out = [0u64; 4];
+        let out: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        for (dtype, send, recv_at, what) in [
+            (oxccl::DataType::F32, &bytes[..6], 0, "multiples"),
+            (oxccl::DataType::U16, &bytes[..6], 1, "aligned"),
+            (oxccl::DataType::F64, &bytes[4..12], 0, "aligned"),
+        ] {
+            let recv = &mut out[recv_at..recv_at + send.len()];
+            let e = comm
+                .call_bytes(
+                    oxccl::CollKind::AllReduce,
+                    dtype,
+                    ReduceOp::Sum,
+                    0,
+                    oxccl::ByteBufs::Separate { send, recv },
+                )
+                .unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains(what),
+                "{dtype}: {e}"
+            );
+        }
         // Argument errors leave the communicator usable.
         comm.all_reduce_in_place(&mut [1u8; 4], ReduceOp::Sum)
             .unwrap();

@@ -52,7 +52,7 @@ impl DataType {
         DataType::U16,
     ];
 
-    /// Size of one element in bytes.
+    /// Size of one element in bytes: a power of two (callers mask and shift by it).
     pub const fn size(self) -> usize {
         match self {
             DataType::I8 | DataType::U8 | DataType::Bool => 1,
@@ -168,6 +168,15 @@ impl From<Bool> for bool {
         b.0 != 0
     }
 }
+
+// Every element size is a power of two (validation masks and shifts by it).
+const _: () = {
+    let mut i = 0;
+    while i < DataType::ALL.len() {
+        assert!(DataType::ALL[i].size().is_power_of_two());
+        i += 1;
+    }
+};
 
 #[cfg(test)]
 mod tests {

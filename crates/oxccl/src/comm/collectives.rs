@@ -524,9 +524,12 @@ impl Communicator {
         };
         let is_root = root == r;
         // Validation needs the call's sequence number: it runs inside `run`.
+        // Element sizes are powers of two (`DataType::size`): masks and shifts instead of
+        // divisions, which cost a few nanoseconds each on an 8-byte call.
+        let (mask, shift) = (es - 1, es.trailing_zeros());
         let validate = |seq: u64| -> Result<Call> {
             let bad = |msg: String| Err(self.bad(name, seq, msg));
-            if in_len % es != 0 || out_len % es != 0 {
+            if (in_len | out_len) & mask != 0 {
                 return bad(format!("buffer lengths {in_len} and {out_len} bytes are not multiples of the {dtype} size {es}"));
             }
             let ignored = (kind == CollKind::Broadcast || kind == CollKind::Reduce) && !is_root;
@@ -536,7 +539,7 @@ impl Communicator {
                     return bad(format!("send ({in_len} bytes at {s:#x}) and recv ({out_len} bytes at {r:#x}) overlap: use the in-place form"));
                 }
             }
-            if ptrs.iter().any(|p| p % es != 0) {
+            if (ptrs[0] | ptrs[1]) & mask != 0 {
                 return bad(format!("buffers are not aligned for {dtype}"));
             }
             if kind.reduces() {
@@ -544,7 +547,7 @@ impl Communicator {
                     return bad(msg);
                 }
             }
-            let (ic, oc) = (in_len / es, out_len / es);
+            let (ic, oc) = (in_len >> shift, out_len >> shift);
             let call = |kind, count| {
                 Ok(Call {
                     kind,
