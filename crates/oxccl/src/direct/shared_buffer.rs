@@ -274,6 +274,10 @@ pub const FORK_COPY_WAIT_MS: i32 = 60_000;
 /// child walks it) and released in both `parent` and `child`. The child's handler is
 /// async-signal-safe: raw system calls only, no allocation (it walks the table in place).
 pub(crate) use fork::generation as fork_generation;
+/// Installs the fork handlers now (once per process; the first registration does otherwise):
+/// handlers installed later run their `prepare` before these and their `child` and `parent`
+/// after them (`pthread_atfork`'s order), so a lock they take is taken before the registry's.
+pub(crate) use fork::install as install_fork_handlers;
 
 mod fork {
     use super::{Entry, REGISTRY};
@@ -297,7 +301,7 @@ mod fork {
     static PIPE_W: AtomicI32 = AtomicI32::new(-1);
 
     /// Installs the handlers (once per process; a forked child inherits them).
-    pub(super) fn install() {
+    pub(crate) fn install() {
         static ONCE: Once = Once::new();
         ONCE.call_once(|| {
             // SAFETY: the three handlers are `extern "C"` functions that never unwind.
