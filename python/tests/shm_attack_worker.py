@@ -28,22 +28,22 @@ import torch
 import torch.distributed as dist
 
 import oxccl.torch  # noqa: F401 - registers "oxccl"
+from torch_lifecycle_worker import in_shm  # where a tensor lives (/proc/self/maps)
 
 INT = [torch.int64, torch.int32, torch.int8, torch.uint8]  # gloo has no int16
 FLOAT = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SIZES = [8 << 10, 12 << 10, 16 << 10, 24 << 10, 32 << 10, 40 << 10, 64 << 10, 100 << 10, 300 << 10, 600 << 10]
-SHM = "memfd:oxccl-buffer"
 
 
-def in_shm(t):
-    p = t.untyped_storage().data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if SHM in line:
-                a, b = (int(x, 16) for x in line.split()[0].split("-"))
-                if a <= p < b:
-                    return True
-    return False
+def fail(msg):
+    print(f"rank {dist.get_rank()}: FAILED {msg}", flush=True)
+    os._exit(1)
+
+
+def passed(what, detail=""):
+    dist.barrier()
+    print(f"rank {dist.get_rank()}: attack {what} ok {detail}", flush=True)
+    dist.destroy_process_group()
 
 
 def place(t, how, rng):
@@ -146,11 +146,8 @@ def diff(calls):
                 dist.all_gather_into_tensor(ref, x.clone())
                 same(out, ref, dtype, n, case)
         except Exception as e:  # noqa: BLE001
-            print(f"rank {r}: FAILED {case}: {type(e).__name__}: {e}", flush=True)
-            os._exit(1)
-    dist.barrier()
-    print(f"rank {r}: attack diff ok ({calls} calls, {shared_seen} shared and {private_seen} private all_reduce inputs)", flush=True)
-    dist.destroy_process_group()
+            fail(f"{case}: {type(e).__name__}: {e}")
+    passed("diff", f"({calls} calls, {shared_seen} shared and {private_seen} private all_reduce inputs)")
 
 
 def many():
@@ -165,8 +162,7 @@ def many():
             t.fill_((r + 1) * 1000 + j)
             dist.all_reduce(t)
             if not bool((t == expect(j)).all()):
-                print(f"rank {r}: FAILED tensor {j} round {rounds}: {t[:4].tolist()} != {expect(j)}", flush=True)
-                os._exit(1)
+                fail(f"tensor {j} round {rounds}: {t[:4].tolist()} != {expect(j)}")
     # freed right after an async call: the call keeps it; its block is not handed out meanwhile
     for j in range(50):
         t = torch.full((count,), r + 1 + j, dtype=torch.int64)
@@ -177,11 +173,8 @@ def many():
         res = w.result()[0]
         want = sum(p + 1 + j for p in range(n))
         if not bool((res == want).all()) or not bool((other == -7).all()):
-            print(f"rank {r}: FAILED async {j}: {res[:4].tolist()} != {want} or other {other[:4].tolist()}", flush=True)
-            os._exit(1)
-    dist.barrier()
-    print(f"rank {r}: attack many ok", flush=True)
-    dist.destroy_process_group()
+            fail(f"async {j}: {res[:4].tolist()} != {want} or other {other[:4].tolist()}")
+    passed("many")
 
 
 def kill():
@@ -199,22 +192,19 @@ def kill():
             t.fill_(1.0)
             dist.all_reduce(t)
             if float(t[0]) != n:
-                print(f"rank {r}: FAILED wrong result {float(t[0])} at call {i}", flush=True)
-                os._exit(1)
+                fail(f"wrong result {float(t[0])} at call {i}")
     except Exception as e:  # noqa: BLE001
         took = time.monotonic() - (start or time.monotonic())
         print(f"rank {r}: error after {took:.1f} s: {type(e).__name__}: {e}", flush=True)
         named = f"rank {n - 1}" in str(e)
         print(f"rank {r}: attack kill {'ok' if named and took < 20 else 'BAD'}", flush=True)
         os._exit(0)
-    print(f"rank {r}: FAILED no error after the peer was killed", flush=True)
-    os._exit(1)
+    fail("no error after the peer was killed")
 
 
 def fdlimit():
     dist.init_process_group("oxccl", timeout=timedelta(seconds=60))
-    r = dist.get_rank()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(512, hard), hard))
     ts = [torch.empty((600 << 10) // 4) for _ in range(700)]
     opened = []
@@ -222,8 +212,7 @@ def fdlimit():
         for _ in range(40):
             opened.append(open(os.devnull))
     except OSError as e:
-        print(f"rank {r}: FAILED to open a file after 700 tensors: {e}", flush=True)
-        os._exit(1)
+        fail(f"to open a file after 700 tensors: {e}")
     for f in opened:
         f.close()
     shared = sum(in_shm(t) for t in ts[::50])
@@ -232,9 +221,7 @@ def fdlimit():
         dist.all_reduce(t)
         assert float(t[0]) == dist.get_world_size()
     del ts
-    dist.barrier()
-    print(f"rank {r}: attack fdlimit ok ({shared} of 14 sampled tensors shared)", flush=True)
-    dist.destroy_process_group()
+    passed("fdlimit", f"({shared} of 14 sampled tensors shared)")
 
 
 if __name__ == "__main__":

@@ -493,6 +493,21 @@ mod fork {
     }
 }
 
+/// Waits for a test's forked child `pid` and returns its exit code; fails the test if it died
+/// of a signal (14, SIGALRM: the alarm that a child that may hang sets itself).
+#[cfg(test)]
+pub(crate) fn child_exit_code(pid: libc::pid_t) -> i32 {
+    let mut status = 0;
+    // SAFETY: waits for the caller's own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "the child died of signal {} (14: the alarm of a child that hung)",
+        libc::WTERMSIG(status)
+    );
+    libc::WEXITSTATUS(status)
+}
+
 /// A peer's shared buffer mapped into this process.
 pub(crate) struct PeerMapping {
     /// The buffer's id in the peer's process.
@@ -637,12 +652,8 @@ mod tests {
             // SAFETY: ends the child without running the test harness's code.
             unsafe { libc::_exit(code) };
         }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(libc::WIFEXITED(status), "child died: status {status:#x}");
         assert_eq!(
-            libc::WEXITSTATUS(status),
+            child_exit_code(pid),
             0,
             "1: child saw wrong values, 2: lost its writes, 3: still shared"
         );

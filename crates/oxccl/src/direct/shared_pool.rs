@@ -481,7 +481,7 @@ mod held_over_fork {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::direct::shared_buffer::region_of;
+    use crate::direct::shared_buffer::{child_exit_code, region_of};
 
     #[test]
     fn size_classes_cover_the_request_with_little_slack() {
@@ -671,16 +671,9 @@ mod tests {
             // SAFETY: ends the child without running the test harness's code.
             unsafe { libc::_exit(if ok { 0 } else { 1 }) };
         }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        let code = child_exit_code(pid);
         holder.join().unwrap();
-        assert!(
-            libc::WIFEXITED(status),
-            "the child died (signal {}: 14 is the alarm of a hung child)",
-            libc::WTERMSIG(status)
-        );
-        assert_eq!(libc::WEXITSTATUS(status), 0, "the child's pool failed");
+        assert_eq!(code, 0, "the child's pool failed");
         pool.free(inherited.as_ptr()).unwrap();
     }
 
@@ -736,12 +729,8 @@ mod tests {
             // SAFETY: ends the child without running the test harness's code.
             unsafe { libc::_exit(code) };
         }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(libc::WIFEXITED(status), "child died: status {status:#x}");
         assert_eq!(
-            libc::WEXITSTATUS(status),
+            child_exit_code(pid),
             0,
             "1: the program could not open files, 2: the pool held other than half the limit, \
              3: a freed block was not handed out again"
