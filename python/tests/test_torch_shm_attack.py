@@ -47,3 +47,20 @@ def test_the_pool_leaves_open_files_to_the_program():
     for _, out in res:
         print(out.strip().splitlines()[-1])
         assert "attack fdlimit ok" in out, out
+
+
+@pytest.mark.parametrize("text,want", [("8K", 8 << 10), ("0", 0), ("1G", 1 << 30), ("1024G", 1 << 40),
+                                       ("-1", None), ("-1K", None), ("2048G", None), ("1.5M", None), ("", None)])
+def test_shm_min_is_bytes_from_0_to_1024g(monkeypatch, text, want):
+    import oxccl
+    import oxccl.torch as ot
+
+    monkeypatch.setenv("OXCCL_TORCH_ALLOCATOR", "1")
+    monkeypatch.setenv("OXCCL_TORCH_SHM_MIN", text)
+    if want is None:
+        # was: -1 passed on, and pybind's "incompatible function arguments" TypeError from
+        # install_shm_allocator at the first group
+        with pytest.raises(oxccl.InvalidArgumentError, match="OXCCL_TORCH_SHM_MIN"):
+            ot._shm_allocator_settings()
+    else:
+        assert ot._shm_allocator_settings() == want
