@@ -7,8 +7,9 @@ Modes:
   of the shared allocator, a view at an offset into a larger shared tensor (a slab block's
   middle), a non-contiguous view, or private memory (torch.frombuffer); the same calls on
   gloo's contiguous copies are the reference (bitwise for integers and sums of two).
-- "many": more whole shared blocks than a peer keeps mapped (PEER_MAPPINGS, 256), each
-  all-reduced, then the first ones again (their peers' mappings evicted), results exact; a
+- "many": more whole shared blocks, and more slabs, than a peer keeps mapped (PEER_MAPPINGS,
+  256), each all-reduced, then the first ones again (their peers' mappings evicted), results
+  exact; a
   tensor freed right after an async call is queued (the call keeps it) and its block reused.
 - "kill": rank n-1 SIGKILLs itself in the middle of a loop of one-shot all_reduces through
   shared buffers; the others must fail naming it within seconds, not hang.
@@ -163,6 +164,24 @@ def many():
             dist.all_reduce(t)
             if not bool((t == expect(j)).all()):
                 fail(f"tensor {j} round {rounds}: {t[:4].tolist()} != {expect(j)}")
+    # one 512 KiB block in each of 260 slabs (a slab holds 8 of them; the other 7 freed): a
+    # peer maps a slab once for its blocks and keeps 256 mapped, so the first ones are evicted
+    # and mapped again
+    blocks = [torch.empty((512 << 10) // 8, dtype=torch.int64) for _ in range(8 * 260)]
+    kept = blocks[::8]
+    del blocks
+    with open("/proc/self/maps") as f:
+        maps = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if "memfd:oxccl-buffer" in line]
+    slabs = {a for t in kept for a, b in maps if a <= t.data_ptr() < b}
+    if len(slabs) < 257 or not all(in_shm(t) for t in kept):
+        fail(f"the 260 kept 512 KiB tensors lie in {len(slabs)} shared slabs, not 260")
+    for rounds in range(2):
+        for j, t in enumerate(kept if rounds == 0 else kept[:40]):
+            t.fill_((r + 1) * 1000 + j)
+            dist.all_reduce(t)
+            if not bool((t == expect(j)).all()):
+                fail(f"slab block {j} round {rounds}: {t[:4].tolist()} != {expect(j)}")
+    del kept
     # freed right after an async call: the call keeps it; its block is not handed out meanwhile
     for j in range(50):
         t = torch.full((count,), r + 1 + j, dtype=torch.int64)
