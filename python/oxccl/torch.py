@@ -1886,9 +1886,12 @@ def _shm_allocator_settings() -> Optional[int]:
     text = os.environ.get("OXCCL_TORCH_SHM_MIN", "8K").strip()
     scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
     try:
-        return int(text[:-1] if scale > 1 else text) * scale
+        value = int(text[:-1] if scale > 1 else text) * scale
     except ValueError:
-        raise InvalidArgumentError(f"OXCCL_TORCH_SHM_MIN={text!r}: expected bytes, e.g. 1M") from None
+        value = -1
+    if not 0 <= value <= 1 << 40:
+        raise InvalidArgumentError(f"OXCCL_TORCH_SHM_MIN={text!r}: expected bytes from 0 to 1024G, e.g. 1M")
+    return value
 
 
 def _install_shm_allocator() -> None:

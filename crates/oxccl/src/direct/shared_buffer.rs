@@ -274,6 +274,10 @@ pub const FORK_COPY_WAIT_MS: i32 = 60_000;
 /// child walks it) and released in both `parent` and `child`. The child's handler is
 /// async-signal-safe: raw system calls only, no allocation (it walks the table in place).
 pub(crate) use fork::generation as fork_generation;
+/// Installs the fork handlers now (once per process; the first registration does otherwise):
+/// handlers installed later run their `prepare` before these and their `child` and `parent`
+/// after them (`pthread_atfork`'s order), so a lock they take is taken before the registry's.
+pub(crate) use fork::install as install_fork_handlers;
 
 mod fork {
     use super::{Entry, REGISTRY};
@@ -297,7 +301,7 @@ mod fork {
     static PIPE_W: AtomicI32 = AtomicI32::new(-1);
 
     /// Installs the handlers (once per process; a forked child inherits them).
-    pub(super) fn install() {
+    pub(crate) fn install() {
         static ONCE: Once = Once::new();
         ONCE.call_once(|| {
             // SAFETY: the three handlers are `extern "C"` functions that never unwind.
@@ -489,6 +493,21 @@ mod fork {
     }
 }
 
+/// Waits for a test's forked child `pid` and returns its exit code; fails the test if it died
+/// of a signal (14, SIGALRM: the alarm that a child that may hang sets itself).
+#[cfg(test)]
+pub(crate) fn child_exit_code(pid: libc::pid_t) -> i32 {
+    let mut status = 0;
+    // SAFETY: waits for the caller's own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "the child died of signal {} (14: the alarm of a child that hung)",
+        libc::WTERMSIG(status)
+    );
+    libc::WEXITSTATUS(status)
+}
+
 /// A peer's shared buffer mapped into this process.
 pub(crate) struct PeerMapping {
     /// The buffer's id in the peer's process.
@@ -633,12 +652,8 @@ mod tests {
             // SAFETY: ends the child without running the test harness's code.
             unsafe { libc::_exit(code) };
         }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(libc::WIFEXITED(status), "child died: status {status:#x}");
         assert_eq!(
-            libc::WEXITSTATUS(status),
+            child_exit_code(pid),
             0,
             "1: child saw wrong values, 2: lost its writes, 3: still shared"
         );

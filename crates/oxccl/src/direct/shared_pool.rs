@@ -25,19 +25,26 @@
 //!   are unmapped (their memory returns to the system once the peers that mapped them evict
 //!   their mappings too). Free blocks of a slab count as cached; a slab is unmapped when none
 //!   of its blocks is live and the cache is over its bound (a slab with a live block stays).
+//! - Every whole block and every slab keeps its memfd open (a peer takes its copy of the
+//!   descriptor from this process), so the pool holds at most half of the process's limit of
+//!   open files (`RLIMIT_NOFILE`, often 1024): past it, a fresh buffer first unmaps the least
+//!   recently freed cached blocks, then is refused (torch's allocator then serves private
+//!   memory), and the program keeps descriptors for its files, sockets and pipes.
 //!
 //! After `fork` the child holds private copies of the parent's blocks (at the same addresses,
 //! see [`shared_buffer`](crate::direct::shared_buffer)'s fork handler), so neither sees the
 //! other's writes; its pool forgets the cache and a block it frees that the parent allocated
 //! is unmapped in the child, never cached (a copy is no longer a shared buffer).
-//! Thread-safe: one lock around the pool's tables.
+//! Thread-safe: one lock around the pool's tables, which `fork` takes for the process's pool
+//! ([`SharedPool::global`], `pthread_atfork`), so that a child forked while another thread
+//! allocates or frees finds it free.
 
 use std::collections::{HashMap, VecDeque};
 use std::ptr::NonNull;
 use std::sync::{Mutex, OnceLock};
 
 use crate::base::error::{Error, Result};
-use crate::direct::shared_buffer::{fork_generation, SharedBuffer};
+use crate::direct::shared_buffer::{fork_generation, install_fork_handlers, SharedBuffer};
 
 /// A caching pool of shared buffers (see the [module](self)); [`SharedPool::global`] is the
 /// process's, which the C ABI and the torch allocator use.
@@ -90,6 +97,35 @@ struct State {
     /// Free blocks of this process's slabs (address, slab), by class (a power of two), the
     /// most recently freed last.
     small_free: AddrMap<Vec<(usize, usize)>>,
+    /// Shared buffers the pool holds (whole blocks live and cached, slabs), each a file
+    /// descriptor, and those being made; at most [`fd_cap`].
+    fds: usize,
+}
+
+impl State {
+    /// Counts a descriptor for a shared buffer about to be made, unmapping the least recently
+    /// freed cached blocks (returned, to be dropped outside the lock) if the pool holds
+    /// [`fd_cap`] already; fails if it still does.
+    fn reserve_fd(&mut self) -> Result<Vec<SharedBuffer>> {
+        let cap = fd_cap();
+        let mut evicted = Vec::new();
+        while self.fds >= cap {
+            let Some(old) = self.cached.pop_front() else {
+                return Err(pool_error(format!(
+                    "the pool holds {} shared buffers, each an open file descriptor: half of \
+                     this process's limit of open files (RLIMIT_NOFILE {}); raise it (ulimit \
+                     -n) to allocate more",
+                    self.fds,
+                    cap.saturating_mul(2)
+                )));
+            };
+            self.cached_bytes -= old.len();
+            self.fds -= 1;
+            evicted.push(old);
+        }
+        self.fds += 1;
+        Ok(evicted)
+    }
 }
 
 /// A block handed out.
@@ -149,6 +185,17 @@ pub(crate) fn size_class(bytes: usize) -> Option<usize> {
     n.checked_next_multiple_of(step)
 }
 
+/// How many file descriptors the pool may hold: half of the process's limit of open files
+/// (`RLIMIT_NOFILE`, 1024 by default on many systems). Every whole block and every slab keeps
+/// its memfd open (peers take their copy of it from this process); past the limit every
+/// `open`, socket and pipe of the program would fail, so the pool refuses first (torch's
+/// allocator then serves private memory).
+fn fd_cap() -> usize {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .map_or(usize::MAX, |n| usize::try_from(n / 2).unwrap_or(usize::MAX))
+}
+
 fn pool_error(msg: String) -> Error {
     Error::SharedPool { msg }
 }
@@ -172,6 +219,7 @@ impl SharedPool {
                 cached_bytes: 0,
                 slabs: AddrMap::default(),
                 small_free: AddrMap::default(),
+                fds: 0,
             }),
             limit: cache_bytes,
         }
@@ -179,8 +227,21 @@ impl SharedPool {
 
     /// The process's pool (its cache bound read from `OXCCL_SHM_POOL_CACHE` on first use).
     pub fn global() -> &'static SharedPool {
-        static POOL: OnceLock<SharedPool> = OnceLock::new();
-        POOL.get_or_init(|| SharedPool::new(crate::base::param::shm_pool_cache_bytes()))
+        GLOBAL.get_or_init(|| {
+            // The pool's fork handlers after the registry's: `fork` takes the pool's lock
+            // first, as every thread does (see `held_over_fork`).
+            install_fork_handlers();
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            // SAFETY: the three handlers are `extern "C"` functions that never unwind.
+            ONCE.call_once(|| unsafe {
+                libc::pthread_atfork(
+                    Some(held_over_fork::prepare),
+                    Some(held_over_fork::release),
+                    Some(held_over_fork::release),
+                );
+            });
+            SharedPool::new(crate::base::param::shm_pool_cache_bytes())
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -190,6 +251,7 @@ impl SharedPool {
             // A forked child: the cached blocks are the parent's to hand out again. Dropping
             // them here unmaps them in this process only.
             s.generation = me;
+            s.fds -= s.cached.len();
             s.cached.clear();
             s.cached_bytes = 0;
             s.small_free.clear();
@@ -217,9 +279,11 @@ impl SharedPool {
                 s.cached.remove(i).expect("index from rposition")
             }
             None => {
+                let evicted = s.reserve_fd()?;
                 // Not under the lock: creating and mapping a memfd takes system calls.
                 drop(s);
-                let b = fresh(class, || format!("{bytes} bytes"))?;
+                drop(evicted);
+                let b = self.fresh_reserved(class, || format!("{bytes} bytes"))?;
                 s = self.lock();
                 b
             }
@@ -240,9 +304,11 @@ impl SharedPool {
                 a
             }
             None => {
+                let evicted = s.reserve_fd()?;
                 // Not under the lock: creating and mapping a memfd takes system calls.
                 drop(s);
-                let buf = fresh(SLAB_BYTES, || format!("a {class}-byte block"))?;
+                drop(evicted);
+                let buf = self.fresh_reserved(SLAB_BYTES, || format!("a {class}-byte block"))?;
                 let base = buf.as_ptr() as usize;
                 s = self.lock();
                 // The other blocks go to the free list, the lowest address handed out first.
@@ -309,6 +375,7 @@ impl SharedPool {
                     .expect("pushed above")
                     .retain(|&(_, sb)| sb != slab);
                 s.cached_bytes -= SLAB_BYTES;
+                s.fds -= 1;
                 let gone = s.slabs.remove(&slab).expect("a live block's slab");
                 drop(s);
                 drop(gone); // munmap outside the lock
@@ -323,6 +390,9 @@ impl SharedPool {
         };
         if generation != s.generation {
             // The parent's block: still in use there; unmap it here only.
+            s.fds -= 1;
+            drop(s);
+            drop(block);
             return Ok(());
         }
         s.cached_bytes += block.len();
@@ -333,11 +403,18 @@ impl SharedPool {
                 break;
             };
             s.cached_bytes -= old.len();
+            s.fds -= 1;
             evicted.push(old);
         }
         drop(s);
         drop(evicted); // munmap outside the lock
         Ok(())
+    }
+
+    /// A fresh shared buffer for which [`State::reserve_fd`] counted a descriptor (given back
+    /// if it cannot be made).
+    fn fresh_reserved(&self, bytes: usize, what: impl FnOnce() -> String) -> Result<SharedBuffer> {
+        fresh(bytes, what).inspect_err(|_| self.lock().fds -= 1)
     }
 
     /// Whether `ptr` is the start of a live block of this pool.
@@ -366,10 +443,45 @@ impl std::fmt::Debug for SharedPool {
     }
 }
 
+/// The process's pool ([`SharedPool::global`]).
+static GLOBAL: OnceLock<SharedPool> = OnceLock::new();
+
+/// The global pool's lock is held across `fork`: a thread other than the forking one that
+/// holds it when the process forks does not exist in the child, so the child's first use of
+/// the pool (a DataLoader worker freeing a tensor it inherited, through torch's allocator)
+/// would wait for ever on a lock nobody releases. `prepare` takes it (after any allocation or
+/// free in flight), `release` (in parent and child) drops it. Lock order: the pool's, then the
+/// registry's (the child's pool unmaps inherited blocks under its lock), which `fork` keeps:
+/// these handlers are installed after the registry's, so their `prepare` runs first.
+mod held_over_fork {
+    use super::{State, GLOBAL};
+    use std::cell::UnsafeCell;
+    use std::sync::MutexGuard;
+
+    struct Held(UnsafeCell<Option<MutexGuard<'static, State>>>);
+    // SAFETY: only the forking thread touches the cell, in order: `prepare` stores, `release`
+    // (parent or child, the same thread) takes; the pool's lock serializes forks.
+    unsafe impl Sync for Held {}
+    static HELD: Held = Held(UnsafeCell::new(None));
+
+    pub(super) unsafe extern "C" fn prepare() {
+        if let Some(pool) = GLOBAL.get() {
+            let guard = pool.state.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: see `Held`.
+            unsafe { *HELD.0.get() = Some(guard) };
+        }
+    }
+
+    pub(super) unsafe extern "C" fn release() {
+        // SAFETY: see `Held`; `prepare` ran on this thread.
+        drop(unsafe { (*HELD.0.get()).take() });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::direct::shared_buffer::region_of;
+    use crate::direct::shared_buffer::{child_exit_code, region_of};
 
     #[test]
     fn size_classes_cover_the_request_with_little_slack() {
@@ -531,6 +643,98 @@ mod tests {
         assert_eq!((st.cached_blocks, st.cached_bytes), (16, SLAB_BYTES));
         assert_eq!(keep.alloc(256 << 10).unwrap(), c);
         keep.free(c.as_ptr()).unwrap();
+    }
+
+    /// Another thread holds the pool's lock (an allocation or free in flight) when this one
+    /// forks: the child's pool must still work (it did not: the child waited for ever on a
+    /// lock whose holder does not exist there; here a 10 s alarm ends such a child).
+    #[test]
+    fn a_fork_while_another_thread_is_in_the_pool_leaves_the_child_a_working_pool() {
+        let pool = SharedPool::global();
+        let inherited = pool.alloc(100).unwrap();
+        let (held, hold) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn(move || {
+            let g = SharedPool::global().state.lock().unwrap();
+            held.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(g);
+        });
+        hold.recv().unwrap();
+        // SAFETY: the child only uses the pool (glibc's malloc is fork-safe) and `_exit`s.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: plain system calls; SIGALRM's default action ends a child that hangs.
+            unsafe { libc::alarm(10) };
+            let ok = pool.free(inherited.as_ptr()).is_ok()
+                && pool.alloc(100).is_ok_and(|p| pool.free(p.as_ptr()).is_ok());
+            // SAFETY: ends the child without running the test harness's code.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let code = child_exit_code(pid);
+        holder.join().unwrap();
+        assert_eq!(code, 0, "the child's pool failed");
+        pool.free(inherited.as_ptr()).unwrap();
+    }
+
+    /// Blocks above SMALL_MAX take a file descriptor each: the pool must leave the program
+    /// open files (it did not: 1000 tensors of 600 KB made every later `open` fail with
+    /// EMFILE). In a forked child, whose limit of open files is lowered.
+    #[test]
+    fn the_pool_leaves_half_the_open_file_limit_to_the_program() {
+        // SAFETY: the child makes system calls and uses the pool (glibc's malloc is
+        // fork-safe), then `_exit`s.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: plain system calls.
+            let code = unsafe {
+                libc::alarm(30);
+                // The descriptors the test process had open, inherited.
+                let base = (0..65_536)
+                    .filter(|&fd| libc::fcntl(fd, libc::F_GETFD) >= 0)
+                    .count() as u64;
+                let mut lim = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+                lim.rlim_cur = (2 * base + 200).min(lim.rlim_max);
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+                let pool = SharedPool::new(1 << 30);
+                let mut got = Vec::new();
+                while got.len() < 4 * lim.rlim_cur as usize {
+                    match pool.alloc(600 << 10) {
+                        Ok(p) => got.push(p),
+                        Err(_) => break,
+                    }
+                }
+                let opened: Vec<i32> = (0..40)
+                    .map(|_| libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY))
+                    .collect();
+                // A freed block is handed out again at the bound.
+                let again = !got.is_empty()
+                    && pool.free(got[0].as_ptr()).is_ok()
+                    && pool.alloc(600 << 10).is_ok();
+                if opened.iter().any(|&fd| fd < 0) {
+                    1
+                } else if got.len() != (lim.rlim_cur / 2) as usize {
+                    2
+                } else if !again {
+                    3
+                } else {
+                    0
+                }
+            };
+            // SAFETY: ends the child without running the test harness's code.
+            unsafe { libc::_exit(code) };
+        }
+        assert_eq!(
+            child_exit_code(pid),
+            0,
+            "1: the program could not open files, 2: the pool held other than half the limit, \
+             3: a freed block was not handed out again"
+        );
     }
 
     #[test]

@@ -29,7 +29,7 @@
 //! every rank that nobody reads or writes its buffers any more, so it may return.
 
 use crate::base::buffers::Buffers;
-use crate::base::error::Result;
+use crate::base::error::{Error, Result};
 use crate::direct::exec::DirectCtx;
 use crate::direct::hugepages;
 use crate::direct::link::EventRecord;
@@ -135,6 +135,42 @@ pub(crate) fn run(
     run_from(cx, c, bufs, tmp, e1, regions)
 }
 
+/// Fails unless `peer`'s buffers as it published them (`rec`) hold at least the bytes of its
+/// input and output that this call reads and writes. Every access to a peer's buffer stays
+/// inside what it published (a mapping of a shared buffer is only used for a published range
+/// that lies inside the buffer), so a peer that published less than the call needs, buggy or
+/// hostile, would otherwise have this rank reach past that range: through a mapping, into
+/// whatever this process has mapped after it.
+fn check_lengths(cx: &DirectCtx<'_>, c: &Coll, peer: usize, rec: &EventRecord) -> Result<()> {
+    let theirs = Coll {
+        rank: peer,
+        topo: None,
+        ..*c
+    };
+    let need = [theirs.input_bytes() as u64, theirs.output_bytes() as u64];
+    let have = [rec.input_len, rec.output_len];
+    if have[0] >= need[0] && have[1] >= need[1] {
+        return Ok(());
+    }
+    let id = cx.wait.id();
+    Err(Error::Protocol {
+        rank: id.rank,
+        peer,
+        call: id.call,
+        seq: id.seq,
+        msg: format!(
+            "it published a {}-byte input and a {}-byte output for a {} of {} elements, which \
+             needs {} and {}",
+            have[0],
+            have[1],
+            c.kind.name(),
+            c.count,
+            need[0],
+            need[1]
+        ),
+    })
+}
+
 /// Runs `c` single-copy from its first event `e1` on: every rank has published `e1` with
 /// [`EventRecord::buffers`] and its [`regions`] (this rank's are `regions`) as its data.
 pub(crate) fn run_from(
@@ -152,6 +188,9 @@ pub(crate) fn run_from(
     let mut peers: Vec<[PeerBuf; 2]> = Vec::with_capacity(n);
     for p in 0..n {
         let rec = cx.direct.peer_record(p, e1);
+        if p != me {
+            check_lengths(cx, c, p, &rec)?;
+        }
         let bufs = [(rec.input, rec.input_len), (rec.output, rec.output_len)];
         let mut w = regions;
         if p != me {
@@ -204,4 +243,101 @@ pub(crate) fn run_from(
     }
     let done = cx.publish(&[], &EventRecord::default());
     cx.wait_all(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::dtype::DataType;
+    use crate::base::error::Error;
+    use crate::base::op::ReduceOp;
+    use crate::base::wait::{CallId, Spin, Waiter};
+    use crate::direct::link::{mem_group, Direct};
+    use crate::direct::shared_buffer::SharedBuffer;
+    use std::time::Duration;
+
+    /// A peer (buggy or hostile) publishes a shared buffer and a record whose input and output
+    /// are 8 bytes long for an all_reduce of 16 KiB: this rank must refuse to touch more than
+    /// was published (through a mapping, the bytes past it are whatever this process mapped
+    /// there), not read and write 8 KiB of it.
+    #[test]
+    fn a_peer_that_publishes_short_buffers_is_a_protocol_error_and_nothing_is_touched() {
+        let mut g = mem_group(2);
+        let mut peer = g.pop().expect("two");
+        let mut mine = g.pop().expect("two");
+        // The peer's memory: 64 KiB, of which it publishes 8 bytes (as a shared buffer of
+        // 64 KiB, so that the region covers what is published).
+        let theirs: Vec<u64> = vec![0x5a5a_5a5a_5a5a_5a5a; 8 << 10];
+        let base = theirs.as_ptr() as u64;
+        let region = Region {
+            id: 1,
+            base,
+            len: 64 << 10,
+            fd: 0,
+        };
+        let mut words = [0u64; 8];
+        words[..4].copy_from_slice(&region.to_words());
+        words[4..].copy_from_slice(&region.to_words());
+        let hostile = std::thread::spawn(move || {
+            let rec = EventRecord::buffers(base as *const u8, 8, base as *const u8, 8);
+            peer.publish(bytemuck::bytes_of(&words), &rec);
+            // The call's last event, so that a rank that went on does not wait for it.
+            peer.publish(&[], &EventRecord::default());
+            std::thread::sleep(Duration::from_millis(200));
+            drop(peer);
+        });
+        let count = 4096;
+        let mut buf = SharedBuffer::new(count * 4, 0).unwrap();
+        buf.as_mut_slice::<f32>().fill(1.0);
+        let c = Coll {
+            kind: CollKind::AllReduce,
+            rank: 0,
+            nranks: 2,
+            count,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            root: 0,
+            chunk_bytes: 1 << 20,
+            topo: None,
+        };
+        let id = CallId {
+            rank: 0,
+            call: "all_reduce",
+            seq: 1,
+        };
+        let res = {
+            let mut cx = DirectCtx {
+                direct: &mut mine,
+                nranks: 2,
+                wait: Waiter::new(id, Spin::new(1), Duration::from_secs(5), false),
+                print: None,
+                health: None,
+                links: None,
+                step_ends: None,
+                nt_bytes: usize::MAX,
+                mapped_min: 0,
+            };
+            let bytes: &mut [u8] = &mut buf;
+            let len = bytes.len();
+            let mut bufs = Buffers::in_place(bytes, 0..len, 0..len);
+            run(&mut cx, &c, &mut bufs, &mut Vec::new())
+        };
+        hostile.join().unwrap();
+        match res {
+            Err(Error::Protocol {
+                rank: 0,
+                peer: 1,
+                ref msg,
+                ..
+            }) => {
+                assert!(msg.contains("8-byte input"), "{msg}")
+            }
+            other => panic!("expected a protocol error naming rank 1, got {other:?}"),
+        }
+        assert!(
+            theirs.iter().all(|&w| w == 0x5a5a_5a5a_5a5a_5a5a),
+            "the peer's bytes past what it published were written"
+        );
+        assert!(buf.as_slice::<f32>().iter().all(|&x| x == 1.0));
+    }
 }
