@@ -114,6 +114,13 @@ pub struct Config {
     /// through those buffers (single-copy) instead of the slots (`direct/oneshot.rs`).
     /// Default 8 KiB.
     pub oneshot_mapped_min: usize,
+    /// `OXCCL_MAPPED_MIN`: a call of at least this many bytes that would run neither one-shot
+    /// nor single-copy by size (below `cma_min`) runs single-copy after all when every rank
+    /// has its input and output in shared buffers, which its first event tells every rank
+    /// (`direct/cma/`): loads and stores into mapped buffers cost no system call, so the
+    /// threshold measured for `process_vm_readv` (`cma_min`, which `oxccl tune` may set to
+    /// megabytes) does not hold for them. Default 8 KiB.
+    pub mapped_min: usize,
     /// `OXCCL_CMA_MIN`: inputs from this many bytes on are copied straight from peers' buffers
     /// (`process_vm_readv`) when every rank shares a host. Default 64 KiB.
     pub cma_min: usize,
@@ -222,6 +229,7 @@ impl Default for Config {
             chunk_bytes: 256 << 10,
             oneshot_max: ONESHOT_MAX_DEFAULT,
             oneshot_mapped_min: 8 << 10,
+            mapped_min: 8 << 10,
             cma_min: CMA_MIN_DEFAULT,
             cma: true,
             nt_bytes: last_level_cache().unwrap_or(32 << 20) / 4,
@@ -742,6 +750,9 @@ impl Config {
         }
         if let Some(b) = ONESHOT_MAPPED_MIN.bytes()? {
             c.oneshot_mapped_min = b;
+        }
+        if let Some(b) = MAPPED_MIN.bytes()? {
+            c.mapped_min = b;
         }
         if let Some(b) = CMA_MIN.bytes()? {
             c.cma_min = b;
