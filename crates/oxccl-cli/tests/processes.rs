@@ -614,6 +614,14 @@ fn perf_reports_the_algorithm_that_ran_and_obeys_algo() {
     assert_eq!(algo_at(&rows, 8), "oneshot", "{rows:?}");
     assert_eq!(algo_at(&rows, 8192), "oneshot", "{rows:?}");
     assert_eq!(algo_at(&rows, 8 << 20), "cma", "{rows:?}");
+    // Shared buffers: the one-shot of 8 KiB (OXCCL_ONESHOT_MAPPED_MIN) runs single-copy
+    // through them, and says so; 8 B stays in the slots.
+    let rows = run(&["-R", "1"]);
+    assert_eq!(algo_at(&rows, 8), "oneshot", "{rows:?}");
+    if algo_at(&rows, 8 << 20) == "cma" {
+        // (Not where the kernel forbids cross-memory access: then neither runs.)
+        assert_eq!(algo_at(&rows, 8192), "cma", "{rows:?}");
+    }
     let rows = run(&["--algo", "ring"]);
     assert!(rows.iter().all(|r| r["algo"] == "ring"), "{rows:?}");
     let rows = run(&["--transport", "tcp"]);
