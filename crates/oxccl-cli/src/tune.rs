@@ -171,7 +171,11 @@ fn rank_main(a: &Args) -> Result<(), String> {
         );
     }
     let (oneshot_max, cma_min) = crossovers(&sizes, &times);
-    let _ = writeln!(out, "# oneshot_max={oneshot_max} cma_min={cma_min}");
+    let _ = writeln!(
+        out,
+        "# oneshot_max={oneshot_max} cma_min={cma_min} ranks={n} (a communicator of m ranks \
+         takes one-shot up to oneshot_max/(ranks-1)*(m-1), at most a slot)"
+    );
     for (j, key) in [(0, "oneshot_max"), (2, "cma_min")] {
         if times.iter().all(|r| r[j].is_none()) {
             let _ = writeln!(
@@ -201,6 +205,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let measured = Tuning {
         oneshot_max,
         cma_min,
+        ranks: Some(n),
         rates: Some(rates),
     };
     // The ranks' wait tells of other processes only where each rank has a CPU of its own
@@ -662,6 +667,7 @@ mod tests {
         Tuning {
             oneshot_max,
             cma_min,
+            ranks: Some(2),
             rates: Some(rates),
         }
     }

@@ -62,6 +62,28 @@ fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
         // Around one-shot's switch to the peers' shared buffers (8 KiB, direct/oneshot.rs) and
         // up to its slot: every collective, type and op.
         "mid" => v = oxccl::check::matrix(rank, n, &[2047, 4099, 8197]),
+        // Under a tune file with cma_min at 2 MiB (`tuned`): inputs of about these many bytes,
+        // one-shot, by size the ring (chain, pairwise), and single-copy by size.
+        "tuned" => {
+            for (kind, root) in kinds(n) {
+                if matches!(kind, CollKind::SendRecv { .. }) {
+                    continue;
+                }
+                for (i, bytes) in TUNED_SIZES.into_iter().enumerate() {
+                    let per_block = matches!(kind, CollKind::ReduceScatter | CollKind::AllToAll);
+                    v.push(Case {
+                        kind,
+                        dtype: DataType::F32,
+                        op: [ReduceOp::Sum, ReduceOp::Max][i % 2],
+                        root,
+                        count: bytes / 4 / if per_block { n } else { 1 } + 1,
+                        in_place: i % 2 == 1,
+                        rank,
+                        nranks: n,
+                    });
+                }
+            }
+        }
         "large" => {
             // 64 MiB buffers: larger than every transport buffer (shm rings 4 MiB, sockets).
             for (kind, root) in kinds(n) {
@@ -115,6 +137,19 @@ fn cases(mode: &str, rank: usize, n: usize) -> Vec<Case> {
     }
     v
 }
+
+/// The input sizes (bytes, about) of the `tuned` mode: around one-shot's slot, by size the
+/// ring up to the tune file's `cma_min` of 2 MiB, single-copy from there.
+const TUNED_SIZES: [usize; 8] = [
+    8,
+    4 << 10,
+    12 << 10,
+    40 << 10,
+    96 << 10,
+    300 << 10,
+    1 << 20,
+    (2 << 20) + (64 << 10),
+];
 
 /// The rank side: runs when re-executed by `oxccl run`.
 #[test]
@@ -209,6 +244,20 @@ fn child() {
         if wrong > 0 {
             failures.push(format!("{wrong} wrong: {case:?}"));
         }
+        if mode.ends_with("tuned") {
+            let per_block = matches!(case.kind, CollKind::ReduceScatter | CollKind::AllToAll);
+            let input = case.count * 4 * if per_block { n } else { 1 };
+            println!(
+                "rank {rank} ran {} {input} {} {}",
+                case.kind.name(),
+                comm.last_algo(),
+                if case.in_place {
+                    "in-place"
+                } else {
+                    "out-of-place"
+                }
+            );
+        }
     }
     comm.barrier().unwrap();
     assert!(
@@ -274,6 +323,91 @@ matrix! {
     p2p_tcp_2: 2, "tcp", "p2p";
     p2p_tcp_3: 3, "tcp", "p2p";
     p2p_tcp_4: 4, "tcp", "p2p";
+}
+
+/// A tune file's `cma_min` of 2 MiB (what `oxccl tune` saved on this VM) governs only the
+/// kernel's cross-memory copies: calls whose ranks all have shared buffers go single-copy
+/// from `OXCCL_MAPPED_MIN` (8 KiB) on, the others by ring (chain, pairwise) up to 2 MiB, and
+/// every result is right at every size with every rank's buffers shared, private, or
+/// shared on every other rank. (Before `OXCCL_MAPPED_MIN`, the shared calls of 64 KiB to 2 MiB
+/// ran the ring.)
+fn tuned(n: usize, mode: &str) {
+    let file = std::env::temp_dir().join(format!(
+        "oxccl-tuned-{mode}-{n}-{}.conf",
+        std::process::id()
+    ));
+    std::fs::write(
+        &file,
+        "# oxccl tune on test, 2 ranks\noneshot_max=32768\ncma_min=2097152\nranks=2\n",
+    )
+    .unwrap();
+    let out = launch_with(
+        n,
+        "shm",
+        mode,
+        &[("OXCCL_TUNE_FILE", file.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_file(&file);
+    assert_ok(&out, mode);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("all cases correct").count(), n, "{stdout}");
+    // (collective, input bytes, what ran, in place) of every rank's calls.
+    let ran: Vec<(String, usize, String, bool)> = stdout
+        .lines()
+        .filter_map(|l| {
+            // `[r] rank r ran KIND BYTES ALGO PLACEMENT`, after the test harness's words on a
+            // first line.
+            let (_, what) = l.split_once(" ran ")?;
+            let w: Vec<&str> = what.split_whitespace().collect();
+            Some((
+                w[0].to_string(),
+                w[1].parse().unwrap(),
+                w[2].to_string(),
+                w[3] == "in-place",
+            ))
+        })
+        .collect();
+    assert_eq!(
+        ran.len(),
+        n * (kinds(n).len() - 1) * TUNED_SIZES.len(),
+        "{stdout}"
+    );
+    if !ran.iter().any(|r| r.1 >= 2 << 20 && r.2 == "cma") {
+        // Mapping needs what cross-memory attach needs (ptrace rights over the peer).
+        eprintln!("no single-copy here (ptrace rights?): the algorithms are not checked");
+        return;
+    }
+    for (kind, bytes, algo, in_place) in &ran {
+        if *bytes >= 2 << 20 {
+            assert_eq!(algo, "cma", "{kind} {bytes}: {stdout}");
+        } else if *bytes > 64 << 10 {
+            // Past one-shot's slot, below cma_min: single-copy only where all are shared (an
+            // all_to_all in place sends from a private copy of its buffer).
+            let want_cma =
+                mode.starts_with("shared-") && !(kind.as_str() == "all_to_all" && *in_place);
+            assert_eq!(algo == "cma", want_cma, "{mode}: {kind} {bytes}: {stdout}");
+        }
+    }
+}
+
+#[test]
+fn tuned_cma_min_shared_2() {
+    tuned(2, "shared-tuned");
+}
+
+#[test]
+fn tuned_cma_min_shared_3() {
+    tuned(3, "shared-tuned");
+}
+
+#[test]
+fn tuned_cma_min_mixed_3() {
+    tuned(3, "mixed-tuned");
+}
+
+#[test]
+fn tuned_cma_min_private_2() {
+    tuned(2, "tuned");
 }
 
 /// More local ranks than the default shared-memory budget gives 4 MiB rings to, with every
@@ -480,6 +614,14 @@ fn perf_reports_the_algorithm_that_ran_and_obeys_algo() {
     assert_eq!(algo_at(&rows, 8), "oneshot", "{rows:?}");
     assert_eq!(algo_at(&rows, 8192), "oneshot", "{rows:?}");
     assert_eq!(algo_at(&rows, 8 << 20), "cma", "{rows:?}");
+    // Shared buffers: the one-shot of 8 KiB (OXCCL_ONESHOT_MAPPED_MIN) runs single-copy
+    // through them, and says so; 8 B stays in the slots.
+    let rows = run(&["-R", "1"]);
+    assert_eq!(algo_at(&rows, 8), "oneshot", "{rows:?}");
+    if algo_at(&rows, 8 << 20) == "cma" {
+        // (Not where the kernel forbids cross-memory access: then neither runs.)
+        assert_eq!(algo_at(&rows, 8192), "cma", "{rows:?}");
+    }
     let rows = run(&["--algo", "ring"]);
     assert!(rows.iter().all(|r| r["algo"] == "ring"), "{rows:?}");
     let rows = run(&["--transport", "tcp"]);

@@ -3,10 +3,11 @@
 //! their calls; every survivor must fail with an error naming it, well within the timeout,
 //! never a wrong result or a hang, and the job must leave nothing in /dev/shm. A stopped rank
 //! that is continued after the survivors have gone must fail too, not hang. One case per
-//! path a call takes: one-shot (8 B, 16 KiB), the ring over shared-memory links, single-copy
-//! (CMA), hierarchical (two emulated hosts: TCP between them, shared memory inside), TCP
-//! eager and lazy; and one where the ranks loop `split`, a call on the new communicator and
-//! its drop, so that the kill lands in set-up, calls and destroy.
+//! path a call takes: one-shot (8 B, 16 KiB), the ring over shared-memory links (also after
+//! the direct event that finds private buffers, `OXCCL_MAPPED_MIN`), single-copy (CMA),
+//! hierarchical (two emulated hosts: TCP between them, shared memory inside), TCP eager and
+//! lazy; and one where the ranks loop `split`, a call on the new communicator and its drop,
+//! so that the kill lands in set-up, calls and destroy.
 //!
 //! (Kills during the start-up are `startup.rs`'s, a rank killed while the others are idle
 //! too; a rank killed before its lazy TCP links are made is `tcp_lazy.rs`'s.)
@@ -124,6 +125,16 @@ const CASES: &[Case] = &[
         bytes: 1 << 20,
         algo: "ring",
         env: &[("OXCCL_TRANSPORT", "shm"), ("OXCCL_ALGO", "ring")],
+    },
+    Case {
+        // Private buffers below a tune-sized `cma_min`: the direct event that finds out
+        // whether every rank's buffers are shared (`OXCCL_MAPPED_MIN`), then the ring.
+        name: "shared-buffer check, then the ring 256 KiB",
+        n: 3,
+        mode: "call",
+        bytes: 256 << 10,
+        algo: "ring",
+        env: &[("OXCCL_TRANSPORT", "shm"), ("OXCCL_CMA_MIN", "2M")],
     },
     Case {
         name: "single-copy 4 MiB",

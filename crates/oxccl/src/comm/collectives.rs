@@ -102,13 +102,14 @@ impl Communicator {
             nranks: self.nranks,
             oneshot_max: self.cfg.oneshot_max,
             cma_min: self.cfg.cma_min,
+            mapped_min: self.cfg.mapped_min,
             deterministic: self.cfg.deterministic,
         };
         let algo = self
             .model
             .choose(&situation, self.topo.as_deref(), self.forced_algo);
-        debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), "call");
-        st.last_algo = algo.name();
+        let mapped_first = tune::mapped_first(&situation, self.forced_algo, algo);
+        debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), mapped_first, "call");
         let fp = Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root);
         let print = st.seqr.next(self.rank, seq, call.kind, fp);
         let mut timing = self.guard.begin(seq, name, &print, algo.name());
@@ -138,11 +139,18 @@ impl Communicator {
             held: stash.held_mut(),
             nt_bytes: self.cfg.nt_bytes,
             mapped_min: self.cfg.oneshot_mapped_min,
+            mapped_first,
             lazy: lazy.as_mut(),
         }
         .collective(algo, coll, self.topo.as_ref(), &mut bufs);
         Self::drop_made(lazy);
-        let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
+        // What ran: one-shot and `mapped_first` calls go single-copy where every rank's
+        // buffers are shared (perf's algo column, the timeline).
+        let ran = res.as_ref().map_or(algo, |a| *a);
+        st.last_algo = ran.name();
+        let res = self
+            .guard
+            .end(seq, name, &print, ran.name(), timing, res.map(|_| ()));
         Self::end_call(&mut st, res)
     }
 

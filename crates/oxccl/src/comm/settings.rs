@@ -20,6 +20,7 @@ struct Agreed {
     algo: Option<String>,
     oneshot_max: usize,
     oneshot_mapped_min: usize,
+    mapped_min: usize,
     cma_min: usize,
     cma: bool,
     chunk_bytes: usize,
@@ -27,9 +28,9 @@ struct Agreed {
 }
 
 /// Bytes of an encoding before the algorithm's name: transport, cma and deterministic (one
-/// byte each), then oneshot_max, cma_min, chunk_bytes and oneshot_mapped_min (8 bytes each,
-/// little-endian).
-const FIXED: usize = 3 + 4 * 8;
+/// byte each), then oneshot_max, cma_min, chunk_bytes, oneshot_mapped_min and mapped_min (8
+/// bytes each, little-endian).
+const FIXED: usize = 3 + 5 * 8;
 
 impl Agreed {
     fn of(cfg: &Config) -> Agreed {
@@ -38,6 +39,7 @@ impl Agreed {
             algo: cfg.algo.clone(),
             oneshot_max: cfg.oneshot_max,
             oneshot_mapped_min: cfg.oneshot_mapped_min,
+            mapped_min: cfg.mapped_min,
             cma_min: cfg.cma_min,
             cma: cfg.cma,
             chunk_bytes: cfg.chunk_bytes,
@@ -51,6 +53,7 @@ impl Agreed {
         cfg.algo = self.algo;
         cfg.oneshot_max = self.oneshot_max;
         cfg.oneshot_mapped_min = self.oneshot_mapped_min;
+        cfg.mapped_min = self.mapped_min;
         cfg.cma_min = self.cma_min;
         cfg.cma = self.cma;
         cfg.chunk_bytes = self.chunk_bytes;
@@ -75,6 +78,7 @@ impl Agreed {
             self.cma_min,
             self.chunk_bytes,
             self.oneshot_mapped_min,
+            self.mapped_min,
         ] {
             out.extend_from_slice(&(n as u64).to_le_bytes());
         }
@@ -112,6 +116,7 @@ impl Agreed {
             algo: (!algo.is_empty()).then(|| algo.to_string()),
             oneshot_max: num(0)?,
             oneshot_mapped_min: num(3)?,
+            mapped_min: num(4)?,
             cma_min: num(1)?,
             cma: flag(1)?,
             chunk_bytes: num(2)?,
@@ -143,6 +148,7 @@ impl Agreed {
             &self.oneshot_mapped_min,
             &root.oneshot_mapped_min,
         );
+        field("mapped_min", &self.mapped_min, &root.mapped_min);
         field("cma_min", &self.cma_min, &root.cma_min);
         field("cma", &self.cma, &root.cma);
         field("chunk_bytes", &self.chunk_bytes, &root.chunk_bytes);
@@ -200,6 +206,7 @@ mod tests {
             a.oneshot_max = 12345;
             a.cma_min = usize::MAX;
             a.oneshot_mapped_min = 777;
+            a.mapped_min = 4321;
             a.chunk_bytes = 1 << 20;
             assert_eq!(Agreed::decode(&a.encode()), Ok(a.clone()));
         }

@@ -26,16 +26,17 @@ use crate::base::reduce;
 use crate::direct::cma;
 use crate::direct::exec::DirectCtx;
 use crate::direct::link::EventRecord;
-use crate::sched::{Coll, CollKind};
+use crate::sched::{Algo, Coll, CollKind};
 
 /// Runs `c` one-shot (or, where every rank's buffers are shared, single-copy: see the
-/// module). `tmp` is single-copy's scratch, reused across calls.
+/// module), and says which ran ([`Algo::OneShot`] or [`Algo::Cma`], alike on every rank).
+/// `tmp` is single-copy's scratch, reused across calls.
 pub(crate) fn run(
     cx: &mut DirectCtx<'_>,
     c: &Coll,
     bufs: &mut Buffers<'_>,
     tmp: &mut Vec<u64>,
-) -> Result<()> {
+) -> Result<Algo> {
     let (n, me) = (c.nranks, c.rank);
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
@@ -58,7 +59,8 @@ pub(crate) fn run(
             _ => input,
         };
         let e = cx.begin(publish, EventRecord::default())?;
-        return fold(cx, c, bufs, e);
+        fold(cx, c, bufs, e)?;
+        return Ok(Algo::OneShot);
     }
     let (regions, [in_shared, out_shared]) = cma::regions(bufs);
     let shared = in_shared && out_shared;
@@ -80,15 +82,18 @@ pub(crate) fn run(
         })
         .count();
     if sharing == n {
-        return cma::run_from(cx, c, bufs, tmp, e, regions);
+        cma::run_from(cx, c, bufs, tmp, e, regions)?;
+        return Ok(Algo::Cma);
     }
     if sharing == 0 {
-        return fold(cx, c, bufs, e);
+        fold(cx, c, bufs, e)?;
+        return Ok(Algo::OneShot);
     }
     // Some ranks published their buffers, some their data: every rank publishes its data.
     let e2 = cx.publish(input, &EventRecord::default());
     cx.wait_all(e2)?;
-    fold(cx, c, bufs, e2)
+    fold(cx, c, bufs, e2)?;
+    Ok(Algo::OneShot)
 }
 
 /// Computes this rank's output of `c` from the data every rank published with event `e`.

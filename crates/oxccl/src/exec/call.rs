@@ -51,6 +51,9 @@ pub(crate) struct Call<'a> {
     /// One-shot calls from this input size on may run through shared buffers
     /// ([`Config::oneshot_mapped_min`](crate::base::param::Config::oneshot_mapped_min)).
     pub mapped_min: usize,
+    /// Whether the call runs single-copy instead of its algorithm where every rank's buffers
+    /// turn out to be shared ([`crate::plan::tune::mapped_first`]).
+    pub mapped_first: bool,
     /// The TCP links not made yet (`OXCCL_TCP_CONNECT=lazy`): a schedule's missing links are
     /// made before its first step, within the call's timeout.
     pub lazy: Option<&'a mut LazyTcp>,
@@ -58,14 +61,17 @@ pub(crate) struct Call<'a> {
 
 impl Call<'_> {
     /// Runs `coll` by `algo`: in the direct area for a direct algorithm (when there is one),
-    /// else as the algorithm's schedule over the links (`topo` joins `coll` for that).
+    /// else as the algorithm's schedule over the links (`topo` joins `coll` for that); with
+    /// `mapped_first`, single-copy instead where every rank's buffers are shared. Returns the
+    /// algorithm that ran, the same on every rank: `algo`, or [`Algo::Cma`] where one-shot
+    /// or `mapped_first` went through the shared buffers.
     pub(crate) fn collective(
         self,
         algo: Algo,
         mut coll: Coll,
         topo: Option<&Arc<Topology>>,
         bufs: &mut Buffers<'_>,
-    ) -> Result<()> {
+    ) -> Result<Algo> {
         let Call {
             id,
             nranks,
@@ -80,79 +86,87 @@ impl Call<'_> {
             held,
             nt_bytes,
             mapped_min,
+            mapped_first,
             lazy,
         } = self;
-        match direct {
-            Some(direct) if algo.on_direct_area() => {
+        let (mut step_ends, mut timeout, mut direct) = (step_ends, timeout, direct);
+        if let Some(d) = direct.as_deref_mut() {
+            let on_direct = algo.on_direct_area();
+            if on_direct || mapped_first {
+                let t0 = (!on_direct).then(Instant::now);
                 let mut cx = DirectCtx {
-                    direct,
+                    direct: d,
                     nranks,
                     wait: Waiter::new(id, spin, timeout, false),
                     print: Some(print),
                     health: Some(health),
-                    links: Some(links),
-                    step_ends,
+                    links: Some(&mut *links),
+                    step_ends: step_ends.as_deref_mut(),
                     nt_bytes,
                     mapped_min,
                 };
                 match algo {
-                    Algo::OneShot => oneshot::run(&mut cx, &coll, bufs, scratch),
-                    _ => cma::run(&mut cx, &coll, bufs, scratch),
-                }
-            }
-            direct => {
-                coll.topo = topo.cloned();
-                let sched = algo.schedule(&coll);
-                debug_assert!(
-                    sched.validate(id.rank).is_ok(),
-                    "{:?}",
-                    sched.validate(id.rank)
-                );
-                let mut timeout = timeout;
-                if let Some(lazy) = lazy {
-                    let peers = sched
-                        .steps
-                        .iter()
-                        .flat_map(|s| s.xfers.iter().map(|x| x.peer()));
-                    let need = lazy.missing(peers);
-                    if !need.is_empty() {
-                        let t0 = Instant::now();
-                        let stop = || {
-                            health
-                                .is_failed()
-                                .then(|| health.error(id.rank, id.call, id.seq))
-                        };
-                        for (p, link) in
-                            lazy.connect(&need, t0 + timeout, &stop, id.call, id.seq)?
-                        {
-                            links[p] = Some(link);
+                    Algo::OneShot => return oneshot::run(&mut cx, &coll, bufs, scratch),
+                    Algo::Cma => return cma::run(&mut cx, &coll, bufs, scratch).map(|()| algo),
+                    _ => {
+                        if cma::run_if_shared(&mut cx, &coll, bufs, scratch)? {
+                            return Ok(Algo::Cma);
                         }
-                        // The links took part of the call's time.
-                        timeout = timeout.saturating_sub(t0.elapsed());
                     }
                 }
-                let mut ctx = Ctx {
-                    rank: id.rank,
-                    links,
-                    dtype: coll.dtype,
-                    op: coll.op,
-                    nranks,
-                    spin,
-                    timeout,
-                    call: id.call,
-                    seq: id.seq,
-                    // Point-to-point peers may run the p2p engine, which copies through links.
-                    single_copy: algo != Algo::PointToPoint,
-                    guard: FaultHooks {
-                        print: Some(print),
-                        health: Some(health),
-                        step_ends,
-                        direct: direct.map(|d| &*d as &dyn Direct),
-                        held: Some(held),
-                    },
-                };
-                execute(&mut ctx, &sched, bufs, scratch)
+                // Some rank's buffers are private: every rank runs `algo` over the links,
+                // in what is left of the call's time.
+                timeout = timeout.saturating_sub(t0.map_or(Duration::ZERO, |t| t.elapsed()));
             }
         }
+        coll.topo = topo.cloned();
+        let sched = algo.schedule(&coll);
+        debug_assert!(
+            sched.validate(id.rank).is_ok(),
+            "{:?}",
+            sched.validate(id.rank)
+        );
+        if let Some(lazy) = lazy {
+            let peers = sched
+                .steps
+                .iter()
+                .flat_map(|s| s.xfers.iter().map(|x| x.peer()));
+            let need = lazy.missing(peers);
+            if !need.is_empty() {
+                let t0 = Instant::now();
+                let stop = || {
+                    health
+                        .is_failed()
+                        .then(|| health.error(id.rank, id.call, id.seq))
+                };
+                for (p, link) in lazy.connect(&need, t0 + timeout, &stop, id.call, id.seq)? {
+                    links[p] = Some(link);
+                }
+                // The links took part of the call's time.
+                timeout = timeout.saturating_sub(t0.elapsed());
+            }
+        }
+        let mut ctx = Ctx {
+            rank: id.rank,
+            links,
+            dtype: coll.dtype,
+            op: coll.op,
+            nranks,
+            spin,
+            timeout,
+            call: id.call,
+            seq: id.seq,
+            // Point-to-point peers may run the p2p engine, which copies through links.
+            single_copy: algo != Algo::PointToPoint,
+            guard: FaultHooks {
+                print: Some(print),
+                health: Some(health),
+                step_ends,
+                direct: direct.map(|d| &*d as &dyn Direct),
+                held: Some(held),
+            },
+        };
+        execute(&mut ctx, &sched, bufs, scratch)?;
+        Ok(algo)
     }
 }

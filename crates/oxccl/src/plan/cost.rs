@@ -282,6 +282,7 @@ mod tests {
             nranks: 2,
             oneshot_max: 0,
             cma_min: usize::MAX,
+            mapped_min: usize::MAX,
             deterministic: false,
         }
     }

@@ -166,6 +166,8 @@ impl Predictor {
             nranks: topo.host_of.len(),
             oneshot_max: self.oneshot_max,
             cma_min: self.cma_min,
+            // No direct area across hosts: no single-copy through shared buffers.
+            mapped_min: usize::MAX,
             deterministic: self.deterministic,
         };
         let chosen = self.model.choose(&situation, Some(&topo), self.forced);
@@ -230,6 +232,7 @@ mod tests {
                     nranks: h * l,
                     oneshot_max: cfg.oneshot_max,
                     cma_min: cfg.cma_min,
+                    mapped_min: usize::MAX,
                     deterministic: false,
                 };
                 assert_eq!(

@@ -5,6 +5,8 @@
 //! large ones (thresholds: `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` where set, else what
 //! `oxccl tune` measured, else the defaults); under `OXCCL_DETERMINISTIC=1` reductions take
 //! a rank-ordered algorithm; else each collective's default schedule ([`default_algo`]).
+//! A call that by size runs neither one-shot nor single-copy tries single-copy first when every
+//! rank's buffers turn out to be shared ([`mapped_first`], `OXCCL_MAPPED_MIN`).
 //! Across hosts the cost model ([`crate::plan::cost`]) picks the all_reduce and defers here
 //! for the rest.
 
@@ -44,6 +46,9 @@ pub(crate) struct Situation {
     pub oneshot_max: usize,
     /// Smallest input that goes single-copy (`OXCCL_CMA_MIN`).
     pub cma_min: usize,
+    /// Smallest input that goes single-copy below `cma_min` when every rank's buffers are
+    /// shared (`OXCCL_MAPPED_MIN`, [`mapped_first`]).
+    pub mapped_min: usize,
     /// Reductions must combine in rank order (`OXCCL_DETERMINISTIC=1`).
     pub deterministic: bool,
 }
@@ -88,6 +93,25 @@ pub(crate) fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
     default_algo(s.kind)
 }
 
+/// Whether a call that [`choose`] gave `chosen` (with `forced` as `OXCCL_ALGO`) runs
+/// single-copy instead where every rank has its input and output in shared buffers: on one
+/// host, from `mapped_min` on, for a collective single-copy runs, unless the algorithm was
+/// forced or is a direct one already (one-shot decides between its slots and the shared
+/// buffers itself, `OXCCL_ONESHOT_MAPPED_MIN`). Whether buffers are shared is each rank's
+/// own fact, so the call publishes them in its first event and every rank reads every rank's
+/// from there: all decide alike (`direct::cma::run_if_shared`), and else run `chosen`.
+///
+/// `cma_min` is measured for the kernel's cross-memory copies (`process_vm_readv`), whose
+/// system calls make single-copy slower than the ring up to megabytes on some hosts (what
+/// `oxccl tune` saves there); loads and stores into mapped buffers cost no system call.
+pub(crate) fn mapped_first(s: &Situation, forced: Option<Algo>, chosen: Algo) -> bool {
+    forced != Some(chosen)
+        && !chosen.on_direct_area()
+        && feasible(Algo::Cma, s)
+        && s.input_bytes >= s.mapped_min
+        && s.nranks > 1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,8 +126,84 @@ mod tests {
             nranks: 2,
             oneshot_max: 8192,
             cma_min: 65536,
+            mapped_min: 8192,
             deterministic: false,
         }
+    }
+
+    /// With `cma_min` at 2 MiB (an `oxccl tune` of this VM), calls from `mapped_min` that
+    /// would go by ring try the shared buffers first; forced algorithms, one-shot and
+    /// single-copy calls, other hosts and collectives single-copy does not run do not.
+    #[test]
+    fn shared_buffers_have_their_own_threshold() {
+        let tuned = |kind, bytes| Situation {
+            cma_min: 2 << 20,
+            ..sit(kind, bytes, true)
+        };
+        let first = |s: &Situation, forced: Option<Algo>| {
+            let a = choose(s, forced);
+            (a, mapped_first(s, forced, a))
+        };
+        assert_eq!(
+            first(&tuned(CollKind::AllReduce, 8), None),
+            (Algo::OneShot, false)
+        );
+        for bytes in [64 << 10, 1 << 20, (2 << 20) - 4] {
+            assert_eq!(
+                first(&tuned(CollKind::AllReduce, bytes), None),
+                (Algo::Ring, true),
+                "{bytes}"
+            );
+        }
+        assert_eq!(
+            first(&tuned(CollKind::AllReduce, 2 << 20), None),
+            (Algo::Cma, false)
+        );
+        for kind in [
+            CollKind::Broadcast,
+            CollKind::Reduce,
+            CollKind::AllGather,
+            CollKind::ReduceScatter,
+            CollKind::AllToAll,
+        ] {
+            let (a, m) = first(&tuned(kind, 1 << 20), None);
+            assert!(m && a == default_algo(kind), "{kind:?}: {a:?}");
+        }
+        assert_eq!(
+            first(&tuned(CollKind::Barrier, 0), None),
+            (Algo::OneShot, false)
+        );
+        assert_eq!(
+            first(&tuned(CollKind::AllReduce, 1 << 20), Some(Algo::Ring)),
+            (Algo::Ring, false),
+            "forced"
+        );
+        assert_eq!(
+            first(&tuned(CollKind::AllReduce, 1 << 20), Some(Algo::OneShot)),
+            (Algo::Ring, true),
+            "forced but infeasible: as unforced"
+        );
+        let other_hosts = Situation {
+            direct: false,
+            cma: false,
+            ..tuned(CollKind::AllReduce, 1 << 20)
+        };
+        assert_eq!(first(&other_hosts, None), (Algo::Ring, false));
+        let no_cma = Situation {
+            cma: false,
+            ..tuned(CollKind::AllReduce, 1 << 20)
+        };
+        assert_eq!(first(&no_cma, None), (Algo::Ring, false));
+        let high = Situation {
+            mapped_min: 4 << 20,
+            ..tuned(CollKind::AllReduce, 1 << 20)
+        };
+        assert_eq!(first(&high, None), (Algo::Ring, false));
+        let det = Situation {
+            deterministic: true,
+            ..tuned(CollKind::AllReduce, 1 << 20)
+        };
+        assert_eq!(first(&det, None), (Algo::Ordered, true));
     }
 
     #[test]

@@ -114,6 +114,13 @@ pub struct Config {
     /// through those buffers (single-copy) instead of the slots (`direct/oneshot.rs`).
     /// Default 8 KiB.
     pub oneshot_mapped_min: usize,
+    /// `OXCCL_MAPPED_MIN`: a call of at least this many bytes that would run neither one-shot
+    /// nor single-copy by size (below `cma_min`) runs single-copy after all when every rank
+    /// has its input and output in shared buffers, which its first event tells every rank
+    /// (`direct/cma/`): loads and stores into mapped buffers cost no system call, so the
+    /// threshold measured for `process_vm_readv` (`cma_min`, which `oxccl tune` may set to
+    /// megabytes) does not hold for them. Default 8 KiB.
+    pub mapped_min: usize,
     /// `OXCCL_CMA_MIN`: inputs from this many bytes on are copied straight from peers' buffers
     /// (`process_vm_readv`) when every rank shares a host. Default 64 KiB.
     pub cma_min: usize,
@@ -222,6 +229,7 @@ impl Default for Config {
             chunk_bytes: 256 << 10,
             oneshot_max: ONESHOT_MAX_DEFAULT,
             oneshot_mapped_min: 8 << 10,
+            mapped_min: 8 << 10,
             cma_min: CMA_MIN_DEFAULT,
             cma: true,
             nt_bytes: last_level_cache().unwrap_or(32 << 20) / 4,
@@ -308,10 +316,15 @@ const CMA_MIN_DEFAULT: usize = 64 << 10;
 /// read by [`Config::from_env`]; `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` override it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tuning {
-    /// Largest input (bytes) that one-shot handles fastest.
+    /// Largest input (bytes) that one-shot handles fastest, with [`Tuning::ranks`] ranks
+    /// (what a communicator makes of it: [`Tuning::two_rank_oneshot_max`]).
     pub oneshot_max: usize,
     /// Smallest input (bytes) from which single-copy is fastest.
     pub cma_min: usize,
+    /// How many ranks `oxccl tune` measured with (`ranks=`). `None` in files written before
+    /// tune saved it, which [`Tuning::read`] takes as measured with the count the file's
+    /// first comment names, else 2, with a warning.
+    pub ranks: Option<usize>,
     /// The rates the multi-host cost model uses (`plan/cost.rs`), measured on this host;
     /// `None` in files written before `oxccl tune` measured them.
     pub rates: Option<Rates>,
@@ -414,6 +427,32 @@ impl Tuning {
     /// The largest `oneshot_max` a tune file may set: one-shot carries at most a slot of the
     /// direct area (64 KiB).
     pub const ONESHOT_MAX_LIMIT: usize = 64 << 10;
+    /// The most ranks a `ranks=` line may name.
+    pub const MAX_RANKS: usize = 1 << 16;
+
+    /// The measured `oneshot_max` as `OXCCL_ONESHOT_MAX` means it: the limit with two
+    /// ranks, which a communicator of `n` ranks multiplies by `n - 1`. A crossover `V`
+    /// measured with `N` ranks is `V / (N - 1)` of it, rounded up so that `N` ranks take one-shot
+    /// up to `V` again; other rank counts scale as the built-in value does (one handshake
+    /// replaces the ring's `2(n-1)` steps). Files without a rank count: as measured with 2.
+    pub fn two_rank_oneshot_max(&self) -> usize {
+        let peers = self.ranks.unwrap_or(2).max(2) - 1;
+        self.oneshot_max.div_ceil(peers)
+    }
+
+    /// The rank count an old file's first comment names (`oxccl tune on HOST, N ranks`),
+    /// for files written before `ranks=`.
+    fn ranks_in_comment(text: &str) -> Option<usize> {
+        let first = text.lines().find_map(|l| l.trim().strip_prefix('#'))?;
+        let head = first.trim().strip_prefix("oxccl tune on ")?;
+        let (before, _) = head.split_once(" ranks")?;
+        before
+            .rsplit(' ')
+            .next()?
+            .parse()
+            .ok()
+            .filter(|n| (1..=Self::MAX_RANKS).contains(n))
+    }
 
     /// Every value of `self` this library does not use, as `(key, why)`: a threshold more
     /// than [`Tuning::TRUST_FACTOR`] times away from its built-in value (`oneshot_max`
@@ -508,7 +547,21 @@ impl Tuning {
                 path.display()
             ))
         })?;
-        let (t, dropped) = t.trusted();
+        let (mut t, dropped) = t.trusted();
+        if t.ranks.is_none() {
+            let (n, from) = match Self::ranks_in_comment(&text) {
+                Some(n) => (n, "as its first comment says"),
+                None => (2, "no comment says otherwise"),
+            };
+            warn_once(format!(
+                "{}: no ranks= line (written before `oxccl tune` saved how many ranks it \
+                 measured with): oneshot_max={} taken as measured with {n} ranks ({from}); \
+                 rerun `oxccl tune`",
+                path.display(),
+                t.oneshot_max
+            ));
+            t.ranks = Some(n);
+        }
         for (key, why) in dropped {
             let instead = if Rates::KEYS.iter().any(|(k, _)| *k == key) {
                 "no rate of the file is used"
@@ -526,7 +579,7 @@ impl Tuning {
 
     /// Parses the `key=value` form (`#` starts a comment).
     pub fn parse(text: &str) -> std::result::Result<Tuning, String> {
-        let (mut oneshot, mut cma) = (None, None);
+        let (mut oneshot, mut cma, mut ranks) = (None, None, None);
         let mut rates = Rates {
             shm_lat_us: f64::NAN,
             shm_gbps: f64::NAN,
@@ -563,6 +616,22 @@ impl Tuning {
                     rates_seen += 1;
                 }
                 *slot = x;
+                continue;
+            }
+            if k.trim() == "ranks" {
+                let n = v
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=Self::MAX_RANKS).contains(n))
+                    .ok_or_else(|| {
+                        format!(
+                            "ranks={}: expected a whole number from 1 to {}",
+                            table::shown(v.trim()),
+                            Self::MAX_RANKS
+                        )
+                    })?;
+                ranks = Some(n);
                 continue;
             }
             let (key, param) = match k.trim() {
@@ -604,6 +673,7 @@ impl Tuning {
         Ok(Tuning {
             oneshot_max: oneshot.ok_or("oneshot_max missing")?,
             cma_min: cma.ok_or("cma_min missing")?,
+            ranks,
             rates,
         })
     }
@@ -614,6 +684,11 @@ impl Tuning {
             "# {comment}\noneshot_max={}\ncma_min={}\n",
             self.oneshot_max, self.cma_min
         );
+        if let Some(n) = self.ranks {
+            s.push_str(&format!(
+                "# the ranks the thresholds were measured with\nranks={n}\n"
+            ));
+        }
         if let Some(r) = &self.rates {
             s.push_str("# rates for the multi-host cost model (oxccl sim, plan/cost.rs)\n");
             for (k, v) in r.entries() {
@@ -635,7 +710,7 @@ impl Config {
         let mut c = Config::default();
         // Measured thresholds (`oxccl tune`) first; explicit variables override them.
         if let Some(t) = Tuning::load()? {
-            c.oneshot_max = t.oneshot_max;
+            c.oneshot_max = t.two_rank_oneshot_max();
             c.cma_min = t.cma_min;
             c.rates = t.rates;
         }
@@ -675,6 +750,9 @@ impl Config {
         }
         if let Some(b) = ONESHOT_MAPPED_MIN.bytes()? {
             c.oneshot_mapped_min = b;
+        }
+        if let Some(b) = MAPPED_MIN.bytes()? {
+            c.mapped_min = b;
         }
         if let Some(b) = CMA_MIN.bytes()? {
             c.cma_min = b;
@@ -744,11 +822,23 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// The warnings this test process announced about the file `path`.
+    fn announced_about(path: &std::path::Path) -> Vec<String> {
+        crate::base::debug::ANNOUNCED
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.starts_with(&path.display().to_string()))
+            .cloned()
+            .collect()
+    }
+
     #[test]
     fn tuning_file() {
         let t = Tuning {
             oneshot_max: 4096,
             cma_min: 1 << 20,
+            ranks: Some(2),
             rates: None,
         };
         assert_eq!(Tuning::parse(&t.render("measured")).unwrap(), t);
@@ -788,9 +878,69 @@ mod tests {
         let never = Tuning {
             oneshot_max: 0,
             cma_min: table::MAX_THRESHOLD as usize,
+            ranks: None,
             rates: None,
         };
         assert_eq!(Tuning::parse(&never.render("never")).unwrap(), never);
+        for bad in ["0", "x", "65537"] {
+            let e = Tuning::parse(&format!("oneshot_max=1\ncma_min=2\nranks={bad}")).unwrap_err();
+            assert!(e.starts_with("ranks="), "{bad}: {e}");
+        }
+    }
+
+    /// `oneshot_max` measured with n ranks: a communicator takes it as n-1 times its
+    /// two-rank limit (the measured size again at n ranks), and a file from before `ranks=`
+    /// says its rank count only in its comment: read from there, with a warning.
+    #[test]
+    fn oneshot_max_says_the_ranks_it_was_measured_with() {
+        let four = Tuning {
+            oneshot_max: 64 << 10,
+            cma_min: 1 << 20,
+            ranks: Some(4),
+            rates: None,
+        };
+        let text = four.render("oxccl tune on host, 4 ranks");
+        assert!(text.contains("\nranks=4\n"), "{text}");
+        assert_eq!(Tuning::parse(&text).unwrap(), four);
+        // 21846 with two ranks; 3 x 21846 >= 64 KiB with four.
+        assert_eq!(four.two_rank_oneshot_max(), 21846);
+        assert!(3 * four.two_rank_oneshot_max() >= 64 << 10);
+        let two = Tuning {
+            ranks: Some(2),
+            ..four.clone()
+        };
+        assert_eq!(two.two_rank_oneshot_max(), 64 << 10);
+        let one = Tuning {
+            ranks: Some(1),
+            ..four.clone()
+        };
+        assert_eq!(one.two_rank_oneshot_max(), 64 << 10);
+
+        let path = std::env::temp_dir().join(format!("oxccl-old-tune-{}.conf", std::process::id()));
+        let old: String = text
+            .lines()
+            .filter(|l| !l.contains("ranks=") && !l.contains("measured with"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(&path, &old).unwrap();
+        for _ in 0..2 {
+            let read = Tuning::read(&path).unwrap().unwrap();
+            assert_eq!(read.ranks, Some(4), "from the comment: {old}");
+            assert_eq!(read.two_rank_oneshot_max(), 21846);
+        }
+        std::fs::write(&path, old.replace("4 ranks", "many ranks")).unwrap();
+        assert_eq!(Tuning::read(&path).unwrap().unwrap().ranks, Some(2));
+        let said = announced_about(&path);
+        assert_eq!(said.len(), 2, "once per file content: {said:?}");
+        assert!(
+            said[0].contains("taken as measured with 4 ranks"),
+            "{said:?}"
+        );
+        assert!(
+            said[1].contains("taken as measured with 2 ranks"),
+            "{said:?}"
+        );
+        let _ = std::fs::remove_file(path);
     }
 
     /// A tune file from a disturbed `oxccl tune` (single-copy never the fastest, a link
@@ -806,6 +956,7 @@ mod tests {
         let t = Tuning {
             oneshot_max: 16 << 10,
             cma_min: table::MAX_THRESHOLD as usize,
+            ranks: Some(2),
             rates: Some(good),
         };
         std::fs::write(&path, t.render("loaded")).unwrap();
@@ -819,6 +970,7 @@ mod tests {
         let bad = Tuning {
             oneshot_max: 1 << 20,
             cma_min: 128 << 10,
+            ranks: Some(2),
             rates: Some(Rates {
                 shm_lat_us: 56_000.0,
                 ..good
@@ -831,13 +983,7 @@ mod tests {
             assert_eq!(read.cma_min, 128 << 10);
             assert_eq!(read.rates, None, "one absurd rate drops them all");
         }
-        let said: Vec<String> = crate::base::debug::ANNOUNCED
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|m| m.starts_with(&path.display().to_string()))
-            .cloned()
-            .collect();
+        let said = announced_about(&path);
         assert_eq!(said.len(), 3, "once each, naming file and key: {said:?}");
         for key in [
             "cma_min=1099511627776 (never)",

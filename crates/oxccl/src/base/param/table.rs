@@ -286,6 +286,14 @@ pub const ONESHOT_MAPPED_MIN: Param = p(
     Comm,
     "one-shot input from which shared buffers are used in place of the slots",
 );
+/// `OXCCL_MAPPED_MIN`.
+pub const MAPPED_MIN: Param = p(
+    "OXCCL_MAPPED_MIN",
+    bytes(0, MAX_THRESHOLD),
+    "8K",
+    Comm,
+    "input from which calls whose ranks all use shared buffers go single-copy",
+);
 /// `OXCCL_CMA_MIN`.
 pub const CMA_MIN: Param = p(
     "OXCCL_CMA_MIN",
@@ -747,6 +755,7 @@ pub const PARAMS: &[Param] = &[
     ALGO,
     ONESHOT_MAX,
     ONESHOT_MAPPED_MIN,
+    MAPPED_MIN,
     CMA_MIN,
     CMA,
     NT_BYTES,

@@ -171,6 +171,48 @@ fn check_lengths(cx: &DirectCtx<'_>, c: &Coll, peer: usize, rec: &EventRecord) -
     })
 }
 
+/// Runs `c` single-copy if every rank has its input and output in shared buffers
+/// (`plan::tune::mapped_first`): every rank publishes its [`regions`] with the first event, as
+/// [`run`] does, and reads every rank's from there, so all decide alike. Returns false, having
+/// done nothing more than that event (every rank has published it and checked the call's
+/// header), when some rank's buffer is private: the call then runs as chosen by size.
+pub(crate) fn run_if_shared(
+    cx: &mut DirectCtx<'_>,
+    c: &Coll,
+    bufs: &mut Buffers<'_>,
+    tmp: &mut Vec<u64>,
+) -> Result<bool> {
+    let (inp, in_len) = bufs.input_raw();
+    let (outp, out_len) = bufs.output_raw();
+    let (regions, _) = regions(bufs);
+    let e1 = cx.begin(
+        bytemuck::bytes_of(&regions),
+        EventRecord::buffers(inp, in_len, outp, out_len),
+    )?;
+    let me = c.rank;
+    // Every rank's input and output shared, or empty (a broadcast's or reduce's non-root).
+    let all_shared = (0..c.nranks).all(|p| {
+        let rec = cx.direct.peer_record(p, e1);
+        let mut w = regions;
+        if p != me {
+            bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
+        }
+        [rec.input_len, rec.output_len]
+            .into_iter()
+            .enumerate()
+            .all(|(i, len)| {
+                len == 0
+                    || Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"))
+                        .is_some()
+            })
+    });
+    if !all_shared {
+        return Ok(false);
+    }
+    run_from(cx, c, bufs, tmp, e1, regions)?;
+    Ok(true)
+}
+
 /// Runs `c` single-copy from its first event `e1` on: every rank has published `e1` with
 /// [`EventRecord::buffers`] and its [`regions`] (this rank's are `regions`) as its data.
 pub(crate) fn run_from(
