@@ -18,7 +18,7 @@ use crate::base::error::{Error, Result};
 use crate::base::param::Config;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::comm::Communicator;
-use crate::fault::control::{WatchSettings, Watchdog};
+use crate::fault::control::{Handoff, WatchSettings, Watchdog};
 use crate::fault::fingerprint::CallPrint;
 use crate::fault::health::{Failure, Health};
 use crate::observe::flight::Recorder;
@@ -112,12 +112,23 @@ impl Supervisor {
             StatusPlan::Listen(l) => l.local_addr().map_or(0, |a| a.port()),
             StatusPlan::Off => 0,
         };
+        // The watchdog's control listener, where this rank accepts the others should it
+        // become the hub of the star (its hub left: `fault/control.rs`); a graph needs none.
+        let control = (boot.is_star() && nranks > 2)
+            .then(|| TcpListener::bind(SocketAddr::new(my_ip, 0)).ok())
+            .flatten();
+        let control_port = control
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(0u16, |a| a.port());
         let mut mine = port.to_le_bytes().to_vec();
         mine.extend_from_slice(&status_port.to_le_bytes());
+        mine.extend_from_slice(&control_port.to_le_bytes());
         SupervisorPrep {
             g,
             listener,
             status,
+            control,
             mine,
         }
     }
@@ -128,6 +139,7 @@ pub(crate) struct SupervisorPrep {
     g: Supervisor,
     listener: std::io::Result<TcpListener>,
     status: StatusPlan,
+    control: Option<TcpListener>,
     mine: Vec<u8>,
 }
 
@@ -152,6 +164,7 @@ impl SupervisorPrep {
             mut g,
             listener,
             status,
+            control,
             ..
         } = self;
         let (rank, nranks) = (boot.rank(), boot.world_size());
@@ -172,14 +185,20 @@ impl SupervisorPrep {
                 (port != 0).then_some(SocketAddr::new(info.ip, port))
             })
             .collect();
-        let addrs: Vec<SocketAddr> = ports
-            .iter()
-            .zip(boot.peers())
-            .map(|(p, info)| {
-                let port = p.get(..2).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-                SocketAddr::new(info.ip, port)
-            })
-            .collect();
+        let port_at = |at: usize| -> Vec<SocketAddr> {
+            ports
+                .iter()
+                .zip(boot.peers())
+                .map(|(p, info)| {
+                    let port = p
+                        .get(at..at + 2)
+                        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                    SocketAddr::new(info.ip, port)
+                })
+                .collect()
+        };
+        let addrs = port_at(0);
+        let control_addrs = port_at(4);
         g.shrink = Some(ShrinkPlan {
             addrs,
             listener: Mutex::new(listener.ok()),
@@ -208,6 +227,15 @@ impl SupervisorPrep {
                 )),
             },
         }
+        let handoff = control.map(|l| Handoff {
+            listener: Some(l),
+            addrs: control_addrs,
+            secret: *boot.secret(),
+            tag: boot.comm_tag(),
+            answer_within: cfg
+                .heartbeat
+                .unwrap_or(crate::fault::control::DEFAULT_ANSWER),
+        });
         let (conns, graph) = boot.take_connections();
         if !conns.is_empty() {
             let rec = g.recorder.clone();
@@ -223,6 +251,7 @@ impl SupervisorPrep {
                     first_heard: cfg.timeout,
                 },
                 Box::new(move || rec.dump("failure reported by the watchdog")),
+                handoff,
             )
             .map_err(|source| Error::Io {
                 rank,
