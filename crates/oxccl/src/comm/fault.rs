@@ -52,8 +52,9 @@ pub(crate) struct Supervisor {
     timeout_ns: AtomicU64,
     shrink: Option<ShrinkPlan>,
     status: Option<StatusAgent>,
-    // Last: dropped after the rest (it says goodbye to the peers).
-    watchdog: Option<Watchdog>,
+    // Last: dropped after the rest (it says goodbye to the peers); taken out by
+    // [`Supervisor::close`].
+    watchdog: Mutex<Option<Watchdog>>,
 }
 
 impl Supervisor {
@@ -76,7 +77,7 @@ impl Supervisor {
             timeout_ns: AtomicU64::new(cfg.timeout.as_nanos().min(u64::MAX as u128) as u64),
             shrink: None,
             status: None,
-            watchdog: None,
+            watchdog: Mutex::new(None),
         }
     }
 
@@ -258,7 +259,7 @@ impl SupervisorPrep {
                 context: "starting the watchdog thread".into(),
                 source,
             })?;
-            g.watchdog = Some(w);
+            g.watchdog = Mutex::new(Some(w));
         }
         Ok(g)
     }
@@ -358,11 +359,22 @@ impl Supervisor {
         res
     }
 
+    fn watchdog(&self) -> std::sync::MutexGuard<'_, Option<Watchdog>> {
+        self.watchdog.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops the watchdog (it says goodbye to the peers), as dropping the communicator does:
+    /// for [`Communicator::close`].
+    pub(crate) fn close(&self) {
+        let w = self.watchdog().take();
+        drop(w);
+    }
+
     /// This rank failed with `e`: remember it, tell everyone, write the flight recorder.
     pub(crate) fn failed(&self, e: &Error) {
         let first = self.health.fail(Failure::Local { msg: e.to_string() });
         if first {
-            if let Some(w) = &self.watchdog {
+            if let Some(w) = self.watchdog().as_ref() {
                 w.report(e);
             }
             self.recorder.dump(&e.to_string());
@@ -520,7 +532,7 @@ impl Communicator {
         let g = self.supervisor();
         let msg = format!("rank {} called abort()", self.rank());
         if g.health.fail(Failure::Aborted { msg: msg.clone() }) {
-            if let Some(w) = &g.watchdog {
+            if let Some(w) = g.watchdog().as_ref() {
                 w.report(&Error::Aborted {
                     rank: self.rank(),
                     msg,
@@ -528,6 +540,34 @@ impl Communicator {
             }
             g.recorder.dump("abort()");
         }
+    }
+
+    /// Closes the communicator as dropping it would, for a communicator that others still
+    /// hold (an `Arc` shared with queued calls, C handles or bindings: torch's
+    /// `destroy_process_group`): waits until the calls queued so far have finished (each
+    /// bounded by its timeout) and a call running on another thread has returned, then says
+    /// goodbye to the other ranks (they see this rank leave, not die) and frees its links and
+    /// shared memory. Every later call fails at once ([`Error::Aborted`], "closed"); closing
+    /// again does nothing. (As NCCL's `ncclCommFinalize` followed by `ncclCommDestroy`.)
+    pub fn close(&self) {
+        self.synchronize();
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        st.closed = true;
+        if st.broken.is_none() {
+            st.broken = Some(format!("rank {} closed this communicator", self.rank()));
+        }
+        // Goodbye first, as in a drop: then the links.
+        self.supervisor().close();
+        for l in st.links.iter_mut() {
+            *l = None;
+        }
+        st.direct = None;
+        st.lazy = None;
+        st.scratch = Vec::new();
+        st._boot = None;
     }
 
     /// `Ok` while the communicator is healthy; else the error the next call would return
