@@ -23,14 +23,15 @@
 //! ignored test `exit_child` with `OXCCL_EXIT_CHILD` set.
 
 use std::io::Write;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
 use proc_common::{
-    env_u64, files_of, free_port, output_by, rank_command, signal, spawn_reading, Rng,
+    env_u64, files_of, free_port, job_secret, output_by, rank_command, signal, spawn_reading, Rng,
 };
 
 /// The value element `i` of rank `rank`'s input has in call `it`.
@@ -139,6 +140,24 @@ fn exit_child() {
     }
 }
 
+/// Starts rank `r` (`c`, its stdio piped) and sends each `CHILD` line it prints to `tx`
+/// (without the prefix, with when it came), then `EOF` once its stdout ends.
+fn spawn_child(c: &mut Command, r: usize, tx: Sender<(usize, String, Instant)>) -> Child {
+    c.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    spawn_reading(c, move |line| match line {
+        Some(line) => {
+            if let Some(l) = line.strip_prefix("CHILD") {
+                let _ = tx.send((r, l.trim().to_string(), Instant::now()));
+            }
+        }
+        None => {
+            let _ = tx.send((r, "EOF".into(), Instant::now()));
+        }
+    })
+}
+
 /// Where the calls run.
 struct Path {
     name: &'static str,
@@ -198,10 +217,7 @@ fn run_round(
     forget: bool,
 ) -> Result<String, String> {
     let n = path.n;
-    let mut secret = [0u8; 16];
-    getrandom::fill(&mut secret).unwrap();
-    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-    let tag = oxccl::testing::auth::comm_tag(&secret);
+    let (hex, tag) = job_secret();
     let port = free_port();
     let list: Vec<String> = leavers.iter().map(|l| l.to_string()).collect();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -217,21 +233,8 @@ fn run_round(
                 .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
                 .env("OXCCL_TUNE_FILE", "")
                 .env("OXCCL_HOSTID", format!("exits-host-{}", r / path.per_host))
-                .envs(path.env.iter().copied())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            let tx = tx.clone();
-            spawn_reading(&mut c, move |line| match line {
-                Some(line) => {
-                    if let Some(l) = line.strip_prefix("CHILD") {
-                        let _ = tx.send((r, l.trim().to_string()));
-                    }
-                }
-                None => {
-                    let _ = tx.send((r, "EOF".into()));
-                }
-            })
+                .envs(path.env.iter().copied());
+            spawn_child(&mut c, r, tx.clone())
         })
         .collect();
     let kill_all = |kids: &mut Vec<Child>| {
@@ -245,7 +248,7 @@ fn run_round(
     let mut ready = 0;
     while ready < n {
         match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok((r, l)) => {
+            Ok((r, l, _)) => {
                 if l.starts_with("READY") {
                     ready += 1;
                 } else {
@@ -298,7 +301,7 @@ fn run_round(
     let mut ended = 0;
     while ended < n {
         match rx.recv_timeout(Duration::from_secs(5)) {
-            Ok((r, l)) => {
+            Ok((r, l, _)) => {
                 ended += (l == "EOF") as usize;
                 said[r].push(l);
             }
@@ -531,10 +534,7 @@ fn hubless_round(
     victim: usize,
     waits: &[(usize, usize)],
 ) -> Result<String, String> {
-    let mut secret = [0u8; 16];
-    getrandom::fill(&mut secret).unwrap();
-    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-    let tag = oxccl::testing::auth::comm_tag(&secret);
+    let (hex, tag) = job_secret();
     let port = free_port();
     let w: Vec<String> = waits.iter().map(|(a, b)| format!("{a}:{b}")).collect();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -548,21 +548,8 @@ fn hubless_round(
                 .env("OXCCL_TRANSPORT", transport)
                 .env("OXCCL_TIMEOUT", "10")
                 .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
-                .env("OXCCL_TUNE_FILE", "")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            let tx = tx.clone();
-            spawn_reading(&mut c, move |line| match line {
-                Some(line) => {
-                    if let Some(l) = line.strip_prefix("CHILD") {
-                        let _ = tx.send((r, l.trim().to_string(), Instant::now()));
-                    }
-                }
-                None => {
-                    let _ = tx.send((r, "EOF".into(), Instant::now()));
-                }
-            })
+                .env("OXCCL_TUNE_FILE", "");
+            spawn_child(&mut c, r, tx.clone())
         })
         .collect();
     let kill_all = |kids: &mut Vec<Child>| {
