@@ -257,13 +257,16 @@ enum Dialed {
     Silent(String),
 }
 
-/// Dials rank `hub`'s control listener as rank `me`, until `deadline` or `stop`.
+/// Dials rank `hub`'s control listener as rank `me`, until `deadline` or `stop`; a rank
+/// `leaving` does not retry a refused connection (every rank may be leaving at once: each
+/// drop must stay prompt).
 fn dial_hub(
     h: &Handoff,
     me: usize,
     hub: usize,
     deadline: Instant,
     stop: &dyn Fn() -> bool,
+    leaving: bool,
 ) -> Dialed {
     let Some(&addr) = h.addrs.get(hub).filter(|a| a.port() != 0) else {
         return Dialed::Unreachable;
@@ -280,7 +283,11 @@ fn dial_hub(
         deadline,
         first_pause: Duration::from_millis(5),
         max_pause: Duration::from_millis(50),
-        refused_limit: Some(REFUSED_LIMIT),
+        refused_limit: Some(if leaving {
+            Duration::ZERO
+        } else {
+            REFUSED_LIMIT
+        }),
         connect: |a, t| TcpStream::connect_timeout(&a, t),
         stop: Some(stop),
     };
@@ -382,7 +389,7 @@ fn run(
                         h.answer_within
                     };
                     let stop = || !leaving && sh.stop.load(Ordering::SeqCst);
-                    match dial_hub(h, sh.rank, hub, Instant::now() + limit, &stop) {
+                    match dial_hub(h, sh.rank, hub, Instant::now() + limit, &stop, leaving) {
                         Dialed::Connected(s) => {
                             let i = w.adopt(hub, Instant::now());
                             conns.resize_with(w.connections(), || None);
@@ -421,6 +428,19 @@ fn run(
             let i = w.adopt(rank, Instant::now());
             conns.resize_with(w.connections(), || None);
             conns[i] = Some(s);
+        }
+    };
+    let record = |w: &mut Watch, conns: &[Option<TcpStream>]| {
+        let failures = w.end_round();
+        flush(w, conns);
+        let mut reported = false;
+        for f in failures {
+            if sh.health.fail(f) {
+                reported = true;
+            }
+        }
+        if reported {
+            on_failure();
         }
     };
     let mut tmp = vec![0u8; 4096];
@@ -482,20 +502,13 @@ fn run(
         }
         // Read what arrived.
         read_round(&mut w, &conns, &mut tmp);
-        // A hub's goodbye: connect to the new hub (or accept as it), and what was accepted.
-        handover(&mut w, &mut conns, &mut acceptor, false);
         // Pass on (the hub of a star, every rank of a graph), then record: once recorded the
         // process may exit, and its peers must hear the cause before its links close.
-        let failures = w.end_round();
-        flush(&mut w, &conns);
-        let mut reported = false;
-        for f in failures {
-            if sh.health.fail(f) {
-                reported = true;
-            }
-        }
-        if reported {
-            on_failure();
-        }
+        record(&mut w, &conns);
+        // A hub's goodbye: connect to the new hub (or accept as it), and what was accepted;
+        // after the round's failures are recorded (a dial may take a while: a call that lost
+        // a link waits only `CAUSE_GRACE` for them), and what the dial found.
+        handover(&mut w, &mut conns, &mut acceptor, false);
+        record(&mut w, &conns);
     }
 }
