@@ -489,6 +489,19 @@ class Comm:
         """Queued calls not yet finished."""
         return self._raw.pending()
 
+    def close(self) -> None:
+        """Closes the communicator (as ``ncclCommFinalize`` then ``ncclCommDestroy``): waits
+        until every queued call has finished (each bounded by its timeout), says goodbye to
+        the other ranks (they see this rank leave, not fail) and frees its links and shared
+        memory, even while C handles of it are alive. Later calls raise
+        ``oxccl.AbortedError``; closing again does nothing."""
+        self._raw.close()
+
+    def abort(self) -> None:
+        """Fails every blocked and later call at once, here and (through the watchdog) on
+        the other ranks."""
+        self._raw.abort()
+
 
 def new_unique_id(ip: Optional[str] = None) -> str:
     """A fresh id (as ``ncclGetUniqueId``), listening on ``ip`` (default: this host's default

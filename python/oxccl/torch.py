@@ -695,6 +695,7 @@ class BackendOxccl(_C10dBackend):
         self._held_batch: List[Tuple[int, int]] = []
         self._barriers = 0
         self._seq = 0  # collectives called (see _get_sequence_number_for_group)
+        self._shut = False  # shutdown() ran: the communicator is closed
         _BACKENDS.add(self)
 
     # -- identity -----------------------------------------------------------------------------
@@ -1401,8 +1402,19 @@ class BackendOxccl(_C10dBackend):
         return _make(store, ranks.index(me), len(ranks), timeout, getattr(opts, "group_name", None), (self.comm, ranks))
 
     def shutdown(self) -> None:
-        self._flush_p2p()
-        self.comm.synchronize()
+        """torch's ``destroy_process_group`` (and ``ProcessGroup.shutdown``): held sends and
+        receives go out, queued calls (``async_op=True``, of this backend and of the C++ one
+        over it) are waited for, each bounded by its timeout, then the communicator is closed
+        (``Comm.close``: the other ranks see this rank leave, its links and shared memory are
+        freed); a later call on this backend raises ``oxccl.AbortedError``. Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self._flush_p2p()
+        finally:
+            # Waits for the queued calls, then closes (even when the flush failed).
+            self.comm.close()
         _WRAPPED_BY_TORCH.discard(self)
         if _WATCHER and _WATCHER[0]() is self.comm:
             # A group made later (after a new init_process_group) is not this one's to watch.
@@ -1414,7 +1426,10 @@ class BackendOxccl(_C10dBackend):
         self._store = None
 
     def abort(self) -> None:
-        pass
+        """torch's ``abort``: every blocked and queued call fails at once (here and, told by
+        the watchdog, on the other ranks), then the communicator is closed."""
+        self.comm.abort()
+        self.shutdown()
 
 
 def _batch_frame() -> Any:

@@ -420,6 +420,20 @@ impl RawComm {
         py.detach(|| comm.synchronize());
     }
 
+    /// `Communicator::close` (GIL released): waits for the queued calls, says goodbye to the
+    /// other ranks and frees the links, whoever else holds the communicator (C handles,
+    /// queued calls); later calls fail. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let comm = &self.inner;
+        py.detach(|| comm.close());
+    }
+
+    /// `Communicator::abort`: every blocked and later call fails at once; the other ranks
+    /// are told.
+    fn abort(&self) {
+        self.inner.abort();
+    }
+
     /// `ncclCommSplit`: a new communicator of the ranks with the same color (None or a
     /// negative color: none), ordered by key then rank.
     #[pyo3(signature = (color, key))]

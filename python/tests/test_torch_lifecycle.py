@@ -1,9 +1,9 @@
 """No hang and no crash reachable from torch (issue 21, item 4): fork does not share a pool
 tensor's writes, zero and negative timeouts expire at once, a process exits cleanly with
 queued calls in flight, init/destroy repeats on one MASTER_PORT (rank 0 late to destroy in
-odd rounds), async_op=True returns before a late peer at every size, and the Python
-backend's survivor of a lost peer raises instead of crashing (see
-torch_lifecycle_worker.py)."""
+odd rounds), async_op=True returns before a late peer at every size, the Python
+backend's survivor of a lost peer raises instead of crashing, and destroy_process_group
+closes the communicator after its queued calls (see torch_lifecycle_worker.py)."""
 
 import os
 import signal
@@ -85,3 +85,14 @@ def test_ddp_survivor_of_a_lost_peer_raises(backend):
     rc, out = res[0]
     assert rc == 0 and "peer_exit_ddp ok" in out, f"survivor rc {rc} (signal {-rc if rc < 0 else None})\n{out}"
     assert rc != -signal.SIGSEGV
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_destroy_process_group_closes_the_communicator(backend):
+    """Rank 0's destroy_process_group waits for its queued call, then closes the communicator:
+    later calls there raise, and the other ranks' next call fails within seconds naming rank 0
+    (before: the communicator stayed open, and a call on it still ran)."""
+    if backend == "cpp":
+        _cpp()
+    for _, out in _run(3, "shutdown", env={"OXCCL_TORCH_BACKEND": backend}, timeout=90):
+        assert "shutdown ok" in out, out

@@ -258,5 +258,55 @@ def peer_exit_ddp():
     os._exit(0)
 
 
+def shutdown():
+    """destroy_process_group closes the communicator: rank 0 destroys its group with an
+    asynchronous all_reduce in flight (the others join it 1 s later): the call completes with
+    the right result first; then the communicator is closed (a call on it raises
+    oxccl.AbortedError naming the close; closing and shutting down again do nothing), and the
+    others, whose next call needs rank 0, fail within 3 s naming it (it left: its goodbye came,
+    its links closed), not at their timeout (20 s)."""
+    dist.init_process_group("oxccl", timeout=timedelta(seconds=20))
+    r, n = dist.get_rank(), dist.get_world_size()
+    b = dist.group.WORLD._get_backend(torch.device("cpu"))
+    py = getattr(b, "python_backend", b)
+    comm = py.comm
+    t = torch.full((1 << 18,), float(r + 1))  # 1 MiB: queued
+    if r != 0:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    want = float(n * (n + 1) // 2)
+    if r == 0:
+        start = time.monotonic()
+        dist.destroy_process_group()
+        took = time.monotonic() - start
+        # It waited for the queued call (the others joined it 1 s later), which completed.
+        assert 0.5 < took < 10, f"destroy_process_group took {took:.2f} s"
+        start = time.monotonic()
+        work.wait()
+        assert time.monotonic() - start < 1.0, "the queued call had not finished"
+        assert torch.all(t == want), t[:4]
+        try:
+            comm.barrier()
+            raise AssertionError("a call on the communicator passed after destroy_process_group")
+        except oxccl.AbortedError as e:
+            assert "closed" in str(e), e
+        comm.close()
+        py.shutdown()
+    else:
+        work.wait()
+        assert torch.all(t == want), t[:4]
+        time.sleep(0.5)  # rank 0 destroys its group meanwhile
+        start = time.monotonic()
+        try:
+            comm.barrier()
+            raise AssertionError("a barrier passed after rank 0 destroyed its group")
+        except oxccl.Error as e:
+            took = time.monotonic() - start
+            assert took < 3, f"the barrier failed after {took:.1f} s: {e}"
+            assert "rank 0" in str(e), e
+        dist.destroy_process_group()
+    print("shutdown ok", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

@@ -23,14 +23,15 @@
 //! ignored test `exit_child` with `OXCCL_EXIT_CHILD` set.
 
 use std::io::Write;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
 use proc_common::{
-    env_u64, files_of, free_port, output_by, rank_command, signal, spawn_reading, Rng,
+    env_u64, files_of, free_port, job_secret, output_by, rank_command, signal, spawn_reading, Rng,
 };
 
 /// The value element `i` of rank `rank`'s input has in call `it`.
@@ -139,6 +140,24 @@ fn exit_child() {
     }
 }
 
+/// Starts rank `r` (`c`, its stdio piped) and sends each `CHILD` line it prints to `tx`
+/// (without the prefix, with when it came), then `EOF` once its stdout ends.
+fn spawn_child(c: &mut Command, r: usize, tx: Sender<(usize, String, Instant)>) -> Child {
+    c.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    spawn_reading(c, move |line| match line {
+        Some(line) => {
+            if let Some(l) = line.strip_prefix("CHILD") {
+                let _ = tx.send((r, l.trim().to_string(), Instant::now()));
+            }
+        }
+        None => {
+            let _ = tx.send((r, "EOF".into(), Instant::now()));
+        }
+    })
+}
+
 /// Where the calls run.
 struct Path {
     name: &'static str,
@@ -198,10 +217,7 @@ fn run_round(
     forget: bool,
 ) -> Result<String, String> {
     let n = path.n;
-    let mut secret = [0u8; 16];
-    getrandom::fill(&mut secret).unwrap();
-    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-    let tag = oxccl::testing::auth::comm_tag(&secret);
+    let (hex, tag) = job_secret();
     let port = free_port();
     let list: Vec<String> = leavers.iter().map(|l| l.to_string()).collect();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -217,21 +233,8 @@ fn run_round(
                 .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
                 .env("OXCCL_TUNE_FILE", "")
                 .env("OXCCL_HOSTID", format!("exits-host-{}", r / path.per_host))
-                .envs(path.env.iter().copied())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            let tx = tx.clone();
-            spawn_reading(&mut c, move |line| match line {
-                Some(line) => {
-                    if let Some(l) = line.strip_prefix("CHILD") {
-                        let _ = tx.send((r, l.trim().to_string()));
-                    }
-                }
-                None => {
-                    let _ = tx.send((r, "EOF".into()));
-                }
-            })
+                .envs(path.env.iter().copied());
+            spawn_child(&mut c, r, tx.clone())
         })
         .collect();
     let kill_all = |kids: &mut Vec<Child>| {
@@ -245,7 +248,7 @@ fn run_round(
     let mut ready = 0;
     while ready < n {
         match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok((r, l)) => {
+            Ok((r, l, _)) => {
                 if l.starts_with("READY") {
                     ready += 1;
                 } else {
@@ -298,7 +301,7 @@ fn run_round(
     let mut ended = 0;
     while ended < n {
         match rx.recv_timeout(Duration::from_secs(5)) {
-            Ok((r, l)) => {
+            Ok((r, l, _)) => {
                 ended += (l == "EOF") as usize;
                 said[r].push(l);
             }
@@ -419,4 +422,241 @@ fn ranks_that_finish_their_last_call_and_exit_never_fail_the_slower_ranks() {
     }
     println!("{runs} rounds, {} failed", failures.len());
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// A rank of [`survivors_hear_of_a_killed_rank_after_the_hub_left`]: a barrier
+/// (`CHILD READY`); then a leaver (rank below `OXCCL_HUBLESS_LEAVERS`) drops its communicator
+/// once it reads a line on stdin (`CHILD LEFT`); the victim (`OXCCL_HUBLESS_VICTIM`) waits to
+/// be killed; a rank named in `OXCCL_HUBLESS_WAITS` (`a:b,...`: rank `a` receives from rank
+/// `b`) says `CHILD WAITING`, receives, and says `CHILD ERR <error>` when that fails; every
+/// survivor then stays (its process alive, so that no one learns of its failure by its exit)
+/// until its stdin ends.
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn hubless_child() {
+    if std::env::var("OXCCL_HUBLESS_CHILD").is_err() {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let leavers: usize = var("OXCCL_HUBLESS_LEAVERS").parse().unwrap_or(1);
+    let victim: usize = var("OXCCL_HUBLESS_VICTIM").parse().unwrap_or(usize::MAX);
+    let waits: Vec<(usize, usize)> = var("OXCCL_HUBLESS_WAITS")
+        .split(',')
+        .filter_map(|w| {
+            let (a, b) = w.split_once(':')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .collect();
+    let run = || -> Result<(), String> {
+        let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+        let r = comm.rank();
+        comm.barrier().map_err(|e| e.to_string())?;
+        println!("CHILD READY");
+        let mut line = String::new();
+        if r < leavers {
+            std::io::stdin()
+                .read_line(&mut line)
+                .map_err(|e| e.to_string())?;
+            drop(comm);
+            println!("CHILD LEFT");
+            return Ok(());
+        }
+        if r == victim {
+            println!("CHILD WAITING");
+            std::thread::sleep(Duration::from_secs(60));
+            return Err("the victim was not killed".into());
+        }
+        if let Some(&(_, from)) = waits.iter().find(|(a, _)| *a == r) {
+            println!("CHILD WAITING");
+            let mut v = [0f32; 2];
+            match comm.recv(&mut v, from) {
+                Ok(()) => return Err(format!("the receive from rank {from} succeeded")),
+                Err(e) => println!("CHILD ERR {e}"),
+            }
+        }
+        while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {}
+        Ok(())
+    };
+    if let Err(e) = run() {
+        println!("CHILD_ERR {e}");
+        std::process::exit(1);
+    }
+}
+
+/// After the hub of the watchdog's star (rank 0, then the ranks that took over) dropped its
+/// communicator and left, a rank is killed while the others wait on it, directly (its link
+/// ends) or through a rank that waits on it: every waiting survivor fails within 3 s naming
+/// the killed rank (before the hub's goodbye handed the star over, the survivors' reports
+/// reached no one, and a rank waiting on a live rank that failed waited out its timeout).
+/// Cases: (ranks, leavers 0..L, victim, waits `a` receives from `b`), on shared-memory links
+/// and TCP.
+#[test]
+fn survivors_hear_of_a_killed_rank_after_the_hub_left() {
+    // The new hub waits directly; a member through it.
+    // Two handovers (0, then 1): the new hub 2 waits through rank 3.
+    // The new hub is a bystander: it passes rank 2's report on to rank 4.
+    // The new hub is the victim.
+    /// (ranks, leavers, victim, (waiter, waited on) pairs)
+    type Case = (usize, usize, usize, &'static [(usize, usize)]);
+    const CASES: &[Case] = &[
+        (4, 1, 2, &[(1, 2), (3, 1)]),
+        (5, 2, 4, &[(3, 4), (2, 3)]),
+        (5, 1, 3, &[(2, 3), (4, 2)]),
+        (4, 1, 1, &[(2, 1), (3, 2)]),
+    ];
+    let only = std::env::var("OXCCL_EXIT_CASE").unwrap_or_default();
+    let mut failures = Vec::new();
+    for transport in ["shm", "tcp"] {
+        for &(n, leavers, victim, waits) in CASES {
+            let name = format!(
+                "{transport}: {n} ranks, {leavers} left, rank {victim} killed, waits {waits:?}"
+            );
+            if !name.contains(&only) {
+                continue;
+            }
+            match hubless_round(transport, n, leavers, victim, waits) {
+                Ok(s) => println!("{name}: ok ({s})"),
+                Err(e) => {
+                    eprintln!("FAILED {name}: {e}");
+                    failures.push(format!("{name}: {e}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// One round of [`survivors_hear_of_a_killed_rank_after_the_hub_left`].
+fn hubless_round(
+    transport: &str,
+    n: usize,
+    leavers: usize,
+    victim: usize,
+    waits: &[(usize, usize)],
+) -> Result<String, String> {
+    let (hex, tag) = job_secret();
+    let port = free_port();
+    let w: Vec<String> = waits.iter().map(|(a, b)| format!("{a}:{b}")).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| {
+            let mut c = rank_command("hubless_child", r, n, port, &hex);
+            c.env("OXCCL_HUBLESS_CHILD", "1")
+                .env("OXCCL_HUBLESS_LEAVERS", leavers.to_string())
+                .env("OXCCL_HUBLESS_VICTIM", victim.to_string())
+                .env("OXCCL_HUBLESS_WAITS", w.join(","))
+                .env("OXCCL_TRANSPORT", transport)
+                .env("OXCCL_TIMEOUT", "10")
+                .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
+                .env("OXCCL_TUNE_FILE", "");
+            spawn_child(&mut c, r, tx.clone())
+        })
+        .collect();
+    let kill_all = |kids: &mut Vec<Child>| {
+        for k in kids.iter_mut() {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    };
+    let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
+    let mut errs: Vec<Option<(String, Instant)>> = vec![None; n];
+    // Every rank ready, and the waiting ones in their receive.
+    let expect = n + waits.len() + 1;
+    let mut got = 0;
+    let wait_for = |got: &mut usize,
+                    said: &mut Vec<Vec<String>>,
+                    errs: &mut Vec<Option<(String, Instant)>>,
+                    until: &dyn Fn(&[Vec<String>]) -> bool,
+                    within: Duration|
+     -> bool {
+        let by = Instant::now() + within;
+        while !until(said) {
+            let left = by.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok((r, l, at)) => {
+                    *got += 1;
+                    if let Some(e) = l.strip_prefix("ERR ") {
+                        errs[r] = Some((e.to_string(), at));
+                    }
+                    said[r].push(l);
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    };
+    let count = |said: &[Vec<String>], p: &str| {
+        said.iter()
+            .map(|v| v.iter().filter(|l| l.starts_with(p)).count())
+            .sum::<usize>()
+    };
+    if !wait_for(
+        &mut got,
+        &mut said,
+        &mut errs,
+        &|s: &[Vec<String>]| count(s, "READY") + count(s, "WAITING") >= expect,
+        Duration::from_secs(60),
+    ) {
+        kill_all(&mut kids);
+        return Err(format!("the ranks did not start: {said:?}"));
+    }
+    // The hubs leave one after another, each once the one before it is gone.
+    for l in 0..leavers {
+        let mut stdin = kids[l].stdin.take().unwrap();
+        let _ = stdin.write_all(b"GO\n");
+        let t = Instant::now();
+        while kids[l].try_wait().ok().flatten().is_none() {
+            if t.elapsed() > Duration::from_secs(5) {
+                kill_all(&mut kids);
+                return Err(format!("leaver {l} did not exit: {said:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The star has its new hub by now; the victim dies while the others wait.
+    std::thread::sleep(Duration::from_millis(200));
+    let t_kill = Instant::now();
+    let _ = kids[victim].kill();
+    let waiting: Vec<usize> = waits.iter().map(|(a, _)| *a).collect();
+    let done = wait_for(
+        &mut got,
+        &mut said,
+        &mut errs,
+        &|s: &[Vec<String>]| count(s, "ERR ") >= waiting.len(),
+        Duration::from_secs(12),
+    );
+    kill_all(&mut kids);
+    let left = files_of(tag);
+    let mut wrong = Vec::new();
+    let mut times = Vec::new();
+    for &a in &waiting {
+        match &errs[a] {
+            None => wrong.push(format!("rank {a} did not fail: {:?}", said[a])),
+            Some((e, at)) => {
+                if *at < t_kill {
+                    wrong.push(format!("rank {a} failed before the kill: {e}"));
+                    continue;
+                }
+                let ms = at.duration_since(t_kill).as_millis();
+                times.push(format!("rank {a} {ms} ms"));
+                if ms > 3000 || oxccl::blamed_rank(e) != Some(victim) {
+                    wrong.push(format!(
+                        "rank {a} failed {ms} ms after the kill, not within 3 s naming rank {victim}: {e}"
+                    ));
+                }
+            }
+        }
+    }
+    if !done && wrong.is_empty() {
+        wrong.push(format!("not every waiting rank failed: {said:?}"));
+    }
+    if !left.is_empty() {
+        wrong.push(format!("left in /dev/shm: {left:?}"));
+    }
+    if wrong.is_empty() {
+        Ok(times.join(", "))
+    } else {
+        Err(wrong.join("\n"))
+    }
 }

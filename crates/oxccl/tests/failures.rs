@@ -175,6 +175,56 @@ fn every_tried_mismatch_is_an_error_on_every_rank() {
     }
 }
 
+/// `close` on a communicator others still hold (an `Arc`, as torch's backend shares it):
+/// it waits for the call queued before it (the others join that call 300 ms later), which
+/// completes with the right result; then later calls fail at once naming the close, a second
+/// close does nothing, and the others' next call fails within 3 s naming rank 0 (it said
+/// goodbye and closed its links), not at its timeout. Three ranks (rank 0 the watchdog's hub,
+/// which hands over as it leaves).
+#[test]
+fn close_waits_for_queued_calls_then_leaves() {
+    for transport in BOTH {
+        let res = group(3, transport, |r, comm| {
+            let comm = std::sync::Arc::new(comm);
+            if r != 0 {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            let work = comm.all_reduce_async(vec![r as f32 + 1.0; 1 << 16], ReduceOp::Sum);
+            if r == 0 {
+                let t0 = Instant::now();
+                comm.close();
+                let took = t0.elapsed();
+                let v = work.wait().map_err(|e| e.to_string())?;
+                if took < Duration::from_millis(200) || v.iter().any(|&x| x != 6.0) {
+                    return Err(format!("close took {took:?}; result {}", v[0]));
+                }
+                let e = comm.barrier().unwrap_err();
+                if !matches!(e, Error::Aborted { .. }) || !e.to_string().contains("closed") {
+                    return Err(format!("a call after close: {e}"));
+                }
+                comm.close();
+                Ok(e.to_string())
+            } else {
+                let v = work.wait().map_err(|e| e.to_string())?;
+                if v.iter().any(|&x| x != 6.0) {
+                    return Err(format!("result {}", v[0]));
+                }
+                std::thread::sleep(Duration::from_millis(200));
+                let t0 = Instant::now();
+                let e = comm.barrier().unwrap_err();
+                let took = t0.elapsed();
+                if took > Duration::from_secs(3) || oxccl::blamed_rank(&e.to_string()) != Some(0) {
+                    return Err(format!("after {took:?}: {e}"));
+                }
+                Ok(e.to_string())
+            }
+        });
+        for (r, x) in res.iter().enumerate() {
+            assert!(x.is_ok(), "{transport:?} rank {r}: {res:?}");
+        }
+    }
+}
+
 #[test]
 fn abort_wakes_a_blocked_call_and_tells_the_others() {
     for transport in BOTH {

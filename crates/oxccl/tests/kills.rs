@@ -28,7 +28,8 @@ use oxccl::{Communicator, ReduceOp};
 
 mod proc_common;
 use proc_common::{
-    child_ends, env_u64, files_of, free_port, output_by, rank_command, signal, spawn_reading, Rng,
+    child_ends, env_u64, files_of, free_port, job_secret, output_by, rank_command, signal,
+    spawn_reading, Rng,
 };
 
 /// How long a child loops its calls at most.
@@ -222,10 +223,7 @@ fn run_case(
     stop: bool,
     in_start_up: bool,
 ) -> Result<String, String> {
-    let mut secret = [0u8; 16];
-    getrandom::fill(&mut secret).unwrap();
-    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-    let tag = oxccl::testing::auth::comm_tag(&secret);
+    let (hex, tag) = job_secret();
     let port = free_port();
     // Start-up waits are bounded by the timeout alone (no heartbeats yet): a short one.
     let timeout = if in_start_up { 4 } else { 10 };

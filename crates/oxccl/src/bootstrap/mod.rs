@@ -1123,6 +1123,12 @@ impl Bootstrap {
         (conns, false)
     }
 
+    /// Whether the watchdog will get a star around rank 0 ([`take_connections`](Self::take_connections)),
+    /// not the exchanges' graph.
+    pub(crate) fn is_star(&self) -> bool {
+        self.mesh.is_none()
+    }
+
     /// Forwards to [`Exchange::allgather`].
     #[cfg(test)]
     pub(crate) fn allgather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -18,7 +18,7 @@ use crate::base::error::{Error, Result};
 use crate::base::param::Config;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::comm::Communicator;
-use crate::fault::control::{WatchSettings, Watchdog};
+use crate::fault::control::{Handoff, WatchSettings, Watchdog};
 use crate::fault::fingerprint::CallPrint;
 use crate::fault::health::{Failure, Health};
 use crate::observe::flight::Recorder;
@@ -52,8 +52,9 @@ pub(crate) struct Supervisor {
     timeout_ns: AtomicU64,
     shrink: Option<ShrinkPlan>,
     status: Option<StatusAgent>,
-    // Last: dropped after the rest (it says goodbye to the peers).
-    watchdog: Option<Watchdog>,
+    // Last: dropped after the rest (it says goodbye to the peers); taken out by
+    // [`Supervisor::close`].
+    watchdog: Mutex<Option<Watchdog>>,
 }
 
 impl Supervisor {
@@ -76,7 +77,7 @@ impl Supervisor {
             timeout_ns: AtomicU64::new(cfg.timeout.as_nanos().min(u64::MAX as u128) as u64),
             shrink: None,
             status: None,
-            watchdog: None,
+            watchdog: Mutex::new(None),
         }
     }
 
@@ -112,12 +113,23 @@ impl Supervisor {
             StatusPlan::Listen(l) => l.local_addr().map_or(0, |a| a.port()),
             StatusPlan::Off => 0,
         };
+        // The watchdog's control listener, where this rank accepts the others should it
+        // become the hub of the star (its hub left: `fault/control.rs`); a graph needs none.
+        let control = (boot.is_star() && nranks > 2)
+            .then(|| TcpListener::bind(SocketAddr::new(my_ip, 0)).ok())
+            .flatten();
+        let control_port = control
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(0u16, |a| a.port());
         let mut mine = port.to_le_bytes().to_vec();
         mine.extend_from_slice(&status_port.to_le_bytes());
+        mine.extend_from_slice(&control_port.to_le_bytes());
         SupervisorPrep {
             g,
             listener,
             status,
+            control,
             mine,
         }
     }
@@ -128,6 +140,7 @@ pub(crate) struct SupervisorPrep {
     g: Supervisor,
     listener: std::io::Result<TcpListener>,
     status: StatusPlan,
+    control: Option<TcpListener>,
     mine: Vec<u8>,
 }
 
@@ -152,6 +165,7 @@ impl SupervisorPrep {
             mut g,
             listener,
             status,
+            control,
             ..
         } = self;
         let (rank, nranks) = (boot.rank(), boot.world_size());
@@ -172,14 +186,20 @@ impl SupervisorPrep {
                 (port != 0).then_some(SocketAddr::new(info.ip, port))
             })
             .collect();
-        let addrs: Vec<SocketAddr> = ports
-            .iter()
-            .zip(boot.peers())
-            .map(|(p, info)| {
-                let port = p.get(..2).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-                SocketAddr::new(info.ip, port)
-            })
-            .collect();
+        let port_at = |at: usize| -> Vec<SocketAddr> {
+            ports
+                .iter()
+                .zip(boot.peers())
+                .map(|(p, info)| {
+                    let port = p
+                        .get(at..at + 2)
+                        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                    SocketAddr::new(info.ip, port)
+                })
+                .collect()
+        };
+        let addrs = port_at(0);
+        let control_addrs = port_at(4);
         g.shrink = Some(ShrinkPlan {
             addrs,
             listener: Mutex::new(listener.ok()),
@@ -208,6 +228,15 @@ impl SupervisorPrep {
                 )),
             },
         }
+        let handoff = control.map(|l| Handoff {
+            listener: Some(l),
+            addrs: control_addrs,
+            secret: *boot.secret(),
+            tag: boot.comm_tag(),
+            answer_within: cfg
+                .heartbeat
+                .unwrap_or(crate::fault::control::DEFAULT_ANSWER),
+        });
         let (conns, graph) = boot.take_connections();
         if !conns.is_empty() {
             let rec = g.recorder.clone();
@@ -223,13 +252,14 @@ impl SupervisorPrep {
                     first_heard: cfg.timeout,
                 },
                 Box::new(move || rec.dump("failure reported by the watchdog")),
+                handoff,
             )
             .map_err(|source| Error::Io {
                 rank,
                 context: "starting the watchdog thread".into(),
                 source,
             })?;
-            g.watchdog = Some(w);
+            g.watchdog = Mutex::new(Some(w));
         }
         Ok(g)
     }
@@ -329,11 +359,22 @@ impl Supervisor {
         res
     }
 
+    fn watchdog(&self) -> std::sync::MutexGuard<'_, Option<Watchdog>> {
+        self.watchdog.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops the watchdog (it says goodbye to the peers), as dropping the communicator does:
+    /// for [`Communicator::close`].
+    pub(crate) fn close(&self) {
+        let w = self.watchdog().take();
+        drop(w);
+    }
+
     /// This rank failed with `e`: remember it, tell everyone, write the flight recorder.
     pub(crate) fn failed(&self, e: &Error) {
         let first = self.health.fail(Failure::Local { msg: e.to_string() });
         if first {
-            if let Some(w) = &self.watchdog {
+            if let Some(w) = self.watchdog().as_ref() {
                 w.report(e);
             }
             self.recorder.dump(&e.to_string());
@@ -491,7 +532,7 @@ impl Communicator {
         let g = self.supervisor();
         let msg = format!("rank {} called abort()", self.rank());
         if g.health.fail(Failure::Aborted { msg: msg.clone() }) {
-            if let Some(w) = &g.watchdog {
+            if let Some(w) = g.watchdog().as_ref() {
                 w.report(&Error::Aborted {
                     rank: self.rank(),
                     msg,
@@ -499,6 +540,34 @@ impl Communicator {
             }
             g.recorder.dump("abort()");
         }
+    }
+
+    /// Closes the communicator as dropping it would, for a communicator that others still
+    /// hold (an `Arc` shared with queued calls, C handles or bindings: torch's
+    /// `destroy_process_group`): waits until the calls queued so far have finished (each
+    /// bounded by its timeout) and a call running on another thread has returned, then says
+    /// goodbye to the other ranks (they see this rank leave, not die) and frees its links and
+    /// shared memory. Every later call fails at once ([`Error::Aborted`], "closed"); closing
+    /// again does nothing. (As NCCL's `ncclCommFinalize` followed by `ncclCommDestroy`.)
+    pub fn close(&self) {
+        self.synchronize();
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        st.closed = true;
+        if st.broken.is_none() {
+            st.broken = Some(format!("rank {} closed this communicator", self.rank()));
+        }
+        // Goodbye first, as in a drop: then the links.
+        self.supervisor().close();
+        for l in st.links.iter_mut() {
+            *l = None;
+        }
+        st.direct = None;
+        st.lazy = None;
+        st.scratch = Vec::new();
+        st._boot = None;
     }
 
     /// `Ok` while the communicator is healthy; else the error the next call would return

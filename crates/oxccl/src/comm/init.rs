@@ -253,6 +253,7 @@ impl Communicator {
                 scratch: Vec::new(),
                 direct: None,
                 broken: None,
+                closed: false,
                 last_algo: "",
                 seqr: Sequencer::new(nranks),
                 stash: Default::default(),

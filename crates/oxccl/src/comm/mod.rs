@@ -82,6 +82,8 @@ struct State {
     /// The direct area when every rank shares this host (one-shot and single-copy algorithms).
     direct: Option<Box<dyn Direct>>,
     broken: Option<String>,
+    /// [`Communicator::close`] ran: links, direct area and watchdog are gone.
+    closed: bool,
     last_algo: &'static str,
     seqr: Sequencer,
     /// Point-to-point messages that arrived before a receive asked for them.

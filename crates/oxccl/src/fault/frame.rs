@@ -1,7 +1,8 @@
 //! The control plane's wire frames (see [`crate::fault::control`]): `u32` length (LE, of
 //! what follows), type byte, payload. Types: 1 heartbeat (no payload), 2 failure (`u32`
-//! origin, kind byte, `u32` lost peer or `u32::MAX`, UTF-8 message), 3 goodbye. Frames over
-//! [`MAX_FRAME`] are a protocol violation.
+//! origin, kind byte, `u32` lost peer or `u32::MAX`, UTF-8 message), 3 goodbye, 4 the hub's
+//! goodbye (`u32` next hub, then the `u32` ranks it still watched). Frames over [`MAX_FRAME`]
+//! are a protocol violation.
 
 use crate::base::error::FailureKind;
 
@@ -10,6 +11,7 @@ pub const MAX_FRAME: usize = 8 << 10;
 const T_HEARTBEAT: u8 = 1;
 const T_FAIL: u8 = 2;
 const T_BYE: u8 = 3;
+const T_HANDOVER: u8 = 4;
 const NO_PEER: u32 = u32::MAX;
 const MAX_MSG: usize = 4000;
 
@@ -31,6 +33,14 @@ pub enum Frame {
     },
     /// "I dropped my communicator."
     Bye,
+    /// The goodbye of a star's hub: "I dropped my communicator; rank `next` is the hub now,
+    /// and `live` are the ranks I still watched (`next` among them)".
+    Handover {
+        /// The new hub.
+        next: u32,
+        /// The ranks the old hub still watched: the new hub expects each to connect.
+        live: Vec<u32>,
+    },
 }
 
 impl Frame {
@@ -40,6 +50,15 @@ impl Frame {
         match self {
             Frame::Heartbeat => body.push(T_HEARTBEAT),
             Frame::Bye => body.push(T_BYE),
+            Frame::Handover { next, live } => {
+                body.push(T_HANDOVER);
+                body.extend_from_slice(&next.to_le_bytes());
+                // At most what fits a frame (2047 ranks: a star has at most
+                // `OXCCL_BOOTSTRAP_RELAY_MAX` of them).
+                for r in live.iter().take((MAX_FRAME - 5) / 4) {
+                    body.extend_from_slice(&r.to_le_bytes());
+                }
+            }
             Frame::Fail {
                 origin,
                 kind,
@@ -79,6 +98,13 @@ impl Frame {
         let f = match body[0] {
             T_HEARTBEAT if len == 1 => Frame::Heartbeat,
             T_BYE if len == 1 => Frame::Bye,
+            T_HANDOVER if len >= 5 && (len - 5).is_multiple_of(4) => Frame::Handover {
+                next: u32::from_le_bytes(body[1..5].try_into().expect("4 bytes")),
+                live: body[5..]
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            },
             T_FAIL if len >= 10 => {
                 let origin = u32::from_le_bytes(body[1..5].try_into().expect("4 bytes"));
                 let kind = FailureKind::from_code(body[5]);
@@ -105,6 +131,14 @@ mod tests {
         for f in [
             Frame::Heartbeat,
             Frame::Bye,
+            Frame::Handover {
+                next: 2,
+                live: vec![2, 3, 7],
+            },
+            Frame::Handover {
+                next: 1,
+                live: vec![],
+            },
             Frame::Fail {
                 origin: 3,
                 kind: FailureKind::Mismatch,
@@ -132,5 +166,7 @@ mod tests {
         assert!(Frame::decode(&[255, 255, 255, 255]).is_err());
         assert!(Frame::decode(&[1, 0, 0, 0, 9]).is_err());
         assert!(Frame::decode(&[2, 0, 0, 0, 1, 1]).is_err());
+        assert!(Frame::decode(&[3, 0, 0, 0, 4, 1, 0]).is_err());
+        assert!(Frame::decode(&[6, 0, 0, 0, 4, 1, 0, 0, 0, 2]).is_err());
     }
 }

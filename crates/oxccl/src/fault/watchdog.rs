@@ -23,6 +23,15 @@
 //! picks the ring of ranks ±1): a silent rank is found by its neighbours on that ring, a
 //! closed link on any link, and no rank sends or hears more heartbeats than in a star.
 //!
+//! A star outlives its hub: the hub that drops its communicator says goodbye with a
+//! [`Frame::Handover`] naming the lowest rank it still watched as the new hub, and the ranks
+//! it still watched. The new hub accepts a connection from each of them (its control
+//! listener, opened at init), the others dial it ([`Watch::take_handover`] says which to do,
+//! [`Watch::adopt`] takes the new connection, [`Watch::hub_unreachable`] passes over a new hub
+//! that is gone too), each sends what it reported so far and the new hub what it passed on,
+//! and the star goes on as before, failures relayed by the new hub. Without it, the failures of
+//! the ranks that stay after rank 0 left would reach no one.
+//!
 //! Two decisions of a failed call live here too: what it tells the others ([`report_frame`])
 //! and whether its lost-link error gives way to the recorded cause ([`is_cause`]).
 
@@ -71,6 +80,8 @@ struct Broadcast {
     frame: Frame,
     kind: Kind,
     skip: Option<usize>,
+    /// Only this connection (a newly adopted one).
+    only: Option<usize>,
     /// The next connection to consider.
     next: usize,
 }
@@ -90,6 +101,38 @@ struct Peer {
     unsendable: bool,
     /// Heartbeats go both ways over this connection (and its silence loses the peer).
     beats: bool,
+    /// A rank this new hub expects to connect ([`Frame::Handover`]): no connection yet;
+    /// watched for silence only.
+    pending: bool,
+}
+
+impl Peer {
+    fn new(peer: usize, now: Instant) -> Peer {
+        Peer {
+            peer,
+            buf: Vec::new(),
+            last_seen: now,
+            heard: false,
+            done: false,
+            unsendable: false,
+            beats: true,
+            pending: false,
+        }
+    }
+}
+
+/// What the I/O loop must do after the hub of a star left ([`Watch::take_handover`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Handover {
+    /// Connect to rank `hub`'s control listener and [`adopt`](Watch::adopt) the connection
+    /// (or tell [`Watch::hub_unreachable`]).
+    Dial {
+        /// The new hub.
+        hub: usize,
+    },
+    /// This rank is the hub now: accept the ranks' connections on the control listener and
+    /// [`adopt`](Watch::adopt) each.
+    Serve,
 }
 
 /// What makes two failure frames the same failure, for passing each on once: the lost rank
@@ -121,9 +164,20 @@ impl Seen {
 #[derive(Debug)]
 pub(crate) struct Watch {
     rank: usize,
-    /// Whether this rank passes on the failures it sees or hears of (rank 0 of a star; every
+    /// Whether this rank passes on the failures it sees or hears of (the hub of a star; every
     /// rank of a graph).
     relay: bool,
+    /// The connections are a graph (no hub, no handover).
+    graph: bool,
+    /// This rank's own failure reports, sent again to a new hub.
+    own: Vec<Frame>,
+    /// The failures this hub passed on, sent to each rank that connects to it as new hub.
+    passed: Vec<Frame>,
+    /// What the hub's goodbye asks of this rank, until the I/O loop takes it.
+    handover: Option<Handover>,
+    /// The ranks the last hub's goodbye named as still watched, and the new hubs that could
+    /// not be reached (to choose the next one).
+    hub_candidates: Vec<usize>,
     /// The failures already recorded and passed on (see [`Seen`]).
     seen: HashSet<Seen>,
     heartbeat: Option<Duration>,
@@ -153,23 +207,17 @@ impl Watch {
         Watch {
             rank,
             relay: rank == 0,
+            graph: false,
+            own: Vec::new(),
+            passed: Vec::new(),
+            handover: None,
+            hub_candidates: Vec::new(),
             seen: HashSet::new(),
             heartbeat: settings.heartbeat,
             first_heard: settings.first_heard,
             period: settings.period(),
             next_beat: now,
-            peers: peers
-                .iter()
-                .map(|&peer| Peer {
-                    peer,
-                    buf: Vec::new(),
-                    last_seen: now,
-                    heard: false,
-                    done: false,
-                    unsendable: false,
-                    beats: true,
-                })
-                .collect(),
+            peers: peers.iter().map(|&peer| Peer::new(peer, now)).collect(),
             queue: VecDeque::new(),
             in_flight: None,
             lost: Vec::new(),
@@ -182,15 +230,114 @@ impl Watch {
     /// `beats[i]` (all of them where `beats` is shorter).
     pub(crate) fn relaying(mut self, beats: &[bool]) -> Watch {
         self.relay = true;
+        self.graph = true;
         for (p, &b) in self.peers.iter_mut().zip(beats) {
             p.beats = b;
         }
         self
     }
 
-    /// True while connection `conn` is watched (read, polled, sent to).
+    /// True while connection `conn` is watched (read, polled, sent to; a rank expected to
+    /// connect to this new hub has no connection yet, but is watched for silence).
     pub(crate) fn is_watched(&self, conn: usize) -> bool {
         !self.peers[conn].done
+    }
+
+    /// How many connections there are (the I/O loop keeps one slot per connection; adopted
+    /// ones and expected ones add to them).
+    pub(crate) fn connections(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Whether this rank is the hub of a star.
+    fn is_hub(&self) -> bool {
+        self.relay && !self.graph
+    }
+
+    /// What the I/O loop must do after the hub's goodbye ([`Frame::Handover`]), once.
+    pub(crate) fn take_handover(&mut self) -> Option<Handover> {
+        self.handover.take()
+    }
+
+    /// The handover's next step from the candidates left: dial the lowest, or serve when it
+    /// is this rank (expecting the others); nothing when none is left.
+    fn next_hub(&mut self, now: Instant) {
+        let Some(&hub) = self.hub_candidates.first() else {
+            return;
+        };
+        if hub != self.rank {
+            self.handover = Some(Handover::Dial { hub });
+            return;
+        }
+        self.relay = true;
+        for r in std::mem::take(&mut self.hub_candidates) {
+            if r != self.rank {
+                // Not heard from yet: lost only after the longer first wait, so that a rank
+                // that left before it could connect (its goodbye went to no one) is not
+                // reported while it matters.
+                let mut p = Peer::new(r, now);
+                p.pending = true;
+                self.peers.push(p);
+            }
+        }
+        self.handover = Some(Handover::Serve);
+    }
+
+    /// The new hub `hub` could not be reached (nothing listens: it left too, or died): the
+    /// next rank of the old hub's list is tried. A rank gone on purpose cannot be told from a
+    /// dead one here, so it is not reported; a wait on a dead one fails by its link.
+    pub(crate) fn hub_unreachable(&mut self, hub: usize, now: Instant) {
+        self.hub_candidates.retain(|&r| r != hub);
+        self.next_hub(now);
+    }
+
+    /// The new hub `hub` was reached but did not complete the connection: lost.
+    pub(crate) fn hub_lost(&mut self, hub: usize, reason: String) {
+        self.hub_candidates.clear();
+        self.lost.push((hub, reason));
+    }
+
+    /// A connection to `peer` was made (this rank dialed the new hub, or, as the new hub,
+    /// accepted a rank) at `now`: watched from now on as connection index returned. What
+    /// this rank reported, and as hub what it passed on, is queued to it first.
+    pub(crate) fn adopt(&mut self, peer: usize, now: Instant) -> usize {
+        let i = match self
+            .peers
+            .iter()
+            .position(|p| p.peer == peer && p.pending && !p.done)
+        {
+            Some(i) => i,
+            None => {
+                self.peers.push(Peer::new(peer, now));
+                self.peers.len() - 1
+            }
+        };
+        let p = &mut self.peers[i];
+        p.pending = false;
+        p.heard = true;
+        p.last_seen = now;
+        let hub = self.is_hub();
+        let again: Vec<(Frame, Kind)> = self
+            .own
+            .iter()
+            .map(|f| (f.clone(), Kind::Own))
+            .chain(
+                self.passed
+                    .iter()
+                    .filter(|_| hub)
+                    .map(|f| (f.clone(), Kind::Relay)),
+            )
+            .collect();
+        for (frame, kind) in again {
+            self.queue.push_back(Broadcast {
+                frame,
+                kind,
+                skip: None,
+                only: Some(i),
+                next: 0,
+            });
+        }
+        i
     }
 
     /// When the next heartbeat is due: the I/O loop waits at most until then.
@@ -210,12 +357,26 @@ impl Watch {
     pub(crate) fn report(&mut self, f: Frame) {
         // Its echo from the graph is not passed on again.
         self.seen.extend(Seen::of(&f));
+        self.own.push(f.clone());
         self.broadcast(f, Kind::Own, None);
     }
 
-    /// Queues a goodbye to every watched peer (this rank drops its communicator).
+    /// Queues a goodbye to every watched peer (this rank drops its communicator). The hub of
+    /// a star hands over: its goodbye names the lowest rank it still watches as the new hub.
     pub(crate) fn goodbye(&mut self) {
-        self.broadcast(Frame::Bye, Kind::Bye, None);
+        let mut live: Vec<u32> = self
+            .peers
+            .iter()
+            .filter(|p| !p.done)
+            .map(|p| p.peer as u32)
+            .collect();
+        live.sort_unstable();
+        live.dedup();
+        let frame = match live.first() {
+            Some(&next) if self.is_hub() => Frame::Handover { next, live },
+            _ => Frame::Bye,
+        };
+        self.broadcast(frame, Kind::Bye, None);
     }
 
     fn broadcast(&mut self, frame: Frame, kind: Kind, skip: Option<usize>) {
@@ -223,6 +384,7 @@ impl Watch {
             frame,
             kind,
             skip,
+            only: None,
             next: 0,
         });
     }
@@ -237,6 +399,8 @@ impl Watch {
             let found = (b.next..peers.len()).find(|&i| {
                 !peers[i].done
                     && !peers[i].unsendable
+                    && !peers[i].pending
+                    && b.only.is_none_or(|o| o == i)
                     && Some(peers[i].peer) != b.skip
                     && (peers[i].beats || !beat)
             });
@@ -308,6 +472,7 @@ impl Watch {
     pub(crate) fn input_done(&mut self, conn: usize, now: Instant) {
         let p = &mut self.peers[conn];
         let mut used = 0;
+        let mut handover = None;
         loop {
             match Frame::decode(&p.buf[used..]) {
                 Ok(Some((f, n))) => {
@@ -318,6 +483,13 @@ impl Watch {
                             // Gone on purpose: not watched any more, not reported.
                             p.done = true;
                             self.lost.retain(|(q, _)| *q != p.peer);
+                            break;
+                        }
+                        Frame::Handover { live, .. } => {
+                            // The hub's goodbye (`next` is the lowest of `live`).
+                            p.done = true;
+                            self.lost.retain(|(q, _)| *q != p.peer);
+                            handover = Some(live);
                             break;
                         }
                         f @ Frame::Fail { .. } => self.received.push((p.peer, f)),
@@ -346,6 +518,17 @@ impl Watch {
                     format!("no heartbeat for {silent:?} (host down, link cut or process stopped)"),
                 ));
             }
+        }
+        // Only from the hub of this rank's star (a hub or a rank of a graph has none).
+        if let (Some(live), false) = (handover, self.relay) {
+            let from = self.peers[conn].peer;
+            self.hub_candidates = live
+                .iter()
+                .map(|&r| r as usize)
+                .filter(|&r| r != from)
+                .collect();
+            self.hub_candidates.sort_unstable();
+            self.next_hub(now);
         }
     }
 
@@ -382,6 +565,9 @@ impl Watch {
                     },
                 });
                 if self.relay {
+                    if self.is_hub() {
+                        self.passed.push(f.clone());
+                    }
                     self.broadcast(f, Kind::Relay, Some(from));
                 }
             }
@@ -389,16 +575,16 @@ impl Watch {
         for (peer, reason) in std::mem::take(&mut self.lost) {
             if self.relay && self.seen.insert(Seen::Lost(peer as u32)) {
                 let msg = format!("rank {} lost rank {peer}: {reason}", self.rank);
-                self.broadcast(
-                    Frame::Fail {
-                        origin: self.rank as u32,
-                        kind: FailureKind::PeerLost,
-                        peer: Some(peer as u32),
-                        msg,
-                    },
-                    Kind::Relay,
-                    Some(peer),
-                );
+                let f = Frame::Fail {
+                    origin: self.rank as u32,
+                    kind: FailureKind::PeerLost,
+                    peer: Some(peer as u32),
+                    msg,
+                };
+                if self.is_hub() {
+                    self.passed.push(f.clone());
+                }
+                self.broadcast(f, Kind::Relay, Some(peer));
             }
             out.push(Failure::Lost { peer, reason });
         }
@@ -921,5 +1107,172 @@ mod tests {
         assert!(!is_cause(None, &lost(2)));
         let local = Failure::Local { msg: "x".into() };
         assert!(!is_cause(Some(&local), &lost(2)));
+    }
+
+    /// The hub's goodbye names the lowest rank it still watches as the new hub, and every
+    /// rank it still watches; a plain goodbye where it watches none, and from a member.
+    #[test]
+    fn the_hubs_goodbye_hands_over_to_the_lowest_rank_it_still_watches() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(0, &[1, 2, 3], settings(), t0);
+        // Rank 1 left first.
+        w.handle_data(0, &Frame::Bye.encode(), t0);
+        w.input_done(0, t0);
+        assert!(w.end_round().is_empty());
+        w.goodbye();
+        let h = Frame::Handover {
+            next: 2,
+            live: vec![2, 3],
+        };
+        assert_eq!(flush(&mut w, |_| true), [(1, h.clone()), (2, h)]);
+        let mut alone = Watch::new(0, &[1], settings(), t0);
+        alone.handle_closed(0);
+        alone.handle_data(0, &Frame::Bye.encode(), t0);
+        alone.input_done(0, t0);
+        alone.goodbye();
+        assert!(flush(&mut alone, |_| true).is_empty());
+        let mut member = Watch::new(2, &[0], settings(), t0);
+        member.goodbye();
+        assert_eq!(flush(&mut member, |_| true), [(0, Frame::Bye)]);
+    }
+
+    /// A member told of a new hub is not losing its old one, dials the new one, and sends it
+    /// its own reports again; heartbeats then go to the new hub.
+    #[test]
+    fn a_member_dials_the_new_hub_and_tells_it_what_it_reported() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(3, &[0], settings(), t0);
+        let mine = fail_frame(3, FailureKind::Timeout, None, "rank 3: timed out");
+        w.report(mine.clone());
+        assert_eq!(flush(&mut w, |_| true), [(0, mine.clone())]);
+        let h = Frame::Handover {
+            next: 1,
+            live: vec![1, 3],
+        };
+        w.handle_data(0, &h.encode(), t0);
+        w.handle_closed(0);
+        w.input_done(0, t0);
+        assert!(w.end_round().is_empty(), "the hub left on purpose");
+        assert!(!w.is_watched(0));
+        assert_eq!(w.take_handover(), Some(Handover::Dial { hub: 1 }));
+        assert_eq!(w.take_handover(), None);
+        let i = w.adopt(1, t0);
+        assert_eq!(i, 1);
+        assert_eq!(flush(&mut w, |_| true), [(1, mine)]);
+        w.handle_timeout(t0);
+        assert_eq!(flush(&mut w, |_| true), [(1, Frame::Heartbeat)]);
+        // The new hub's close is a loss like the old one's.
+        w.handle_closed(1);
+        w.input_done(1, t0);
+        assert_eq!(w.end_round().len(), 1);
+    }
+
+    /// The new hub expects every rank the old one watched, relays what one of them reports
+    /// to the others connected, and tells a rank that connects later what it passed on.
+    #[test]
+    fn the_new_hub_takes_the_ranks_and_relays_their_failures() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(1, &[0], settings(), t0);
+        let h = Frame::Handover {
+            next: 1,
+            live: vec![1, 2, 3],
+        };
+        w.handle_data(0, &h.encode(), t0);
+        w.input_done(0, t0);
+        assert!(w.end_round().is_empty());
+        assert_eq!(w.take_handover(), Some(Handover::Serve));
+        // Connection 1 expects rank 2, connection 2 rank 3.
+        assert_eq!(w.connections(), 3);
+        assert_eq!(w.adopt(3, t0), 2);
+        let lost = fail_frame(
+            3,
+            FailureKind::PeerLost,
+            Some(2),
+            "rank 3: lost peer rank 2",
+        );
+        w.handle_data(2, &lost.encode(), t0);
+        w.input_done(1, t0);
+        w.input_done(2, t0);
+        assert_eq!(w.end_round().len(), 1);
+        assert!(
+            flush(&mut w, |_| true).is_empty(),
+            "nothing back to rank 3, rank 2 not connected"
+        );
+        assert_eq!(w.adopt(2, t0), 1, "the expected rank's slot");
+        assert_eq!(flush(&mut w, |_| true), [(1, lost)]);
+        // A rank that never connects is lost only after the longer first wait (the old hub
+        // could not know whether it was leaving too).
+        let mut w = Watch::new(
+            1,
+            &[0],
+            WatchSettings {
+                heartbeat: Some(HB),
+                first_heard: 3 * HB,
+            },
+            t0,
+        );
+        w.handle_data(0, &h.encode(), t0);
+        w.input_done(0, t0);
+        assert_eq!(w.take_handover(), Some(Handover::Serve));
+        w.adopt(3, t0);
+        w.input_done(1, t0 + 2 * HB);
+        assert!(w.end_round().is_empty());
+        w.input_done(1, t0 + 3 * HB + Duration::from_millis(1));
+        assert!(matches!(
+            &w.end_round()[..],
+            [Failure::Lost { peer: 2, .. }]
+        ));
+        // Told to rank 3; then the new hub hands over in turn.
+        w.goodbye();
+        let sent = flush(&mut w, |_| true);
+        assert!(
+            matches!(&sent[0], (2, Frame::Fail { peer: Some(2), .. })),
+            "{sent:?}"
+        );
+        assert_eq!(
+            sent[1],
+            (
+                2,
+                Frame::Handover {
+                    next: 3,
+                    live: vec![3]
+                }
+            )
+        );
+    }
+
+    /// A new hub that cannot be reached (it left too) is passed over, not reported: the next
+    /// rank of the list is dialed, or this rank serves when it is the lowest left; a new hub
+    /// that does not answer is lost.
+    #[test]
+    fn an_unreachable_new_hub_is_passed_over_and_a_silent_one_lost() {
+        let t0 = Instant::now();
+        let mut w = Watch::new(3, &[0], settings(), t0);
+        let h = Frame::Handover {
+            next: 1,
+            live: vec![1, 2, 3, 4],
+        };
+        w.handle_data(0, &h.encode(), t0);
+        w.input_done(0, t0);
+        assert_eq!(w.take_handover(), Some(Handover::Dial { hub: 1 }));
+        w.hub_unreachable(1, t0);
+        assert_eq!(w.take_handover(), Some(Handover::Dial { hub: 2 }));
+        w.hub_unreachable(2, t0);
+        assert_eq!(w.take_handover(), Some(Handover::Serve));
+        assert_eq!(w.connections(), 2, "the old hub and rank 4");
+        assert!(w.end_round().is_empty());
+        let mut w = Watch::new(3, &[0], settings(), t0);
+        w.handle_data(0, &h.encode(), t0);
+        w.input_done(0, t0);
+        assert_eq!(w.take_handover(), Some(Handover::Dial { hub: 1 }));
+        w.hub_lost(1, "no answer".into());
+        assert_eq!(w.take_handover(), None);
+        assert_eq!(
+            w.end_round(),
+            [Failure::Lost {
+                peer: 1,
+                reason: "no answer".into()
+            }]
+        );
     }
 }

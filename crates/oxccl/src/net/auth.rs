@@ -56,6 +56,8 @@ pub enum Purpose {
     Data,
     /// A link of the bootstrap's exchanges between two ranks (`bootstrap/mesh.rs`).
     Exchange,
+    /// A watchdog's connection to the hub that took over a star (`fault/control.rs`).
+    Control,
 }
 
 impl Purpose {
@@ -64,6 +66,7 @@ impl Purpose {
             Purpose::Rendezvous => 1,
             Purpose::Data => 2,
             Purpose::Exchange => 3,
+            Purpose::Control => 4,
         }
     }
 
@@ -72,6 +75,7 @@ impl Purpose {
             1 => Some(Purpose::Rendezvous),
             2 => Some(Purpose::Data),
             3 => Some(Purpose::Exchange),
+            4 => Some(Purpose::Control),
             _ => None,
         }
     }

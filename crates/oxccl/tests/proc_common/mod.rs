@@ -114,6 +114,15 @@ pub fn rank_command(child: &str, r: usize, n: usize, port: u16, secret_hex: &str
     c
 }
 
+/// A fresh random secret for a job: its hex form (`OXCCL_SECRET`) and its communicator's tag
+/// (the prefix of its `/dev/shm` files).
+pub fn job_secret() -> (String, u64) {
+    let mut secret = [0u8; 16];
+    getrandom::fill(&mut secret).unwrap();
+    let hex = secret.iter().map(|b| format!("{b:02x}")).collect();
+    (hex, oxccl::testing::auth::comm_tag(&secret))
+}
+
 /// Sends signal `sig` (`-STOP`, `-CONT`, ...) to child `k`; false if it could not.
 pub fn signal(k: &Child, sig: &str) -> bool {
     Command::new("kill")
