@@ -523,6 +523,18 @@ mod fork {
                 };
                 ((data as usize).min(to), hole)
             };
+            if end > start {
+                // Faults the extent's pages in with one call rather than one fault per page
+                // inside `pread` (an error, e.g. EINVAL before Linux 5.14, changes nothing).
+                // SAFETY: a range inside our fresh mapping; only its pages' backing changes.
+                unsafe {
+                    libc::madvise(
+                        tmp.add(start).cast(),
+                        end - start,
+                        libc::MADV_POPULATE_WRITE,
+                    )
+                };
+            }
             let mut at = start;
             while at < end {
                 // SAFETY: `tmp + at .. tmp + end` lies inside the `len`-byte mapping.
