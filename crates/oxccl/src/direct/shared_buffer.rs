@@ -32,7 +32,11 @@
 //! (same address, same contents), by private memory of its own, so a child (a DataLoader
 //! worker) writing a tensor the pool served changes its copy only, never the parent's, as with
 //! ordinary memory. The child's copies are no longer shared buffers (collectives treat them as
-//! plain memory). The forking thread of the parent waits in `fork` until the child has taken
+//! plain memory). Only live bytes are copied: the owner of a buffer (the pool) tells which
+//! ([`LiveRanges`]; a freed block, a slab's free blocks: none), and of those only the memfd's
+//! data extents; the rest reads as zero in the child and takes no memory. A copy-on-write
+//! mapping of the memfd (`MAP_PRIVATE`) would be cheaper but wrong: the child would see the
+//! parent's (and the peers') later writes to every page it has not written itself. The forking thread of the parent waits in `fork` until the child has taken
 //! its copies (at most [`FORK_COPY_WAIT_MS`]; a child that dies ends the wait at once); other
 //! threads of the parent that write a buffer during that window (a collective in flight) may
 //! reach the child's copy, as they race with `fork` anyway.
@@ -268,6 +272,28 @@ fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<NonNull<u8>> {
 /// buffers (a child that dies first ends the wait at once).
 pub const FORK_COPY_WAIT_MS: i32 = 60_000;
 
+/// Tells a forked child which bytes of the registered buffer `[base, base + len)` are live
+/// (its owner may still read them, so the child must see the parent's values there): calls
+/// `copy(from, to)` (offsets, page-aligned, ascending) for each live range and returns `true`,
+/// or returns `false` if it does not know the buffer (then all of it is live). Bytes not
+/// reported read as zero in the child and take no memory there. Runs in the child's `fork`
+/// handler: no allocation, no lock.
+pub(crate) type LiveRanges =
+    fn(base: usize, len: usize, copy: &mut dyn FnMut(usize, usize)) -> bool;
+
+/// The owner's [`LiveRanges`] (the process's pool, which holds freed blocks and slabs whose
+/// blocks are mostly free), set once.
+static FORK_LIVE_RANGES: std::sync::OnceLock<LiveRanges> = std::sync::OnceLock::new();
+
+/// Sets the process's [`LiveRanges`] (once; later calls change nothing).
+pub(crate) fn set_fork_live_ranges(f: LiveRanges) {
+    let _ = FORK_LIVE_RANGES.set(f);
+}
+
+/// Bytes of shared buffers this process copied at the fork that made it.
+#[cfg(test)]
+pub(crate) use fork::copied_bytes as fork_copied_bytes;
+
 /// `fork` with registered buffers: the child takes private copies of them (see the
 /// [module](self)). Handlers run by `pthread_atfork`, installed once by the first registration.
 /// The registry's write lock is taken in `prepare` (no thread changes the table while the
@@ -280,7 +306,7 @@ pub(crate) use fork::generation as fork_generation;
 pub(crate) use fork::install as install_fork_handlers;
 
 mod fork {
-    use super::{Entry, REGISTRY};
+    use super::{Entry, LiveRanges, FORK_LIVE_RANGES, REGISTRY};
     use std::cell::UnsafeCell;
     use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
@@ -377,6 +403,7 @@ mod fork {
 
     unsafe extern "C" fn child() {
         FORKS.fetch_add(1, Ordering::Relaxed);
+        COPIED.store(0, Ordering::Relaxed);
         // SAFETY: see `Held`; the child's only thread is the one that ran `prepare`.
         let slot = unsafe { &mut *HELD.0.get() };
         let r = PIPE_R.swap(-1, Ordering::Relaxed);
@@ -386,11 +413,12 @@ mod fork {
             unsafe { libc::close(r) };
         }
         if let Some(guard) = slot.as_mut() {
+            let live = FORK_LIVE_RANGES.get().copied();
             for (&base, e) in guard.iter_mut() {
                 if e.fd >= 0 {
                     // SAFETY: `base` is the start of a live `e.len`-byte shared mapping of
                     // `e.fd` (the table holds exactly the live buffers, under its lock).
-                    if unsafe { privatize(base, e.len, e.fd) } {
+                    if unsafe { privatize(base, e.len, e.fd, live) } {
                         e.fd = -1;
                     } else {
                         let msg = b"oxccl: a forked child cannot copy a shared buffer (out of memory?); it would share its writes with the parent, exiting\n";
@@ -414,12 +442,14 @@ mod fork {
     }
 
     /// Replaces the shared mapping `[base, base + len)` of `fd` by private anonymous memory
-    /// holding the same bytes, at the same address. Only the file's data extents are copied
-    /// (holes stay untouched zero pages). Raw system calls only (async-signal-safe).
+    /// holding the same bytes where they are live, at the same address: the ranges `live`
+    /// reports (all of it if `live` is `None` or does not know the buffer), and in them only
+    /// the file's data extents (holes stay untouched zero pages); the rest reads as zero and
+    /// takes no memory. Raw system calls only (async-signal-safe).
     ///
     /// # Safety
     /// `base` must be the start of a `len`-byte shared mapping of `fd`.
-    unsafe fn privatize(base: usize, len: usize, fd: i32) -> bool {
+    unsafe fn privatize(base: usize, len: usize, fd: i32, live: Option<LiveRanges>) -> bool {
         // SAFETY: a fresh anonymous mapping at an address the kernel picks.
         let tmp = unsafe {
             libc::mmap(
@@ -435,46 +465,21 @@ mod fork {
             return false;
         }
         let tmp = tmp.cast::<u8>();
-        let mut pos: usize = 0;
-        while pos < len {
-            // SAFETY: plain lseek on our descriptor.
-            let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
-            let (start, end) = if data < 0 {
-                if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
-                    break; // no data past `pos`
-                }
-                (pos, len) // SEEK_DATA unsupported: copy all
-            } else {
-                // SAFETY: as above.
-                let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-                let hole = if hole < 0 {
-                    len
-                } else {
-                    (hole as usize).min(len)
-                };
-                ((data as usize).min(len), hole)
-            };
-            let mut at = start;
-            while at < end {
-                // SAFETY: `tmp + at .. tmp + end` lies inside the fresh `len`-byte mapping.
-                let n = unsafe { libc::pread(fd, tmp.add(at).cast(), end - at, at as libc::off_t) };
-                if n < 0 {
-                    if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                        continue;
-                    }
-                    // SAFETY: our fresh mapping, unmapped once.
-                    unsafe { libc::munmap(tmp.cast(), len) };
-                    return false;
-                }
-                if n == 0 {
-                    break; // the file ends (it never does before `len`)
-                }
-                at += n as usize;
-            }
-            pos = end.max(pos + 1);
+        let mut ok = true;
+        let mut copy = |from: usize, to: usize| {
+            // SAFETY: `tmp` is a fresh `len`-byte mapping; `copy_data` clamps to `len`.
+            ok = ok && unsafe { copy_data(fd, tmp, len, from, to) };
+        };
+        if !live.is_some_and(|f| f(base, len, &mut copy)) {
+            copy(0, len);
+        }
+        if !ok {
+            // SAFETY: our fresh mapping, unmapped once.
+            unsafe { libc::munmap(tmp.cast(), len) };
+            return false;
         }
         // SAFETY: moves the fresh mapping onto `base`, replacing the shared one atomically; the
-        // bytes there are the same, so every pointer into the buffer stays valid.
+        // live bytes there are the same, so every pointer into a live block stays valid.
         let moved = unsafe {
             libc::mremap(
                 tmp.cast(),
@@ -490,6 +495,75 @@ mod fork {
             return false;
         }
         true
+    }
+
+    /// Copies the data extents of `fd` in `[from, to)` (clamped to `len`) into `tmp` at the
+    /// same offsets, counting the bytes in [`copied_bytes`]. Raw system calls only.
+    ///
+    /// # Safety
+    /// `tmp` must be a writable mapping of `len` bytes.
+    unsafe fn copy_data(fd: i32, tmp: *mut u8, len: usize, from: usize, to: usize) -> bool {
+        let to = to.min(len);
+        let mut pos = from;
+        while pos < to {
+            // SAFETY: plain lseek on our descriptor.
+            let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+            let (start, end) = if data < 0 {
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                    break; // no data past `pos`
+                }
+                (pos, to) // SEEK_DATA unsupported: copy all
+            } else {
+                // SAFETY: as above.
+                let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+                let hole = if hole < 0 {
+                    to
+                } else {
+                    (hole as usize).min(to)
+                };
+                ((data as usize).min(to), hole)
+            };
+            if end > start {
+                // Faults the extent's pages in with one call rather than one fault per page
+                // inside `pread` (an error, e.g. EINVAL before Linux 5.14, changes nothing).
+                // SAFETY: a range inside our fresh mapping; only its pages' backing changes.
+                unsafe {
+                    libc::madvise(
+                        tmp.add(start).cast(),
+                        end - start,
+                        libc::MADV_POPULATE_WRITE,
+                    )
+                };
+            }
+            let mut at = start;
+            while at < end {
+                // SAFETY: `tmp + at .. tmp + end` lies inside the `len`-byte mapping.
+                let n = unsafe { libc::pread(fd, tmp.add(at).cast(), end - at, at as libc::off_t) };
+                if n < 0 {
+                    if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                        continue;
+                    }
+                    return false;
+                }
+                if n == 0 {
+                    break; // the file ends (it never does before `len`)
+                }
+                at += n as usize;
+                COPIED.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            pos = end.max(pos + 1);
+        }
+        true
+    }
+
+    /// Bytes this process copied at the fork that made it (0 in a process not forked from
+    /// one with shared buffers).
+    static COPIED: AtomicU64 = AtomicU64::new(0);
+
+    /// Bytes of shared buffers this process copied when it was forked (see [`privatize`]).
+    #[cfg(test)]
+    pub(crate) fn copied_bytes() -> u64 {
+        COPIED.load(Ordering::Relaxed)
     }
 }
 
