@@ -911,10 +911,19 @@ impl Bootstrap {
             self.await_table(&stream, deadline, start, every);
         }
         let table = auth::read_frame(&mut d, MAX_FRAME).map_err(|e| match e.kind() {
-            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => self.rz_err(format!(
-                "rank 0 did not send the peer table within {:?}: some rank has not joined",
-                self.timeout
-            )),
+            // Rank 0 names a rank that has not joined at its own deadline; silent past that
+            // and the grace, it is itself stopped or hung (a SIGSTOPped rank 0 whose listener
+            // had taken this rank's connection looked like "some rank has not joined").
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::PeerLost {
+                rank: self.rank,
+                peer: 0,
+                call: "init",
+                seq: self.seq,
+                reason: format!(
+                    "rank 0 (the rendezvous at {}) took this rank's join and then said nothing for {:?} and {:?} more, not even which rank had not joined, as it does at its deadline: it is stopped or hung",
+                    self.root, self.timeout, MEMBER_GRACE
+                ),
+            },
             _ => self.lost(0, "init", e),
         })?;
         drop(d);
