@@ -189,28 +189,36 @@ pub(crate) fn run_if_shared(
         bytemuck::bytes_of(&regions),
         EventRecord::buffers(inp, in_len, outp, out_len),
     )?;
-    let me = c.rank;
     // Every rank's input and output shared, or empty (a broadcast's or reduce's non-root).
     let all_shared = (0..c.nranks).all(|p| {
         let rec = cx.direct.peer_record(p, e1);
-        let mut w = regions;
-        if p != me {
-            bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
-        }
+        let w = regions_of(cx, c.rank, p, e1, regions);
         [rec.input_len, rec.output_len]
             .into_iter()
-            .enumerate()
-            .all(|(i, len)| {
-                len == 0
-                    || Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"))
-                        .is_some()
-            })
+            .zip(w)
+            .all(|(len, region)| len == 0 || region.is_some())
     });
     if !all_shared {
         return Ok(false);
     }
     run_from(cx, c, bufs, tmp, e1, regions)?;
     Ok(true)
+}
+
+/// Rank `p`'s input and output regions as it published them with event `e1` (this rank,
+/// `me`, published `mine`): `None` for a buffer that is not shared.
+fn regions_of(
+    cx: &DirectCtx<'_>,
+    me: usize,
+    p: usize,
+    e1: u64,
+    mine: [u64; 8],
+) -> [Option<Region>; 2] {
+    let mut w = mine;
+    if p != me {
+        bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
+    }
+    [0, 1].map(|i| Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words")))
 }
 
 /// Runs `c` single-copy from its first event `e1` on: every rank has published `e1` with
@@ -234,13 +242,10 @@ pub(crate) fn run_from(
             check_lengths(cx, c, p, &rec)?;
         }
         let bufs = [(rec.input, rec.input_len), (rec.output, rec.output_len)];
-        let mut w = regions;
-        if p != me {
-            bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
-        }
+        let w = regions_of(cx, me, p, e1, regions);
         peers.push([0, 1].map(|i| {
             let (addr, len) = bufs[i];
-            let region = Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words"));
+            let region = w[i];
             let local = region
                 .filter(|r| p != me && r.covers(addr, len))
                 .and_then(|r| match cx.direct.map_peer(p, &r) {
