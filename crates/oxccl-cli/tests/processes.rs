@@ -206,6 +206,40 @@ fn child() {
         }
         std::process::exit(0);
     }
+    if mode == "out-of-step" {
+        // Small all_reduces on the direct path, each rank pausing 0-300 µs at random before
+        // every call and sleeping on its doorbell almost at once (`OXCCL_DIRECT_SPIN=1`, set
+        // by the parent): publishes that land just as a peer goes to sleep, the case a
+        // fence-free publish must not lose (crate::base::wait). Every result is checked.
+        let comm = Communicator::from_env().unwrap();
+        let (rank, n) = (comm.rank(), comm.world_size());
+        let mut rng = 0x2545_f491_4f6c_dd1d_u64 ^ (rank as u64 + 1);
+        let mut slow = 0;
+        for i in 0..3000u32 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let until = Instant::now() + Duration::from_nanos(rng % 300_000);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+            let count = [2usize, 8, 32][i as usize % 3];
+            let mut buf: Vec<f32> = (0..count)
+                .map(|j| (rank * 1000 + j) as f32 + i as f32)
+                .collect();
+            let t = Instant::now();
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+            if t.elapsed() >= Duration::from_millis(45) {
+                slow += 1;
+            }
+            for (j, v) in buf.iter().enumerate() {
+                let want: f32 = (0..n).map(|r| (r * 1000 + j) as f32 + i as f32).sum();
+                assert_eq!(*v, want, "rank {rank}, call {i}, element {j}");
+            }
+        }
+        println!("rank {rank}: out of step, all correct, {slow} calls of 45 ms or more");
+        std::process::exit(0);
+    }
     if mode.starts_with("shared-") || mode.starts_with("mixed-") {
         // The parent checks that peers' shared buffers were mapped (not read with CMA).
         std::env::set_var("OXCCL_DEBUG", "debug");
@@ -711,6 +745,30 @@ fn tune_refuses_what_it_cannot_trust() {
     assert!(stdout.contains("saved despite failed checks"), "{stdout}");
     oxccl::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let _ = std::fs::remove_file(file);
+}
+
+/// Ranks out of step on the direct path, sleeping at once (see the child's "out-of-step"):
+/// every result right; the lost wake-ups that `wait_all` logs (`OXCCL_DEBUG=warn`), which a
+/// missed ring would show as 50 ms sleeps without `wait_rechecking`, are printed for the record
+/// (a loaded machine can also make a woken rank late by a slice, so they are not failed on;
+/// the protocol's judge is `base::wait`'s unit test).
+#[test]
+fn out_of_step_ranks_sleeping_on_the_direct_path() {
+    for n in [2, 3] {
+        let out = launch_with(
+            n,
+            "shm",
+            "out-of-step",
+            &[("OXCCL_DIRECT_SPIN", "1"), ("OXCCL_DEBUG", "warn")],
+        );
+        assert_ok(&out, "out-of-step");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.matches("all correct").count(), n, "{stdout}");
+        let lost = String::from_utf8_lossy(&out.stderr)
+            .matches("lost wake-up")
+            .count();
+        eprintln!("{n} ranks: {lost} lost wake-ups logged\n{stdout}");
+    }
 }
 
 #[test]

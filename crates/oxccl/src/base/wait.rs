@@ -17,6 +17,25 @@
 //! woken), or the waiter's re-check sees the published data and it does not sleep. A ringer
 //! with nobody asleep writes nothing to the shared line: one fence and one load.
 //!
+//! Publishes without a fence ([`Doorbell::ring_after_release_store`], the direct area's events
+//! on x86-64): a `SeqCst` store there is an `xchg`, which holds the publisher until every line
+//! it wrote is its own again, i.e. until the peer that polls them has given them up; only then
+//! can it start polling the peer's. A `Release` store is a plain `mov` that waits in the store
+//! buffer while the publisher goes on. The ringer's read of `sleepers` may then be performed
+//! before its publish is visible (TSO lets a load pass an older store, and nothing else), so
+//! the handshake above can fail: the ringer reads 0, the waiter announces itself and re-checks
+//! before the publish drains. Such a waiter sleeps with [`Doorbell::wait_rechecking`]: at
+//! most [`RING_GRACE`] (20 µs), then it looks again. The lost case needs the ringer's read
+//! before the waiter's `sleepers += 1` (a locked add, visible when done) and its publish after
+//! the waiter's re-check; a store becomes visible within a store buffer's drain of the read
+//! after it, so by the second look, at least the grace after the add, the publish is visible.
+//! A ringer whose read comes after the add sees the sleeper and rings, as above. A missed ring
+//! thus costs that waiter the grace, not the sleep slice. `base::wait`'s tests model a ringer
+//! whose read runs early by up to 10 µs, with ranks out of step: waits that only `wait` would
+//! lose for ever, `wait_rechecking` finds at the second look. Without the model, on the
+//! hardware (`release_publishes_on_this_hardware`, run by hand), plain waits lost 1 wake-up in
+//! 200,000 out-of-step rounds on an AMD EPYC VM, rechecking waits none.
+//!
 //! Asymmetric fences (`OXCCL_MEMBARRIER=1`, off by default): where the kernel offers
 //! `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`, a process registers for it on its first ring
 //! and from then on rings with a compiler fence only, and every waiter calls `membarrier` after
@@ -133,6 +152,39 @@ impl Doorbell {
         }
     }
 
+    /// As [`ring`](Self::ring), for a caller whose publish was a `Release` store with no fence
+    /// after it (the direct area's events on x86-64): the load of the sleeper count may then
+    /// be performed before other cores see the publish (store-load reordering, the one
+    /// reordering x86 allows), so a waiter that announced itself in that window is not rung
+    /// and its re-check may not see the publish yet. Waiters on such a doorbell therefore
+    /// sleep with [`wait_rechecking`](Self::wait_rechecking), which looks again after
+    /// [`RING_GRACE`], longer than a store waits in a store buffer: a publish that missed a
+    /// waiter this way costs that waiter at most the grace, never a lost wake-up. (The module
+    /// docs have the argument.)
+    pub fn ring_after_release_store(&self) {
+        // Keeps the compiler from hoisting the load above the publish: the window is then only
+        // the hardware's.
+        std::sync::atomic::compiler_fence(Ordering::SeqCst);
+        self.ring_after_seqcst_store();
+    }
+
+    /// The sleeper count as a ringer reads it (for tests that model a ringer whose read ran
+    /// early: [`ring_seen`](Self::ring_seen) then rings as that read decided).
+    #[doc(hidden)]
+    pub fn sleepers_seen(&self) -> u32 {
+        self.sleepers.load(Ordering::SeqCst)
+    }
+
+    /// Rings as if the sleeper count read were `seen` (tests; see
+    /// [`sleepers_seen`](Self::sleepers_seen)).
+    #[doc(hidden)]
+    pub fn ring_seen(&self, seen: u32) {
+        if seen != 0 {
+            self.seq.fetch_add(1, Ordering::SeqCst);
+            let _ = futex::wake(&self.seq, futex::Flags::empty(), i32::MAX as u32);
+        }
+    }
+
     /// Announces that the caller is about to sleep; call before re-checking the condition.
     pub fn prepare(&self) -> DoorbellToken {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
@@ -157,7 +209,50 @@ impl Doorbell {
         let _ = futex::wait(&self.seq, futex::Flags::empty(), token.0, Some(&ts));
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
+
+    /// As [`wait`](Self::wait), for a doorbell rung with
+    /// [`ring_after_release_store`](Self::ring_after_release_store): sleeps at most
+    /// [`RING_GRACE`] first and, unless rung meanwhile, asks `ready` again before sleeping the
+    /// rest of `timeout`. A publish whose ring missed this waiter was visible within the grace
+    /// of the waiter's announcement, so the second look sees it. Returns whether that second
+    /// look found the condition met (a ring the publisher did not make: counted by tests).
+    pub fn wait_rechecking(
+        &self,
+        token: DoorbellToken,
+        timeout: Duration,
+        ready: impl FnOnce() -> bool,
+    ) -> bool {
+        let grace = RING_GRACE.min(timeout);
+        let ts = |d: Duration| rustix::time::Timespec {
+            tv_sec: d.as_secs() as _,
+            tv_nsec: d.subsec_nanos() as _,
+        };
+        // As in `wait`: every outcome means "look again".
+        let _ = futex::wait(&self.seq, futex::Flags::empty(), token.0, Some(&ts(grace)));
+        let mut recovered = false;
+        if self.seq.load(Ordering::SeqCst) == token.0 {
+            // Not rung: still announced (the count is dropped below), so a ring from here on
+            // finds this waiter; one that ran before was visible by now.
+            recovered = ready();
+            if !recovered && timeout > grace {
+                let _ = futex::wait(
+                    &self.seq,
+                    futex::Flags::empty(),
+                    token.0,
+                    Some(&ts(timeout - grace)),
+                );
+            }
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        recovered
+    }
 }
+
+/// How long a waiter on a doorbell rung after `Release` publishes sleeps before it looks again
+/// ([`Doorbell::wait_rechecking`]): far longer than a store waits in a core's store buffer
+/// (well under a microsecond: the buffer drains on its own, whatever the core runs next, and
+/// a VM exit or interrupt drains it too), short enough that a missed ring is not felt.
+pub const RING_GRACE: Duration = Duration::from_micros(20);
 
 /// How a waiting rank spins before it sleeps ([`Backoff`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -882,6 +977,151 @@ mod tests {
         let lost = a.join().unwrap() + b.join().unwrap();
         assert_eq!(lost, 0, "waits that ended by timeout, not by a ring");
         assert_eq!(turn.load(Ordering::SeqCst), 2 * ROUNDS);
+    }
+
+    /// What an out-of-step ping-pong saw: waits that ended unrung with their condition met
+    /// (`lost`: slept to the timeout), and waits that `wait_rechecking`'s second look ended
+    /// (`recovered`).
+    #[derive(Debug, Default)]
+    struct Missed {
+        lost: u32,
+        recovered: u32,
+        rounds: u64,
+    }
+
+    /// Two players taking turns, every wait asleep at once, out of step (each pauses 0-300 µs at
+    /// random after its turn before it waits), and a ringer modelled as a fence-free publish
+    /// may run on hardware, stretched: its read of the sleeper count performed 0-10 µs before
+    /// its store becomes visible (at most 12 µs: a round preempted for longer rings fenced). With plain `wait`s, a wait the model misses sleeps to its
+    /// timeout; `rechecking` uses `wait_rechecking`. Stops after `max_lost` lost waits.
+    fn out_of_step_ping_pong(rechecking: bool, rounds: u64, max_lost: u32) -> Missed {
+        ping_pong_out_of_step(rechecking, true, rounds, max_lost)
+    }
+
+    /// As `out_of_step_ping_pong`, with `model` false: publishes as the direct area's, a
+    /// `Release` store and `ring_after_release_store`, nothing stretched.
+    fn ping_pong_out_of_step(rechecking: bool, model: bool, rounds: u64, max_lost: u32) -> Missed {
+        use std::sync::atomic::AtomicU64;
+        const TIMEOUT: Duration = Duration::from_millis(20);
+        let bells = Arc::new([Doorbell::new(), Doorbell::new()]);
+        let turn = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let player = |me: u64| {
+            let (bells, turn, stop) = (bells.clone(), turn.clone(), stop.clone());
+            move || {
+                let (mine, other) = (&bells[me as usize], &bells[1 - me as usize]);
+                let mut seen = Missed::default();
+                let mut rng = 0x9e37_79b9_7f4a_7c15_u64 ^ (me + 1);
+                let mut pause = |max_ns: u64| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    let until = Instant::now() + Duration::from_nanos(rng % max_ns);
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                };
+                for _ in 0..rounds {
+                    while turn.load(Ordering::Acquire) % 2 != me {
+                        if stop.load(Ordering::Relaxed) {
+                            return seen;
+                        }
+                        let tok = mine.prepare();
+                        if turn.load(Ordering::Acquire) % 2 == me {
+                            mine.cancel(tok);
+                            break;
+                        }
+                        let my_turn = || turn.load(Ordering::Acquire) % 2 == me;
+                        let asleep = Instant::now();
+                        if rechecking {
+                            seen.recovered +=
+                                u32::from(mine.wait_rechecking(tok, TIMEOUT, my_turn));
+                        } else {
+                            mine.wait(tok, TIMEOUT);
+                        }
+                        if asleep.elapsed() >= TIMEOUT
+                            && mine.seq.load(Ordering::SeqCst) == tok.0
+                            && my_turn()
+                        {
+                            // Unrung, slept to the timeout, and it was this player's turn.
+                            seen.lost += 1;
+                            if seen.lost >= max_lost {
+                                stop.store(true, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    // The publish, as the model runs it: the count read early, the store late.
+                    // A store buffer drains whatever the core does; a thread can be preempted
+                    // for longer: where that stretched the window past the model's bound, this
+                    // round rings as a fenced publish would (the model claims no more).
+                    if !model {
+                        let t = turn.load(Ordering::Relaxed);
+                        turn.store(t + 1, Ordering::Release);
+                        other.ring_after_release_store();
+                        seen.rounds += 1;
+                        pause(300_000);
+                        continue;
+                    }
+                    let early = other.sleepers_seen();
+                    let read = Instant::now();
+                    pause(10_000);
+                    let t = turn.load(Ordering::Relaxed);
+                    turn.store(t + 1, Ordering::Release);
+                    if read.elapsed() > Duration::from_micros(12) {
+                        other.ring();
+                    } else {
+                        other.ring_seen(early);
+                    }
+                    seen.rounds += 1;
+                    pause(300_000);
+                }
+                seen
+            }
+        };
+        let a = std::thread::spawn(player(0));
+        let b = std::thread::spawn(player(1));
+        let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        Missed {
+            lost: a.lost + b.lost,
+            recovered: a.recovered + b.recovered,
+            rounds: a.rounds + b.rounds,
+        }
+    }
+
+    /// The judge of fence-free publishes (`Doorbell::ring_after_release_store`): the model
+    /// of a ringer whose count read runs early loses wake-ups with plain waits (so it does
+    /// reach the window), and none with `wait_rechecking`, whose second look finds them.
+    #[test]
+    fn rechecking_waits_find_what_early_reads_of_the_count_miss() {
+        let plain = out_of_step_ping_pong(false, 4000, 3);
+        assert!(
+            plain.lost > 0,
+            "the model missed no plain wait in {} rounds: it no longer tests anything",
+            plain.rounds
+        );
+        let rechecking = out_of_step_ping_pong(true, 4000, 1);
+        assert_eq!(rechecking.lost, 0, "{rechecking:?}");
+        assert!(
+            rechecking.recovered > 0,
+            "no second look was needed in {} rounds: the model did not reach the window",
+            rechecking.rounds
+        );
+        eprintln!("plain {plain:?}, rechecking {rechecking:?}");
+    }
+
+    /// Fence-free publishes on this machine's hardware, plain waits, many rounds out of step:
+    /// whether the store-load window loses wake-ups without a model stretching it. A
+    /// measurement, run by hand: `cargo test -p oxccl --release --lib -- --ignored
+    /// release_publishes_on_this_hardware --nocapture`.
+    #[test]
+    #[ignore]
+    fn release_publishes_on_this_hardware() {
+        let rounds = 200_000;
+        let plain = ping_pong_out_of_step(false, false, rounds, 20);
+        eprintln!("plain waits: {plain:?}");
+        let rechecking = ping_pong_out_of_step(true, false, rounds, 20);
+        eprintln!("rechecking waits: {rechecking:?}");
+        assert_eq!(rechecking.lost, 0);
     }
 
     #[test]

@@ -257,7 +257,8 @@ impl DirectCtx<'_> {
                     continue;
                 }
                 let asleep = Instant::now();
-                bell.wait(token, SLEEP_SLICE);
+                // Rechecking: publishes ring without a fence (direct/shm.rs, crate::base::wait).
+                bell.wait_rechecking(token, SLEEP_SLICE, || pending(&*self.direct).is_none());
                 if asleep.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
                     // Every peer had published, yet no ring woke this rank: a lost wake-up
                     // (never expected; the doorbell's protocol is in crate::base::wait).
