@@ -660,3 +660,148 @@ fn hubless_round(
         Err(wrong.join("\n"))
     }
 }
+
+/// A rank of [`members_leave_promptly_after_the_star_went_to_a_stopped_rank`]: a barrier
+/// (`CHILD READY`), then once it reads a line on stdin it leaves, by a drop or (rank
+/// `OXCCL_TEARDOWN_CLOSER`) by [`Communicator::close`] (torch's `destroy_process_group`),
+/// and says `CHILD GONE <µs>`, how long that took.
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn teardown_child() {
+    if std::env::var("OXCCL_TEARDOWN_CHILD").is_err() {
+        return;
+    }
+    let closer: usize = std::env::var("OXCCL_TEARDOWN_CLOSER")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(usize::MAX);
+    let run = || -> Result<(), String> {
+        let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+        comm.barrier().map_err(|e| e.to_string())?;
+        println!("CHILD READY");
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        if comm.rank() == closer {
+            comm.close();
+        }
+        drop(comm);
+        println!("CHILD GONE {}", t.elapsed().as_micros());
+        Ok(())
+    };
+    if let Err(e) = run() {
+        println!("CHILD_ERR {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The hub of the watchdog's star (rank 0) leaves while the rank it hands the star to (rank
+/// 1) is stopped (SIGSTOP): the other members, whose watchdogs are dialing that rank, then
+/// drop (rank 2) or close (rank 3) their communicator: each returns within 400 ms (their
+/// watchdog gives up the dial at once), not when the dial's wait for the stopped rank's
+/// answer next looks up (every second, and up to the heartbeat timeout).
+#[test]
+fn members_leave_promptly_after_the_star_went_to_a_stopped_rank() {
+    let mut wrong = Vec::new();
+    for transport in ["shm", "tcp"] {
+        match teardown_round(transport) {
+            Ok(s) => println!("{transport}: ok ({s})"),
+            Err(e) => {
+                eprintln!("FAILED {transport}: {e}");
+                wrong.push(format!("{transport}: {e}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+/// One round of [`members_leave_promptly_after_the_star_went_to_a_stopped_rank`].
+fn teardown_round(transport: &str) -> Result<String, String> {
+    let n = 4;
+    let (hex, tag) = job_secret();
+    let port = free_port();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| {
+            let mut c = rank_command("teardown_child", r, n, port, &hex);
+            c.env("OXCCL_TEARDOWN_CHILD", "1")
+                .env("OXCCL_TEARDOWN_CLOSER", "3")
+                .env("OXCCL_TRANSPORT", transport)
+                .env("OXCCL_TIMEOUT", "30")
+                .env("OXCCL_HEARTBEAT_TIMEOUT", "10")
+                .env("OXCCL_TUNE_FILE", "");
+            spawn_child(&mut c, r, tx.clone())
+        })
+        .collect();
+    let kill_all = |kids: &mut Vec<Child>| {
+        let _ = signal(&kids[1], "-CONT");
+        for k in kids.iter_mut() {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    };
+    let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
+    let mut take = |said: &mut Vec<Vec<String>>, until: &dyn Fn(&[Vec<String>]) -> bool| {
+        let by = Instant::now() + Duration::from_secs(30);
+        while !until(said) {
+            match rx.recv_timeout(by.saturating_duration_since(Instant::now())) {
+                Ok((r, l, _)) => said[r].push(l),
+                Err(_) => return false,
+            }
+        }
+        true
+    };
+    let has = |s: &[Vec<String>], r: usize, p: &str| s[r].iter().any(|l| l.starts_with(p));
+    if !take(&mut said, &|s| (0..n).all(|r| has(s, r, "READY"))) {
+        kill_all(&mut kids);
+        return Err(format!("the ranks did not start: {said:?}"));
+    }
+    assert!(signal(&kids[1], "-STOP"), "cannot stop rank 1");
+    let go = |k: &mut Child| {
+        let mut stdin = k.stdin.take().unwrap();
+        let _ = stdin.write_all(b"GO\n");
+    };
+    go(&mut kids[0]);
+    let t = Instant::now();
+    while kids[0].try_wait().ok().flatten().is_none() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Ranks 2 and 3 have the handover by now and dial rank 1, which does not answer.
+    std::thread::sleep(Duration::from_millis(100));
+    go(&mut kids[2]);
+    go(&mut kids[3]);
+    let gone = take(&mut said, &|s| {
+        (2..n).all(|r| has(s, r, "GONE") || has(s, r, "_ERR"))
+    });
+    kill_all(&mut kids);
+    let mut wrong = Vec::new();
+    let mut times = Vec::new();
+    for r in [0, 2, 3] {
+        let us: Option<u64> = said[r]
+            .iter()
+            .find_map(|l| l.strip_prefix("GONE ")?.parse().ok());
+        match us {
+            Some(us) => {
+                times.push(format!("rank {r} {} ms", us / 1000));
+                if us > 400_000 {
+                    wrong.push(format!("rank {r} took {} ms to leave", us / 1000));
+                }
+            }
+            None => wrong.push(format!("rank {r} did not leave: {:?}", said[r])),
+        }
+    }
+    if !gone && wrong.is_empty() {
+        wrong.push(format!("ranks 2 and 3 did not leave: {said:?}"));
+    }
+    let left = files_of(tag);
+    if !left.is_empty() {
+        wrong.push(format!("left in /dev/shm: {left:?}"));
+    }
+    if wrong.is_empty() {
+        Ok(times.join(", "))
+    } else {
+        Err(format!("{} ({})", wrong.join("\n"), times.join(", ")))
+    }
+}
