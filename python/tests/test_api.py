@@ -23,6 +23,12 @@ def test_lost_peer_is_peer_lost_error():
     assert "peer lost ok" in res[0][1] and "aborted after ok" in res[0][1], res[0][1]
 
 
+def test_a_rank_that_exits_holding_its_comm_leaves_rather_than_dies():
+    res = launch(3, "exit_holding_comm")
+    for _, out in res:
+        assert "exit holding comm ok" in out, out
+
+
 def test_timeout_is_timeout_error():
     res = launch(2, "timeout", env={"OXCCL_TIMEOUT": "2"})
     assert "timeout ok" in res[0][1], res[0][1]

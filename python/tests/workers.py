@@ -248,6 +248,32 @@ def init_explicit(mode):
     _ok("init " + mode)
 
 
+def exit_holding_comm():
+    """Rank 0 ends the program right after a barrier while a daemon thread still holds its
+    ``Comm`` (the interpreter's finalization cannot free it: as a communicator held by torch or
+    a reference cycle); rank 2 waits in a receive from rank 1, which sends 1.5 s later: rank 2
+    gets the data (rank 0 left with a goodbye from oxccl's exit hook; a rank lost would fail
+    rank 2's receive)."""
+    import threading
+
+    import oxccl
+
+    comm = oxccl.init()
+    comm.barrier()
+    if comm.rank == 0:
+        threading.Thread(target=lambda c=comm: time.sleep(1e6), daemon=True).start()
+        _ok("exit holding comm")
+        return
+    if comm.rank == 1:
+        time.sleep(1.5)
+        comm.send(np.arange(4, dtype=np.float32), 2)
+    else:
+        x = np.zeros(4, dtype=np.float32)
+        comm.recv(x, 1)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0], x
+    _ok("exit holding comm")
+
+
 def peer_lost():
     import oxccl
 

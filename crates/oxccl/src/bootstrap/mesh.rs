@@ -258,7 +258,21 @@ impl Bootstrap {
                     tell_lost(&tx, &e);
                     Err(e)
                 }
-                (Some(e), _) | (None, Err(e)) => {
+                (Some(e), accepted) => {
+                    // A dial that failed once the accepting side was done (refused: the rank
+                    // there gave up and exited) may have a cause that is already here, said
+                    // before that rank left on a connection no one watches any more: blame
+                    // the cause, not the rank that is gone.
+                    let e = match &accepted {
+                        Ok(rx) => self.report_already_here(rx).unwrap_or(e),
+                        Err(_) => e,
+                    };
+                    // The ranks this one dialed will wait on it: say whom it blames.
+                    let tx: Vec<&TcpStream> = dialed.iter().collect();
+                    tell_lost(&tx, &e);
+                    Err(e)
+                }
+                (None, Err(e)) => {
                     // The ranks this one dialed will wait on it: say whom it blames.
                     let tx: Vec<&TcpStream> = dialed.iter().collect();
                     tell_lost(&tx, &e);
@@ -290,6 +304,29 @@ impl Bootstrap {
                 source,
             })?;
         Ok(Mesh { rounds })
+    }
+
+    /// A failure report that already arrived, looked for without waiting: on the accepted
+    /// exchange links `rx` (round `k`'s from the rank this one hears from in it: a rank that
+    /// failed tells the ranks it dialed, then exits) or on the rendezvous connections
+    /// ([`watch`](Self::watch)).
+    fn report_already_here(&self, rx: &[TcpStream]) -> Option<Error> {
+        let (rank, n) = (self.rank, self.world_size);
+        let conns: Vec<(usize, &TcpStream)> = rx
+            .iter()
+            .enumerate()
+            .map(|(k, s)| (hears_from(rank, k, n), s))
+            .collect();
+        for (from, s) in crate::net::readable_now(&conns) {
+            let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+            if let Ok(f) = auth::read_frame(&mut &*s, MAX_FRAME) {
+                let mut r = &f[..];
+                if take_u64(&mut r) == Some(SEQ_LOST) {
+                    return Some(self.lost_report(from, r, "init"));
+                }
+            }
+        }
+        self.watch("init").err()
     }
 
     /// Looks (without waiting) at the connection(s) to rank 0 (at rank 0: to every rank):

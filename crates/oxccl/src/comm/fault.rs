@@ -9,7 +9,7 @@
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -53,8 +53,8 @@ pub(crate) struct Supervisor {
     shrink: Option<ShrinkPlan>,
     status: Option<StatusAgent>,
     // Last: dropped after the rest (it says goodbye to the peers); taken out by
-    // [`Supervisor::close`].
-    watchdog: Mutex<Option<Watchdog>>,
+    // [`Supervisor::close`] (or at exit, [`crate::comm::exit`], which holds it weakly).
+    watchdog: Arc<Mutex<Option<Watchdog>>>,
 }
 
 impl Supervisor {
@@ -77,7 +77,7 @@ impl Supervisor {
             timeout_ns: AtomicU64::new(cfg.timeout.as_nanos().min(u64::MAX as u128) as u64),
             shrink: None,
             status: None,
-            watchdog: Mutex::new(None),
+            watchdog: Arc::default(),
         }
     }
 
@@ -262,7 +262,7 @@ impl SupervisorPrep {
                 context: "starting the watchdog thread".into(),
                 source,
             })?;
-            g.watchdog = Mutex::new(Some(w));
+            g.watchdog = Arc::new(Mutex::new(Some(w)));
         }
         Ok(g)
     }
@@ -364,6 +364,14 @@ impl Supervisor {
 
     fn watchdog(&self) -> std::sync::MutexGuard<'_, Option<Watchdog>> {
         self.watchdog.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The watchdog, weakly, for the exit hook ([`crate::comm::exit`]); `None` without one
+    /// (no peer to say goodbye to).
+    pub(crate) fn watchdog_weak(&self) -> Option<Weak<Mutex<Option<Watchdog>>>> {
+        self.watchdog()
+            .is_some()
+            .then(|| Arc::downgrade(&self.watchdog))
     }
 
     /// Stops the watchdog (it says goodbye to the peers), as dropping the communicator does:
@@ -564,13 +572,7 @@ impl Communicator {
         }
         // Goodbye first, as in a drop: then the links.
         self.supervisor().close();
-        for l in st.links.iter_mut() {
-            *l = None;
-        }
-        st.direct = None;
-        st.lazy = None;
-        st.scratch = Vec::new();
-        st._boot = None;
+        st.release();
     }
 
     /// `Ok` while the communicator is healthy; else the error the next call would return

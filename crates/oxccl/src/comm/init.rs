@@ -180,14 +180,12 @@ impl Communicator {
             "wait policy"
         );
         comm.topo = Some(Arc::new(topo));
-        comm.state
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            ._boot = Some(boot);
-        comm.state
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .direct = direct;
+        {
+            let mut st = comm.lock();
+            st._boot = Some(boot);
+            st.direct = direct;
+        }
+        crate::comm::exit::register(&comm);
         Ok(comm)
     }
 
@@ -251,7 +249,7 @@ impl Communicator {
             forced_algo,
             transports,
             topo: None,
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 links,
                 seq: 0,
                 scratch: Vec::new(),
@@ -263,7 +261,7 @@ impl Communicator {
                 stash: Default::default(),
                 lazy,
                 _boot: None,
-            }),
+            })),
             stream: Default::default(),
         })
     }
@@ -271,11 +269,8 @@ impl Communicator {
     /// Gives a communicator built by [`from_links`](Self::from_links) a direct area (e.g.
     /// [`crate::direct::link::mem_group`] for threads), enabling the one-shot and
     /// single-copy algorithms. Every rank must do the same.
-    pub fn with_direct(mut self, direct: Box<dyn Direct>) -> Self {
-        self.state
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .direct = Some(direct);
+    pub fn with_direct(self, direct: Box<dyn Direct>) -> Self {
+        self.lock().direct = Some(direct);
         self
     }
 }

@@ -11,10 +11,12 @@
 //! - [`fault`]: the [`Supervisor`](fault::Supervisor) (health, watchdog, recorder, timeout)
 //!   and the calls built on it: abort, check, set_timeout, shrink;
 //! - [`split`] and [`grow`]: new communicators from this one;
-//! - [`check`]: the collective checker (every collective against a plain reference).
+//! - [`check`]: the collective checker (every collective against a plain reference);
+//! - [`exit`]: the goodbye of a communicator still alive when its process exits.
 
 pub mod check;
 mod collectives;
+mod exit;
 pub(crate) mod fault;
 mod grow;
 mod init;
@@ -70,7 +72,8 @@ pub struct Communicator {
     guard: Supervisor,
     /// Host of each rank (`None` for communicators built from links).
     topo: Option<Arc<Topology>>,
-    state: Mutex<State>,
+    /// Shared only with the exit hook ([`exit`], weakly): held through every call.
+    state: Arc<Mutex<State>>,
     /// Queued non-blocking calls ([`crate::comm::nonblocking`]).
     pub(crate) stream: crate::comm::nonblocking::Stream,
 }
@@ -91,6 +94,20 @@ struct State {
     /// The TCP links not made yet (`OXCCL_TCP_CONNECT=lazy`); `None` once all are.
     lazy: Option<crate::transport::tcp::lazy::LazyTcp>,
     _boot: Option<Bootstrap>,
+}
+
+impl State {
+    /// Frees what a closed communicator no longer needs: its links (a TCP link reads what
+    /// its peer sent first, so that it closes with a FIN), its direct area, the rest.
+    fn release(&mut self) {
+        for l in self.links.iter_mut() {
+            *l = None;
+        }
+        self.direct = None;
+        self.lazy = None;
+        self.scratch = Vec::new();
+        self._boot = None;
+    }
 }
 
 impl std::fmt::Debug for Communicator {

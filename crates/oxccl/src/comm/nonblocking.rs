@@ -41,7 +41,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::base::dtype::{DataType, Element};
@@ -141,7 +141,28 @@ impl Shared {
 /// thread starts with the first queued call. Lives inside the [`Communicator`].
 #[derive(Default)]
 pub(crate) struct Stream {
-    shared: OnceLock<Arc<Shared>>,
+    /// In an `Arc` for [`Stream::probe`].
+    shared: Arc<OnceLock<Arc<Shared>>>,
+}
+
+/// A weak look at a [`Stream`]'s queue, for the exit hook ([`crate::comm::exit`]).
+pub(crate) struct StreamProbe(Weak<OnceLock<Arc<Shared>>>);
+
+impl StreamProbe {
+    /// A call is queued or running (or the queue is locked by another thread): not idle.
+    pub(crate) fn busy(&self) -> bool {
+        let Some(cell) = self.0.upgrade() else {
+            return false;
+        };
+        let Some(s) = cell.get() else {
+            return false;
+        };
+        let busy = match s.queue.try_lock() {
+            Ok(q) => q.running || q.done < q.submitted,
+            Err(_) => true,
+        };
+        busy
+    }
 }
 
 impl Stream {
@@ -221,6 +242,11 @@ impl Stream {
             q = shared.progress.wait(q).unwrap_or_else(|e| e.into_inner());
             q.progress_waiters -= 1;
         }
+    }
+
+    /// A weak look at the queue ([`StreamProbe`]).
+    pub(crate) fn probe(&self) -> StreamProbe {
+        StreamProbe(Arc::downgrade(&self.shared))
     }
 
     /// Calls queued and not yet finished.

@@ -163,6 +163,32 @@ impl Watchdog {
     }
 }
 
+impl Watchdog {
+    /// Starts the goodbye a drop says, without waiting for it: the thread says it and ends
+    /// (see [`finish_leaving`](Self::finish_leaving)).
+    pub fn begin_leaving(&self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.poke();
+    }
+
+    /// Waits until `by` for the goodbye [`begin_leaving`](Self::begin_leaving) started:
+    /// true once the thread ended (the goodbye went out); false at `by`, the thread left to
+    /// end on its own (a process exiting does not wait for it longer).
+    pub fn finish_leaving(mut self, by: Instant) -> bool {
+        let Some(t) = self.thread.take() else {
+            return true;
+        };
+        while !t.is_finished() {
+            if Instant::now() >= by {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = t.join();
+        true
+    }
+}
+
 impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);

@@ -18,6 +18,11 @@ pub(crate) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a handshake that waits for the acceptor's answer lets the caller report it.
 pub(crate) const HANDSHAKE_TICK: Duration = Duration::from_secs(1);
 
+/// How often a handshake that waits for the acceptor's answer asks [`Dial::stop`]: a
+/// communicator dropped while its watchdog dials a stopped rank (the new hub of the star)
+/// waits this long for the dial to end, not a [`HANDSHAKE_TICK`].
+pub(crate) const STOP_TICK: Duration = Duration::from_millis(10);
+
 /// How to reach one acceptor; see the module documentation.
 pub(crate) struct Dial<'a> {
     /// The acceptor's address.
@@ -95,13 +100,26 @@ impl Dial<'_> {
                     let round = &mut round;
                     let stop = self.stop;
                     let sref = &s;
-                    let mut d = Deadlined::new(&s, self.deadline).with_tick(HANDSHAKE_TICK, || {
+                    // With a stop to ask, ask it often (a drop waits for it); report at the
+                    // report's pace.
+                    let tick = if stop.is_some() {
+                        STOP_TICK
+                    } else {
+                        HANDSHAKE_TICK
+                    };
+                    let mut reported = since;
+                    let mut d = Deadlined::new(&s, self.deadline).with_tick(tick, || {
                         if stop.is_some_and(|f| f()) {
                             // Ends the wait: the read fails, and the loop's next round stops.
                             let _ = sref.shutdown(std::net::Shutdown::Both);
                         }
+                        let now = Instant::now();
+                        if now - reported < HANDSHAKE_TICK {
+                            return;
+                        }
+                        reported = now;
                         round(
-                            Instant::now(),
+                            now,
                             &format!(
                                 "connected to {addr}, but it has not answered the oxccl handshake for {:.0?}: another program may hold the port, or the rank there is stopped or overloaded",
                                 since.elapsed()
