@@ -153,15 +153,13 @@ impl SupervisorPrep {
     /// Second step, with every rank's [`message`](Self::message) `ports`: records the
     /// others' addresses, starts the status agent and hands the rendezvous connections to a
     /// new watchdog. `stats` holds the counters of this rank's link to each peer (none for
-    /// itself), shown by the status agent; `local_pids` the pid of each peer whose pid names
-    /// its process here ([`crate::transport::Link::local_pid`]), for the watchdog's probe.
+    /// itself), shown by the status agent.
     pub(crate) fn finish(
         self,
         boot: &mut Bootstrap,
         cfg: &Config,
         stats: &[Option<Arc<LinkStats>>],
         ports: Vec<Vec<u8>>,
-        local_pids: Vec<Option<u32>>,
     ) -> Result<Supervisor> {
         let SupervisorPrep {
             mut g,
@@ -255,7 +253,6 @@ impl SupervisorPrep {
                 },
                 Box::new(move || rec.dump("failure reported by the watchdog")),
                 handoff,
-                crate::fault::control::local_probe(local_pids),
             )
             .map_err(|source| Error::Io {
                 rank,

@@ -132,11 +132,7 @@ impl Communicator {
         let mut links: Vec<Option<Box<dyn Link>>> = (0..world_size).map(|_| None).collect();
         // Every link counts its bytes and progress for the status agent.
         let mut stats: Vec<Option<Arc<LinkStats>>> = (0..world_size).map(|_| None).collect();
-        // Peers whose pid names their process here (shared memory): the watchdog asks the
-        // kernel whether such a peer, when silent, is stopped or only waiting for a CPU.
-        let mut local_pids: Vec<Option<u32>> = vec![None; world_size];
         for (peer, link) in shm_links.into_iter().chain(tcp_links) {
-            local_pids[peer] = link.local_pid();
             let (link, s) = counted(link);
             links[peer] = Some(link);
             stats[peer] = Some(s);
@@ -159,7 +155,7 @@ impl Communicator {
                 msg: "the supervisor's ports were not exchanged".into(),
             });
         };
-        comm.guard = prep.finish(&mut boot, &comm.cfg, &stats, ports, local_pids)?;
+        comm.guard = prep.finish(&mut boot, &comm.cfg, &stats, ports)?;
         let us = |d: std::time::Duration| d.as_micros() as u64;
         debug!(
             rank,

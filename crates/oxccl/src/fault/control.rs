@@ -45,7 +45,6 @@ pub use crate::fault::frame::{Frame, MAX_FRAME};
 use crate::fault::health::Health;
 pub use crate::fault::watchdog::WatchSettings;
 use crate::fault::watchdog::{report_frame, Handover, Watch};
-pub use crate::fault::watchdog::{Liveness, Probe};
 use crate::net::accept::{self, Keys};
 use crate::net::auth::{self, Deadlined, Hello, Purpose, Verdict};
 use crate::net::dial::Dial;
@@ -112,10 +111,6 @@ impl Watchdog {
     /// when a failure first arrives from elsewhere (e.g. to write the flight recorder).
     /// `handoff`: what a star needs so that it outlives its hub (none: the star ends with
     /// it; unused in a graph).
-    /// `probe`: asks whether a silent peer's process runs ([`Watch::with_probe`]; see
-    /// [`local_probe`]).
-    // Each argument is a separate fact of init's (the builder would be longer than the call).
-    #[allow(clippy::too_many_arguments)]
     pub fn start(
         rank: usize,
         conns: Vec<(usize, TcpStream, bool)>,
@@ -124,7 +119,6 @@ impl Watchdog {
         settings: WatchSettings,
         on_failure: Box<dyn Fn() + Send>,
         handoff: Option<Handoff>,
-        probe: Option<Probe>,
     ) -> std::io::Result<Watchdog> {
         let wake = rustix::event::eventfd(
             0,
@@ -141,7 +135,7 @@ impl Watchdog {
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("oxccl-watch-{rank}"))
-            .spawn(move || run(sh, conns, graph, settings, on_failure, handoff, probe))?;
+            .spawn(move || run(sh, conns, graph, settings, on_failure, handoff))?;
         Ok(Watchdog {
             shared,
             thread: Some(thread),
@@ -379,25 +373,6 @@ fn read_round(w: &mut Watch, conns: &[Option<TcpStream>], tmp: &mut [u8]) {
     }
 }
 
-/// A [`Probe`] over the peers whose pid names their process here (`pids`, by rank: shared
-/// memory peers, see [`crate::transport::Link::local_pid`]): `/proc/PID/stat`'s state, stopped
-/// (`T`, `t`), exited (`Z`, `X`) or gone against anything else (running, runnable, asleep);
-/// `None` where no peer has a pid here.
-pub(crate) fn local_probe(pids: Vec<Option<u32>>) -> Option<Probe> {
-    if pids.iter().all(Option::is_none) {
-        return None;
-    }
-    Some(Probe(Box::new(move |peer| {
-        match pids.get(peer).copied().flatten() {
-            None => Liveness::Unknown,
-            Some(pid) => match crate::transport::shm::process_state(pid) {
-                None | Some(b'T' | b't' | b'Z' | b'X') => Liveness::Stopped,
-                Some(_) => Liveness::Runs,
-            },
-        }
-    })))
-}
-
 fn run(
     sh: Arc<Shared>,
     conns: Vec<(usize, TcpStream, bool)>,
@@ -405,15 +380,11 @@ fn run(
     settings: WatchSettings,
     on_failure: Box<dyn Fn()>,
     mut handoff: Option<Handoff>,
-    probe: Option<Probe>,
 ) {
     let peers: Vec<usize> = conns.iter().map(|(p, _, _)| *p).collect();
     let beats: Vec<bool> = conns.iter().map(|(_, _, b)| *b).collect();
     let mut conns: Vec<Option<TcpStream>> = conns.into_iter().map(|(_, s, _)| Some(s)).collect();
     let mut w = Watch::new(sh.rank, &peers, settings, Instant::now());
-    if let Some(p) = probe {
-        w = w.with_probe(p);
-    }
     if graph {
         w = w.relaying(&beats);
         handoff = None;

@@ -121,28 +121,6 @@ impl Peer {
     }
 }
 
-/// What the kernel says of a silent peer's process, where this rank can ask it (a peer on
-/// this host, in this pid namespace; the I/O layer reads `/proc/PID/stat`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Liveness {
-    /// Nothing known (a peer on another host).
-    Unknown,
-    /// The process is there and not stopped (running, runnable, or asleep): its silence may
-    /// be a CPU it did not get (a loaded host, a lower priority than what runs there).
-    Runs,
-    /// Stopped (`SIGSTOP`, a debugger), exited, or gone.
-    Stopped,
-}
-
-/// How a watchdog asks for a peer's [`Liveness`], by rank.
-pub struct Probe(pub Box<dyn Fn(usize) -> Liveness + Send>);
-
-impl std::fmt::Debug for Probe {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Probe")
-    }
-}
-
 /// What the I/O loop must do after the hub of a star left ([`Watch::take_handover`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Handover {
@@ -214,8 +192,6 @@ pub(crate) struct Watch {
     lost: Vec<(usize, String)>,
     /// Failure frames received in this round, with the connection's peer.
     received: Vec<(usize, Frame)>,
-    /// Asks whether a silent peer's process runs ([`with_probe`](Self::with_probe)).
-    probe: Option<Probe>,
 }
 
 impl Watch {
@@ -246,19 +222,7 @@ impl Watch {
             in_flight: None,
             lost: Vec::new(),
             received: Vec::new(),
-            probe: None,
         }
-    }
-
-    /// A peer silent for longer than the heartbeat timeout whose process `probe` says
-    /// [`Liveness::Runs`] is given `first_heard` (`OXCCL_TIMEOUT`) before it counts as lost,
-    /// as a peer not heard from yet: a process that is there and not stopped but silent is,
-    /// on a loaded host, most likely one whose watchdog thread did not get a CPU (seen: 4
-    /// ranks at nice 10 beside two busy loops lost a live rank to the 1.5 s heartbeat in 3 of
-    /// 3 runs). A stopped, exited or unknown one is lost at the heartbeat timeout as before.
-    pub(crate) fn with_probe(mut self, probe: Probe) -> Watch {
-        self.probe = Some(probe);
-        self
     }
 
     /// This watchdog's connections are a graph, not a star: every rank passes failures on
@@ -547,23 +511,12 @@ impl Watch {
         if let (Some(h), true) = (self.heartbeat, p.beats) {
             let silent = now.saturating_duration_since(p.last_seen);
             let limit = if p.heard { h } else { h.max(self.first_heard) };
-            // Asked only once the peer is overdue, and again each round while it stays so.
-            let runs = |peer| {
-                self.probe
-                    .as_ref()
-                    .is_some_and(|f| (f.0)(peer) == Liveness::Runs)
-            };
-            let overdue = !p.done && silent > limit;
-            let running = overdue && runs(p.peer);
-            if overdue && (!running || silent > self.first_heard) {
+            if !p.done && silent > limit {
                 p.done = true;
-                let why = if running {
-                    "its process is there and not stopped, but its watchdog did not answer"
-                } else {
-                    "host down, link cut or process stopped"
-                };
-                self.lost
-                    .push((p.peer, format!("no heartbeat for {silent:?} ({why})")));
+                self.lost.push((
+                    p.peer,
+                    format!("no heartbeat for {silent:?} (host down, link cut or process stopped)"),
+                ));
             }
         }
         // Only from the hub of this rank's star (a hub or a rank of a graph has none).
@@ -801,74 +754,6 @@ mod tests {
                     &format!("rank 0 lost rank 1: {reason}")
                 )
             )]
-        );
-    }
-
-    /// A silent peer whose process the probe says runs (descheduled on a loaded host, not
-    /// stopped) gets `first_heard` before it is lost, and is then named as running; a stopped
-    /// one, or one the probe knows nothing of, is lost at the heartbeat timeout. The probe is
-    /// asked only once a peer is overdue.
-    #[test]
-    fn a_silent_peer_that_runs_gets_the_longer_wait_a_stopped_one_not() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use std::sync::Arc;
-        let t0 = Instant::now();
-        let s = WatchSettings {
-            heartbeat: Some(HB),
-            first_heard: 4 * HB,
-        };
-        let asked = Arc::new(AtomicUsize::new(0));
-        let a = asked.clone();
-        // Rank 1 runs, rank 2 is stopped, rank 3 is on another host.
-        let probe = Probe(Box::new(move |peer| {
-            a.fetch_add(1, Ordering::Relaxed);
-            match peer {
-                1 => Liveness::Runs,
-                2 => Liveness::Stopped,
-                _ => Liveness::Unknown,
-            }
-        }));
-        let mut w = Watch::new(0, &[1, 2, 3], s, t0).with_probe(probe);
-        for c in 0..3 {
-            w.handle_data(c, &Frame::Heartbeat.encode(), t0);
-        }
-        let round = |w: &mut Watch, t: Instant| {
-            for c in 0..3 {
-                if w.is_watched(c) {
-                    w.input_done(c, t);
-                }
-            }
-            w.end_round()
-                .into_iter()
-                .map(|f| match f {
-                    Failure::Lost { peer, reason } => (peer, reason),
-                    f => panic!("{f:?}"),
-                })
-                .collect::<Vec<_>>()
-        };
-        assert!(round(&mut w, t0 + HB).is_empty());
-        assert_eq!(
-            asked.load(Ordering::Relaxed),
-            0,
-            "nobody overdue: not asked"
-        );
-        let lost = round(&mut w, t0 + 2 * HB);
-        assert_eq!(
-            lost.iter().map(|l| l.0).collect::<Vec<_>>(),
-            [2, 3],
-            "{lost:?}"
-        );
-        assert!(lost[0].1.contains("process stopped"), "{lost:?}");
-        assert!(
-            round(&mut w, t0 + 4 * HB).is_empty(),
-            "rank 1 runs: not yet"
-        );
-        let lost = round(&mut w, t0 + 4 * HB + Duration::from_millis(1));
-        assert_eq!(lost.len(), 1, "{lost:?}");
-        assert_eq!(lost[0].0, 1);
-        assert!(
-            lost[0].1.contains("its process is there and not stopped"),
-            "{lost:?}"
         );
     }
 

@@ -124,10 +124,6 @@ impl Link for Counted {
         self.inner.single_copy(send, len)
     }
 
-    fn local_pid(&self) -> Option<u32> {
-        self.inner.local_pid()
-    }
-
     fn try_lend(&mut self, src: &[u8]) -> Result<bool, LinkError> {
         let done = self.inner.try_lend(src)?;
         if done {

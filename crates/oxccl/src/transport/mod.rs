@@ -196,13 +196,6 @@ pub trait Link: Send {
     fn check_alive(&mut self) -> Result<(), LinkError> {
         Ok(())
     }
-
-    /// The peer's process id where it names the peer's process here (a peer on this host, in
-    /// this pid namespace: shared memory), for the watchdog to ask the kernel whether a silent
-    /// peer is stopped or only waiting for a CPU. The default: none.
-    fn local_pid(&self) -> Option<u32> {
-        None
-    }
 }
 
 #[cfg(test)]

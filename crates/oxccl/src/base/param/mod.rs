@@ -138,9 +138,7 @@ pub struct Config {
     pub deterministic: bool,
     /// `OXCCL_HEARTBEAT_TIMEOUT` (seconds): a rank whose watchdog sends nothing for this long
     /// (host down, link cut, process stopped) is lost. Default 1.5 s; `0` turns the deadline
-    /// off (heartbeats are still sent, and closed connections are still seen at once). A
-    /// shared-memory peer whose process `/proc` shows running or asleep, not stopped, has
-    /// [`timeout`](Self::timeout) instead (a loaded host; `docs/failures.md`).
+    /// off (heartbeats are still sent, and closed connections are still seen at once).
     pub heartbeat: Option<Duration>,
     /// `OXCCL_FLIGHT_RECORDER`: file prefix; each rank writes `PREFIX.<comm>.<rank>.json` on
     /// an error, a timeout and `SIGUSR1`.

@@ -588,10 +588,6 @@ impl ShmLink {
 }
 
 impl Link for ShmLink {
-    fn local_pid(&self) -> Option<u32> {
-        self.peer_pid.map(|p| p.as_raw_nonzero().get() as u32)
-    }
-
     fn kind(&self) -> TransportKind {
         TransportKind::Shm
     }
@@ -753,20 +749,14 @@ pub(crate) fn process_gone(pid: rustix::process::Pid) -> bool {
 
 /// True if `/proc` says the process has exited but was not reaped yet (state Z or X).
 fn is_zombie(pid: rustix::process::Pid) -> bool {
-    matches!(
-        process_state(pid.as_raw_nonzero().get() as u32),
-        Some(b'Z' | b'X')
-    )
-}
-
-/// The state letter `/proc/PID/stat` gives the process (`R` running or runnable, `S` asleep,
-/// `D` asleep in the kernel, `T`/`t` stopped or traced, `Z`/`X` exited, ...), or `None`
-/// where there is no such process (or `/proc` cannot be read).
-pub(crate) fn process_state(pid: u32) -> Option<u8> {
-    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let Ok(stat) = std::fs::read(format!("/proc/{}/stat", pid.as_raw_nonzero())) else {
+        return false;
+    };
     // "pid (comm) S ...": comm may hold anything, so the state follows the last ')'.
-    let close = stat.iter().rposition(|&b| b == b')')?;
-    stat.get(close + 2).copied()
+    let Some(close) = stat.iter().rposition(|&b| b == b')') else {
+        return false;
+    };
+    matches!(stat.get(close + 2), Some(b'Z' | b'X'))
 }
 
 impl Drop for ShmLink {
