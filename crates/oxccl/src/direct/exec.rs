@@ -187,7 +187,11 @@ impl DirectCtx<'_> {
     }
 
     fn access_error(&self, peer: usize, what: &str, e: std::io::Error) -> Error {
-        if self.direct.check_alive(peer).is_err() {
+        // ESRCH: the peer (in this pid namespace: cross-memory access was probed at init) is
+        // gone, or exiting: its memory is released before it becomes a zombie, so `kill(pid,
+        // 0)` and `/proc` may still show it for a while (seen: a rank killed mid-call named as
+        // an I/O error, not a lost peer, in kills.rs under load).
+        if e.raw_os_error() == Some(libc::ESRCH) || self.direct.check_alive(peer).is_err() {
             return self.lost(peer, LinkError::Io(e));
         }
         let id = self.wait.id();
