@@ -17,8 +17,9 @@
 //! woken), or the waiter's re-check sees the published data and it does not sleep. A ringer
 //! with nobody asleep writes nothing to the shared line: one fence and one load.
 //!
-//! Publishes without a fence ([`Doorbell::ring_after_release_store`], the direct area's events
-//! on x86-64): a `SeqCst` store there is an `xchg`, which holds the publisher until every line
+//! Publishes without a fence ([`Doorbell::ring_after_release_store`]; meant for the direct
+//! area's events on x86-64, which still publish with a `SeqCst` store: the fence-free publish
+//! was measured, docs/algorithms.md "Stop 32", but is not applied yet): a `SeqCst` store there is an `xchg`, which holds the publisher until every line
 //! it wrote is its own again, i.e. until the peer that polls them has given them up; only then
 //! can it start polling the peer's. A `Release` store is a plain `mov` that waits in the store
 //! buffer while the publisher goes on. The ringer's read of `sleepers` may then be performed
@@ -153,7 +154,8 @@ impl Doorbell {
     }
 
     /// As [`ring`](Self::ring), for a caller whose publish was a `Release` store with no fence
-    /// after it (the direct area's events on x86-64): the load of the sleeper count may then
+    /// after it (meant for the direct area's events on x86-64; see the module docs): the load
+    /// of the sleeper count may then
     /// be performed before other cores see the publish (store-load reordering, the one
     /// reordering x86 allows), so a waiter that announced itself in that window is not rung
     /// and its re-check may not see the publish yet. Waiters on such a doorbell therefore

@@ -261,7 +261,9 @@ impl DirectCtx<'_> {
                     continue;
                 }
                 let asleep = Instant::now();
-                // Rechecking: publishes ring without a fence (direct/shm.rs, crate::base::wait).
+                // Rechecking: what a publish that rings without a fence needs (crate::base::wait).
+                // direct/shm.rs still publishes with a SeqCst store, whose ring reaches every
+                // sleeper; then the second look finds nothing new and costs one wake-up a sleep.
                 bell.wait_rechecking(token, SLEEP_SLICE, || pending(&*self.direct).is_none());
                 if asleep.elapsed() >= SLEEP_SLICE && pending(&*self.direct).is_none() {
                     // Every peer had published, yet no ring woke this rank: a lost wake-up
