@@ -5,7 +5,7 @@
 # spread of each (max/min of its rounds) and the ratio B/A.
 #
 # Usage: scripts/ab_compare.sh A_BIN B_BIN ROUNDS PERF_ARGS...
-#   e.g. scripts/ab_compare.sh /tmp/oxccl-before target/release/oxccl 3 \
+#   e.g. scripts/ab_compare.sh ../oxccl-before/oxccl target/release/oxccl 3 \
 #          all_reduce --ranks 2 -b 8 -e 128M -f 4 -R 1
 # A row where B/A exceeds both binaries' spread is slower (or faster) beyond the noise.
 set -euo pipefail

@@ -7,7 +7,7 @@
 # environment variables and execs the real one (to compare settings).
 #
 # Usage (root): scripts/cluster_ab.sh ROUNDS HxL RATE BIN...
-#   e.g. scripts/cluster_ab.sh 3 2x1 10gbit /tmp/oxccl-before target/release/oxccl
+#   e.g. scripts/cluster_ab.sh 3 2x1 10gbit ../oxccl-before/oxccl target/release/oxccl
 # Settings: SIZE (64M), ITERS (10), OXCCL_CLUSTER_MTU as cluster.sh.
 set -euo pipefail
 [ $# -ge 4 ] || {

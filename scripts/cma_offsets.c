@@ -2,7 +2,7 @@
  * process itself, in 256 KiB calls, as the single-copy path copies chunks), best of N runs, for
  * each (dst - src) mod 4096 in the first column and a few absolute source offsets.
  *
- *   cc -O2 -o /tmp/cma_offsets scripts/cma_offsets.c && /tmp/cma_offsets 10
+ *   cc -O2 -o target/cma_offsets scripts/cma_offsets.c && target/cma_offsets 10
  *
  * On the development machine (AMD EPYC VM, kernel 6.18) rows 8, 16 and 24 took 1.0-1.6 ms and
  * every other row 0.25-0.35 ms: see crates/oxccl/src/direct/cma/placement.rs. */

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The clean-exit check of issue 21 (item 4): runs the `exit_queued` scenario of
+# The clean-exit check: runs the `exit_queued` scenario of
 # python/tests/torch_lifecycle_worker.py (queued > 1 MiB async all_reduces, then exit without
 # waiting) N times with 2 ranks on the C++ backend, and counts how each rank exited. Every
 # exit must be 0 with "exit_queued ok" printed; anything else (a signal such as SIGABRT from

@@ -1,4 +1,4 @@
-"""The clean-exit check of issue 21 (item 4) at the count it asks for: the `exit_queued`
+"""The clean-exit check at a high count (1,000 runs and more): the `exit_queued`
 scenario of python/tests/torch_lifecycle_worker.py (queued > 1 MiB async all_reduces, a
 then() callback, then exit without waiting) run N times with 2 ranks, each rank a process
 that exits through the interpreter's normal shutdown (atexit hooks, finalization, static

@@ -2,8 +2,8 @@
 // to CPUs 0 and 1 run the one-shot protocol (copy the input into this thread's slot, of two
 // alternating, publish a counter, wait for the peer's, fold both slots into the output) on
 // float32 sums, timing each phase of every iteration with rdtsc (docs/algorithms.md, one-shot).
-//   gcc -O3 -march=native -mcldemote -pthread scripts/oneshot_floor.c -o /tmp/oneshot_floor
-//   /tmp/oneshot_floor BYTES MODE [ITERS]    (BYTES a multiple of 64, at most 65536)
+//   gcc -O3 -march=native -mcldemote -pthread scripts/oneshot_floor.c -o target/oneshot_floor
+//   target/oneshot_floor BYTES MODE [ITERS]    (BYTES a multiple of 64, at most 65536)
 // MODE 0: as the library; 1: cldemote every slot line after the copy (the reader then finds it
 // in the shared L3); 2: the copy with streaming stores; 8: the fold replaced by a sum of the
 // peer's slot alone (its read cost). Modes 2 and 8 need AVX-512 (this VM's Xeon has it).

@@ -4,10 +4,10 @@
 // the event number at 184, written SeqCst after the data; two records per rank by parity), poll
 // the peer's event, and sum both records' data. Prints rank 0's mean and percentiles per exchange
 // (rdtsc at 2.596 GHz, this VM's; `grep MHz /proc/cpuinfo`). A measurement tool, not built by CI.
-//   gcc -O2 -march=native -pthread scripts/tiny_floor.c -o /tmp/tiny_floor
-//   /tmp/tiny_floor BYTES MODE [ITERS] [PIN]   (BYTES <= 160, a multiple of 4)
-// MODE 0: as the library before stop 31; 1: also prefetch the record's two data lines while
-// polling (as the library since); 2: a flag in every line (LL128-like, 56 data bytes a line);
+//   gcc -O2 -march=native -pthread scripts/tiny_floor.c -o target/tiny_floor
+//   target/tiny_floor BYTES MODE [ITERS] [PIN]   (BYTES <= 160, a multiple of 4)
+// MODE 0: polling without prefetch; 1: also prefetch the record's two data lines while
+// polling (as the library does); 2: a flag in every line (LL128-like, 56 data bytes a line);
 // 3: mode 0 with a Release store instead of SeqCst (no fence).
 #define _GNU_SOURCE
 #include <immintrin.h>

@@ -2,8 +2,8 @@
 # Tiny all_reduce rows of one or more oxccl builds and Open MPI, alternated round by round in
 # one run (2 ranks, 8-512 B), then per size: each tool's median and minimum over the rounds and
 # the per-round ratio Open MPI / oxccl (median, and in how many rounds oxccl was at or ahead).
-# The vCPUs of the development VM change placement every second or so (docs/algorithms.md,
-# "Stop 31"), so only many alternations say anything.
+# The vCPUs of a VM can change placement every second or so (docs/algorithms.md,
+# docs/perf/tiny_placement.txt), so only many alternations say anything.
 #   scripts/tiny_vs_mpi.sh ROUNDS BIN [BIN...]    (needs ../shared/anchors/install.sh)
 set -eu
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OXCCL_TUNE_FILE=

@@ -7,8 +7,7 @@
 # python/tests/torch_suite/expected_failures.txt does not list, or passes while listed there.
 # Each test has a timeout (TORCH_SUITE_TIMEOUT seconds, default 30). TORCH_SUITE_SIZES sets the
 # world sizes of the C++ backend's runs (default "2 3"; "2 3 4" adds 4 ranks, about 150 s more:
-# 89 of the 90 pass there and test_ddp_logging_data_cpu fails as listed, measured 2026-12-03,
-# torch 2.15).
+# 89 of the 90 pass there and test_ddp_logging_data_cpu fails as listed, with torch 2.15).
 #
 #   scripts/torch_suite.sh           # oxccl (about 4-5 minutes on a 2-core machine)
 #   scripts/torch_suite.sh --gloo    # also the same selection on gloo, which must all pass

@@ -204,6 +204,8 @@ class Handle:
     __slots__ = ("_raw", "_result")
 
     def __init__(self, raw: Any, result: Any):
+        """Wraps ``raw`` (the extension's queued-call handle) and the output it will fill;
+        made by the calls, not by users."""
         self._raw = raw
         self._result = result
 
@@ -255,6 +257,8 @@ class Comm:
     """
 
     def __init__(self, raw: Any):
+        """Wraps ``raw``, the extension's ``RawComm``; made by :func:`init` (and
+        :meth:`split`), not by users."""
         self._raw = raw
         _LIVE.add(self)
 

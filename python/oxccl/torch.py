@@ -680,6 +680,8 @@ class BackendOxccl(_C10dBackend):
         timeout: Optional[timedelta] = None,
         group_id: Any = None,
     ):
+        """A backend for ranks ``rank`` of ``size`` on ``comm``, made by torch through the
+        registered creator (``dist.init_process_group(backend="oxccl")``), not by users."""
         super().__init__(rank, size)
         self.comm = comm
         self._raw = comm._raw
@@ -700,16 +702,19 @@ class BackendOxccl(_C10dBackend):
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The backend's name, ``"oxccl"`` (torch's spelling of the method)."""
         return BACKEND_NAME
 
     def _get_backend_name(self) -> str:
         return BACKEND_NAME
 
     def name(self) -> str:
+        """The backend's name, ``"oxccl"``."""
         return BACKEND_NAME
 
     @property
     def supports_coalescing(self) -> bool:
+        """False: torch cannot pass a coalescing block's start and end to a Python backend."""
         # torch's ProcessGroup cannot forward start/end of coalescing to a Python backend;
         # batch_isend_irecv then issues plain isend/irecv, which this backend holds and runs
         # as one group at the first wait: the same effect.
@@ -717,6 +722,8 @@ class BackendOxccl(_C10dBackend):
 
     @property
     def supports_splitting(self) -> bool:
+        """True: torch may split this group (``dist.split_group``); each new group gets a
+        backend of its own."""
         return True
 
     @property
@@ -805,6 +812,8 @@ class BackendOxccl(_C10dBackend):
         """Nothing to agree on: the numbers start at 0 on every rank (as torch's own backends)."""
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        """``dist.all_reduce``: each tensor becomes the element-wise reduction (``opts.reduceOp``,
+        default sum) over the group."""
         self._seq += 1
         if len(tensors) == 1 and not self._held and (opts is None or opts.reduceOp == _SUM):
             # fast path (a tensor-parallel step's small sums, DDP's buckets): the checks of
@@ -901,6 +910,7 @@ class BackendOxccl(_C10dBackend):
         return self._run("all_reduce", calls, list(tensors), backs=backs, opts=opts)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        """``dist.broadcast``: each rank's tensor becomes the root's (``opts.rootRank``)."""
         self._seq += 1
         root = opts.rootRank if opts is not None else 0
         root_tensor = opts.rootTensor if opts is not None else 0
@@ -924,6 +934,8 @@ class BackendOxccl(_C10dBackend):
         return self._run("broadcast", calls, list(tensors), post, backs=backs, opts=opts)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        """``dist.reduce``: the root's tensor (``opts.rootRank``) becomes the element-wise
+        reduction over the group; the others' are left as they were."""
         self._seq += 1
         root = opts.rootRank if opts is not None else 0
         self._check_root("reduce", root)
@@ -967,6 +979,7 @@ class BackendOxccl(_C10dBackend):
     def allgather(
         self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None
     ) -> Any:
+        """``dist.all_gather``: ``output_tensors[0][r]`` becomes rank ``r``'s input tensor."""
         self._seq += 1
         n, k = self.size(), len(input_tensors)
         self._nonempty("allgather", input_tensors)
@@ -1017,6 +1030,8 @@ class BackendOxccl(_C10dBackend):
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        """``dist.all_gather_into_tensor`` of several pairs at once: each output holds every
+        rank's input, concatenated in rank order."""
         self._seq += 1
         backs: list = []
         calls = [_coll("all_gather", i, o, raw_bytes=True, backs=backs) for o, i in zip(outputs, inputs)]
@@ -1076,6 +1091,8 @@ class BackendOxccl(_C10dBackend):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        """``dist.reduce_scatter_tensor`` of several pairs at once: each output becomes this
+        rank's block of the element-wise reduction of the inputs."""
         self._seq += 1
         op = _op(opts)
         backs: list = []
@@ -1087,6 +1104,8 @@ class BackendOxccl(_C10dBackend):
     def alltoall(
         self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any = None
     ) -> Any:
+        """``dist.all_to_all``: ``output_tensors[r]`` becomes rank ``r``'s
+        ``input_tensors[rank]``."""
         self._seq += 1
         n = self.size()
         if len(output_tensors) != n or len(input_tensors) != n:
@@ -1114,6 +1133,9 @@ class BackendOxccl(_C10dBackend):
         input_split_sizes: List[int],
         opts: Any = None,
     ) -> Any:
+        """``dist.all_to_all_single``: block ``p`` of ``input`` goes to rank ``p``, which
+        stores it as block ``rank`` of ``output``; the split sizes (empty: equal blocks) give
+        each block's length along the first dimension."""
         self._seq += 1
         n = self.size()
         out_counts = self._a2a_counts("output", output, output_split_sizes)
@@ -1213,6 +1235,8 @@ class BackendOxccl(_C10dBackend):
         return _JobWork(_Job(self, what, [handle], result, finish))
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        """``dist.gather``: the root's ``output_tensors[0][r]`` becomes rank ``r``'s input
+        tensor."""
         self._seq += 1
         root, me, n = opts.rootRank, self.rank(), self.size()
         self._check_root("gather", root)
@@ -1234,6 +1258,8 @@ class BackendOxccl(_C10dBackend):
         return self._p2p_group("gather", ops, list(outs), lambda: _copy_back(backs), call="gather")
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        """``dist.scatter``: each rank's output tensor becomes the root's
+        ``input_tensors[0][rank]``."""
         self._seq += 1
         root, me, n = opts.rootRank, self.rank(), self.size()
         self._check_root("scatter", root)
@@ -1254,6 +1280,7 @@ class BackendOxccl(_C10dBackend):
         return self._p2p_group("scatter", ops, [user_out], lambda: _copy_back(backs), call="scatter")
 
     def barrier(self, opts: Any = None) -> Any:
+        """``dist.barrier``: returns (or its Work completes) once every rank has called it."""
         self._seq += 1
         return self._run("barrier", [_Call("barrier", None, None)], [], inline=not _async(opts))
 
@@ -1378,9 +1405,13 @@ class BackendOxccl(_C10dBackend):
             j.held = False
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        """``dist.send``/``isend`` to ``dst`` with ``tag``: held until a held operation's Work
+        is waited on, the next collective starts or the group shuts down, then run with every
+        held operation as one group (see the module's docstring)."""
         return self._hold("send", tensors, dst, tag)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
+        """``dist.recv``/``irecv`` from ``src`` with ``tag``, held as ``send`` is."""
         return self._hold("recv", tensors, src, tag)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:

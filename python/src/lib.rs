@@ -266,6 +266,7 @@ impl SharedMemory {
         self.buf.as_ptr() as usize
     }
 
+    /// Size in bytes.
     fn __len__(&self) -> usize {
         self.buf.len()
     }
@@ -279,31 +280,37 @@ struct RawComm {
 
 #[pymethods]
 impl RawComm {
+    /// This process's rank in the communicator.
     #[getter]
     fn rank(&self) -> usize {
         self.inner.rank()
     }
 
+    /// The number of ranks.
     #[getter]
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
 
+    /// This rank's index among the ranks of its host.
     #[getter]
     fn local_rank(&self) -> usize {
         self.inner.local_rank()
     }
 
+    /// The number of ranks on this host.
     #[getter]
     fn local_size(&self) -> usize {
         self.inner.local_size()
     }
 
+    /// The transports this rank's links use, e.g. `"shm"`, `"shm+tcp"`, or `"none"`.
     #[getter]
     fn transport(&self) -> String {
         self.inner.transport_summary()
     }
 
+    /// The number of calls queued on the communicator's stream and not finished yet.
     fn pending(&self) -> u64 {
         self.inner.pending_calls()
     }
@@ -688,6 +695,8 @@ fn wait_inflight(py: Python<'_>, timeout_s: f64) -> usize {
     })
 }
 
+/// The Rust core of the `oxccl` package: communicators on raw buffer addresses. Use the
+/// `oxccl` module, which wraps these in numpy- and torch-friendly objects.
 #[pymodule]
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawComm>()?;

@@ -29,7 +29,7 @@ def test_fsdp_cpu_trains():
 
 
 def test_tp_llama_example_matches_the_single_process_model():
-    """The tensor-parallel decoder (issue 20): every way's float32 tokens equal the
+    """The tensor-parallel decoder (examples/python/tp_llama.py): every way's float32 tokens equal the
     single-process model's (the script exits 1 otherwise), on a small model, 3 ranks."""
     small = ["--vocab", "384", "--dim", "192", "--heads", "6", "--hidden", "384", "--layers", "2",
              "--tokens", "6", "--check-tokens", "6", "--rounds", "1", "--ways", "oxccl_op,oxccl,gloo"]

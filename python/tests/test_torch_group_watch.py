@@ -33,7 +33,7 @@ except Exception as e:
     print(f"raised {type(e).__name__} after {time.monotonic() - t0:.2f} s: {e}", flush=True)
     # Rank 0 hosts torch's store: leaving at once would fail a slower survivor's next store
     # call (torch's DistNetworkError, "connection reset") before oxccl could name the
-    # stopped rank to it (seen once in test.sh, stop 31). Every survivor stays 4 s.
+    # stopped rank to it (a race the suite has hit). Every survivor stays 4 s.
     time.sleep(4)
     os._exit(0)
 """

@@ -1,4 +1,4 @@
-"""No hang and no crash reachable from torch (issue 21, item 4): fork does not share a pool
+"""No hang and no crash reachable from torch: fork does not share a pool
 tensor's writes, zero and negative timeouts expire at once, a process exits cleanly with
 queued calls in flight, init/destroy repeats on one MASTER_PORT (rank 0 late to destroy in
 odd rounds), async_op=True returns before a late peer at every size, the Python

@@ -1,4 +1,4 @@
-"""A property test of the "oxccl" torch backend against gloo (issue 21 item 3).
+"""A property test of the "oxccl" torch backend against gloo.
 
 Every rank draws the same random sequence of torch.distributed calls (the call, its form,
 sync or async, dtype, shape, view, root, op and group come from one generator seeded alike on

@@ -181,7 +181,7 @@ fn the_launcher_keeps_the_survivors_of_an_expected_sigkill() {
     }
 }
 
-/// Issue 19 item 5: a victim rank out of range is said once, not once per rank: by `oxccl
+/// A victim rank out of range is said once, not once per rank: by `oxccl
 /// perf` before it starts any rank, and under `oxccl run` by rank 0 only.
 #[test]
 fn a_victim_out_of_range_is_reported_once() {

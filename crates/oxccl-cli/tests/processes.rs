@@ -359,12 +359,12 @@ matrix! {
     p2p_tcp_4: 4, "tcp", "p2p";
 }
 
-/// A tune file's `cma_min` of 2 MiB (what `oxccl tune` saved on this VM) governs only the
+/// A tune file's `cma_min` of 2 MiB (a value `oxccl tune` saves on some hosts) governs only the
 /// kernel's cross-memory copies: calls whose ranks all have shared buffers go single-copy
 /// from `OXCCL_MAPPED_MIN` (8 KiB) on, the others by ring (chain, pairwise) up to 2 MiB, and
 /// every result is right at every size with every rank's buffers shared, private, or
-/// shared on every other rank. (Before `OXCCL_MAPPED_MIN`, the shared calls of 64 KiB to 2 MiB
-/// ran the ring.)
+/// shared on every other rank. (Without `OXCCL_MAPPED_MIN`, the shared calls of 64 KiB to 2
+/// MiB would run the ring.)
 fn tuned(n: usize, mode: &str) {
     let file = std::env::temp_dir().join(format!(
         "oxccl-tuned-{mode}-{n}-{}.conf",

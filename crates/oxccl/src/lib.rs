@@ -8,6 +8,64 @@
 //! [`barrier`](Communicator::barrier). Ranks of one host talk through shared memory, ranks of
 //! different hosts through TCP.
 //!
+//! # Example
+//!
+//! Two ranks as two threads of one process, joined over a [`UniqueId`] on the loopback
+//! interface. Across processes or hosts the id travels as a string (rank 0 makes it and hands
+//! it to the others out of band), or a launcher sets the variables that
+//! [`Communicator::from_env`] reads.
+//!
+//! ```
+//! use std::net::Ipv4Addr;
+//! use std::thread;
+//!
+//! use oxccl::{Communicator, ReduceOp, UniqueId};
+//!
+//! # fn main() -> oxccl::Result<()> {
+//! let world = 2;
+//! // Made in rank 0's process: it listens on 127.0.0.1 for the rendezvous.
+//! let id = UniqueId::new_on(Ipv4Addr::LOCALHOST.into())?;
+//! let ranks: Vec<_> = (0..world)
+//!     .map(|rank| {
+//!         let id = id.clone();
+//!         thread::spawn(move || -> oxccl::Result<Vec<f32>> {
+//!             let comm = Communicator::init(&id, rank, world)?;
+//!             let mine = vec![rank as f32 + 1.0; 4];
+//!             let mut sum = vec![0.0; 4];
+//!             comm.all_reduce(&mine, &mut sum, ReduceOp::Sum)?;
+//!             comm.barrier()?;
+//!             Ok(sum)
+//!         })
+//!     })
+//!     .collect();
+//! for r in ranks {
+//!     assert_eq!(r.join().unwrap()?, vec![3.0; 4]);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Main types
+//!
+//! - [`Communicator`]: a rank's handle on its group; blocking collectives, their `_in_place`
+//!   forms, asynchronous forms returning a [`Work`] (`all_reduce_async`, ...), point-to-point
+//!   ([`P2pOp`] batches), and fault handling (`abort`, `check`, `shrink`, `grow`, `split`).
+//! - [`UniqueId`]: where rank 0 hosts the rendezvous and the group's secret.
+//! - [`Config`]: the settings, read from `OXCCL_*` variables ([`params`] lists them all) or
+//!   built in code for [`Communicator::init_with_config`].
+//! - [`Element`] and [`DataType`]: the element types (integers, `f32`, `f64`, [`struct@f16`],
+//!   [`struct@bf16`], [`Bool`]); [`ReduceOp`]: sum, product, min, max, average and the bitwise
+//!   operators.
+//! - [`Error`]: every failure is a value naming the rank, the peer, the call and its sequence
+//!   number; [`Error::failure_kind`] sorts them
+//!   ([`FailureKind`]).
+//! - [`SharedBuffer`] and [`SharedPool`]: memory that the ranks of a host map, for
+//!   collectives without copies.
+//!
+//! The C API (`oxccl.h`, NCCL's names with an `oxccl` prefix) is the `oxccl-capi` crate, the
+//! launcher and benchmarks the `oxccl` command (`oxccl-cli`), and the Python package with its
+//! PyTorch backend lives in `python/`.
+//!
 //! The source tree is layered; each folder imports only from the folders above it in this
 //! list (bottom layer first):
 //!

@@ -512,8 +512,9 @@ fn hubless_child() {
 /// After the hub of the watchdog's star (rank 0, then the ranks that took over) dropped its
 /// communicator and left, a rank is killed while the others wait on it, directly (its link
 /// ends) or through a rank that waits on it: every waiting survivor fails within 3 s naming
-/// the killed rank (before the hub's goodbye handed the star over, the survivors' reports
-/// reached no one, and a rank waiting on a live rank that failed waited out its timeout).
+/// the killed rank (without the hub's goodbye handing the star over, the survivors' reports
+/// would reach no one, and a rank waiting on a live rank that failed would wait out its
+/// timeout).
 /// Cases: (ranks, leavers 0..L, victim, waits `a` receives from `b`), on shared-memory links
 /// and TCP.
 #[test]

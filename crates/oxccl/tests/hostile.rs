@@ -174,7 +174,7 @@ fn attack(kind: usize, a: SocketAddr, stop: &AtomicBool, made: &AtomicUsize) {
                     };
                     let _ = auth::client_handshake(&mut s, &wrong, &hello, 1, "attacker");
                 }
-                // (Attackers 0-2 pause between connections: this machine has 2 cores.)
+                // (Attackers 0-2 pause between connections: the machine may have only 2 cores.)
                 std::thread::sleep(Duration::from_millis(10));
             }
             // A valid challenge, then a 4 GiB length prefix and a trickle; also a request

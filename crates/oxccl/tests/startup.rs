@@ -236,12 +236,12 @@ fn kill_round(
     (errors, ok, up)
 }
 
-/// Issue 19 item 3: one rank of 4 SIGKILLed at a random moment of its start-up; every
+/// One rank of 4 SIGKILLed at a random moment of its start-up; every
 /// survivor that fails must name that rank (not rank 0, through which the bootstrap relays,
-/// nor the rank that a direct exchange waits on). `OXCCL_BLAME_ROUNDS` rounds (default 100,
-/// as the issue asks), four jobs at a time; odd rounds with the exchanges direct between
+/// nor the rank that a direct exchange waits on). `OXCCL_BLAME_ROUNDS` rounds (default 100),
+/// four jobs at a time; odd rounds with the exchanges direct between
 /// ranks, even ones through rank 0. The kill lands at a random moment of a span that
-/// adapts to the start-up's length (the victim prints when its start-up ended; this
+/// adapts to the start-up's length (the victim prints when its start-up ended; a
 /// machine's load changes that length by a factor of ten), so that most kills land during
 /// start-up; at least half of them must.
 #[test]
@@ -335,7 +335,7 @@ fn idle_child() {
     println!("CHILD OK");
 }
 
-/// Issue 22 item 3: the watchdog's connections are a graph above
+/// The watchdog's connections are a graph above
 /// `OXCCL_BOOTSTRAP_RELAY_MAX` ranks (every rank passes failures on), a star around rank 0
 /// up to it. A rank SIGKILLed after init, while the others make no call, must become an
 /// error naming it on every survivor, at once (the killed rank's links close; its
@@ -443,7 +443,7 @@ fn unshare_works() -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// Issue 19 item 4: ranks each in a pid namespace of their own cannot copy each other's
+/// Ranks each in a pid namespace of their own cannot copy each other's
 /// memfds and share named files in /dev/shm. One of 4 is SIGKILLed at a random moment of the
 /// start-up; once the survivors exit no file of the job is left, and the next job with the
 /// same secret succeeds. `OXCCL_KILL_ROUNDS` rounds (default 6); skipped (with a line saying

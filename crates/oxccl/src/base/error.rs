@@ -13,7 +13,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// The most ranks an error line names; the rest are counted ([`rank_list`]).
 pub(crate) const MAX_LISTED_RANKS: usize = 8;
 
-/// `ranks` for an error line: at most [`MAX_LISTED_RANKS`] of them, then how many more
+/// `ranks` for an error line: at most `MAX_LISTED_RANKS` (8) of them, then how many more
 /// (`[0, 1, 2, 3, 4, 5, 6, 7] and 65527 more`), so that a line stays short whatever the
 /// world size.
 pub fn rank_list(ranks: &[usize]) -> String {

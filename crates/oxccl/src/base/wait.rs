@@ -19,7 +19,8 @@
 //!
 //! Publishes without a fence ([`Doorbell::ring_after_release_store`]; meant for the direct
 //! area's events on x86-64, which still publish with a `SeqCst` store: the fence-free publish
-//! was measured, docs/algorithms.md "Stop 32", but is not applied yet): a `SeqCst` store there is an `xchg`, which holds the publisher until every line
+//! is measured in docs/algorithms.md but not applied yet): a `SeqCst` store there is an
+//! `xchg`, which holds the publisher until every line
 //! it wrote is its own again, i.e. until the peer that polls them has given them up; only then
 //! can it start polling the peer's. A `Release` store is a plain `mov` that waits in the store
 //! buffer while the publisher goes on. The ringer's read of `sleepers` may then be performed

@@ -244,7 +244,7 @@ pub(crate) fn local_ip(cfg: &Config, toward: SocketAddr) -> Result<IpAddr> {
 }
 
 /// Out-of-band exchange between the ranks of a communicator: what transports use to set up
-/// their links. [`Bootstrap`] implements it over TCP; [`local::LocalExchange`] over threads,
+/// their links. `Bootstrap` implements it over TCP; [`local::LocalExchange`] over threads,
 /// for tests.
 pub trait Exchange: Send {
     /// This rank.

@@ -299,7 +299,7 @@ impl Communicator {
     /// ranks that both send first included), and the call returns when every send has been
     /// taken by its link and every receive filled. Any rank may be in a group with any
     /// others; ranks not in it need not call. Sends to one peer arrive in order; a receive
-    /// takes the first message of its source and tag (see [`crate::exec::p2p`]); a receive with
+    /// takes the first message of its source and tag (see `exec/p2p.rs`); a receive with
     /// `peer: None` takes one from any rank and records it in `from`. Sends and receives to
     /// and from this rank itself are matched with each other.
     pub fn group_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
@@ -396,7 +396,7 @@ impl Communicator {
         self.run_p2p(call.name(), validate, call, ops)
     }
 
-    /// Sends `buf` to `peer` with `tag`; the peer receives it with [`recv_tagged`]
+    /// Sends `buf` to `peer` with `tag`; the peer receives it with [`recv_tagged`](Self::recv_tagged)
     /// (Self::recv_tagged) (or [`recv_any`](Self::recv_any)) naming the same tag, in any
     /// order relative to its other tags. Tag 0 is [`send`](Self::send)'s.
     pub fn send_tagged<T: Element>(&self, buf: &[T], peer: usize, tag: u32) -> Result<()> {
@@ -737,6 +737,35 @@ impl Communicator {
 
     /// Every rank gets the element-wise reduction of every rank's `send` in `recv`
     /// (same length as `send`).
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// use oxccl::ReduceOp;
+    /// let sums = on_ranks(2, |comm| {
+    ///     let mine = [comm.rank() as f32 + 1.0; 4];
+    ///     let mut sum = [0.0f32; 4];
+    ///     comm.all_reduce(&mine, &mut sum, ReduceOp::Sum)?;
+    ///     Ok(sum)
+    /// });
+    /// assert_eq!(sums, [[3.0; 4]; 2]);
+    /// ```
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.typed(CollKind::AllReduce, op, 0, send, recv)
     }
@@ -748,6 +777,35 @@ impl Communicator {
 
     /// Every rank gets `root`'s `send` in `recv`. `send` is read on the root only (other
     /// ranks may pass an empty slice); on the root it must have `recv`'s length.
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// let got = on_ranks(2, |comm| {
+    ///     // Only the root's input is read.
+    ///     let weights = if comm.rank() == 0 { vec![0.5f64, 1.5, 2.5] } else { Vec::new() };
+    ///     let mut out = vec![0.0f64; 3];
+    ///     comm.broadcast(&weights, &mut out, 0)?;
+    ///     Ok(out)
+    /// });
+    /// assert_eq!(got, [[0.5, 1.5, 2.5], [0.5, 1.5, 2.5]]);
+    /// ```
     pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
         self.typed(CollKind::Broadcast, ReduceOp::Sum, root, send, recv)
     }
@@ -761,6 +819,36 @@ impl Communicator {
     /// `root` gets the element-wise reduction of every rank's `send` in `recv`. `recv` is
     /// written on the root only (other ranks may pass an empty slice); on the root it must have
     /// `send`'s length.
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// use oxccl::ReduceOp;
+    /// let got = on_ranks(2, |comm| {
+    ///     let mine = [comm.rank() as i32 + 1; 3];
+    ///     // Only the root (rank 1) gets the result.
+    ///     let mut out = if comm.rank() == 1 { vec![0i32; 3] } else { Vec::new() };
+    ///     comm.reduce(&mine, &mut out, ReduceOp::Max, 1)?;
+    ///     Ok(out)
+    /// });
+    /// assert_eq!(got, [vec![], vec![2, 2, 2]]);
+    /// ```
     pub fn reduce<T: Element>(
         &self,
         send: &[T],
@@ -784,6 +872,34 @@ impl Communicator {
 
     /// Every rank gets every rank's `send`, concatenated in rank order, in `recv`
     /// (`recv.len() == world_size * send.len()`).
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// let got = on_ranks(2, |comm| {
+    ///     let mine = [comm.rank() as u32; 2];
+    ///     let mut all = [0u32; 4];
+    ///     comm.all_gather(&mine, &mut all)?;
+    ///     Ok(all)
+    /// });
+    /// assert_eq!(got, [[0, 0, 1, 1]; 2]);
+    /// ```
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.typed(CollKind::AllGather, ReduceOp::Sum, 0, send, recv)
     }
@@ -796,6 +912,35 @@ impl Communicator {
 
     /// Rank r gets block r of the element-wise reduction of every rank's `send`
     /// (`send.len() == world_size * recv.len()`).
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// use oxccl::ReduceOp;
+    /// let got = on_ranks(2, |comm| {
+    ///     let mine = [1.0f32, 2.0, 3.0, 4.0]; // two blocks of two elements
+    ///     let mut block = [0.0f32; 2];
+    ///     comm.reduce_scatter(&mine, &mut block, ReduceOp::Sum)?;
+    ///     Ok(block)
+    /// });
+    /// assert_eq!(got, [[2.0, 4.0], [6.0, 8.0]]);
+    /// ```
     pub fn reduce_scatter<T: Element>(
         &self,
         send: &[T],
@@ -814,6 +959,35 @@ impl Communicator {
 
     /// Block p of this rank's `send` goes to rank p, which stores it as block r of its `recv`
     /// (both `world_size` equal blocks, same length).
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// let got = on_ranks(2, |comm| {
+    ///     let r = comm.rank() as i64;
+    ///     let send = [10 * r, 10 * r + 1]; // block p goes to rank p
+    ///     let mut recv = [0i64; 2];
+    ///     comm.all_to_all(&send, &mut recv)?;
+    ///     Ok(recv)
+    /// });
+    /// assert_eq!(got, [[0, 10], [1, 11]]);
+    /// ```
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.typed(CollKind::AllToAll, ReduceOp::Sum, 0, send, recv)
     }
@@ -824,6 +998,37 @@ impl Communicator {
     }
 
     /// Sends `buf` to `peer`, which must call [`recv`](Self::recv) with the same length.
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// let got = on_ranks(2, |comm| {
+    ///     let mut buf = [0u8; 3];
+    ///     if comm.rank() == 0 {
+    ///         comm.send(&[1u8, 2, 3], 1)?;
+    ///     } else {
+    ///         comm.recv(&mut buf, 0)?;
+    ///     }
+    ///     Ok(buf)
+    /// });
+    /// assert_eq!(got[1], [1, 2, 3]);
+    /// ```
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
         self.typed::<T>(CollKind::Send { peer }, ReduceOp::Sum, 0, buf, &mut [])
     }
@@ -852,6 +1057,29 @@ impl Communicator {
     }
 
     /// Returns once every rank has called it.
+    ///
+    /// # Example
+    ///
+    /// Two ranks, each a thread of this process with its own communicator (`on_ranks(n, f)`
+    /// runs `f` on each, as the [crate-level example](crate) does, and returns their results in
+    /// rank order):
+    ///
+    /// ```
+    /// # use oxccl::{Communicator, UniqueId};
+    /// # fn on_ranks<R: Send + 'static>(n: usize, f: fn(&Communicator) -> oxccl::Result<R>) -> Vec<R> {
+    /// #     let id = UniqueId::new_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    /// #     let ranks: Vec<_> = (0..n)
+    /// #         .map(|rank| {
+    /// #             let id = id.clone();
+    /// #             let comm = move || Communicator::init(&id, rank, n).unwrap();
+    /// #             std::thread::spawn(move || f(&comm()).unwrap())
+    /// #         })
+    /// #         .collect();
+    /// #     ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    /// # }
+    /// let done = on_ranks(2, |comm| comm.barrier());
+    /// assert_eq!(done.len(), 2);
+    /// ```
     pub fn barrier(&self) -> Result<()> {
         self.typed::<u8>(CollKind::Barrier, ReduceOp::Sum, 0, &[], &mut [])
     }

@@ -27,13 +27,70 @@ impl Communicator {
     /// Joins the communicator of `id` as `rank` of `world_size` (NCCL's model: one rank makes
     /// the [`UniqueId`] and hands it to the others out of band). Settings come from the
     /// environment ([`Config::from_env`]).
+    ///
+    /// Every rank calls it with the same `id` and `world_size`; it returns once all of them
+    /// have joined and the links are up, or fails naming the ranks that did not join within
+    /// the timeout (`OXCCL_TIMEOUT`). Rank 0 must run in the process that made `id` with
+    /// [`UniqueId::new`] (it holds the listener), or `id` must come from
+    /// [`UniqueId::with_addr`].
+    ///
+    /// # Example
+    ///
+    /// Two ranks as threads; the id goes to the other rank as a string, as it would to another
+    /// process or host:
+    ///
+    /// ```
+    /// use std::net::Ipv4Addr;
+    ///
+    /// use oxccl::{Communicator, UniqueId};
+    ///
+    /// # fn main() -> oxccl::Result<()> {
+    /// // Rank 0 makes the id (here listening on 127.0.0.1; `UniqueId::new` picks the
+    /// // interface that routes outward) and hands its string form to the others.
+    /// let id = UniqueId::new_on(Ipv4Addr::LOCALHOST.into())?;
+    /// let text = id.to_string();
+    /// let other = std::thread::spawn(move || -> oxccl::Result<usize> {
+    ///     let id: UniqueId = text.parse()?;
+    ///     let comm = Communicator::init(&id, 1, 2)?;
+    ///     Ok(comm.rank())
+    /// });
+    /// let comm = Communicator::init(&id, 0, 2)?;
+    /// assert_eq!((comm.rank(), comm.world_size()), (0, 2));
+    /// assert_eq!(other.join().unwrap()?, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn init(id: &UniqueId, rank: usize, world_size: usize) -> Result<Self> {
         Self::init_with_config(id, rank, world_size, Config::from_env()?)
     }
 
     /// Joins a communicator launched by torchrun, `oxccl run`, Slurm, Open MPI or a PMI
     /// launcher, reading rank, size, rendezvous address and secret from their environment
-    /// variables (see [`LaunchEnv`]).
+    /// variables (listed in `bootstrap/env.rs`).
+    ///
+    /// # Example
+    ///
+    /// A launcher sets these variables for each rank; here the program sets them itself for a
+    /// group of one rank:
+    ///
+    /// ```
+    /// use std::net::TcpListener;
+    ///
+    /// use oxccl::Communicator;
+    ///
+    /// # fn main() -> oxccl::Result<()> {
+    /// // A free port on the loopback interface for rank 0's rendezvous.
+    /// let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    /// std::env::set_var("RANK", "0");
+    /// std::env::set_var("WORLD_SIZE", "1");
+    /// std::env::set_var("OXCCL_ROOT", format!("127.0.0.1:{port}"));
+    /// // 32 hex digits shared by every rank (`oxccl run` draws random ones).
+    /// std::env::set_var("OXCCL_SECRET", "00112233445566778899aabbccddeeff");
+    /// let comm = Communicator::from_env()?;
+    /// assert_eq!((comm.rank(), comm.world_size()), (0, 1));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn from_env() -> Result<Self> {
         let env = LaunchEnv::from_env()?;
         let id = UniqueId::with_addr(env.root, env.secret);

@@ -15,7 +15,7 @@
 //! next overwritten at `e + 2`, by a rank that has seen every peer publish `e + 1`, i.e.
 //! finish reading event `e`.
 //!
-//! [`shm`](super::shm) implements it over `/dev/shm`; [`mem::group`](mem_group) over heap
+//! `direct::shm` implements it over `/dev/shm`; [`mem::group`](mem_group) over heap
 //! memory for threads of one process (tests).
 
 use std::sync::atomic::{AtomicU64, Ordering};

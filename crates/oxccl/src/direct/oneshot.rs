@@ -104,8 +104,8 @@ const ASIDE: usize = 512;
 /// where it can help it: those lines were written by this very call and may still wait in
 /// the store buffer for the peer to give them up (it read them two calls ago), and a load
 /// spanning several pending stores waits until they are written, about one cross-core
-/// transfer (0.03 µs near, 0.1 far: most of what 40-160 bytes cost over 8, docs/algorithms.md
-/// "Stop 32").
+/// transfer (0.03 µs near, 0.1 far: most of what 40-160 bytes cost over 8, measured in
+/// docs/algorithms.md).
 enum Own<'a> {
     /// The caller's input, which does not overlap the output (it holds what was published).
     Input(&'a [u8]),

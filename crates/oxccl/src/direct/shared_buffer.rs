@@ -33,7 +33,7 @@
 //! worker) writing a tensor the pool served changes its copy only, never the parent's, as with
 //! ordinary memory. The child's copies are no longer shared buffers (collectives treat them as
 //! plain memory). Only live bytes are copied: the owner of a buffer (the pool) tells which
-//! ([`LiveRanges`]; a freed block, a slab's free blocks: none), and of those only the memfd's
+//! (`LiveRanges`; a freed block, a slab's free blocks: none), and of those only the memfd's
 //! data extents; the rest reads as zero in the child and takes no memory. A copy-on-write
 //! mapping of the memfd (`MAP_PRIVATE`) would be cheaper but wrong: the child would see the
 //! parent's (and the peers') later writes to every page it has not written itself. The forking thread of the parent waits in `fork` until the child has taken

@@ -50,7 +50,7 @@ use crate::direct::shared_buffer::{
     fork_generation, install_fork_handlers, set_fork_live_ranges, SharedBuffer,
 };
 
-/// A caching pool of shared buffers (see the [module](self)); [`SharedPool::global`] is the
+/// A caching pool of shared buffers (see `direct/shared_pool.rs`); [`SharedPool::global`] is the
 /// process's, which the C ABI and the torch allocator use.
 pub struct SharedPool {
     state: Mutex<State>,

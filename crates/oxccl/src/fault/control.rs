@@ -18,16 +18,16 @@
 //! - goodbyes: a rank that drops its communicator says so and is not reported as lost; the
 //!   hub of a star hands over to the lowest rank it still watches ([`Frame::Handover`]): that
 //!   rank accepts the others' connections on its control listener (opened at init,
-//!   [`Handoff`]; an acceptor thread, [`crate::net::accept`]), the others dial it
-//!   ([`crate::net::dial`]), and the star goes on around it (see
-//!   [`crate::fault::watchdog`]).
+//!   [`Handoff`]; an acceptor thread, `net::accept`), the others dial it
+//!   (`net::dial`), and the star goes on around it (see
+//!   `fault::watchdog`).
 //!
 //! Whatever arrives marks the communicator's [`Health`] failed, which wakes a blocked call
 //! and makes the next call fail at once. Every write is non-blocking (`MSG_DONTWAIT`): a
 //! peer that stops reading is lost, never waited for.
 //!
-//! The frames are in [`crate::fault::frame`]; every decision (when a peer is lost, what to
-//! pass on, what to report) is [`crate::fault::watchdog::Watch`]'s, driven by this module's
+//! The frames are in `fault::frame`; every decision (when a peer is lost, what to
+//! pass on, what to report) is `fault::watchdog::Watch`'s, driven by this module's
 //! thread, which owns the sockets and the clock.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};

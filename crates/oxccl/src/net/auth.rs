@@ -300,7 +300,7 @@ pub fn client_handshake<S: Read + Write>(
 /// the verdict with [`send_verdict`]. On a wrong proof, purpose or tag it sends
 /// [`Verdict::Refused`] itself and fails with [`Error::Auth`]. Garbage, truncated input or a
 /// silent peer (with a timeout on `s`) fail with [`Error::Auth`] too; nothing read is
-/// allocated. (Listeners use [`crate::net::accept`], which runs the same steps
+/// allocated. (Listeners use `net::accept`, which runs the same steps
 /// without a thread per connection.)
 pub fn server_handshake<S: Read + Write>(
     s: &mut S,

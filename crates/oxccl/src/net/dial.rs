@@ -270,7 +270,7 @@ mod tests {
 
     #[test]
     fn a_silent_listener_is_reported_while_the_handshake_waits() {
-        // Something accepts on the port and never speaks (issue 19 item 5): the dialer must
+        // Something accepts on the port and never speaks: the dialer must
         // say so every HANDSHAKE_TICK, not wait silently until the deadline.
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();

@@ -129,7 +129,7 @@ pub fn tcp_latency_us(rounds: usize) -> Result<f64> {
 /// GB/s one core moves through the TCP stack, sending and receiving: one thread writes
 /// bytes into one end of a loopback connection and reads them from the other
 /// (non-blocking, 256 KiB at a time), as a rank in a ring step sends one block and
-/// receives another; the best of [`PASSES`] passes of `total / PASSES` bytes (a pass that
+/// receives another; the best of `PASSES` passes of `total / PASSES` bytes (a pass that
 /// lost its core to another process measures the machine's load, not the stack).
 pub fn tcp_gbps(total: usize) -> Result<f64> {
     let (mut a, mut b) = loopback_pair()?;

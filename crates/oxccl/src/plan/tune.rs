@@ -131,9 +131,10 @@ mod tests {
         }
     }
 
-    /// With `cma_min` at 2 MiB (an `oxccl tune` of this VM), calls from `mapped_min` that
-    /// would go by ring try the shared buffers first; forced algorithms, one-shot and
-    /// single-copy calls, other hosts and collectives single-copy does not run do not.
+    /// With `cma_min` at 2 MiB (a value `oxccl tune` saves on some hosts), calls from
+    /// `mapped_min` that would go by ring try the shared buffers first; forced algorithms,
+    /// one-shot and single-copy calls, other hosts and collectives single-copy does not run
+    /// do not.
     #[test]
     fn shared_buffers_have_their_own_threshold() {
         let tuned = |kind, bytes| Situation {

@@ -11,13 +11,13 @@
 //! A [`ShmLink`] to peer `p` writes into the ring for this rank in `p`'s segment and reads
 //! the ring from `p` in this rank's segment. The segment's header and control pages are
 //! allocated (`fallocate`) when it is made; a ring's data is allocated by its producer as its
-//! writes first reach it ([`RING_FIRST`] bytes at its first write, then doubling up to the
+//! writes first reach it (`RING_FIRST` bytes at its first write, then doubling up to the
 //! capacity), with `MADV_POPULATE_WRITE`, so that a new communicator costs a few pages per
 //! peer, a ring no call writes costs no data at all, and shared memory that cannot be had is
 //! an error, never a SIGBUS. What a segment allocates, all its rings together, is held within
 //! `OXCCL_SHM_BUDGET_BYTES` (a count in its header that producers grow by compare-and-swap):
 //! a ring the budget cannot grow further keeps the size it has ([`ShmLink`]); one that cannot
-//! get even [`segment::RING_MIN`] bytes fails the call with an error naming the variable. Whoever makes progress another rank may wait for
+//! get even `segment::RING_MIN` bytes fails the call with an error naming the variable. Whoever makes progress another rank may wait for
 //! rings that rank's doorbell: the producer after writing (the consumer's), the consumer after
 //! freeing space (the producer's). So a rank sleeps on its own doorbell for everything, and
 //! [`Link::send_wait`] and [`Link::recv_wait`] both return it.
