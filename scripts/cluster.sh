@@ -137,7 +137,7 @@ up() {
     # on this machine's cores: a throttled tbf releases each packet from a timer softirq, so
     # a link shaped below the CPU's TCP rate costs more CPU per byte than an unshaped one
     # (10 Gbit/s on 2 cores: 34-37 core-ms per 16 MB ring against 27-32; docs/scale.md,
-    # "Why 10 Gbit/s rows ran slower than both bounds").
+    # "Checked against emulated hosts").
     local hq=${OXCCL_CLUSTER_HOST_QDISC:-tbf rate $RATE $TBF} pq=${OXCCL_CLUSTER_PORT_QDISC:-tbf rate $RATE $TBF}
     # shellcheck disable=SC2086 # a qdisc is a list of tc words
     [ "$hq" = none ] || tc -n "$h" qdisc add dev eth0 root $hq

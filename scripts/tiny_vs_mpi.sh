@@ -2,7 +2,7 @@
 # Tiny all_reduce rows of one or more oxccl builds and Open MPI, alternated round by round in
 # one run (2 ranks, 8-512 B), then per size: each tool's median and minimum over the rounds and
 # the per-round ratio Open MPI / oxccl (median, and in how many rounds oxccl was at or ahead).
-# The vCPUs of a VM can change placement every second or so (docs/algorithms.md,
+# The vCPUs of a VM can change placement every second or so (docs/performance.md,
 # docs/perf/tiny_placement.txt), so only many alternations say anything.
 #   scripts/tiny_vs_mpi.sh ROUNDS BIN [BIN...]    (needs ../shared/anchors/install.sh)
 set -eu

@@ -463,7 +463,7 @@ pub(crate) fn time_calls(
             // Time growing batches until two in a row of the same size last 2 ms each, and
             // size the row by the faster: one batch that caught a preemption (milliseconds
             // on a loaded host) would otherwise set a row of 1 µs calls to the minimum
-            // count, which one more preemption then dominates (docs/algorithms.md, one-shot).
+            // count, which one more preemption then dominates (docs/decisions.md, "A short spin on an idle machine").
             // Every rank must run the same count, so each decision uses the slowest rank's
             // time.
             let mut k = 1;

@@ -24,12 +24,12 @@ module is compiled from its source with those comparisons rewritten (an AST pass
 kept, so tracebacks point into the installed file), and oxccl is added to every feature set
 that holds gloo (the GPU ones guard tests that also check for devices at run time). Not to
 the suite's lists of backends whose per-call profiler events it checks, unless
-``--profiler-events``: oxccl does not record them (see the README). Everything else, the
+``--profiler-events``: oxccl does not record them (see docs/torch.md). Everything else, the
 backend name passed to ``init_process_group``, ``dist.get_backend()``, and every assertion,
 is the suite's own. ``OXCCL_TIMEOUT`` is cleared: the suite gives each group its timeout.
 
 Which tests run: ``selected_tests.txt`` next to this file (the tests that pass on gloo on a
-CPU-only machine; the README says what the rest are), or ``-k`` substrings, or ``--all``.
+CPU-only machine; docs/torch.md says what the rest are), or ``-k`` substrings, or ``--all``.
 The outcome of each test is compared with ``expected_failures.txt``: the run fails (exit
 status 1) when a test not listed there fails, errors or times out, when a listed test
 passes (so the list stays honest), when a selected test skips, and when the list names a
@@ -188,7 +188,7 @@ def load_suite():
     exec(compile(tree, spec.origin, "exec", dont_inherit=True), module.__dict__)
     if os.environ.get("OXCCL_SUITE_PROFILER_EVENTS") == "1":
         # The backends whose calls the profiler checks expect to find as "<backend>:<op>"
-        # events (gloo's Works record them; oxccl's do not: see the README).
+        # events (gloo's Works record them; oxccl's do not: see docs/torch.md).
         for name in ("PROFILING_SUPPORTED_BACKENDS", "SEND_RECV_PROFILING_SUPPORTED_BACKENDS"):
             getattr(module, name).extend(n for n in GLOO_LIKE if n != "gloo")
     return module

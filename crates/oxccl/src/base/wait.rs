@@ -19,7 +19,7 @@
 //!
 //! Publishes without a fence ([`Doorbell::ring_after_release_store`]; meant for the direct
 //! area's events on x86-64, which still publish with a `SeqCst` store: the fence-free publish
-//! is measured in docs/algorithms.md but not applied yet): a `SeqCst` store there is an
+//! is measured in docs/decisions.md but not applied): a `SeqCst` store there is an
 //! `xchg`, which holds the publisher until every line
 //! it wrote is its own again, i.e. until the peer that polls them has given them up; only then
 //! can it start polling the peer's. A `Release` store is a plain `mov` that waits in the store
@@ -298,7 +298,7 @@ impl Spin {
 
     /// The direct path's spin where every rank has a CPU: about 3 ms of checks. Sleeping
     /// there costs the waker an idle CPU's wake-up on every call (tens of µs in a VM, the
-    /// slow mode of docs/algorithms.md's one-shot section), and a peer with a CPU of its own
+    /// slow mode of docs/decisions.md, "A short spin on an idle machine"), and a peer with a CPU of its own
     /// arrives within microseconds; [`Cadence`] shortens it when peers do not.
     pub const DIRECT_BUDGET: u32 = 100_000;
 

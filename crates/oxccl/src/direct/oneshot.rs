@@ -105,7 +105,7 @@ const ASIDE: usize = 512;
 /// the store buffer for the peer to give them up (it read them two calls ago), and a load
 /// spanning several pending stores waits until they are written, about one cross-core
 /// transfer (0.03 µs near, 0.1 far: most of what 40-160 bytes cost over 8, measured in
-/// docs/algorithms.md).
+/// docs/decisions.md, "A `Release` publish").
 enum Own<'a> {
     /// The caller's input, which does not overlap the output (it holds what was published).
     Input(&'a [u8]),

@@ -316,7 +316,7 @@ mod tests {
             m.choose(ar, 64 << 20, Some(&four), None),
             Algo::HalvingDoubling
         );
-        // 4 x 1 on the emulated cluster (README): the tree up to 64 KB (116-142 µs against
+        // 4 x 1 on the emulated cluster (docs/performance.md): the tree up to 64 KB (116-142 µs against
         // hd's 160-260 and the ring's 178-222), halving-doubling at 512 KB (1026-1176 µs
         // against the ring's 1390-1891 and the tree's 1667-1719).
         assert_eq!(m.choose(ar, 64 << 10, Some(&four), None), Algo::Tree);

@@ -88,7 +88,7 @@ pub struct Config {
     /// `OXCCL_TCP_SPIN`: progress checks before sleeping in `poll(2)` while a transfer a
     /// waiting rank waits on is a socket's, also in steps that mix sockets and shared memory
     /// (each check is a system call). Default 0: sleep at once (on 2 shared cores spinning
-    /// cost CPU and latency, README "CPU per byte").
+    /// cost CPU and latency, docs/decisions.md, "Spinning on sockets").
     pub tcp_spin: u32,
     /// `OXCCL_YIELD_EVERY`: progress checks between two yields of the core while spinning.
     /// Default (`None`): 1 where this host's ranks of the communicator outnumber the CPUs this

@@ -359,7 +359,7 @@ impl Segment {
         // Sized, but only the header, the directory and the rings' control pages are
         // allocated here: a ring's data is allocated by its producer as it first writes
         // there ([`Segment::populate_ring`]), so a new communicator costs a few pages per
-        // peer, not a full ring per peer (docs/scale.md, "Start-up and new groups").
+        // peer, not a full ring per peer (docs/scale.md, "New groups").
         rustix::fs::ftruncate(&fd, layout.total).map_err(|e| io_msg("ftruncate", path, e))?;
         let mut meta_parts = vec![(0, layout.rings_offset)];
         meta_parts.extend((0..nrings).map(|i| (layout.ring_offset(i), PAGE)));
