@@ -1453,9 +1453,11 @@ _EXIT_DRAIN_S = 60.0
 def _drain_at_exit() -> None:
     """At interpreter exit (before finalization): lets queued calls of the C++ backend complete
     and their completion threads let go of tensors and futures, so that none is still running
-    while the interpreter tears down."""
-    if _CPP is not None:
-        _CPP.drain_completions(_EXIT_DRAIN_S)
+    while the interpreter tears down. `_CPP` is unset when the import failed before it
+    (``OXCCL_TORCH_BACKEND=garbage``): then there is nothing to drain."""
+    cpp = globals().get("_CPP")
+    if cpp is not None:
+        cpp.drain_completions(_EXIT_DRAIN_S)
 
 
 atexit.register(_drain_at_exit)  # before _flush_at_exit, so it runs after it
@@ -1752,6 +1754,14 @@ def _group(group: Any) -> Tuple[Any, int, int]:
     return entry
 
 
+def _check_inference_tensor(tensor: Any, what: str) -> None:
+    """A clear error for a tensor whose memory the library cannot use (a meta tensor has
+    none; a GPU tensor's is not host memory). Fake tensors under torch.compile report the
+    device of the tensor they stand for."""
+    if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
+        raise InvalidArgumentError(f"{what}: the tensor is on {tensor.device}; oxccl works on CPU tensors")
+
+
 def inference_all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Any = None) -> torch.Tensor:
     """All-reduces `tensor` in place over `group` (an oxccl group; None: the default group)
     and returns it: the op of tensor-parallel inference, as DeepSpeed's
@@ -1767,6 +1777,10 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Any = None
     through a contiguous copy. Point-to-point operations held by the group (isend/irecv not
     yet waited on) are not flushed first, and the call does not count in the group's
     sequence numbers."""
+    _check_inference_tensor(tensor, "inference_all_reduce")
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+        # What torch's own in-place ops raise: writing into it would lose its gradient.
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     g = group if group is not None else getattr(_WORLD, _DEFAULT_PG)
     entry = _GROUPS.get(id(g))
     if entry is None or entry[0]() is not g:
@@ -1787,6 +1801,7 @@ def inference_all_gather(tensor: torch.Tensor, group: Any = None, dim: int = 0) 
     ``torch.compile`` the call is the operator ``torch.ops.oxccl.inference_all_gather``
     (concatenating along dim 0), then a view. Bounded by the group's timeout; raises oxccl's
     errors."""
+    _check_inference_tensor(tensor, "inference_all_gather")
     g = group if group is not None else getattr(_WORLD, _DEFAULT_PG)
     entry = _GROUPS.get(id(g))
     if entry is None or entry[0]() is not g:
