@@ -993,7 +993,8 @@ class BackendOxccl(_C10dBackend):
                     o.copy_(flat[i].view(o.shape))
 
         calls = [_coll("all_gather", _dense(send, "allgather input", None, None), flat, raw_bytes=True)]
-        return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post, opts=opts)
+        # The future's value is the output lists, as gloo's (not one flat list).
+        return self._run("all_gather", calls, [list(outs) for outs in output_tensors], post, opts=opts)
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
         """torch's form: output_lists[rank][i] receives input_list[i] of that rank."""

@@ -287,6 +287,18 @@ def allgather_several_inputs(g, be):
 
 
 @check
+def allgather_several_inputs_future(g, be):
+    # The future's value has the outputs' shape: one list per input (k lists of k * N).
+    ins = [val((2,), k=j + 1) for j in range(2)]
+    outs = [[torch.zeros(2) for _ in range(2 * N)] for _ in range(2)]
+    w = g.allgather(outs, ins)
+    value = w.get_future().wait()
+    shape = [len(value)] + [len(v) if isinstance(v, list) else -1 for v in value]
+    flat = [t for v in value for t in (v if isinstance(v, list) else [v])]
+    return {"ag_future_shape": torch.tensor(shape), "ag_future_value": torch.stack(flat)}
+
+
+@check
 def zero_elements(g, be):
     a = torch.zeros(0)
     dist.all_reduce(a, group=g)
