@@ -851,14 +851,25 @@ class BackendOxccl(_C10dBackend):
 
     def _sparse_allreduce(self, tensors: List[torch.Tensor], opts: Any) -> Any:
         """gloo's sparse all_reduce: every rank's (coalesced) indices and values gathered,
-        summed by coalescing; the result written into the tensor. SUM only."""
-        if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
-            raise self._invalid("allreduce: a sparse tensor must be the only tensor of the call")
+        summed by coalescing; the result written into the tensor. SUM only. Several sparse
+        tensors of one shape and dtype (gloo's form) are summed locally first, and every one
+        receives the result."""
+        first = tensors[0]
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
+                raise self._invalid("allreduce: sparse and dense tensors cannot be mixed in one call")
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise self._invalid(
+                    "allreduce: every sparse tensor of the list must have one dtype and shape "
+                    f"({first.dtype} {tuple(first.shape)} and {t.dtype} {tuple(t.shape)})"
+                )
         op = _op(opts)
         if op != "sum":
             raise self._invalid(f"allreduce: sparse tensors support only SUM, not {op.upper()}")
-        t, n = tensors[0], self.size()
-        s = t.coalesce()
+        n = self.size()
+        s = first.coalesce()
+        for other in tensors[1:]:
+            s = (s + other).coalesce()
         idx, val = s.indices().contiguous(), s.values().contiguous()
         nnz = idx.shape[1]
         counts = torch.empty(n, dtype=torch.int64)
@@ -876,8 +887,10 @@ class BackendOxccl(_C10dBackend):
             c = counts.tolist()
             i_all = torch.cat([gi[r][:, : c[r]] for r in range(n)], 1)
             v_all = torch.cat([gv[r][: c[r]] for r in range(n)])
-            t.copy_(torch.sparse_coo_tensor(i_all, v_all, t.shape).coalesce())
-        return _DoneWork([t])
+            total = torch.sparse_coo_tensor(i_all, v_all, first.shape).coalesce()
+            for t in tensors:
+                t.copy_(total)
+        return _DoneWork(list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         """Each tensor reduced across ranks on its own. A tensor that shares memory with an

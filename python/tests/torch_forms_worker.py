@@ -268,6 +268,15 @@ def sparse_all_reduce(g, be):
 
 
 @check
+def sparse_all_reduce_two(g, be):
+    # gloo's form: several sparse tensors in one call, summed locally, then over the ranks.
+    a = torch.sparse_coo_tensor(torch.tensor([[R, N]]), torch.tensor([1.0, float(R + 1)]), (N + 2,))
+    b = torch.sparse_coo_tensor(torch.tensor([[0, R + 1]]), torch.tensor([0.5, 2.0]), (N + 2,))
+    g.allreduce([a, b]).wait()
+    return {"sparse_two_a": a.to_dense(), "sparse_two_b": b.to_dense()}
+
+
+@check
 def reduce_scatter_uneven(g, be):
     ins = [val((r + 1, 2), k=r + 1) for r in range(N)]
     out = torch.zeros(R + 1, 2)
