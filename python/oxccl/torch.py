@@ -668,6 +668,20 @@ class _JobWork(dist.Work):
         return f"<oxccl Work {self._job.what} completed={self._job.done}>"
 
 
+def _in_callers_mode(post: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """`post` as it must run on the completion thread: under torch.inference_mode when the
+    call was made under it (a thread-local mode; copies into inference tensors outside it
+    are refused), as gloo's work carries its caller's thread-local state."""
+    if post is None or not torch.is_inference_mode_enabled():
+        return post
+
+    def in_mode() -> None:
+        with torch.inference_mode():
+            post()
+
+    return in_mode
+
+
 class BackendOxccl(_C10dBackend):
     """torch's CPU Backend for a group, running its calls on an oxccl communicator."""
 
@@ -763,6 +777,7 @@ class BackendOxccl(_C10dBackend):
                 if post is not None:
                     post()
                 return _DoneWork(result)
+            post = _in_callers_mode(post)
             handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
         except InvalidArgumentError as e:
             if "unknown" not in str(e):
@@ -1224,7 +1239,7 @@ class BackendOxccl(_C10dBackend):
             if post is not None:
                 post()
 
-        return _JobWork(_Job(self, what, [handle], result, finish))
+        return _JobWork(_Job(self, what, [handle], result, _in_callers_mode(finish)))
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
         self._seq += 1

@@ -308,6 +308,21 @@ def allgather_several_inputs_future(g, be):
 
 
 @check
+def all_gather_in_inference_mode(g, be):
+    # The outputs are inference tensors: the copies into them, made once the call has
+    # finished (on another thread when queued), must run in inference mode too.
+    got = {}
+    for size in (4, 300_000):  # inline, and queued
+        with torch.inference_mode():
+            x = val((size,))
+            outs = [torch.zeros(size) for _ in range(N)]
+            w = dist.all_gather(outs, x, group=g, async_op=True)
+            w.get_future().wait()
+        got[f"inference_all_gather_{size}"] = torch.stack(outs).clone()
+    return got
+
+
+@check
 def zero_elements(g, be):
     a = torch.zeros(0)
     dist.all_reduce(a, group=g)
