@@ -21,12 +21,33 @@ from oxccl import build_torch_ext as bte  # noqa: E402
 IMPORT = (
     "import warnings; warnings.simplefilter('always')\n"
     "import oxccl.torch as ot\n"
+    "print('FROM', ot.__file__, flush=True)\n"
     "print('CPP' if ot._CPP is not None else 'PYTHON', flush=True)\n"
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def package_copy(tmp_path_factory):
+    """A copy of the oxccl package without any C++ backend built into it (scripts/test.sh
+    builds one there, which would be found before the cache): the subprocesses import it."""
+    import oxccl
+
+    root = tmp_path_factory.mktemp("pkg")
+    shutil.copytree(
+        os.path.dirname(oxccl.__file__), root / "oxccl",
+        ignore=shutil.ignore_patterns(bte.NAME + "*", "__pycache__"),
+    )
+    _PATH[:] = [str(root)]
+    yield root
+    _PATH.clear()
+
+
+_PATH = []
+
+
 def _env(root, **extra):
     e = dict(os.environ, OXCCL_TORCH_EXT_DIR=str(root), OXCCL_TORCH_BACKEND="cpp")
+    e["PYTHONPATH"] = os.pathsep.join(_PATH + [p for p in [os.environ.get("PYTHONPATH")] if p])
     e.update(extra)
     return e
 
@@ -44,8 +65,6 @@ def built(tmp_path_factory):
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     k = bte.key()
-    if bte.usable(bte.HERE, k):
-        pytest.skip("a build in the package directory is found before the cache")
     root = tmp_path_factory.mktemp("ext") / "good"
     mine = bte.cache_dir(k)
     if bte.usable(mine, k):
@@ -100,7 +119,7 @@ def test_damaged_cache_is_refused_without_a_crash(built, tmp_path, damage):
     DAMAGE[damage](d, so)
     r = _import(root, OXCCL_TORCH_EXT_BUILD="0")
     assert r.returncode == 0, f"exit {r.returncode} (a negative one is a signal)\n{r.stdout}{r.stderr}"
-    assert "PYTHON" in r.stdout, r.stdout
+    assert "PYTHON" in r.stdout and f"FROM {_PATH[0]}" in r.stdout, r.stdout
     assert "OXCCL_TORCH_EXT_BUILD=0" in r.stderr and "using the Python backend" in r.stderr, r.stderr
 
 
@@ -154,8 +173,6 @@ def _alive(pid):
 def test_killed_build_leaves_no_compiler(tmp_path, how):
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    if bte.usable(bte.HERE, bte.key()):
-        pytest.skip("a build in the package directory is found before the cache")
     argv = [sys.executable, "-m", "oxccl.build_torch_ext", "--cache"] if how == "command" else [sys.executable, "-c", IMPORT]
     p = subprocess.Popen(argv, env=_env(tmp_path / "cache"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen = set()
