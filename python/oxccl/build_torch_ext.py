@@ -11,7 +11,8 @@ fails (no compiler, no torch headers) it warns and the Python backend serves.
     python -m oxccl.build_torch_ext --cache    # builds into the cache import oxccl.torch uses
 
 A build is usable only for the torch version, oxccl version, Python and C++ sources it was
-built from (recorded in ``_torch_backend.json`` beside it); anything else is rebuilt.
+built from, and only while the library is the file that was built (its size and sha256): all
+recorded in ``_torch_backend.json`` beside it; anything else is rebuilt.
 
 Environment: ``OXCCL_TORCH_EXT_BUILD=0`` turns the build on import off;
 ``OXCCL_TORCH_EXT_DIR`` is the cache's root (default ``$XDG_CACHE_HOME/oxccl/torch-ext`` or
@@ -89,15 +90,51 @@ def cache_dir(k: Optional[Dict[str, str]] = None) -> str:
     return os.path.join(cache_root(), name.replace(os.sep, "_"))
 
 
-def usable(into: str, k: Dict[str, str]) -> Optional[str]:
-    """The module built in `into` when its record matches key `k`, else None."""
+#: A stamp is a few hundred bytes; a larger file is not one (it is not read beyond this).
+STAMP_MAX_BYTES = 64 * 1024
+
+
+def _file_digest(path: str) -> Dict[str, Any]:
+    """Size and sha256 of the file at `path`."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            size += len(chunk)
+            h.update(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _read_stamp(into: str) -> Optional[Dict[str, Any]]:
     try:
-        with open(os.path.join(into, STAMP)) as f:
-            stamp = json.load(f)
+        with open(os.path.join(into, STAMP), "rb") as f:
+            raw = f.read(STAMP_MAX_BYTES + 1)
+        if len(raw) > STAMP_MAX_BYTES:
+            return None
+        stamp = json.loads(raw)
     except (OSError, ValueError):
         return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def usable(into: str, k: Dict[str, str]) -> Optional[str]:
+    """The module built in `into` when its record matches key `k` and the module is the very
+    file the record vouches for (size and sha256: a truncated or overwritten library would
+    crash the process that maps it, with SIGBUS or SIGSEGV), else None."""
+    stamp = _read_stamp(into)
+    if stamp is None or stamp.get("key") != k:
+        return None
+    library = stamp.get("library")
     path = target(into)
-    return path if stamp == k and os.path.isfile(path) else None
+    try:
+        if not isinstance(library, dict) or os.stat(path).st_size != library.get("size"):
+            return None
+        return path if _file_digest(path) == library else None
+    except OSError:
+        return None
 
 
 def build(verbose: bool = False, into: str = HERE, k: Optional[Dict[str, str]] = None) -> str:
@@ -130,10 +167,11 @@ def build(verbose: bool = False, into: str = HERE, k: Optional[Dict[str, str]] =
             os.unlink(os.path.join(into, STAMP))
         except FileNotFoundError:
             pass
+        library = _file_digest(built)
         os.replace(built, target(into))
         stamp_tmp = os.path.join(tmp, STAMP)
         with open(stamp_tmp, "w") as f:
-            json.dump(k, f)
+            json.dump({"key": k, "library": library}, f)
         os.replace(stamp_tmp, os.path.join(into, STAMP))
     return target(into)
 
@@ -183,6 +221,73 @@ def _lock(path: str, deadline: float) -> Any:
             time.sleep(0.05)
 
 
+def _build_cmd(into: str, k: Dict[str, str], verbose: bool = False) -> list:
+    # `python -c`, not the file's path: that would put this directory (with oxccl/torch.py)
+    # first on sys.path, ahead of torch.
+    code = (
+        "import sys; sys.path[0] = sys.argv.pop(1); "
+        "from oxccl.build_torch_ext import _main; _main(sys.argv[1:])"
+    )
+    cmd = [sys.executable, "-c", code, os.path.dirname(HERE), "--into", into, "--key", json.dumps(k)]
+    return cmd + ["--parent", str(os.getpid())] + (["-v"] if verbose else [])
+
+
+def _run_build(
+    into: str, k: Dict[str, str], out: Any, deadline: float, timeout: float, log_path: str, verbose: bool = False
+) -> Any:
+    """Runs the build of module `k` into `into` in a child process, its output to `out` (a
+    file, or None: this process's), bounded by `deadline`; returns ``(cmd, exit status)``.
+
+    The child leads a process group of its own, with the compilers it starts: a timeout, an
+    interrupt or any exception here kills that whole group, and so does the end of this
+    process by any means, SIGKILL included (the child asks the kernel for SIGTERM when its
+    parent dies and then kills its group: see :func:`_die_with_parent`)."""
+    cmd = _build_cmd(into, k, verbose)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise BuildUnavailable(
+            f"the build was not done within OXCCL_TORCH_EXT_TIMEOUT={timeout:g} s (log: {log_path})"
+        ) from None
+    except BaseException:  # interrupted (Ctrl-C): no compiler outlives the build
+        _kill_group(proc)
+        raise
+    return cmd, rc
+
+
+def _kill_group(proc: Any) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the build's child process (the leader of its own process group): when the process
+    that started it ends, by any means, this process and its whole group (the compilers)
+    end too. Linux's PR_SET_PDEATHSIG delivers SIGTERM at the parent's death; the handler
+    kills the group. Elsewhere the parent's own handling (timeout, interrupt) is all."""
+
+    def kill_group(signum: int, frame: Any) -> None:
+        os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, kill_group)
+    signal.signal(signal.SIGHUP, kill_group)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent was gone before the request took effect
+        kill_group(signal.SIGTERM, None)
+
+
 def find_or_build() -> str:
     """The path of a usable built module: the package's, else the cache's, else one built now
     into the cache (once across processes: the others wait on a file lock, bounded by
@@ -216,30 +321,8 @@ def find_or_build() -> str:
             flush=True,
         )
         log_path = os.path.join(into, "build.log")
-        # `python -c`, not the file's path: that would put this directory (with oxccl/torch.py)
-        # first on sys.path, ahead of torch.
-        code = (
-            "import sys; sys.path[0] = sys.argv.pop(1); "
-            "from oxccl.build_torch_ext import _main; _main(sys.argv[1:])"
-        )
-        cmd = [sys.executable, "-c", code, os.path.dirname(HERE), "--into", into, "--key", json.dumps(k)]
         with open(log_path, "w") as log:
-            # Its own process group, so that a timeout also ends the compilers it started.
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise BuildUnavailable(
-                    f"the build was not done within OXCCL_TORCH_EXT_TIMEOUT={timeout:g} s (log: {log_path})"
-                ) from None
-            except BaseException:  # interrupted (Ctrl-C): no compiler outlives the import
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
+            cmd, rc = _run_build(into, k, log, deadline, timeout, log_path)
             why = f"exit status {rc}"
         found = usable(into, k)
         if rc == 0 and found:
@@ -259,11 +342,17 @@ def _main(argv: list) -> None:
         # failure stay out of the importing process).
         into = argv[argv.index("--into") + 1]
         k = json.loads(argv[argv.index("--key") + 1])
+        if "--parent" in argv:
+            _die_with_parent(int(argv[argv.index("--parent") + 1]))
         print(build(verbose=verbose, into=into, k=k))
         return
+    # The command: the same child process, so that killing this one ends the compilers too.
     k = key()
     into = cache_dir(k) if "--cache" in argv else HERE
-    print(build(verbose=verbose, into=into, k=k))
+    timeout = _timeout_s()
+    _, rc = _run_build(into, k, None, time.monotonic() + timeout, timeout, "above", verbose=verbose)
+    if rc != 0:
+        sys.exit(f"oxccl: the build of the C++ torch backend failed (exit status {rc})")
 
 
 if __name__ == "__main__":

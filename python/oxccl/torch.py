@@ -668,6 +668,20 @@ class _JobWork(dist.Work):
         return f"<oxccl Work {self._job.what} completed={self._job.done}>"
 
 
+def _in_callers_mode(post: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """`post` as it must run on the completion thread: under torch.inference_mode when the
+    call was made under it (a thread-local mode; copies into inference tensors outside it
+    are refused), as gloo's work carries its caller's thread-local state."""
+    if post is None or not torch.is_inference_mode_enabled():
+        return post
+
+    def in_mode() -> None:
+        with torch.inference_mode():
+            post()
+
+    return in_mode
+
+
 class BackendOxccl(_C10dBackend):
     """torch's CPU Backend for a group, running its calls on an oxccl communicator."""
 
@@ -770,6 +784,7 @@ class BackendOxccl(_C10dBackend):
                 if post is not None:
                     post()
                 return _DoneWork(result)
+            post = _in_callers_mode(post)
             handles = [self._raw.call_async(*c.args(), c.keep(), None) for c in calls]
         except InvalidArgumentError as e:
             if "unknown" not in str(e):
@@ -860,14 +875,25 @@ class BackendOxccl(_C10dBackend):
 
     def _sparse_allreduce(self, tensors: List[torch.Tensor], opts: Any) -> Any:
         """gloo's sparse all_reduce: every rank's (coalesced) indices and values gathered,
-        summed by coalescing; the result written into the tensor. SUM only."""
-        if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
-            raise self._invalid("allreduce: a sparse tensor must be the only tensor of the call")
+        summed by coalescing; the result written into the tensor. SUM only. Several sparse
+        tensors of one shape and dtype (gloo's form) are summed locally first, and every one
+        receives the result."""
+        first = tensors[0]
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
+                raise self._invalid("allreduce: sparse and dense tensors cannot be mixed in one call")
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise self._invalid(
+                    "allreduce: every sparse tensor of the list must have one dtype and shape "
+                    f"({first.dtype} {tuple(first.shape)} and {t.dtype} {tuple(t.shape)})"
+                )
         op = _op(opts)
         if op != "sum":
             raise self._invalid(f"allreduce: sparse tensors support only SUM, not {op.upper()}")
-        t, n = tensors[0], self.size()
-        s = t.coalesce()
+        n = self.size()
+        s = first.coalesce()
+        for other in tensors[1:]:
+            s = (s + other).coalesce()
         idx, val = s.indices().contiguous(), s.values().contiguous()
         nnz = idx.shape[1]
         counts = torch.empty(n, dtype=torch.int64)
@@ -885,8 +911,10 @@ class BackendOxccl(_C10dBackend):
             c = counts.tolist()
             i_all = torch.cat([gi[r][:, : c[r]] for r in range(n)], 1)
             v_all = torch.cat([gv[r][: c[r]] for r in range(n)])
-            t.copy_(torch.sparse_coo_tensor(i_all, v_all, t.shape).coalesce())
-        return _DoneWork([t])
+            total = torch.sparse_coo_tensor(i_all, v_all, first.shape).coalesce()
+            for t in tensors:
+                t.copy_(total)
+        return _DoneWork(list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         """Each tensor reduced across ranks on its own. A tensor that shares memory with an
@@ -1006,7 +1034,8 @@ class BackendOxccl(_C10dBackend):
                     o.copy_(flat[i].view(o.shape))
 
         calls = [_coll("all_gather", _dense(send, "allgather input", None, None), flat, raw_bytes=True)]
-        return self._run("all_gather", calls, [o for outs in output_tensors for o in outs], post, opts=opts)
+        # The future's value is the output lists, as gloo's (not one flat list).
+        return self._run("all_gather", calls, [list(outs) for outs in output_tensors], post, opts=opts)
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
         """torch's form: output_lists[rank][i] receives input_list[i] of that rank."""
@@ -1232,7 +1261,7 @@ class BackendOxccl(_C10dBackend):
             if post is not None:
                 post()
 
-        return _JobWork(_Job(self, what, [handle], result, finish))
+        return _JobWork(_Job(self, what, [handle], result, _in_callers_mode(finish)))
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts: Any = None) -> Any:
         """``dist.gather``: the root's ``output_tensors[0][r]`` becomes rank ``r``'s input
@@ -1484,9 +1513,11 @@ _EXIT_DRAIN_S = 60.0
 def _drain_at_exit() -> None:
     """At interpreter exit (before finalization): lets queued calls of the C++ backend complete
     and their completion threads let go of tensors and futures, so that none is still running
-    while the interpreter tears down."""
-    if _CPP is not None:
-        _CPP.drain_completions(_EXIT_DRAIN_S)
+    while the interpreter tears down. `_CPP` is unset when the import failed before it
+    (``OXCCL_TORCH_BACKEND=garbage``): then there is nothing to drain."""
+    cpp = globals().get("_CPP")
+    if cpp is not None:
+        cpp.drain_completions(_EXIT_DRAIN_S)
 
 
 atexit.register(_drain_at_exit)  # before _flush_at_exit, so it runs after it
@@ -1783,6 +1814,14 @@ def _group(group: Any) -> Tuple[Any, int, int]:
     return entry
 
 
+def _check_inference_tensor(tensor: Any, what: str) -> None:
+    """A clear error for a tensor whose memory the library cannot use (a meta tensor has
+    none; a GPU tensor's is not host memory). Fake tensors under torch.compile report the
+    device of the tensor they stand for."""
+    if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
+        raise InvalidArgumentError(f"{what}: the tensor is on {tensor.device}; oxccl works on CPU tensors")
+
+
 def inference_all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Any = None) -> torch.Tensor:
     """All-reduces `tensor` in place over `group` (an oxccl group; None: the default group)
     and returns it: the op of tensor-parallel inference, as DeepSpeed's
@@ -1798,6 +1837,10 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Any = None
     through a contiguous copy. Point-to-point operations held by the group (isend/irecv not
     yet waited on) are not flushed first, and the call does not count in the group's
     sequence numbers."""
+    _check_inference_tensor(tensor, "inference_all_reduce")
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+        # What torch's own in-place ops raise: writing into it would lose its gradient.
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     g = group if group is not None else getattr(_WORLD, _DEFAULT_PG)
     entry = _GROUPS.get(id(g))
     if entry is None or entry[0]() is not g:
@@ -1818,6 +1861,7 @@ def inference_all_gather(tensor: torch.Tensor, group: Any = None, dim: int = 0) 
     ``torch.compile`` the call is the operator ``torch.ops.oxccl.inference_all_gather``
     (concatenating along dim 0), then a view. Bounded by the group's timeout; raises oxccl's
     errors."""
+    _check_inference_tensor(tensor, "inference_all_gather")
     g = group if group is not None else getattr(_WORLD, _DEFAULT_PG)
     entry = _GROUPS.get(id(g))
     if entry is None or entry[0]() is not g:

@@ -268,6 +268,15 @@ def sparse_all_reduce(g, be):
 
 
 @check
+def sparse_all_reduce_two(g, be):
+    # gloo's form: several sparse tensors in one call, summed locally, then over the ranks.
+    a = torch.sparse_coo_tensor(torch.tensor([[R, N]]), torch.tensor([1.0, float(R + 1)]), (N + 2,))
+    b = torch.sparse_coo_tensor(torch.tensor([[0, R + 1]]), torch.tensor([0.5, 2.0]), (N + 2,))
+    g.allreduce([a, b]).wait()
+    return {"sparse_two_a": a.to_dense(), "sparse_two_b": b.to_dense()}
+
+
+@check
 def reduce_scatter_uneven(g, be):
     ins = [val((r + 1, 2), k=r + 1) for r in range(N)]
     out = torch.zeros(R + 1, 2)
@@ -284,6 +293,33 @@ def allgather_several_inputs(g, be):
     outs = [[torch.zeros(2, 2) for _ in range(3 * N)] for _ in range(3)]
     g.allgather(outs, ins).wait()
     return {"ag3": torch.stack([torch.stack(o) for o in outs])}
+
+
+@check
+def allgather_several_inputs_future(g, be):
+    # The future's value has the outputs' shape: one list per input (k lists of k * N).
+    ins = [val((2,), k=j + 1) for j in range(2)]
+    outs = [[torch.zeros(2) for _ in range(2 * N)] for _ in range(2)]
+    w = g.allgather(outs, ins)
+    value = w.get_future().wait()
+    shape = [len(value)] + [len(v) if isinstance(v, list) else -1 for v in value]
+    flat = [t for v in value for t in (v if isinstance(v, list) else [v])]
+    return {"ag_future_shape": torch.tensor(shape), "ag_future_value": torch.stack(flat)}
+
+
+@check
+def all_gather_in_inference_mode(g, be):
+    # The outputs are inference tensors: the copies into them, made once the call has
+    # finished (on another thread when queued), must run in inference mode too.
+    got = {}
+    for size in (4, 300_000):  # inline, and queued
+        with torch.inference_mode():
+            x = val((size,))
+            outs = [torch.zeros(size) for _ in range(N)]
+            w = dist.all_gather(outs, x, group=g, async_op=True)
+            w.get_future().wait()
+        got[f"inference_all_gather_{size}"] = torch.stack(outs).clone()
+    return got
 
 
 @check
