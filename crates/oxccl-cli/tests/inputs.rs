@@ -458,3 +458,32 @@ fn a_malformed_secret_is_refused_by_the_launchers() {
         }
     }
 }
+
+/// Values in range by type but nonsense (a heartbeat timeout of a nanosecond, a network of
+/// 1e-300 GB/s, a status timeout of 1e-300 s) are refused with the accepted range.
+#[test]
+fn absurdly_small_values_are_refused() {
+    let limit = Duration::from_secs(60);
+    let r = run(PERF, &[("OXCCL_HEARTBEAT_TIMEOUT", "1e-9")], limit);
+    assert_refused(&r, "OXCCL_HEARTBEAT_TIMEOUT", "1e-9");
+    assert!(r.stderr.contains("0 or from 0.1"), "{}", what(&r));
+    for (args, flag) in [
+        (vec!["sim", "-e", "8", "--net-gbps", "1e-300"], "--net-gbps"),
+        (
+            vec!["sim", "-e", "8", "--net-lat-us", "1e-300"],
+            "--net-lat-us",
+        ),
+        (
+            vec!["status", "127.0.0.1:9", "--timeout", "1e-300"],
+            "--timeout",
+        ),
+        (
+            vec!["status", "127.0.0.1:9", "--watch", "1e-300"],
+            "--watch",
+        ),
+    ] {
+        let r = run(&args, &[], limit);
+        assert_refused(&r, flag, flag);
+        assert_eq!(r.code, Some(2), "{}", what(&r));
+    }
+}
