@@ -34,7 +34,9 @@ pub fn bytes(min: u64, max: u64) -> impl Fn(&str) -> Result<usize, String> + Clo
     }
 }
 
-/// A number above 0 (fractions allowed), at most `max`.
+/// A number above 0 (fractions allowed), at most `max` (every flag has a lower bound too:
+/// [`number_in`]).
+#[cfg(test)]
 pub fn number(max: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
     number_in(0.0, max)
 }
