@@ -551,13 +551,12 @@ impl ShmLink {
                         self.peer, self.rank
                     )));
                 }
+                // A resource of this host, not the peer: not a lost peer (rank 0 was told it
+                // lost itself when /dev/shm was full).
                 Err(segment::GrowError::Memory(m)) => {
-                    return Err(LinkError::Io(std::io::Error::new(
-                        std::io::ErrorKind::OutOfMemory,
-                        format!(
-                            "rank {}: the shared-memory ring to rank {}: {m}",
-                            self.rank, self.peer
-                        ),
+                    return Err(LinkError::Resource(format!(
+                        "rank {}: the shared-memory ring to rank {} (growing to {to} bytes): {m}",
+                        self.rank, self.peer
                     )))
                 }
             }
@@ -853,6 +852,40 @@ mod tests {
                 assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
             }
         }
+    }
+
+    /// Shared memory that cannot be had (`/dev/shm` full) is a resource error naming the
+    /// rank and the size, not a lost peer.
+    #[test]
+    fn a_full_dev_shm_is_a_resource_error_not_a_lost_peer() {
+        let res = pair(
+            random_tag(),
+            Sharing::Memfd,
+            &Config::default(),
+            |ex, link| {
+                let out = (ex.rank() == 0).then(|| {
+                    segment::FULL.with(|f| f.set(true));
+                    let e = link.try_send(&[7; 100]).unwrap_err();
+                    segment::FULL.with(|f| f.set(false));
+                    e.into_error(0, 1, "all_reduce", 4)
+                });
+                ex.barrier().unwrap();
+                out
+            },
+        );
+        let e = res[0].as_ref().unwrap();
+        assert!(
+            matches!(e, crate::Error::SharedMemory { rank: 0, .. }),
+            "{e:?}"
+        );
+        let m = e.to_string();
+        assert!(
+            m.contains("all_reduce (call #4)")
+                && m.contains("rank 0: the shared-memory ring to rank 1")
+                && m.contains("cannot allocate")
+                && m.contains("bytes"),
+            "{m}"
+        );
     }
 
     /// A peer whose process is gone is lost only once nothing it sent is left to read (a
