@@ -748,12 +748,30 @@ impl Segment {
         }
     }
 
+    /// Removes the named file of a peer's segment, once every rank has opened it (the
+    /// mapping stays): one that is gone already (its creator or another peer removed it) is
+    /// no error. Not for memfd segments, which have no file.
+    pub(crate) fn remove_peers_file(&self) {
+        if self.path.parent() == Some(Path::new(SHM_DIR)) {
+            match rustix::fs::unlink(&self.path) {
+                Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => {
+                    tracing::debug!(path = %self.path.display(), "cannot remove a peer's segment file: {e}")
+                }
+            }
+        }
+    }
+
     /// Removes the file and closes the descriptor peers copied (the mapping stays). Only
-    /// the creator does, once.
+    /// the creator does, once; a file already gone was removed by a peer
+    /// ([`Segment::remove_peers_file`]).
     pub(crate) fn unlink(&self) -> Result<(), String> {
         self.fd.lock().unwrap_or_else(|e| e.into_inner()).take();
         if self.to_unlink.swap(false, Ordering::AcqRel) {
-            rustix::fs::unlink(&self.path).map_err(|e| io_msg("unlink", &self.path, e))?;
+            match rustix::fs::unlink(&self.path) {
+                Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => return Err(io_msg("unlink", &self.path, e)),
+            }
         }
         Ok(())
     }
