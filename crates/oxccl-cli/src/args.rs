@@ -34,17 +34,32 @@ pub fn bytes(min: u64, max: u64) -> impl Fn(&str) -> Result<usize, String> + Clo
     }
 }
 
-/// A number above 0 (fractions allowed), at most `max`.
+/// A number above 0 (fractions allowed), at most `max` (every flag has a lower bound too:
+/// [`number_in`]).
+#[cfg(test)]
 pub fn number(max: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
-    move |s| match parse(Kind::Number { max }, s)? {
+    number_in(0.0, max)
+}
+
+/// A number from `min` (above 0; fractions allowed) to `max`.
+pub fn number_in(min: f64, max: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
+    move |s| match parse(Kind::Number { min, max }, s)? {
         Value::Number(x) => Ok(x),
         v => Err(format!("{v:?} is not a number")),
     }
 }
 
-/// Seconds above 0 (fractions allowed), at most `max`.
+/// Seconds from [`oxccl::params::MIN_SECS`] (fractions allowed) to `max`.
 pub fn seconds(max: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
-    move |s| match parse(Kind::Seconds { zero: false, max }, s)? {
+    let min = oxccl::params::MIN_SECS;
+    move |s| match parse(
+        Kind::Seconds {
+            zero: false,
+            min,
+            max,
+        },
+        s,
+    )? {
         Value::Seconds(d) => Ok(d.as_secs_f64()),
         v => Err(format!("{v:?} is not seconds")),
     }

@@ -46,7 +46,11 @@ pub const EXPECT_KILL_ENV: &str = oxccl::params::LAUNCH_EXPECTS_KILL.name;
 pub enum Output {
     /// Prefix each line with `[rank] `.
     Prefixed,
-    /// Pass it through unchanged.
+    /// Pass it through unchanged, a whole line at a time (stdout and stderr go through the
+    /// launcher, which also reads the errors to blame the right rank).
+    Lines,
+    /// Leave the ranks' stdout and stderr the launcher's own (a rank may draw a progress bar
+    /// on the terminal); the launcher reads no error line.
     Raw,
 }
 
@@ -55,15 +59,23 @@ fn free_port() -> std::io::Result<u16> {
 }
 
 /// The job's secret: `OXCCL_SECRET` when it is exported (32 hex digits; so that `oxccl
-/// status` can authenticate the job's agents), else drawn at random.
-fn random_secret() -> std::io::Result<String> {
-    if let Ok(v) = std::env::var(oxccl::params::SECRET.name) {
-        if oxccl::status::parse_secret(&v).is_some() {
-            return Ok(v.trim().to_string());
-        }
+/// status` can authenticate the job's agents), else drawn at random. An exported value that
+/// is not a secret is an error: replaced silently, `oxccl status` with it would be refused by
+/// every agent with no hint why.
+fn job_secret() -> Result<String, String> {
+    if let Some(v) = std::env::var_os(oxccl::params::SECRET.name) {
+        let v = v.to_string_lossy();
+        return match oxccl::status::parse_secret(&v) {
+            Some(_) => Ok(v.trim().to_string()),
+            None => Err(format!(
+                "{}={}: expected 32 hex digits (unset it for a random one)",
+                oxccl::params::SECRET.name,
+                oxccl::params::shown(&v)
+            )),
+        };
     }
     let mut s = [0u8; 16];
-    getrandom::fill(&mut s).map_err(|e| std::io::Error::other(e.to_string()))?;
+    getrandom::fill(&mut s).map_err(|e| format!("cannot draw a secret: {e}"))?;
     Ok(s.iter().map(|b| format!("{b:02x}")).collect())
 }
 
@@ -309,13 +321,22 @@ pub fn launch(
         eprintln!("oxccl: need at least one rank");
         return 2;
     }
-    let (port, secret) = match (free_port(), random_secret()) {
-        (Ok(p), Ok(s)) => (p, s),
-        (Err(e), _) | (_, Err(e)) => {
+    let secret = match job_secret() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("oxccl: {e}");
+            return 2;
+        }
+    };
+    let port = match free_port() {
+        Ok(p) => p,
+        Err(e) => {
             eprintln!("oxccl: cannot prepare the rendezvous: {e}");
             return 1;
         }
     };
+    // SAFETY: getpid has no preconditions.
+    let launcher = unsafe { libc::getpid() };
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut pumps = Vec::new();
     let named: Named = Arc::new(std::sync::Mutex::new(vec![None; n]));
@@ -341,14 +362,33 @@ pub fn launch(
         if let Some(r) = expect_kill {
             cmd.env(EXPECT_KILL_ENV, r.to_string());
         }
-        if mode == Output::Prefixed {
+        if mode != Output::Raw {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        // A rank never outlives its launcher: killed (even by SIGKILL, which no handler
+        // sees), the launcher can stop no one, so the kernel kills each rank when the thread
+        // that started it (this one, the launcher's main thread) ends. A launcher killed
+        // between fork and the prctl is caught by the parent check after it.
+        // SAFETY: the closure runs in the child between fork and exec and calls only
+        // async-signal-safe functions (prctl, getppid, _exit), allocating nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
         }
         match cmd.spawn() {
             Ok(mut child) => {
                 if let Some(o) = child.stdout.take() {
                     pumps.push(pump(rank, o, false, mode, None));
                 }
+                // (Each pump writes a whole line under the stream's lock: ranks' lines do
+                // not interleave mid-line.)
                 if let Some(e) = child.stderr.take() {
                     pumps.push(pump(rank, e, true, mode, Some(named.clone())));
                 }
@@ -503,10 +543,11 @@ fn stop_all(alive: &mut Vec<(usize, u32)>, ended: &std::sync::mpsc::Receiver<Dea
 
 /// A subcommand that is either one rank of a launched job (under torchrun, srun, mpirun or
 /// `oxccl run`: `rank_main` runs here) or the launcher of `ranks` local copies of this very
-/// command line, each with `env` added (and `expect_kill` as in [`launch`]). Returns the exit
-/// code; `name` prefixes messages.
+/// command line, each with `env` added (and `expect_kill` as in [`launch`]), their output
+/// treated as `mode` says. Returns the exit code; `name` prefixes messages.
 pub fn rank_or_launch(
     name: &str,
+    mode: Output,
     under_launcher: bool,
     ranks: usize,
     env: &[(&str, String)],
@@ -533,7 +574,7 @@ pub fn rank_or_launch(
         }
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
-    launch(ranks, &exe, &args, Output::Raw, env, expect_kill)
+    launch(ranks, &exe, &args, mode, env, expect_kill)
 }
 
 /// `oxccl run`.

@@ -162,7 +162,15 @@ pub fn main(mut a: Args) -> i32 {
     if let Some(al) = &a.algo {
         env.push((ALGO.name, al.clone()));
     }
-    rank_or_launch("perf", rank, a.ranks, &env, a.kill_rank, || rank_main(&a))
+    rank_or_launch(
+        "perf",
+        crate::launch::Output::Lines,
+        rank,
+        a.ranks,
+        &env,
+        a.kill_rank,
+        || rank_main(&a),
+    )
 }
 
 fn kind_of(name: &str) -> Result<CollKind, String> {

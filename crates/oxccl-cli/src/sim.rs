@@ -35,11 +35,11 @@ pub struct Args {
     /// Network bandwidth of one host's link, one direction, in GB/s (1e9 bytes/s, as
     /// OXCCL_NET_GBPS; 10 Gbit/s Ethernet is 1.25, 100 Gbit/s is 12.5). Default: the run-time
     /// model's (OXCCL_NET_GBPS, else 1.2).
-    #[arg(long, value_parser = args::number(1e6))]
+    #[arg(long, value_parser = args::number_in(1e-6, 1e6))]
     net_gbps: Option<f64>,
     /// Network latency of one step in microseconds (as OXCCL_NET_LAT_US). Default: the
     /// run-time model's (OXCCL_NET_LAT_US, else 30).
-    #[arg(long, value_parser = args::number(1e9))]
+    #[arg(long, value_parser = args::number_in(1e-3, 1e9))]
     net_lat_us: Option<f64>,
     /// The tune file whose measured rates (shared-memory link, reduction, TCP stack; written
     /// by `oxccl tune`) the model uses. Default: the file `oxccl tune` writes
@@ -50,14 +50,14 @@ pub struct Args {
     /// Cores shared by all ranks of all hosts (emulated hosts on one machine, as
     /// scripts/cluster.sh makes): every CPU term is ranks/cpus times slower where there are
     /// more ranks than cores. Default: each rank has a core of its own.
-    #[arg(long, value_parser = args::number(1e6))]
+    #[arg(long, value_parser = args::number_in(1e-2, 1e6))]
     cpus: Option<f64>,
     /// GB/s the TCP stack moves per core on the path between the hosts, in place of the
     /// tune file's (measured over loopback). For emulated hosts, whose veth, bridge and tbf
     /// cost more per byte: the path's TCP throughput with both directions at once divided by
     /// the cores (`IPERF_ARGS=--bidir scripts/cluster.sh iperf`). Changes the times, not the
     /// choice. Default: the tune file's rate.
-    #[arg(long, value_parser = args::number(1e6))]
+    #[arg(long, value_parser = args::number_in(1e-6, 1e6))]
     tcp_gbps: Option<f64>,
     /// Smallest size in bytes (K, M, G suffixes; at most 1024G).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = args::bytes(1, args::MAX_PERF_BYTES))]

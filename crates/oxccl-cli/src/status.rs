@@ -124,7 +124,8 @@ fn rank_line(r: &Value, c: &Counters) -> String {
     if r["alive"] != Value::Bool(true) {
         return format!(
             "{rank:>5}  {:<5}  {}",
-            "no",
+            // Null: the agent did not answer, but the rank is not lost.
+            if r["alive"].is_null() { "?" } else { "no" },
             r["error"].as_str().unwrap_or("no answer")
         );
     }
@@ -193,14 +194,26 @@ fn table(v: &Value, with_times: bool) -> String {
         .as_array()
         .map(|a| a.iter().map(|r| r.to_string()).collect())
         .unwrap_or_default();
+    let unreachable: Vec<String> = v["unreachable"]
+        .as_array()
+        .map(|a| a.iter().map(|r| r.to_string()).collect())
+        .unwrap_or_default();
     let mut s = format!(
-        "{} ranks; highest call reached #{}; {}\n",
+        "{} ranks; highest call reached #{}; {}{}\n",
         v["world_size"],
         v["max_seq"],
         if behind.is_empty() {
             "no rank behind".to_string()
         } else {
             format!("behind it: rank(s) {}", behind.join(", "))
+        },
+        if unreachable.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; the agent of rank(s) {} did not answer (busy or unreachable; the rank is not lost)",
+                unreachable.join(", ")
+            )
         }
     );
     s += &format!(

@@ -58,6 +58,10 @@ fn expand(input: &str) -> Vec<PathBuf> {
     v
 }
 
+/// The largest flight record or trace read: a record holds a bounded ring of calls per
+/// communicator, far below this; a bigger file, a FIFO or a device is refused unread.
+const MAX_RECORD_BYTES: u64 = 256 << 20;
+
 pub fn main(a: Args) -> i32 {
     let files: Vec<PathBuf> = a.inputs.iter().flat_map(|i| expand(i)).collect();
     if files.is_empty() {
@@ -66,8 +70,9 @@ pub fn main(a: Args) -> i32 {
     }
     let mut docs = Vec::new();
     for f in &files {
-        match std::fs::read_to_string(f)
+        match oxccl::read_bounded(f, MAX_RECORD_BYTES)
             .map_err(|e| e.to_string())
+            .and_then(|t| t.ok_or_else(|| "no such file".to_string()))
             .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))
         {
             Ok(v) => docs.push((f.clone(), v)),

@@ -61,9 +61,15 @@ pub fn main(a: Args) -> i32 {
     if let Some(p) = Tuning::path() {
         env.push((USER_TUNE_FILE.name, p.to_string_lossy().into_owned()));
     }
-    rank_or_launch("tune", under_launcher(), a.ranks, &env, None, || {
-        rank_main(&a)
-    })
+    rank_or_launch(
+        "tune",
+        crate::launch::Output::Raw,
+        under_launcher(),
+        a.ranks,
+        &env,
+        None,
+        || rank_main(&a),
+    )
 }
 
 const ALGOS: [Algo; 3] = [Algo::OneShot, Algo::Ring, Algo::Cma];

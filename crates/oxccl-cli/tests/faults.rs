@@ -616,3 +616,109 @@ fn flight_recorder_on_sigusr1_and_on_mismatch_then_oxccl_trace_names_the_culprit
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Whether process `pid` is gone (or a zombie: ended, not yet reaped by its new parent).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// Waits until `launcher` has started `n` ranks; their pids by rank.
+fn wait_ranks(launcher: u32, n: usize) -> Vec<(usize, i32)> {
+    let start = Instant::now();
+    let mut kids = ranks_of(launcher);
+    while kids.len() < n && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+        kids = ranks_of(launcher);
+    }
+    assert_eq!(kids.len(), n, "{kids:?}");
+    kids
+}
+
+/// A long `oxccl perf` of `ranks` ranks (millions of tiny calls).
+fn long_perf(ranks: usize) -> Command {
+    let mut c = Command::new(OXCCL);
+    c.args([
+        "perf",
+        "all_reduce",
+        "-b",
+        "1K",
+        "-e",
+        "1K",
+        "-n",
+        "10000000",
+    ])
+    .args(["--ranks", &ranks.to_string()])
+    .env("OXCCL_TIMEOUT", "60")
+    .env("OXCCL_TUNE_FILE", "");
+    c
+}
+
+/// `oxccl run` and `oxccl perf --ranks` killed by SIGKILL (no handler can stop the ranks):
+/// the kernel ends the ranks with it.
+#[test]
+fn ranks_end_when_their_launcher_is_killed() {
+    let mut run = Command::new(OXCCL);
+    run.args(["run", "-n", "2", "--", "sleep", "1000"]);
+    for (what, mut cmd) in [("oxccl run", run), ("oxccl perf", long_perf(2))] {
+        let mut launcher = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let kids = wait_ranks(launcher.id(), 2);
+        std::thread::sleep(Duration::from_millis(500));
+        launcher.kill().unwrap();
+        launcher.wait().unwrap();
+        let killed = Instant::now();
+        while !kids.iter().all(|(_, p)| gone(*p)) && killed.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let left: Vec<_> = kids.iter().filter(|(_, p)| !gone(*p)).collect();
+        for (_, p) in &left {
+            let _ = rustix::process::kill_process(
+                rustix::process::Pid::from_raw(*p).unwrap(),
+                rustix::process::Signal::KILL,
+            );
+        }
+        assert!(
+            left.is_empty(),
+            "{what}: ranks {left:?} outlived their launcher"
+        );
+        eprintln!(
+            "{what}: ranks gone {:?} after the launcher",
+            killed.elapsed()
+        );
+    }
+}
+
+/// `oxccl perf --ranks 3` with rank 0 stopped (SIGSTOP): the survivors fail naming rank 0,
+/// and perf's launcher blames rank 0 as `oxccl run` does, not the first survivor to exit.
+#[test]
+fn perf_blames_the_stopped_rank_that_the_survivors_name() {
+    let launcher = long_perf(3)
+        .env("OXCCL_HEARTBEAT_TIMEOUT", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let kids = wait_ranks(launcher.id(), 3);
+    std::thread::sleep(Duration::from_millis(1500));
+    let victim = rustix::process::Pid::from_raw(kids[0].1).unwrap();
+    rustix::process::kill_process(victim, rustix::process::Signal::STOP).unwrap();
+    let out = launcher.wait_with_output().unwrap();
+    let _ = rustix::process::kill_process(victim, rustix::process::Signal::KILL);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let summary = err
+        .lines()
+        .find(|l| l.starts_with("oxccl: rank"))
+        .unwrap_or_else(|| panic!("no summary\n{err}"));
+    assert!(
+        summary.starts_with("oxccl: rank 0 is to blame"),
+        "{summary}\n{err}"
+    );
+}

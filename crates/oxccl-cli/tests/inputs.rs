@@ -403,3 +403,87 @@ fn error_lines_bounded() {
     assert!(r.stderr.lines().all(|l| l.len() < 1000), "{}", what(&r));
     assert!(r.stderr.len() < 10_000, "{}", what(&r));
 }
+
+/// A tune file that is a device (`/dev/zero`), a FIFO or far too big is refused at once with
+/// its name, by `oxccl sim --tune-file` and by every rank of `oxccl perf` (not read until
+/// memory runs out, not waited on in `open` forever).
+#[test]
+fn a_tune_file_that_is_a_device_a_fifo_or_huge_is_refused() {
+    let dir = std::env::temp_dir().join(format!("oxccl-tunefile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("fifo.conf");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let huge = dir.join("huge.conf");
+    std::fs::write(&huge, "# padding\n".repeat(300_000)).unwrap();
+    let limit = Duration::from_secs(60);
+    for (file, why) in [
+        ("/dev/zero", "a device"),
+        (fifo.to_str().unwrap(), "a FIFO"),
+        (huge.to_str().unwrap(), "larger than"),
+    ] {
+        let r = run(
+            &["sim", "--hosts", "2", "-e", "8", "--tune-file", file],
+            &[],
+            limit,
+        );
+        assert_refused(&r, file, "sim --tune-file");
+        assert!(r.stderr.contains(why), "{}", what(&r));
+        let mut perf = PERF.to_vec();
+        perf.extend(["--ranks", "2"]);
+        let r = run(&perf, &[("OXCCL_TUNE_FILE", file)], limit);
+        assert_refused(&r, file, "perf --ranks 2 with OXCCL_TUNE_FILE");
+        assert!(r.stderr.contains(why), "{}", what(&r));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `OXCCL_SECRET` exported but malformed is an error of `oxccl run` and `oxccl perf --ranks`,
+/// not silently replaced by a random secret (with which `oxccl status` would then fail).
+#[test]
+fn a_malformed_secret_is_refused_by_the_launchers() {
+    let mut perf = PERF.to_vec();
+    perf.extend(["--ranks", "2"]);
+    for args in [perf, vec!["run", "-n", "2", "true"]] {
+        for bad in ["garbage", "0011", ""] {
+            let r = run(&args, &[("OXCCL_SECRET", bad)], Duration::from_secs(60));
+            assert_eq!(r.code, Some(2), "{args:?} {bad:?}: {}", what(&r));
+            assert!(
+                r.stderr.contains("OXCCL_SECRET") && r.stderr.contains("32 hex digits"),
+                "{args:?} {bad:?}: {}",
+                what(&r)
+            );
+        }
+    }
+}
+
+/// Values in range by type but nonsense (a heartbeat timeout of a nanosecond, a network of
+/// 1e-300 GB/s, a status timeout of 1e-300 s) are refused with the accepted range.
+#[test]
+fn absurdly_small_values_are_refused() {
+    let limit = Duration::from_secs(60);
+    let r = run(PERF, &[("OXCCL_HEARTBEAT_TIMEOUT", "1e-9")], limit);
+    assert_refused(&r, "OXCCL_HEARTBEAT_TIMEOUT", "1e-9");
+    assert!(r.stderr.contains("0 or from 0.1"), "{}", what(&r));
+    for (args, flag) in [
+        (vec!["sim", "-e", "8", "--net-gbps", "1e-300"], "--net-gbps"),
+        (
+            vec!["sim", "-e", "8", "--net-lat-us", "1e-300"],
+            "--net-lat-us",
+        ),
+        (
+            vec!["status", "127.0.0.1:9", "--timeout", "1e-300"],
+            "--timeout",
+        ),
+        (
+            vec!["status", "127.0.0.1:9", "--watch", "1e-300"],
+            "--watch",
+        ),
+    ] {
+        let r = run(&args, &[], limit);
+        assert_refused(&r, flag, flag);
+        assert_eq!(r.code, Some(2), "{}", what(&r));
+    }
+}

@@ -112,6 +112,7 @@ mod transport;
 
 pub use base::dtype::{Bool, DataType, Element};
 pub use base::error::{blamed_rank, explain_os_error, rank_list, Error, FailureKind, Result};
+pub use base::file::read_bounded;
 pub use base::mem::check_fits;
 pub use base::op::ReduceOp;
 pub use base::param::table as params;

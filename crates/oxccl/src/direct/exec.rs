@@ -3,7 +3,7 @@
 //! ([`Waiter`]: spin, then sleep on this rank's doorbell in slices, checking the deadline and
 //! that the awaited peers are alive between slices).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::base::error::{Error, Result};
 use crate::base::wait::{CallId, Waiter, SLEEP_SLICE};
@@ -11,6 +11,11 @@ use crate::direct::link::{Direct, EventRecord};
 use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
 use crate::fault::health::Health;
 use crate::transport::{Link, LinkError};
+
+/// How long a rank that finds a living peer's buffer gone (EFAULT) looks for the failure
+/// that made the peer leave the call, before it reports a bad address: the watchdog's
+/// heartbeat timeout (1.5 s by default) and a peer's relayed failure come within it.
+const FAILURE_SETTLE: Duration = Duration::from_secs(3);
 
 /// One call's view of the direct area.
 pub(crate) struct DirectCtx<'a> {
@@ -194,6 +199,14 @@ impl DirectCtx<'_> {
         if e.raw_os_error() == Some(libc::ESRCH) || self.direct.check_alive(peer).is_err() {
             return self.lost(peer, LinkError::Io(e));
         }
+        // The peer lives, but its buffer is gone (EFAULT): it left the call, which it does
+        // early only when the call fails (a third rank lost: the peer failed on it and
+        // released or reused its buffer while this rank was still reading it). The call's
+        // real cause is that failure: a lost rank seen here, or the failure the watchdog or
+        // the peer passes on, within a bound; only without one is it a bad address.
+        if let Some(cause) = self.failure_behind(peer, &e) {
+            return cause;
+        }
         let id = self.wait.id();
         Error::Io {
             rank: id.rank,
@@ -202,6 +215,33 @@ impl DirectCtx<'_> {
                 id.call, id.seq
             ),
             source: e,
+        }
+    }
+
+    /// The failure of the call that explains access error `e` to living `peer`'s memory:
+    /// another rank lost, or the communicator's failure, looked for up to
+    /// [`FAILURE_SETTLE`] where `e` is EFAULT (at once otherwise).
+    fn failure_behind(&self, peer: usize, e: &std::io::Error) -> Option<Error> {
+        let id = self.wait.id();
+        let until = Instant::now()
+            + if e.raw_os_error() == Some(libc::EFAULT) {
+                FAILURE_SETTLE
+            } else {
+                Duration::ZERO
+            };
+        loop {
+            if let Some(h) = self.health.filter(|h| h.is_failed()) {
+                return Some(h.error(id.rank, id.call, id.seq));
+            }
+            for q in (0..self.nranks).filter(|&q| q != id.rank && q != peer) {
+                if let Err(le) = self.direct.check_alive(q) {
+                    return Some(self.lost(q, le));
+                }
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -477,6 +517,83 @@ mod tests {
             }) => {}
             other => panic!("expected a mismatch naming rank 1, got {other:?}"),
         }
+    }
+}
+
+/// A living peer's buffer gone mid-call (EFAULT) is reported as the call's real cause.
+#[cfg(test)]
+mod access_error_tests {
+    use super::*;
+    use crate::base::wait::Spin;
+    use crate::direct::link::mem_group;
+    use crate::fault::health::Failure;
+
+    fn efault() -> std::io::Error {
+        std::io::Error::from_raw_os_error(libc::EFAULT)
+    }
+
+    fn read_error(d: &mut dyn Direct, health: Option<&Health>, peer: usize) -> Error {
+        let id = CallId {
+            rank: 0,
+            call: "all_reduce",
+            seq: 4,
+        };
+        let cx = DirectCtx {
+            direct: d,
+            nranks: 3,
+            wait: Waiter::new(id, Spin::new(1), Duration::from_secs(30), false),
+            print: None,
+            health,
+            links: None,
+            step_ends: None,
+            nt_bytes: 0,
+            mapped_min: usize::MAX,
+        };
+        cx.read_error(peer, efault())
+    }
+
+    #[test]
+    fn a_bad_address_while_a_third_rank_is_lost_names_the_lost_rank() {
+        // Rank 2 is gone; rank 1 (alive) left the call on it: reading rank 1's buffer fails.
+        let mut g = mem_group(3);
+        drop(g.pop());
+        let e = read_error(&mut g[0], None, 1);
+        assert!(
+            matches!(
+                e,
+                Error::PeerLost {
+                    peer: 2,
+                    seq: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // The communicator already failed on rank 2 (the watchdog): that failure.
+        let g = &mut mem_group(3);
+        let h = Health::new();
+        h.fail(Failure::Lost {
+            peer: 2,
+            reason: "heartbeat".into(),
+        });
+        let e = read_error(&mut g[0], Some(&h), 1);
+        assert!(matches!(e, Error::PeerLost { peer: 2, .. }), "{e}");
+        // The failure comes a little later (relayed by the peer): still that failure.
+        let h = std::sync::Arc::new(Health::new());
+        let h2 = h.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            h2.fail(Failure::Lost {
+                peer: 2,
+                reason: "relayed".into(),
+            });
+        });
+        let e = read_error(&mut g[0], Some(&h), 1);
+        t.join().unwrap();
+        assert!(matches!(e, Error::PeerLost { peer: 2, .. }), "{e}");
+        // Nothing failed: a bad address it is.
+        let e = read_error(&mut g[0], Some(&Health::new()), 1);
+        assert!(e.to_string().contains("Bad address"), "{e}");
     }
 }
 

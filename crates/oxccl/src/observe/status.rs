@@ -29,9 +29,17 @@
 //! [`SETTLE`]) and reported behind only if it still has not reached that call, so a healthy
 //! job whose ranks are a call apart for a microsecond shows nobody behind.
 //!
-//! Each accepted connection is served on its own thread (at most [`MAX_CONNECTIONS`] at once;
-//! beyond, a short "busy" answer), with a deadline of [`IO_TIMEOUT`] for the request: silent
-//! or slow clients cannot block or delay the others. The agent reads the flight recorder
+//! The listening thread accepts every connection at once (non-blocking) into a table of at
+//! most [`MAX_PENDING`] connections whose request line has not come yet, and reads them all
+//! with `poll(2)`: a connection silent for [`IO_TIMEOUT`] is answered "no request" and
+//! closed, and a new connection to a full table closes the oldest one there, so that a flood
+//! of silent connections of any size from strangers (no secret needed to connect) cannot
+//! keep the job's own operator out: the operator's request comes with its connection and is
+//! read before a flood could push it out. A complete request is answered on its own thread
+//! (at most [`MAX_CONNECTIONS`] at once; beyond, a short "busy" answer, read first and
+//! authenticated like any answer). A rank whose agent does not answer the asked rank is not
+//! reported dead where the asked rank's communicator has not lost it: its agent is "busy or
+//! unreachable", and it is not counted behind. The agent reads the flight recorder
 //! ([`crate::observe::flight`]), which takes no lock on the call path: it never blocks or
 //! slows calls.
 
@@ -57,6 +65,8 @@ pub const IO_TIMEOUT: Duration = Duration::from_millis(1000);
 pub const SETTLE: Duration = Duration::from_millis(200);
 /// Connections served at once; more get a short "busy" answer.
 pub const MAX_CONNECTIONS: usize = 64;
+/// Connections held waiting for their request line; a new one beyond closes the oldest.
+pub const MAX_PENDING: usize = 256;
 /// The longest request line.
 const MAX_REQUEST: usize = 128;
 /// The longest answer read from another rank.
@@ -315,60 +325,157 @@ impl Drop for StatusAgent {
     }
 }
 
-/// Accepts until stopped; one thread per connection, at most [`MAX_CONNECTIONS`].
+/// A connection whose request line has not fully come yet.
+struct Pending {
+    s: TcpStream,
+    since: Instant,
+    buf: Vec<u8>,
+}
+
+/// What a read of a pending connection gave.
+enum Got {
+    /// A whole line, or as much as a request may be, or the client's end of sending.
+    Request,
+    /// Nothing more yet.
+    More,
+    /// The connection failed.
+    Broken,
+}
+
+impl Pending {
+    /// Reads whatever has come, without blocking.
+    fn read(&mut self) -> Got {
+        let mut chunk = [0u8; MAX_REQUEST];
+        loop {
+            match (&self.s).read(&mut chunk) {
+                Ok(0) => return Got::Request,
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    if self.buf.contains(&b'\n') || self.buf.len() >= MAX_REQUEST {
+                        return Got::Request;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Got::More,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return Got::Broken,
+            }
+        }
+    }
+
+    /// The request line (at most [`MAX_REQUEST`] bytes).
+    fn line(&self) -> String {
+        let line = self.buf.split(|&b| b == b'\n').next().unwrap_or_default();
+        String::from_utf8_lossy(&line[..line.len().min(MAX_REQUEST)]).into_owned()
+    }
+}
+
+/// Waits up to `timeout` for a new connection on `listener` or bytes on a pending one.
+fn wait_readable(listener: &TcpListener, pending: &std::collections::VecDeque<Pending>) {
+    use std::os::fd::AsRawFd;
+    let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+        .chain(pending.iter().map(|p| p.s.as_raw_fd()))
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfd entries, each an open descriptor
+    // owned by `listener` or `pending` for the duration of the call.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 10) };
+}
+
+/// Accepts until stopped; see the module documentation: every connection is taken at once,
+/// held until its request line comes (at most [`MAX_PENDING`], the oldest closed first,
+/// each for at most [`IO_TIMEOUT`]), then answered on its own thread (at most
+/// [`MAX_CONNECTIONS`] at once).
 fn accept_loop(listener: &TcpListener, sh: &Arc<Shared>) {
+    let mut pending: std::collections::VecDeque<Pending> = Default::default();
     while !sh.stop.load(Ordering::Relaxed) {
-        match listener.accept() {
-            Ok((s, _)) => {
-                if sh.active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-                    sh.active.fetch_sub(1, Ordering::AcqRel);
-                    busy(&s);
-                    continue;
-                }
-                let sh2 = sh.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("oxccl-status-conn".into())
-                    .spawn(move || {
-                        serve(&s, &sh2);
-                        sh2.active.fetch_sub(1, Ordering::AcqRel);
+        wait_readable(listener, &pending);
+        // Everything in the backlog (bounded, so that the pending ones are read too).
+        for _ in 0..2 * MAX_PENDING {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    if s.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if pending.len() >= MAX_PENDING {
+                        pending.pop_front();
+                    }
+                    pending.push_back(Pending {
+                        s,
+                        since: Instant::now(),
+                        buf: Vec::new(),
                     });
-                if spawned.is_err() {
-                    sh.active.fetch_sub(1, Ordering::AcqRel);
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
+        let now = Instant::now();
+        let mut keep = std::collections::VecDeque::with_capacity(pending.len());
+        for mut p in pending.drain(..) {
+            match p.read() {
+                Got::Request => {
+                    let line = p.line();
+                    dispatch(p.s, line, sh)
+                }
+                Got::Broken => {}
+                Got::More if now.duration_since(p.since) >= IO_TIMEOUT => {
+                    let _ = (&p.s).write_all(NO_REQUEST.as_bytes());
+                }
+                Got::More => keep.push_back(p),
+            }
+        }
+        pending = keep;
     }
 }
 
-/// Tells a client over the limit to come back, without waiting on it.
-fn busy(s: &TcpStream) {
+/// The answer to a connection that sent no request (within [`IO_TIMEOUT`]).
+const NO_REQUEST: &str = "{\"error\":\"no request (send 'status' or 'local')\"}\n";
+
+/// Answers request `line` on `s`: on a thread of its own, or where [`MAX_CONNECTIONS`] are
+/// being answered, at once with a short "busy" answer.
+fn dispatch(s: TcpStream, line: String, sh: &Arc<Shared>) {
+    if sh.active.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+        sh.active.fetch_sub(1, Ordering::AcqRel);
+        busy(&s, &line, sh);
+        return;
+    }
+    let sh2 = sh.clone();
+    let spawned = std::thread::Builder::new()
+        .name("oxccl-status-conn".into())
+        .spawn(move || {
+            serve(&s, &line, &sh2);
+            sh2.active.fetch_sub(1, Ordering::AcqRel);
+        });
+    if spawned.is_err() {
+        sh.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Tells a client over the limit to come back (authenticated where it sent a nonce), without
+/// waiting on it.
+fn busy(s: &TcpStream, line: &str, sh: &Shared) {
+    let answer = "{\"error\":\"busy: too many status connections, try again\"}";
+    let out = match parse_request(line.trim()) {
+        Ok(r) => with_mac(answer.to_string(), r.word, r.nonce, sh),
+        Err(_) => format!("{answer}\n"),
+    };
     let _ = s.set_nonblocking(true);
-    let _ = (&*s).write_all(b"{\"error\":\"busy: too many status connections, try again\"}\n");
+    let _ = (&*s).write_all(out.as_bytes());
 }
 
-/// Reads one request line before `deadline` (at most [`MAX_REQUEST`] bytes).
-fn read_request(s: &TcpStream, deadline: Instant) -> Option<String> {
-    let mut buf = Vec::with_capacity(MAX_REQUEST);
-    let mut byte = [0u8; 64];
-    loop {
-        let left = deadline.checked_duration_since(Instant::now())?;
-        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
-            .ok()?;
-        let n = (&*s).read(&mut byte).ok()?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&byte[..n]);
-        if buf.contains(&b'\n') || buf.len() >= MAX_REQUEST {
-            break;
-        }
+/// `answer` as sent: its line, then where the request had a nonce, its MAC line.
+fn with_mac(answer: String, word: &str, nonce: Option<[u8; 16]>, sh: &Shared) -> String {
+    let mut out = answer.clone();
+    out.push('\n');
+    if let Some(n) = nonce {
+        let tag = mac(&sh.secret, &n, word, &answer).finalize().into_bytes();
+        let _ = writeln!(out, "mac {}", hex(&tag));
     }
-    let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
-    Some(String::from_utf8_lossy(&line[..line.len().min(MAX_REQUEST)]).into_owned())
+    out
 }
 
 /// A parsed request.
@@ -395,15 +502,14 @@ fn parse_request(line: &str) -> Result<Request<'_>, String> {
     Ok(Request { word, nonce, comm })
 }
 
-/// Answers one connection (the request read within [`IO_TIMEOUT`]).
-fn serve(s: &TcpStream, sh: &Shared) {
+/// Answers request `line` (empty: none came within [`IO_TIMEOUT`]) on connection `s`.
+fn serve(s: &TcpStream, line: &str, sh: &Shared) {
     let _ = s.set_nonblocking(false);
     let _ = s.set_write_timeout(Some(IO_TIMEOUT));
-    let line = read_request(s, Instant::now() + IO_TIMEOUT);
     let err = |m: &str| format!("{{\"error\":{}}}", json_str(m));
-    let (answer, word, nonce) = match line.as_deref().map(str::trim) {
-        None | Some("") => (err("no request (send 'status' or 'local')"), "", None),
-        Some(l) => match parse_request(l) {
+    let (answer, word, nonce) = match line.trim() {
+        "" => (NO_REQUEST.trim_end().to_string(), "", None),
+        l => match parse_request(l) {
             Err(e) => (err(&e), "", None),
             Ok(r) => {
                 let a = match r.word {
@@ -418,12 +524,7 @@ fn serve(s: &TcpStream, sh: &Shared) {
             }
         },
     };
-    let mut out = answer.clone();
-    out.push('\n');
-    if let Some(n) = nonce {
-        let tag = mac(&sh.secret, &n, word, &answer).finalize().into_bytes();
-        let _ = writeln!(out, "mac {}", hex(&tag));
-    }
+    let out = with_mac(answer, word, nonce, sh);
     let _ = (&*s).write_all(out.as_bytes());
 }
 
@@ -767,14 +868,41 @@ fn job_json(sh: &Shared) -> String {
     let all: Vec<usize> = (0..m.src.nranks).collect();
     let first = gather(sh, &m, &all);
     let (answers, max, behind) = settle(first, |ranks| gather(sh, &m, ranks), SETTLE);
-    let behind: Vec<String> = behind.iter().map(|r| r.to_string()).collect();
+    // A rank whose agent did not answer, which this communicator has not lost: its agent is
+    // busy (strangers may hold it) or unreachable, which says nothing of the rank itself.
+    let lost = m.src.health.failure().and_then(|f| match f {
+        crate::fault::health::Failure::Lost { peer, .. } => Some(peer),
+        _ => None,
+    });
+    let unreachable: Vec<usize> = (0..answers.len())
+        .filter(|&r| {
+            // (An answer that failed authentication is no agent of this job: that rank's
+            // own agent is not there.)
+            answers[r]
+                .as_ref()
+                .is_err_and(|e| !e.contains(NOT_THIS_JOB))
+                && m.peers.get(r).is_some_and(Option::is_some)
+        })
+        .filter(|&r| lost != Some(r))
+        .collect();
+    let list = |v: &[usize]| {
+        v.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let behind: Vec<usize> = behind
+        .into_iter()
+        .filter(|r| !unreachable.contains(r))
+        .collect();
     let mut s = format!(
-        "{{\"world_size\":{},\"comm\":\"{:016x}\",\"asked_rank\":{},\"time_us\":{},\"max_seq\":{max},\"behind\":[{}],\"ranks\":[",
+        "{{\"world_size\":{},\"comm\":\"{:016x}\",\"asked_rank\":{},\"time_us\":{},\"max_seq\":{max},\"behind\":[{}],\"unreachable\":[{}],\"ranks\":[",
         m.src.nranks,
         m.src.comm,
         m.src.rank,
         now_us(),
-        behind.join(",")
+        list(&behind),
+        list(&unreachable)
     );
     for (r, a) in answers.iter().enumerate() {
         if r > 0 {
@@ -789,10 +917,21 @@ fn job_json(sh: &Shared) -> String {
                     .copied()
                     .flatten()
                     .map_or("null".to_string(), |a| json_str(&a.to_string()));
+                let (alive, e) = if unreachable.contains(&r) {
+                    (
+                        "null",
+                        format!(
+                            "agent busy or unreachable ({e}); rank {} has not lost it",
+                            m.src.rank
+                        ),
+                    )
+                } else {
+                    ("false", e.clone())
+                };
                 let _ = write!(
                     s,
-                    "{{\"rank\":{r},\"alive\":false,\"addr\":{addr},\"error\":{}}}",
-                    json_str(e)
+                    "{{\"rank\":{r},\"alive\":{alive},\"addr\":{addr},\"error\":{}}}",
+                    json_str(&e)
                 );
             }
         }
@@ -952,6 +1091,71 @@ mod tests {
             );
         }
         drop(silent);
+    }
+
+    #[test]
+    fn a_flood_of_silent_strangers_does_not_keep_the_operator_out() {
+        // 500 silent connections held on each of two ranks' agents, and more coming all the
+        // time: `status` is answered, with both ranks alive and nobody behind.
+        let a1 = start(source(1, 2, 5), vec![None, None]);
+        let a0 = start(source(0, 2, 5), vec![None, Some(a1.addr())]);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flood = |addr: SocketAddr| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut held = std::collections::VecDeque::new();
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(c) = TcpStream::connect(addr) {
+                        held.push_back(c);
+                    }
+                    if held.len() > 500 {
+                        held.pop_front();
+                    }
+                }
+            })
+        };
+        let floods = [flood(a0.addr()), flood(a1.addr())];
+        std::thread::sleep(Duration::from_millis(500));
+        for _ in 0..3 {
+            let job = ask(a0.addr(), "status", Some(&SECRET), Duration::from_secs(10)).unwrap();
+            assert!(
+                job.contains("\"max_seq\":5,\"behind\":[],\"unreachable\":[]")
+                    && !job.contains("\"alive\":false")
+                    && !job.contains("\"alive\":null"),
+                "{job}"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+        for f in floods {
+            f.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_rank_whose_agent_does_not_answer_is_not_reported_dead_unless_lost() {
+        // Rank 1's agent address leads to a listener that never answers.
+        let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+        let src = source(0, 2, 5);
+        let health = src.health.clone();
+        let a0 = start(src, vec![None, Some(mute.local_addr().unwrap())]);
+        let job = ask(a0.addr(), "status", Some(&SECRET), Duration::from_secs(10)).unwrap();
+        assert!(
+            job.contains("\"behind\":[],\"unreachable\":[1]")
+                && job.contains("{\"rank\":1,\"alive\":null")
+                && job.contains("agent busy or unreachable"),
+            "{job}"
+        );
+        // Once the communicator has lost it, it is dead and behind.
+        health.fail(crate::fault::health::Failure::Lost {
+            peer: 1,
+            reason: "test".into(),
+        });
+        let job = ask(a0.addr(), "status", Some(&SECRET), Duration::from_secs(10)).unwrap();
+        assert!(
+            job.contains("\"behind\":[1],\"unreachable\":[]")
+                && job.contains("{\"rank\":1,\"alive\":false"),
+            "{job}"
+        );
     }
 
     #[test]

@@ -429,6 +429,9 @@ impl Tuning {
     pub const ONESHOT_MAX_LIMIT: usize = 64 << 10;
     /// The most ranks a `ranks=` line may name.
     pub const MAX_RANKS: usize = 1 << 16;
+    /// The largest tune file read (`oxccl tune` writes about 400 bytes): a bigger one, or a
+    /// FIFO or device (`/dev/zero`), is refused before it is read.
+    pub const MAX_FILE_BYTES: u64 = 1 << 20;
 
     /// The measured `oneshot_max` as `OXCCL_ONESHOT_MAX` means it: the limit with two
     /// ranks, which a communicator of `n` ranks multiplies by `n - 1`. A crossover `V`
@@ -536,10 +539,10 @@ impl Tuning {
     /// used: a warning names the file and the key, once per process, and the threshold
     /// takes its built-in value (the rates: none of them).
     pub fn read(path: &std::path::Path) -> Result<Option<Tuning>> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::Env(format!("{}: {e}", path.display()))),
+        let text = match crate::base::file::read_bounded(path, Self::MAX_FILE_BYTES) {
+            Ok(Some(t)) => t,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(Error::Env(format!("tune file {}: {e}", path.display()))),
         };
         let t = Self::parse(&text).map_err(|e| {
             Error::Env(format!(

@@ -14,11 +14,13 @@ use crate::base::error::{Error, Result};
 /// What a variable holds, and the values it accepts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
-    /// Seconds, fractions allowed (`1.5`, `1e3`): from 0 (when `zero` is true; else from
-    /// just above 0) up to `max`.
+    /// Seconds, fractions allowed (`1.5`, `1e3`): 0 when `zero` is true, and from `min`
+    /// (just above 0 where `min` is 0) up to `max`.
     Seconds {
         /// Whether 0 is accepted (it then means "off" or "none", as the entry says).
         zero: bool,
+        /// The smallest accepted value above 0 (0: any above 0).
+        min: f64,
         /// The largest accepted value.
         max: f64,
     },
@@ -36,8 +38,10 @@ pub enum Kind {
         /// The largest accepted number.
         max: u64,
     },
-    /// A number above 0 (fractions allowed), at most `max`.
+    /// A number from `min` (just above 0 where `min` is 0; fractions allowed) to `max`.
     Number {
+        /// The smallest accepted value (0: any above 0).
+        min: f64,
         /// The largest accepted value.
         max: f64,
     },
@@ -161,8 +165,15 @@ const fn checked(
     }
 }
 
+/// The shortest time a timeout or an interval may be set to: shorter ones (`1e-9`) are
+/// typing errors, not settings, and would fail every call or spin a thread.
+pub const MIN_SECS: f64 = 1e-3;
 const fn secs(zero: bool, max: f64) -> Kind {
-    Kind::Seconds { zero, max }
+    Kind::Seconds {
+        zero,
+        min: MIN_SECS,
+        max,
+    }
 }
 const fn bytes(min: u64, max: u64) -> Kind {
     Kind::Bytes { min, max }
@@ -329,7 +340,13 @@ pub const DETERMINISTIC: Param = p(
 /// `OXCCL_HEARTBEAT_TIMEOUT`.
 pub const HEARTBEAT_TIMEOUT: Param = p(
     "OXCCL_HEARTBEAT_TIMEOUT",
-    secs(true, MAX_SECS),
+    // Below 0.1 s, the watchdog's beats (a few per timeout) would come faster than a loaded
+    // host schedules them: every peer lost at once.
+    Kind::Seconds {
+        zero: true,
+        min: 0.1,
+        max: MAX_SECS,
+    },
     "1.5",
     Comm,
     "seconds of watchdog silence after which a rank is lost (0: off)",
@@ -403,7 +420,10 @@ pub const STATUS: Param = checked(
 /// `OXCCL_NET_GBPS`.
 pub const NET_GBPS: Param = p(
     "OXCCL_NET_GBPS",
-    Kind::Number { max: 1e6 },
+    Kind::Number {
+        min: 1e-6,
+        max: 1e6,
+    },
     "1.2",
     Comm,
     "the cost model's network bandwidth per host link, GB/s",
@@ -411,7 +431,10 @@ pub const NET_GBPS: Param = p(
 /// `OXCCL_NET_LAT_US`.
 pub const NET_LAT_US: Param = p(
     "OXCCL_NET_LAT_US",
-    Kind::Number { max: 1e9 },
+    Kind::Number {
+        min: 1e-3,
+        max: 1e9,
+    },
     "30",
     Comm,
     "the cost model's network latency per step, microseconds",
@@ -638,7 +661,11 @@ pub const TORCH_EXT_DIR: Param = p(
 /// `OXCCL_TORCH_EXT_TIMEOUT`.
 pub const TORCH_EXT_TIMEOUT: Param = p(
     "OXCCL_TORCH_EXT_TIMEOUT",
-    secs(false, 1e7),
+    Kind::Seconds {
+        zero: false,
+        min: 0.0,
+        max: 1e7,
+    },
     "600",
     Python,
     "bounds the C++ torch backend's build on import and the wait for another rank's",
@@ -888,7 +915,11 @@ impl Kind {
     /// The accepted values, in words (every error message ends with it).
     pub fn range(&self) -> String {
         match *self {
-            Kind::Seconds { zero, max } => format!(
+            Kind::Seconds { zero, min, max } if min > 0.0 => format!(
+                "seconds {} {min}, at most {max} (fractions allowed)",
+                if zero { "0 or from" } else { "above 0: from" }
+            ),
+            Kind::Seconds { zero, max, .. } => format!(
                 "seconds {} {max} (fractions allowed)",
                 if zero {
                     "from 0 to"
@@ -902,7 +933,8 @@ impl Kind {
                 show_bytes(max)
             ),
             Kind::Count { min, max } => format!("a whole number from {min} to {max}"),
-            Kind::Number { max } => format!("a number above 0, at most {max}"),
+            Kind::Number { min, max } if min > 0.0 => format!("a number from {min}, at most {max}"),
+            Kind::Number { max, .. } => format!("a number above 0, at most {max}"),
             Kind::Bool => "0 or 1 (also false/true, no/yes, off/on)".into(),
             Kind::Enum(words) => format!("one of {}", words.join(", ")),
             Kind::Text { max_len } => format!("text of at most {max_len} bytes"),
@@ -914,11 +946,16 @@ impl Kind {
     pub fn parse(&self, raw: &str) -> std::result::Result<Value, String> {
         let v = raw.trim();
         match *self {
-            Kind::Seconds { zero, max } => {
+            Kind::Seconds { zero, min, max } => {
                 let s: f64 = v
                     .parse()
                     .map_err(|_| "not a number of seconds".to_string())?;
-                if !s.is_finite() || s < 0.0 || (s == 0.0 && !zero) || s > max {
+                if !s.is_finite()
+                    || s < 0.0
+                    || (s == 0.0 && !zero)
+                    || (s > 0.0 && s < min)
+                    || s > max
+                {
                     return Err("out of range".into());
                 }
                 Ok(Value::Seconds(Duration::from_secs_f64(s)))
@@ -943,9 +980,9 @@ impl Kind {
                 }
                 Ok(Value::Count(n))
             }
-            Kind::Number { max } => {
+            Kind::Number { min, max } => {
                 let x: f64 = v.parse().map_err(|_| "not a number".to_string())?;
-                if !x.is_finite() || x <= 0.0 || x > max {
+                if !x.is_finite() || x <= 0.0 || x < min || x > max {
                     return Err("out of range".into());
                 }
                 Ok(Value::Number(x))
@@ -1162,16 +1199,20 @@ mod tests {
                 match p.parse_set(v) {
                     Ok(None) => assert!(v.trim().is_empty(), "{}={v:?}", p.name),
                     Ok(Some(val)) => match (p.kind, val) {
-                        (Kind::Seconds { zero, max }, Value::Seconds(d)) => {
+                        (Kind::Seconds { zero, min, max }, Value::Seconds(d)) => {
                             let s = d.as_secs_f64();
-                            assert!(s <= max && (zero || s > 0.0), "{}={v}", p.name);
+                            assert!(
+                                s <= max && (zero || s > 0.0) && (s == 0.0 || s >= min),
+                                "{}={v}",
+                                p.name
+                            );
                         }
                         (Kind::Bytes { min, max }, Value::Bytes(b))
                         | (Kind::Count { min, max }, Value::Count(b)) => {
                             assert!((min..=max).contains(&b), "{}={v}", p.name)
                         }
-                        (Kind::Number { max }, Value::Number(x)) => {
-                            assert!(x > 0.0 && x <= max, "{}={v}", p.name)
+                        (Kind::Number { min, max }, Value::Number(x)) => {
+                            assert!(x > 0.0 && x >= min && x <= max, "{}={v}", p.name)
                         }
                         (Kind::Bool, Value::Bool(_)) | (Kind::Enum(_), Value::Choice(_)) => {}
                         (Kind::Text { max_len }, Value::Text(t)) => {

@@ -228,6 +228,13 @@ fn split_prefixes(all: Vec<Vec<u8>>, k: usize) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
 /// Links by peer rank.
 type Links = Vec<(usize, ShmLink)>;
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: this thread's rank acts as if killed after the last exchange of
+    /// [`connect_as`] and before it removed its named segment file (it keeps it).
+    static DIE_BEFORE_UNLINK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// [`connect`] with segments shared as `sharing` says; `Ok(None)` when some rank may not
 /// open a peer's memfd (every rank then returns `None`: the decision is collective).
 fn connect_as(
@@ -367,7 +374,14 @@ fn connect_as(
     let t_open = t0.elapsed();
     let all2 = ex.allgather(&st2);
     let t_ex2 = t0.elapsed();
-    let unlinked = own.as_ref().map_or(Ok(()), |s| s.unlink());
+    #[cfg(test)]
+    let killed_before_unlink = DIE_BEFORE_UNLINK.with(std::cell::Cell::get);
+    #[cfg(not(test))]
+    let killed_before_unlink = false;
+    let unlinked = match &own {
+        Some(s) if !killed_before_unlink => s.unlink(),
+        _ => Ok(()),
+    };
     let all2 = all2?;
     if let Some(e) = peer_failure(rank, &all2, "open the shared-memory segments of its peers") {
         return Err(e);
@@ -387,6 +401,15 @@ fn connect_as(
         OpenError::Failed(m) | OpenError::Gone(m) | OpenError::Refused(m) => shm_err(rank, m),
     })?;
     unlinked.map_err(|m| shm_err(rank, m))?;
+    // Every rank has opened what it needs (the exchange above): a named file is no longer
+    // needed by anyone, and each rank removes its peers' too, so that a creator killed
+    // before it removed its own leaves nothing (the first removal wins; the others find it
+    // gone).
+    if sharing == Sharing::Named {
+        for (seg, _, _) in &opened {
+            seg.remove_peers_file();
+        }
+    }
 
     let own = match own {
         Some(o) => o,
@@ -551,13 +574,12 @@ impl ShmLink {
                         self.peer, self.rank
                     )));
                 }
+                // A resource of this host, not the peer: not a lost peer (rank 0 was told it
+                // lost itself when /dev/shm was full).
                 Err(segment::GrowError::Memory(m)) => {
-                    return Err(LinkError::Io(std::io::Error::new(
-                        std::io::ErrorKind::OutOfMemory,
-                        format!(
-                            "rank {}: the shared-memory ring to rank {}: {m}",
-                            self.rank, self.peer
-                        ),
+                    return Err(LinkError::Resource(format!(
+                        "rank {}: the shared-memory ring to rank {} (growing to {to} bytes): {m}",
+                        self.rank, self.peer
                     )))
                 }
             }
@@ -853,6 +875,60 @@ mod tests {
                 assert_eq!(got, vec![(1 - r) as u8 + 1; 100], "{sharing:?}");
             }
         }
+    }
+
+    /// Shared memory that cannot be had (`/dev/shm` full) is a resource error naming the
+    /// rank and the size, not a lost peer.
+    #[test]
+    fn a_full_dev_shm_is_a_resource_error_not_a_lost_peer() {
+        let res = pair(
+            random_tag(),
+            Sharing::Memfd,
+            &Config::default(),
+            |ex, link| {
+                let out = (ex.rank() == 0).then(|| {
+                    segment::FULL.with(|f| f.set(true));
+                    let e = link.try_send(&[7; 100]).unwrap_err();
+                    segment::FULL.with(|f| f.set(false));
+                    e.into_error(0, 1, "all_reduce", 4)
+                });
+                ex.barrier().unwrap();
+                out
+            },
+        );
+        let e = res[0].as_ref().unwrap();
+        assert!(
+            matches!(e, crate::Error::SharedMemory { rank: 0, .. }),
+            "{e:?}"
+        );
+        let m = e.to_string();
+        assert!(
+            m.contains("all_reduce (call #4)")
+                && m.contains("rank 0: the shared-memory ring to rank 1")
+                && m.contains("cannot allocate")
+                && m.contains("bytes"),
+            "{m}"
+        );
+    }
+
+    /// A rank killed after every peer opened its named segment file and before it removed
+    /// it leaves nothing: its peers remove the file.
+    #[test]
+    fn a_creator_killed_before_removing_its_file_leaves_nothing() {
+        let tag = random_tag();
+        let res = pair(tag, Sharing::Named, &Config::default(), move |ex, _link| {
+            if ex.rank() == 0 {
+                DIE_BEFORE_UNLINK.with(|d| d.set(true));
+            }
+            ex.barrier().unwrap();
+            std::fs::read_dir(segment::SHM_DIR)
+                .unwrap()
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| n.contains(&format!("{tag:016x}")))
+                .collect::<Vec<_>>()
+        });
+        assert!(res.iter().all(Vec::is_empty), "left: {res:?}");
     }
 
     /// A peer whose process is gone is lost only once nothing it sent is left to read (a

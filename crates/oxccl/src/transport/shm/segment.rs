@@ -146,6 +146,12 @@ pub(crate) fn ring_capacity(requested: usize) -> Option<u64> {
 /// to every peer fits the default 12 MiB budget up to about 600 local ranks.
 pub(crate) const RING_MIN: u64 = 16 << 10;
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: this thread's ring allocations fail as with `/dev/shm` full.
+    pub(crate) static FULL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Why [`Segment::grow_ring`] did not grow a ring.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum GrowError {
@@ -608,6 +614,14 @@ impl Segment {
     /// every ring up front.
     pub(crate) fn populate_ring(&self, i: u32, from: u64, to: u64) -> Result<(), String> {
         assert!(i < self.layout.nrings && from <= to && to <= self.layout.cap);
+        #[cfg(test)]
+        if FULL.with(std::cell::Cell::get) {
+            return Err(format!(
+                "cannot allocate {} bytes of the ring in {}: /dev/shm full (test)",
+                to - from,
+                self.path.display()
+            ));
+        }
         let off = self.layout.ring_offset(i);
         let mut parts = vec![(off + PAGE + from, to - from)];
         if from == 0 {
@@ -734,12 +748,30 @@ impl Segment {
         }
     }
 
+    /// Removes the named file of a peer's segment, once every rank has opened it (the
+    /// mapping stays): one that is gone already (its creator or another peer removed it) is
+    /// no error. Not for memfd segments, which have no file.
+    pub(crate) fn remove_peers_file(&self) {
+        if self.path.parent() == Some(Path::new(SHM_DIR)) {
+            match rustix::fs::unlink(&self.path) {
+                Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => {
+                    tracing::debug!(path = %self.path.display(), "cannot remove a peer's segment file: {e}")
+                }
+            }
+        }
+    }
+
     /// Removes the file and closes the descriptor peers copied (the mapping stays). Only
-    /// the creator does, once.
+    /// the creator does, once; a file already gone was removed by a peer
+    /// ([`Segment::remove_peers_file`]).
     pub(crate) fn unlink(&self) -> Result<(), String> {
         self.fd.lock().unwrap_or_else(|e| e.into_inner()).take();
         if self.to_unlink.swap(false, Ordering::AcqRel) {
-            rustix::fs::unlink(&self.path).map_err(|e| io_msg("unlink", &self.path, e))?;
+            match rustix::fs::unlink(&self.path) {
+                Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => return Err(io_msg("unlink", &self.path, e)),
+            }
         }
         Ok(())
     }
