@@ -7,6 +7,7 @@ pub(crate) mod cross_memory;
 pub(crate) mod debug;
 pub(crate) mod dtype;
 pub(crate) mod error;
+pub(crate) mod fork_gate;
 pub(crate) mod mem;
 pub(crate) mod op;
 pub(crate) mod param;
