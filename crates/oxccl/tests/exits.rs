@@ -1105,9 +1105,10 @@ extern "C" fn say_forking() {
     }
 }
 
-/// A rank of [`a_forked_child_sees_pool_memory_as_at_fork`]: both ranks hold
-/// `OXCCL_SNAP_LIVE_MIB` of live pool memory (1.0) and a 4 MiB pool block `t` (0.0), allocated
-/// first. Rank 0 starts a broadcast into `t` from rank 1 on a thread (the call waits for rank
+/// A rank of [`a_forked_child_sees_pool_memory_as_at_fork`]: rank 0 holds
+/// `OXCCL_SNAP_LIVE_MIB` of live pool memory (1.0; rank 1 4 MiB) and a 4 MiB pool block `t`
+/// (0.0), allocated first (so copied last: the fork copies by address, and later blocks lie
+/// lower). Rank 0 starts a broadcast into `t` from rank 1 on a thread (the call waits for rank
 /// 1), then forks; its `prepare` handler tells rank 1 (a file), which broadcasts 7.0 30 ms
 /// later, while the fork copies the pool. The child waits until the parent's call is done,
 /// then checks that it sees `t` and the live memory as they were at the fork (`CHILD SNAP
@@ -1132,7 +1133,11 @@ fn fork_snapshot_child() {
         };
         let t_bytes = 4 << 20;
         let t = f32s(pool.alloc(t_bytes).map_err(|e| e.to_string())?, t_bytes);
-        let big_bytes = live_mib << 20;
+        let big_bytes = if comm.rank() == 0 {
+            live_mib << 20
+        } else {
+            4 << 20
+        };
         let big = f32s(pool.alloc(big_bytes).map_err(|e| e.to_string())?, big_bytes);
         big.fill(1.0);
         let r = comm.rank();
