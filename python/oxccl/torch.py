@@ -68,6 +68,7 @@ outside the group raise at call time.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib.abc
 import importlib.util
 import os
@@ -1557,8 +1558,34 @@ def _timeout_s(timeout: Any) -> Optional[float]:
 _MADE: Dict[Any, int] = {}
 
 
-#: The store of the backend shut down last (held by `_keep_store`, let go of by `_make`).
-_PREVIOUS_STORE: List[Any] = []
+#: The store of the backend shut down last, with the id of the process that kept it (held by
+#: `_keep_store`, let go of by `_make`).
+_PREVIOUS_STORE: List[Tuple[int, Any]] = []
+
+#: Stores a forked child inherited from its parent: never freed (see `_leak_parents_store`).
+_PARENTS_STORES: List[Any] = []
+
+
+def _leak_parents_store() -> None:
+    """In a forked child, leaks the store its parent kept (`_keep_store`): it is never freed,
+    not by `_make`, not at exit. torch's TCPStore destructor detaches a thread that exists
+    only in the parent (``std::thread::detach``: "terminate called after throwing an instance
+    of 'std::system_error' what(): Invalid argument", SIGABRT), and the server it may hold is
+    the parent's. Runs after ``os.fork`` in the child, at exit, and in `_make` (a child forked
+    without Python's handlers)."""
+    me = os.getpid()
+    mine = [(pid, store) for pid, store in _PREVIOUS_STORE if pid == me]
+    for pid, store in _PREVIOUS_STORE:
+        if pid != me:
+            _PARENTS_STORES.append(store)
+            # One reference more than any owner gives back: the interpreter's finalization
+            # clears this module's lists, and the store must outlive that too.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+    _PREVIOUS_STORE[:] = mine
+
+
+os.register_at_fork(after_in_child=_leak_parents_store)
+atexit.register(_leak_parents_store)
 
 
 def _keep_store(store: Any) -> None:
@@ -1575,7 +1602,7 @@ def _keep_store(store: Any) -> None:
     stores, as env:// makes them), so every rank reaches the same server whenever it comes.
     Keys of the old group that remain there are not read: each backend of a group publishes
     its unique id under its own key (see `_MADE`)."""
-    _PREVIOUS_STORE[:] = [store]
+    _PREVIOUS_STORE[:] = [(os.getpid(), store)]
 
 
 #: The default group's communicator (a weak reference), made by the last `_create` for a
@@ -1590,7 +1617,8 @@ def _make(
     group's ranks), that communicator watches the init: a member it loses meanwhile fails the
     init at once instead of after the timeout, and, later, the new group."""
     # The new group's store exists (torch made it first, reusing a kept server on its port):
-    # the previous one need not be kept any longer.
+    # the previous one need not be kept any longer (unless a parent process kept it).
+    _leak_parents_store()
     _PREVIOUS_STORE.clear()
     n = _MADE.get(group_id, 0)
     _MADE[group_id] = n + 1

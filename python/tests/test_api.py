@@ -29,6 +29,13 @@ def test_a_rank_that_exits_holding_its_comm_leaves_rather_than_dies():
         assert "exit holding comm ok" in out, out
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_forked_child_cannot_call_on_its_parents_comm(transport):
+    res = launch(2, "forked_child_call", env={"OXCCL_TRANSPORT": transport, "OXCCL_TIMEOUT": "20"}, timeout=120)
+    for _, out in res:
+        assert "forked child call ok" in out, out
+
+
 def test_timeout_is_timeout_error():
     res = launch(2, "timeout", env={"OXCCL_TIMEOUT": "2"})
     assert "timeout ok" in res[0][1], res[0][1]

@@ -37,6 +37,14 @@ def test_fork_gives_the_child_private_copies_of_pool_tensors():
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_a_child_forked_after_destroy_makes_its_own_group_and_exits_cleanly(backend):
+    if backend == "cpp":
+        _cpp()
+    for _, out in _run(2, "fork_after_destroy", env={"OXCCL_TORCH_BACKEND": backend}, timeout=120):
+        assert "fork after destroy ok" in out, out
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
 def test_zero_and_negative_timeouts_expire_at_once(backend):
     if backend == "cpp":
         _cpp()

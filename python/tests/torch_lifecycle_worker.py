@@ -115,6 +115,37 @@ def fork():
     print("fork ok", flush=True)
 
 
+def fork_after_destroy():
+    """A child forked after its parent made and destroyed a group (env://) starts a thread and
+    makes a group of its own, then exits normally: exit status 0. The parent's store, kept for
+    the next init, is a TCPStore whose destructor detaches a thread that exists only in the
+    parent (SIGABRT, "std::system_error ... Invalid argument", when the child freed it)."""
+    import socket
+    import threading
+
+    dist.init_process_group("oxccl", init_method="env://")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    pid = os.fork()
+    if pid == 0:
+        th = threading.Thread(target=time.sleep, args=(0.05,))
+        th.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("oxccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        dist.destroy_process_group()
+        th.join()
+        sys.exit(0 if torch.all(x == 1.0) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child died of signal {os.WTERMSIG(status)}"
+    assert os.WEXITSTATUS(status) == 0, f"the child exited {os.WEXITSTATUS(status)}"
+    print("fork after destroy ok", flush=True)
+
+
 def timeouts():
     """Zero and negative timeouts expire at once: monitored_barrier and work.wait."""
     dist.init_process_group("oxccl", timeout=timedelta(seconds=30))

@@ -1,6 +1,7 @@
 """The rank side of the tests: each function runs in every rank process (see conftest.launch)."""
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -272,6 +273,51 @@ def exit_holding_comm():
         comm.recv(x, 1)
         assert x.tolist() == [0.0, 1.0, 2.0, 3.0], x
     _ok("exit holding comm")
+
+
+def forked_child_call():
+    """A child forked from rank 0 calls ``all_reduce`` (and a barrier, a send) on the ``Comm``
+    it inherited: each is refused with an error naming the fork, before anything moves, and
+    its exit leaves the parent's communicator alone. Meanwhile rank 1 goes on at once to the
+    all-reduce a call of the child would pair with: it gets the right sum, as do the calls
+    after (the exact case: 131,072 elements, 3.0 where 2.0 is right, before the fix)."""
+    import oxccl
+
+    comm = oxccl.init()
+    r, n = comm.rank, comm.world_size
+    comm.barrier()
+    if r == 0:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                for call in (
+                    lambda: comm.all_reduce(np.ones(131072, np.float32)),
+                    comm.barrier,
+                    lambda: comm.send(np.ones(4, np.float32), 1),
+                ):
+                    try:
+                        call()
+                        code = 3
+                    except oxccl.InvalidArgumentError as e:
+                        if "forked child" not in str(e):
+                            code = 4
+                    except Exception:
+                        code = 5
+                del comm
+            finally:
+                # The exit hooks run (a normal exit), with the parent's communicator inherited.
+                os._exit(code) if code else sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        assert code == 0, f"the child's calls were not refused (exit {code}; 3: ran, 4/5: other error)"
+    for it in range(3):
+        x = np.full(131072, float(r + 1 + it), np.float32)
+        comm.all_reduce(x)
+        want = float(sum(q + 1 + it for q in range(n)))
+        assert np.all(x == want), (it, x[:4], want, int(np.sum(x != want)))
+    comm.barrier()
+    _ok("forked child call")
 
 
 def peer_lost():

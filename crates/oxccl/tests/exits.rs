@@ -922,6 +922,346 @@ fn a_forked_child_that_exits_leaves_its_parents_communicator_alone() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
+/// What a forked child gets from one call on its parent's communicator: `Ok(())` when the
+/// call was refused as it must be (an error naming the fork), else what happened.
+fn refused<T>(what: &str, r: oxccl::Result<T>) -> Result<(), String> {
+    match r {
+        Err(e) if e.to_string().contains("forked child") => Ok(()),
+        Err(e) => Err(format!(
+            "{what} failed, but not as a forked child's call: {e}"
+        )),
+        Ok(_) => Err(format!("{what} ran in the forked child")),
+    }
+}
+
+/// The calls a child forked from rank 0 makes on the communicator it inherited: each must be
+/// refused before anything moves; then it drops the communicator and exits through `exit`
+/// (its exit hooks run). Says `CHILD INHERITED REFUSED` or `CHILD INHERITED RAN <what>`.
+fn forked_child_calls(comm: Communicator) -> ! {
+    let comm = std::sync::Arc::new(comm);
+    let calls = || -> Result<(), String> {
+        let mut v = vec![1f32; 131_072];
+        refused(
+            "all_reduce",
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum),
+        )?;
+        refused("broadcast", comm.broadcast_in_place(&mut v, 0))?;
+        refused("send", comm.send(&v[..1024], 1))?;
+        refused("recv", comm.recv(&mut v[..1024], 1))?;
+        refused("barrier", comm.barrier())?;
+        refused("split", comm.split(Some(0), 0))?;
+        refused(
+            "all_reduce_async",
+            comm.all_reduce_async(vec![1f32; 64], ReduceOp::Sum).wait(),
+        )?;
+        refused("check", comm.check())?;
+        comm.synchronize();
+        comm.abort();
+        comm.close();
+        Ok(())
+    };
+    match calls() {
+        Ok(()) => println!("CHILD INHERITED REFUSED"),
+        Err(e) => println!("CHILD INHERITED RAN {e}"),
+    }
+    drop(comm);
+    // SAFETY: ends the child, running its exit hooks.
+    unsafe { libc::exit(0) }
+}
+
+/// A rank of [`a_forked_child_cannot_use_its_parents_communicator`]: a barrier; rank 0 forks
+/// a child that calls on the communicator it inherited ([`forked_child_calls`]) and waits
+/// for it (`CHILD FORKED <status>`) while the other ranks go on at once to the checked calls
+/// every rank then makes (those a child's call would pair with), and says `CHILD CALLS OK`.
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn inherited_child() {
+    if std::env::var("OXCCL_INHERITED_CHILD").is_err() {
+        return;
+    }
+    let run = || -> Result<(), String> {
+        let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+        comm.barrier().map_err(|e| e.to_string())?;
+        if comm.rank() == 0 {
+            // SAFETY: the child makes calls that must be refused, then exits; the parent
+            // waits for it.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                forked_child_calls(comm);
+            }
+            if pid < 0 {
+                return Err(format!("fork: {}", std::io::Error::last_os_error()));
+            }
+            let mut status = 0;
+            // SAFETY: `pid` is this process's child; `status` is a valid int.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            println!("CHILD FORKED {status}");
+        }
+        for it in 0..3 {
+            call(&comm, "all_reduce", 512 << 10, 0, it)?;
+            call(&comm, "broadcast", 64 << 10, 0, it)?;
+            call(&comm, "all_reduce", 8, 0, it)?;
+        }
+        let (r, n) = (comm.rank(), comm.world_size());
+        let mut v = vec![r as f32; 1024];
+        if r == 0 {
+            comm.send(&v, 1).map_err(|e| e.to_string())?;
+        } else if r == 1 {
+            comm.recv(&mut v, 0).map_err(|e| e.to_string())?;
+            if v.iter().any(|&x| x != 0.0) {
+                return Err("WRONG recv from rank 0".into());
+            }
+        }
+        let sub = comm
+            .split(Some((r % 2) as u32), 0)
+            .map_err(|e| e.to_string())?
+            .ok_or("split gave no communicator")?;
+        let mut w = vec![1f32; 16];
+        sub.all_reduce_in_place(&mut w, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        let want = (0..n).filter(|q| q % 2 == r % 2).count() as f32;
+        if w.iter().any(|&x| x != want) {
+            return Err(format!(
+                "WRONG split all_reduce: {} instead of {want}",
+                w[0]
+            ));
+        }
+        comm.barrier().map_err(|e| e.to_string())?;
+        println!("CHILD CALLS OK");
+        Ok(())
+    };
+    end_child(run());
+}
+
+/// A child forked from a rank that calls on the communicator it inherited is refused before
+/// anything moves, with an error naming the fork, and its peers never see its traffic: over
+/// shared memory and over TCP, the parent and its peers then make checked calls (the ones a
+/// call of the child would have paired with) and get the right results; the child's drop
+/// and exit leave the parent's links, rings and files alone.
+#[test]
+fn a_forked_child_cannot_use_its_parents_communicator() {
+    let mut wrong = Vec::new();
+    for transport in ["shm", "tcp"] {
+        let n = 3;
+        let (kids, rx, tag) = spawn_job(
+            "inherited_child",
+            n,
+            &[
+                ("OXCCL_INHERITED_CHILD", "1"),
+                ("OXCCL_TRANSPORT", transport),
+                ("OXCCL_TIMEOUT", "15"),
+            ],
+        );
+        let by = Instant::now() + Duration::from_secs(60);
+        let outs: Vec<_> = kids
+            .into_iter()
+            .map(|k| output_by(k, by, Duration::from_millis(5)))
+            .collect();
+        let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
+        let mut ended = 0;
+        while ended < n {
+            match rx.recv_timeout(Duration::from_secs(5)) {
+                Ok((r, l, _)) => {
+                    ended += (l == "EOF") as usize;
+                    said[r].push(l);
+                }
+                Err(_) => break,
+            }
+        }
+        for (r, o) in outs.iter().enumerate() {
+            if o.status.code() != Some(0) || !said[r].iter().any(|l| l == "CALLS OK") {
+                let err = String::from_utf8_lossy(&o.stderr);
+                let tail: Vec<&str> = err.lines().rev().take(3).collect();
+                wrong.push(format!(
+                    "{transport}: rank {r} ended with {:?}: {:?} {tail:?}",
+                    o.status.code(),
+                    said[r]
+                ));
+            }
+        }
+        if !said[0].iter().any(|l| l == "INHERITED REFUSED") {
+            wrong.push(format!(
+                "{transport}: the forked child was not refused: {:?}",
+                said[0]
+            ));
+        }
+        let left = files_of(tag);
+        if !left.is_empty() {
+            wrong.push(format!("{transport}: left in /dev/shm: {left:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// Where rank 0 of [`fork_snapshot_child`] says that it forks: the path of a file its
+/// `prepare` handler creates (empty: none).
+static FORKING_FLAG: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+/// Runs first in `fork` (installed last): creates the file named by [`FORKING_FLAG`].
+extern "C" fn say_forking() {
+    if let Ok(p) = FORKING_FLAG.try_lock() {
+        if !p.is_empty() {
+            let _ = std::fs::File::create(&*p);
+        }
+    }
+}
+
+/// A rank of [`a_forked_child_sees_pool_memory_as_at_fork`]: rank 0 holds
+/// `OXCCL_SNAP_LIVE_MIB` of live pool memory (1.0; rank 1 4 MiB) and a 4 MiB pool block `t`
+/// (0.0), allocated first (so copied last: the fork copies by address, and later blocks lie
+/// lower). Rank 0 starts a broadcast into `t` from rank 1 on a thread (the call waits for rank
+/// 1), then forks; its `prepare` handler tells rank 1 (a file), which broadcasts 7.0 30 ms
+/// later, while the fork copies the pool. The child waits until the parent's call is done,
+/// then checks that it sees `t` and the live memory as they were at the fork (`CHILD SNAP
+/// <exit status>`: 0 ok, 3 saw the broadcast's 7.0, 4 wrong live memory); the parent's `t`
+/// must hold 7.0. Then a checked all-reduce on the pool memory (`CHILD CALLS OK`).
+#[test]
+#[ignore = "a rank of the other tests, run by them"]
+fn fork_snapshot_child() {
+    let Ok(flag) = std::env::var("OXCCL_SNAP_CHILD") else {
+        return;
+    };
+    let live_mib: usize = std::env::var("OXCCL_SNAP_LIVE_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let run = || -> Result<(), String> {
+        let comm = std::sync::Arc::new(Communicator::from_env().map_err(|e| e.to_string())?);
+        let pool = oxccl::SharedPool::global();
+        let f32s = |p: std::ptr::NonNull<u8>, bytes: usize| {
+            // SAFETY: a pool block of at least `bytes` bytes, alive until the process ends.
+            unsafe { std::slice::from_raw_parts_mut(p.as_ptr().cast::<f32>(), bytes / 4) }
+        };
+        let t_bytes = 4 << 20;
+        let t = f32s(pool.alloc(t_bytes).map_err(|e| e.to_string())?, t_bytes);
+        let big_bytes = if comm.rank() == 0 {
+            live_mib << 20
+        } else {
+            4 << 20
+        };
+        let big = f32s(pool.alloc(big_bytes).map_err(|e| e.to_string())?, big_bytes);
+        big.fill(1.0);
+        let r = comm.rank();
+        t.fill(if r == 1 { 7.0 } else { 0.0 });
+        comm.barrier().map_err(|e| e.to_string())?;
+        if r == 1 {
+            while !std::path::Path::new(&flag).exists() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(30));
+            comm.broadcast_in_place(t, 1).map_err(|e| e.to_string())?;
+        } else {
+            let addr = t.as_mut_ptr() as usize;
+            let c = comm.clone();
+            let call = std::thread::spawn(move || {
+                // SAFETY: the main thread does not touch `t` until this thread is joined.
+                let t = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, t_bytes / 4) };
+                c.broadcast_in_place(t, 1).map_err(|e| e.to_string())
+            });
+            std::thread::sleep(Duration::from_millis(100)); // the call waits for rank 1
+            *FORKING_FLAG.lock().unwrap() = flag.clone();
+            // SAFETY: a handler that only creates a file; installed once.
+            unsafe { libc::pthread_atfork(Some(say_forking), None, None) };
+            // SAFETY: the child only reads memory, sleeps and exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                std::thread::sleep(Duration::from_millis(1000));
+                let code = if t.iter().any(|&x| x != 0.0) {
+                    3
+                } else if big.iter().step_by(1021).any(|&x| x != 1.0) {
+                    4
+                } else {
+                    0
+                };
+                // SAFETY: ends the child without running the parent's exit hooks.
+                unsafe { libc::_exit(code) };
+            }
+            if pid < 0 {
+                return Err(format!("fork: {}", std::io::Error::last_os_error()));
+            }
+            call.join().map_err(|_| "the broadcast panicked")??;
+            let mut status = 0;
+            // SAFETY: `pid` is this process's child; `status` is a valid int.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            println!("CHILD SNAP {}", libc::WEXITSTATUS(status));
+            if t.iter().any(|&x| x != 7.0) {
+                return Err("WRONG the parent's broadcast result".into());
+            }
+        }
+        comm.all_reduce_in_place(&mut big[..1 << 20], ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        if big[..1 << 20].iter().any(|&x| x != 2.0) {
+            return Err("WRONG all_reduce after the fork".into());
+        }
+        println!("CHILD CALLS OK");
+        Ok(())
+    };
+    end_child(run());
+}
+
+/// A child forked while a rank's broadcast into a pool block is in flight, whose peer sends
+/// while the fork copies the pool, sees the block as it was at the fork (0.0), never the
+/// peer's later write (7.0), nor any change to the live pool memory; the parent gets the
+/// broadcast. (Copied in the child after the fork, the block held 7.0.)
+#[test]
+fn a_forked_child_sees_pool_memory_as_at_fork() {
+    let n = 2;
+    let dir = std::env::temp_dir().join(format!("oxccl-snap-{}", std::process::id()));
+    let _ = std::fs::remove_file(&dir);
+    let flag = dir.to_string_lossy().into_owned();
+    let live = std::env::var("OXCCL_SNAP_LIVE_MIB").unwrap_or_else(|_| "256".into());
+    let (kids, rx, tag) = spawn_job(
+        "fork_snapshot_child",
+        n,
+        &[
+            ("OXCCL_SNAP_CHILD", flag.as_str()),
+            ("OXCCL_SNAP_LIVE_MIB", live.as_str()),
+            ("OXCCL_TRANSPORT", "shm"),
+            ("OXCCL_TIMEOUT", "30"),
+        ],
+    );
+    let by = Instant::now() + Duration::from_secs(90);
+    let outs: Vec<_> = kids
+        .into_iter()
+        .map(|k| output_by(k, by, Duration::from_millis(5)))
+        .collect();
+    let _ = std::fs::remove_file(&dir);
+    let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
+    let mut ended = 0;
+    while ended < n {
+        match rx.recv_timeout(Duration::from_secs(5)) {
+            Ok((r, l, _)) => {
+                ended += (l == "EOF") as usize;
+                said[r].push(l);
+            }
+            Err(_) => break,
+        }
+    }
+    let mut wrong = Vec::new();
+    for (r, o) in outs.iter().enumerate() {
+        if o.status.code() != Some(0) || !said[r].iter().any(|l| l == "CALLS OK") {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let tail: Vec<&str> = err.lines().rev().take(3).collect();
+            wrong.push(format!(
+                "rank {r} ended with {:?}: {:?} {tail:?}",
+                o.status.code(),
+                said[r]
+            ));
+        }
+    }
+    if !said[0].iter().any(|l| l == "SNAP 0") {
+        wrong.push(format!(
+            "the child did not see the pool as at the fork (3: saw the later broadcast, 4: \
+             wrong live memory): {:?}",
+            said[0]
+        ));
+    }
+    if !files_of(tag).is_empty() {
+        wrong.push(format!("left in /dev/shm: {:?}", files_of(tag)));
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
 /// A rank of [`a_rank_that_exits_inside_a_call_is_lost_not_gone`]: a barrier; rank 2 says
 /// `CHILD WAITING` and receives from rank 1 (which never sends: it waits for its stdin to
 /// end), saying `CHILD ERR <error>` when that fails; rank 0, once it reads a line on stdin,

@@ -8,6 +8,7 @@ pub(crate) mod debug;
 pub(crate) mod dtype;
 pub(crate) mod error;
 pub(crate) mod file;
+pub(crate) mod fork_gate;
 pub(crate) mod mem;
 pub(crate) mod op;
 pub(crate) mod param;

@@ -209,7 +209,9 @@ impl Doorbell {
             tv_nsec: timeout.subsec_nanos() as _,
         };
         // EAGAIN (value changed), ETIMEDOUT and EINTR all mean "re-check": ignore them.
-        let _ = futex::wait(&self.seq, futex::Flags::empty(), token.0, Some(&ts));
+        crate::base::fork_gate::asleep(|| {
+            let _ = futex::wait(&self.seq, futex::Flags::empty(), token.0, Some(&ts));
+        });
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
 
@@ -231,19 +233,23 @@ impl Doorbell {
             tv_nsec: d.subsec_nanos() as _,
         };
         // As in `wait`: every outcome means "look again".
-        let _ = futex::wait(&self.seq, futex::Flags::empty(), token.0, Some(&ts(grace)));
+        crate::base::fork_gate::asleep(|| {
+            let _ = futex::wait(&self.seq, futex::Flags::empty(), token.0, Some(&ts(grace)));
+        });
         let mut recovered = false;
         if self.seq.load(Ordering::SeqCst) == token.0 {
             // Not rung: still announced (the count is dropped below), so a ring from here on
             // finds this waiter; one that ran before was visible by now.
             recovered = ready();
             if !recovered && timeout > grace {
-                let _ = futex::wait(
-                    &self.seq,
-                    futex::Flags::empty(),
-                    token.0,
-                    Some(&ts(timeout - grace)),
-                );
+                crate::base::fork_gate::asleep(|| {
+                    let _ = futex::wait(
+                        &self.seq,
+                        futex::Flags::empty(),
+                        token.0,
+                        Some(&ts(timeout - grace)),
+                    );
+                });
             }
         }
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -533,6 +539,9 @@ pub(crate) struct Waiter {
     start: Option<Instant>,
     /// When this wait last checked (`None`: its spinning is not over yet).
     last_check: Option<Instant>,
+    /// The call's hold on the fork gate ([`crate::base::fork_gate`]), let go of at each round
+    /// of a wait.
+    _busy: crate::base::fork_gate::Busy,
 }
 
 impl Waiter {
@@ -547,6 +556,7 @@ impl Waiter {
             id,
             start: started.then(Instant::now),
             last_check: None,
+            _busy: crate::base::fork_gate::Busy::enter(),
         }
     }
 
@@ -590,6 +600,7 @@ impl Waiter {
     /// false: the spin budget is spent, sleep (and then [`check`](Self::check)).
     #[inline]
     pub(crate) fn spin(&mut self) -> bool {
+        crate::base::fork_gate::pause_point();
         if !self.backoff.should_sleep() {
             return true;
         }
@@ -609,6 +620,7 @@ impl Waiter {
         waiting: impl FnOnce() -> Vec<usize>,
         probe: impl FnOnce(&[usize]) -> Result<()>,
     ) -> Result<()> {
+        crate::base::fork_gate::pause_point();
         let now = Instant::now();
         let last = *self.last_check.get_or_insert(now);
         if now.duration_since(last) < SLEEP_SLICE {
@@ -664,7 +676,7 @@ pub(crate) unsafe fn poll_fds(
         tv_sec: timeout.as_secs() as _,
         tv_nsec: timeout.subsec_nanos() as _,
     };
-    match rustix::event::poll(&mut pfds, Some(&ts)) {
+    match crate::base::fork_gate::asleep(|| rustix::event::poll(&mut pfds, Some(&ts))) {
         Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
         Err(e) => Err(e),
     }

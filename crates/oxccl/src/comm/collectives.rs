@@ -154,9 +154,10 @@ impl Communicator {
         Self::end_call(&mut st, res)
     }
 
-    /// A call's start: its turn after queued calls, its sequence number, and the checks that
-    /// the communicator still works.
+    /// A call's start: the check that this process made the communicator, its turn after
+    /// queued calls, its sequence number, and the checks that the communicator still works.
     fn begin_call(&self, name: &'static str) -> Result<(MutexGuard<'_, State>, u64)> {
+        self.own_process(name)?;
         self.stream.wait_turn(); // after the calls queued before this one (crate::comm::nonblocking)
         let mut st = self.lock();
         st.seq += 1;

@@ -536,7 +536,13 @@ impl Communicator {
     /// once, later calls fail, and the other ranks are told (their calls fail too, naming
     /// this rank). Returns promptly in any state; the communicator can then only be dropped
     /// (or [`shrink`](Self::shrink)ed by the others).
+    ///
+    /// In a forked child that inherited the communicator it does nothing: the peers are the
+    /// parent's.
     pub fn abort(&self) {
+        if self.own_process("abort").is_err() {
+            return;
+        }
         let g = self.supervisor();
         let msg = format!("rank {} called abort()", self.rank());
         if g.health.fail(Failure::Aborted { msg: msg.clone() }) {
@@ -557,7 +563,13 @@ impl Communicator {
     /// goodbye to the other ranks (they see this rank leave, not die) and frees its links and
     /// shared memory. Every later call fails at once ([`Error::Aborted`], "closed"); closing
     /// again does nothing. (As NCCL's `ncclCommFinalize` followed by `ncclCommDestroy`.)
+    ///
+    /// In a forked child that inherited the communicator it does nothing (the links and the
+    /// goodbye are the parent's); dropping it there leaks them.
     pub fn close(&self) {
+        if self.own_process("close").is_err() {
+            return;
+        }
         self.synchronize();
         let mut st = self.lock();
         if st.closed {
@@ -575,7 +587,10 @@ impl Communicator {
     /// `Ok` while the communicator is healthy; else the error the next call would return
     /// (a lost peer, another rank's failure, an abort), without making a call (as NCCL's
     /// `ncclCommGetAsyncError`). The watchdog keeps this up to date between calls.
+    /// In a forked child that inherited the communicator: the error every call returns
+    /// there.
     pub fn check(&self) -> Result<()> {
+        self.own_process("check")?;
         self.supervisor().check("check", 0)
     }
 
@@ -609,6 +624,7 @@ impl Communicator {
     /// the new rendezvous on a port it opened at init. Each communicator can be shrunk once
     /// (shrink the new one for later failures). Works on a failed communicator.
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        self.own_process("shrink")?;
         let (rank, n) = (self.rank(), self.world_size());
         let bad = |msg: String| Error::InvalidArgument {
             rank,

@@ -26,6 +26,7 @@ impl Communicator {
     /// rank at odds. Every wait is bounded by the timeout (a new process that never comes
     /// makes the init time out, naming the missing rank).
     pub fn grow(&self, new_ranks: usize, id: Option<&UniqueId>) -> Result<Communicator> {
+        self.own_process("grow")?;
         let (rank, n) = (self.rank(), self.world_size());
         let bad = |msg: String| Error::InvalidArgument {
             rank,

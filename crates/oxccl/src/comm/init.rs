@@ -2,6 +2,7 @@
 //! (rendezvous, settings agreement, links, the direct area), and [`Communicator::from_links`]
 //! for links made elsewhere.
 
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -212,7 +213,7 @@ impl Communicator {
                 msg: "the supervisor's ports were not exchanged".into(),
             });
         };
-        comm.guard = prep.finish(&mut boot, &comm.cfg, &stats, ports)?;
+        *comm.guard = prep.finish(&mut boot, &comm.cfg, &stats, ports)?;
         let us = |d: std::time::Duration| d.as_micros() as u64;
         debug!(
             rank,
@@ -295,14 +296,14 @@ impl Communicator {
             nranks,
             local_rank: 0,
             local_size: 1,
-            guard: Supervisor::local(rank, nranks, &cfg),
+            guard: ManuallyDrop::new(Supervisor::local(rank, nranks, &cfg)),
             spin: Spin::from_config(&cfg, 1),
             model: crate::plan::cost::CostModel::for_config(&cfg),
             cfg,
             forced_algo,
             transports,
             topo: None,
-            state: Arc::new(Mutex::new(State {
+            state: ManuallyDrop::new(Arc::new(Mutex::new(State {
                 links,
                 seq: 0,
                 scratch: Vec::new(),
@@ -314,8 +315,9 @@ impl Communicator {
                 stash: Default::default(),
                 lazy,
                 _boot: None,
-            })),
+            }))),
             stream: Default::default(),
+            owner: crate::comm::Owner::this_process(),
         })
     }
 

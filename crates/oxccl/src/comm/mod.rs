@@ -26,9 +26,10 @@ mod split;
 
 pub use collectives::ByteBufs;
 
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::base::error::Result;
+use crate::base::error::{Error, Result};
 use crate::base::param::Config;
 use crate::base::wait::Spin;
 use crate::bootstrap::topo::Topology;
@@ -45,6 +46,12 @@ use crate::transport::{Link, TransportKind};
 /// Calls are blocking and ordered: every rank must make the same calls, with matching
 /// arguments, in the same order (as with NCCL and MPI). A communicator is `Send + Sync`;
 /// concurrent calls from several threads are serialized.
+///
+/// A communicator belongs to the process that made it: in a child forked from that process
+/// every call on it (collectives, point-to-point, split, grow, shrink, queued calls, `check`)
+/// fails with [`Error::InvalidArgument`](crate::Error::InvalidArgument) before anything
+/// moves, `close` and `abort` do nothing, and dropping it there leaks its links and shared
+/// memory instead of closing them for the parent's peers. A child makes its own.
 ///
 /// ```no_run
 /// use oxccl::{Communicator, ReduceOp};
@@ -69,13 +76,43 @@ pub struct Communicator {
     forced_algo: Option<Algo>,
     transports: Vec<TransportKind>,
     /// Failure handling: the [`Supervisor`] (dropped before the links: it says goodbye first).
-    guard: Supervisor,
+    /// `guard`, `state` and `stream` are dropped by hand (see `Drop`): a forked child that
+    /// inherited the communicator leaks them instead.
+    guard: ManuallyDrop<Supervisor>,
     /// Host of each rank (`None` for communicators built from links).
     topo: Option<Arc<Topology>>,
     /// Shared only with the exit hook ([`exit`], weakly): held through every call.
-    state: Arc<Mutex<State>>,
+    state: ManuallyDrop<Arc<Mutex<State>>>,
     /// Queued non-blocking calls ([`crate::comm::nonblocking`]).
-    pub(crate) stream: crate::comm::nonblocking::Stream,
+    pub(crate) stream: ManuallyDrop<crate::comm::nonblocking::Stream>,
+    /// The process that made it: its id, and how many forks made it from the first process
+    /// with fork handlers ([`fork_generation`](crate::direct::shared_buffer::fork_generation),
+    /// one atomic load a call where `getpid` is a system call).
+    owner: Owner,
+}
+
+/// The process a communicator belongs to (see `Communicator::own_process`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Owner {
+    pid: u32,
+    generation: u64,
+}
+
+impl Owner {
+    /// This process (installing the fork handlers that count its forks, once).
+    pub(crate) fn this_process() -> Owner {
+        crate::direct::shared_buffer::install_fork_handlers();
+        Owner {
+            pid: std::process::id(),
+            generation: crate::direct::shared_buffer::fork_generation(),
+        }
+    }
+
+    /// Whether this is the process that `self` names (not a child forked from it).
+    #[inline]
+    pub(crate) fn is_this_process(&self) -> bool {
+        crate::direct::shared_buffer::fork_generation() == self.generation
+    }
 }
 
 struct State {
@@ -188,5 +225,49 @@ impl Communicator {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Refuses `call` in a process other than the one that made this communicator (a child
+    /// forked from it): its links, shared-memory rings, direct area and control connections
+    /// are the parent's, so any traffic from the child would reach the peers as the parent's
+    /// (a peer pairs it with its own call and returns wrong data). Checked before anything
+    /// else (the queue, the state's lock: a thread of the parent may have held it at the
+    /// fork, and no thread of the parent runs in the child).
+    #[inline]
+    pub(crate) fn own_process(&self, call: &'static str) -> Result<()> {
+        if self.owner.is_this_process() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            rank: self.rank,
+            call,
+            seq: 0,
+            msg: format!(
+                "this communicator belongs to process {}; process {} is a child forked from \
+                 it, and a forked child must create its own communicator (its calls would \
+                 reach the peers as the parent's)",
+                self.owner.pid,
+                std::process::id()
+            ),
+        })
+    }
+}
+
+impl Drop for Communicator {
+    /// Drops the supervisor first (it says goodbye), then the state (links, direct area),
+    /// then the stream. In a forked child that inherited the communicator they are leaked
+    /// instead: dropping them would say the parent's goodbye, close the parent's
+    /// shared-memory rings and direct area for every peer, and join threads that exist only
+    /// in the parent.
+    fn drop(&mut self) {
+        if !self.owner.is_this_process() {
+            return;
+        }
+        // SAFETY: each field is dropped once, here, and not used after (this is `drop`).
+        unsafe {
+            ManuallyDrop::drop(&mut self.guard);
+            ManuallyDrop::drop(&mut self.state);
+            ManuallyDrop::drop(&mut self.stream);
+        }
     }
 }

@@ -499,6 +499,11 @@ impl Communicator {
         F: FnOnce(&Communicator) -> Result<R> + Send + 'static,
     {
         let slot = Arc::new(Slot::new());
+        if let Err(e) = self.own_process("submit") {
+            // A forked child: the stream's worker runs only in the parent.
+            slot.set(Err(e));
+            return Work { slot, queued: None };
+        }
         let done = Arc::clone(&slot);
         let comm = Arc::clone(self);
         let rank = self.rank();
@@ -533,7 +538,12 @@ impl Communicator {
 
     /// Waits until every call queued so far on this communicator has finished (as
     /// `cudaStreamSynchronize`). Results stay with their [`Work`] handles.
+    /// In a forked child (which may not use its parent's communicator, see [`Communicator`])
+    /// it returns at once.
     pub fn synchronize(&self) {
+        if self.own_process("synchronize").is_err() {
+            return;
+        }
         self.stream.wait_turn();
     }
 

@@ -24,6 +24,7 @@ impl Communicator {
     /// its own links, sequence numbers and stream); this one stays usable. Each group's new
     /// rank 0 makes a fresh [`UniqueId`] and hands it to the group over this communicator.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        self.own_process("split")?;
         let n = self.world_size();
         let me = self.rank();
 

@@ -148,6 +148,15 @@ pub trait Direct: Send {
     /// that it does not touch until the algorithm's next event.
     fn write_peer(&self, peer: usize, addr: u64, src: &[u8]) -> std::io::Result<()>;
 
+    /// Before writing into `peer`'s buffers (mapped or with cross-memory copies): waits while
+    /// `peer`'s process is forking (it copies its shared buffers for the child, which must
+    /// not see this write), and holds its fork off until [`leave_peer_writes`]
+    /// (Self::leave_peer_writes). Nothing where the ranks are threads of one process.
+    fn enter_peer_writes(&self, _peer: usize) {}
+
+    /// After the writes [`enter_peer_writes`](Self::enter_peer_writes) let through.
+    fn leave_peer_writes(&self, _peer: usize) {}
+
     /// A pointer, in this process, to the start of `peer`'s shared buffer `region` (which the
     /// peer published, see [`crate::direct::shared_buffer`]), mapping it on first use; `Ok(None)` where
     /// this implementation does not map peers' memory. The mapping stays valid at least until

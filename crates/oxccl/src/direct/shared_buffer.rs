@@ -28,18 +28,26 @@
 //! the memory of a freed buffer is returned to the system once its peers let go of it too.
 //!
 //! `fork` does not share them: the first registration installs `pthread_atfork` handlers (see
-//! [`fork`](self#fork)) under which a forked child replaces every registered buffer, in place
-//! (same address, same contents), by private memory of its own, so a child (a DataLoader
-//! worker) writing a tensor the pool served changes its copy only, never the parent's, as with
-//! ordinary memory. The child's copies are no longer shared buffers (collectives treat them as
-//! plain memory). Only live bytes are copied: the owner of a buffer (the pool) tells which
-//! (`LiveRanges`; a freed block, a slab's free blocks: none), and of those only the memfd's
-//! data extents; the rest reads as zero in the child and takes no memory. A copy-on-write
-//! mapping of the memfd (`MAP_PRIVATE`) would be cheaper but wrong: the child would see the
-//! parent's (and the peers') later writes to every page it has not written itself. The forking thread of the parent waits in `fork` until the child has taken
-//! its copies (at most [`FORK_COPY_WAIT_MS`]; a child that dies ends the wait at once); other
-//! threads of the parent that write a buffer during that window (a collective in flight) may
-//! reach the child's copy, as they race with `fork` anyway.
+//! [`fork`](self#fork)) under which a forked child gets, in place of every registered buffer
+//! (same address), private memory holding the buffer's bytes as they were when the process
+//! forked, so a child (a DataLoader worker) writing a tensor the pool served changes its copy
+//! only, never the parent's, and never sees a later write of the parent, its threads or its
+//! peers, as with ordinary memory. The child's copies are no longer shared buffers
+//! (collectives treat them as plain memory). Only live bytes are copied: the owner of a buffer
+//! (the pool) tells which ([`LiveRanges`]; a freed block, a slab's free blocks: none), and of
+//! those only the memfd's data extents; the rest reads as zero in the child and takes no
+//! memory.
+//!
+//! The copies are made in the parent, in `prepare`, before the kernel forks: it first closes
+//! the fork gates, so that no call of this process writes into a buffer (each pauses at its
+//! next wait, [`crate::base::fork_gate`]) and no peer does (each waits before its next write
+//! into this process's memory, `direct::shm::close_peer_gates`), then copies, forks, and opens
+//! the gates in `parent`; the child moves each copy onto its buffer's address (`mremap`, no
+//! copy). A call in flight across the fork (`async_op=True`) just pauses; a peer's write that
+//! comes during the fork lands after the copies, in the parent only. A copy-on-write mapping
+//! of the memfd (`MAP_PRIVATE`) would be cheaper but wrong: the child would see the parent's
+//! (and the peers') later writes to every page it has not written itself, and copying in the
+//! child (after the fork) let those writes in while it copied.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -268,16 +276,12 @@ fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<NonNull<u8>> {
     Ok(NonNull::new(p.cast::<u8>()).expect("mmap returned null"))
 }
 
-/// How long the forking thread of a parent waits in `fork` for the child to copy the shared
-/// buffers (a child that dies first ends the wait at once).
-pub const FORK_COPY_WAIT_MS: i32 = 60_000;
-
-/// Tells a forked child which bytes of the registered buffer `[base, base + len)` are live
-/// (its owner may still read them, so the child must see the parent's values there): calls
+/// Tells `fork` which bytes of the registered buffer `[base, base + len)` are live (its owner
+/// may still read them, so the child must see the parent's values there): calls
 /// `copy(from, to)` (offsets, page-aligned, ascending) for each live range and returns `true`,
 /// or returns `false` if it does not know the buffer (then all of it is live). Bytes not
-/// reported read as zero in the child and take no memory there. Runs in the child's `fork`
-/// handler: no allocation, no lock.
+/// reported read as zero in the child and take no memory there. Runs in the `prepare`
+/// handler of `fork`, with the pool's lock held: it takes no lock.
 pub(crate) type LiveRanges =
     fn(base: usize, len: usize, copy: &mut dyn FnMut(usize, usize)) -> bool;
 
@@ -290,15 +294,15 @@ pub(crate) fn set_fork_live_ranges(f: LiveRanges) {
     let _ = FORK_LIVE_RANGES.set(f);
 }
 
-/// Bytes of shared buffers this process copied at the fork that made it.
+/// Bytes of shared buffers copied for this process at the fork that made it.
 #[cfg(test)]
 pub(crate) use fork::copied_bytes as fork_copied_bytes;
 
-/// `fork` with registered buffers: the child takes private copies of them (see the
+/// `fork` with registered buffers: the child gets private copies of them (see the
 /// [module](self)). Handlers run by `pthread_atfork`, installed once by the first registration.
-/// The registry's write lock is taken in `prepare` (no thread changes the table while the
-/// child walks it) and released in both `parent` and `child`. The child's handler is
-/// async-signal-safe: raw system calls only, no allocation (it walks the table in place).
+/// The registry's write lock is taken in `prepare` (no thread changes the table while it is
+/// copied and the child walks it) and released in both `parent` and `child`. The child's
+/// handler is async-signal-safe: raw system calls only, no allocation.
 pub(crate) use fork::generation as fork_generation;
 /// Installs the fork handlers now (once per process; the first registration does otherwise):
 /// handlers installed later run their `prepare` before these and their `child` and `parent`
@@ -309,22 +313,31 @@ mod fork {
     use super::{Entry, LiveRanges, FORK_LIVE_RANGES, REGISTRY};
     use std::cell::UnsafeCell;
     use std::collections::BTreeMap;
-    use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Once, RwLockWriteGuard};
+    use std::time::Duration;
 
     type Guard = RwLockWriteGuard<'static, BTreeMap<usize, Entry>>;
 
-    /// The registry's guard from `prepare` to `parent`/`child` (one fork at a time: the lock
-    /// itself serializes them).
-    struct Held(UnsafeCell<Option<Guard>>);
+    /// A registered buffer's copy for the child, made in `prepare`: the buffer's start and
+    /// length, and the private mapping holding its live bytes (null: it could not be made).
+    struct Snapshot {
+        base: usize,
+        len: usize,
+        copy: *mut u8,
+    }
+
+    /// What `prepare` leaves for `parent`/`child`: the registry's guard and the snapshots.
+    struct Held(UnsafeCell<Option<(Guard, Vec<Snapshot>)>>);
     // SAFETY: only the thread that holds the registry's write lock touches the cell (prepare
     // stores, parent/child take, all on the forking thread, in order).
     unsafe impl Sync for Held {}
     static HELD: Held = Held(UnsafeCell::new(None));
 
-    /// The pipe's ends (-1: none): the child writes one byte once its copies are made.
-    static PIPE_R: AtomicI32 = AtomicI32::new(-1);
-    static PIPE_W: AtomicI32 = AtomicI32::new(-1);
+    /// How long `prepare` waits for this process's calls to pause and for the peers' writes
+    /// in progress to end before it copies anyway (a call that writes that long without
+    /// waiting; the forking thread inside a call).
+    const GATE_WAIT: Duration = Duration::from_secs(10);
 
     /// Installs the handlers (once per process; a forked child inherits them).
     pub(crate) fn install() {
@@ -335,60 +348,63 @@ mod fork {
         });
     }
 
+    /// Takes the snapshot of every registered buffer for the child, before the fork (see the
+    /// [module](super)): closes the fork gates first (this process's calls pause at their next
+    /// wait, the peers' writes into its buffers wait), so nothing writes into the buffers
+    /// while they are copied, nor after, until `parent` opens the gates again.
     unsafe extern "C" fn prepare() {
+        let any = REGISTRY
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .any(|e| e.fd >= 0);
+        if any {
+            // Before the registry's lock: a call may look its buffers up there.
+            let own = crate::base::fork_gate::close(GATE_WAIT);
+            let peers = crate::direct::shm::close_peer_gates(GATE_WAIT);
+            if !(own && peers) {
+                tracing::warn!(
+                    own_calls_paused = own,
+                    peer_writes_ended = peers,
+                    "fork: writes into shared buffers still in progress after {GATE_WAIT:?}; \
+                     the child's copies may hold some of them"
+                );
+            }
+        }
         let guard = REGISTRY.write().unwrap_or_else(|e| e.into_inner());
-        if !guard.is_empty() {
-            let mut fds = [-1i32; 2];
-            // SAFETY: `fds` has room for the two descriptors.
-            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
-                PIPE_R.store(fds[0], Ordering::Relaxed);
-                PIPE_W.store(fds[1], Ordering::Relaxed);
+        COPIED.store(0, Ordering::Relaxed);
+        let live = FORK_LIVE_RANGES.get().copied();
+        let mut snaps = Vec::with_capacity(guard.len());
+        for (&base, e) in guard.iter() {
+            if e.fd >= 0 {
+                // SAFETY: `base` is the start of a live `e.len`-byte shared mapping of `e.fd`
+                // (the table holds exactly the live buffers, under its lock).
+                let copy = unsafe { snapshot(base, e.len, e.fd, live) };
+                snaps.push(Snapshot {
+                    base,
+                    len: e.len,
+                    copy,
+                });
             }
         }
         // SAFETY: see `Held`; this thread holds the write lock.
-        unsafe { *HELD.0.get() = Some(guard) };
+        unsafe { *HELD.0.get() = Some((guard, snaps)) };
     }
 
     unsafe extern "C" fn parent() {
         // SAFETY: see `Held`; `prepare` ran on this thread.
-        drop(unsafe { (*HELD.0.get()).take() });
-        let w = PIPE_W.swap(-1, Ordering::Relaxed);
-        let r = PIPE_R.swap(-1, Ordering::Relaxed);
-        if w >= 0 {
-            // SAFETY: our descriptor, closed once (the child holds its own copy).
-            unsafe { libc::close(w) };
-        }
-        if r < 0 {
-            return;
-        }
-        // Wait for the child's byte, or EOF (it died or exec'ed), or the bound.
-        let deadline = std::time::Instant::now()
-            + std::time::Duration::from_millis(super::FORK_COPY_WAIT_MS as u64);
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                break;
+        let held = unsafe { (*HELD.0.get()).take() };
+        if let Some((guard, snaps)) = held {
+            for s in &snaps {
+                if !s.copy.is_null() {
+                    // SAFETY: the snapshot's own mapping, unmapped once (the child has its own).
+                    unsafe { libc::munmap(s.copy.cast(), s.len) };
+                }
             }
-            let mut pfd = libc::pollfd {
-                fd: r,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            let n =
-                unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            if n > 0 {
-                let mut b = 0u8;
-                // SAFETY: one byte into `b`.
-                let _ = unsafe { libc::read(r, (&mut b as *mut u8).cast(), 1) };
-            }
-            break;
+            drop(guard);
         }
-        // SAFETY: our descriptor, closed once.
-        unsafe { libc::close(r) };
+        crate::direct::shm::open_peer_gates();
+        crate::base::fork_gate::open();
     }
 
     /// Forks survived, counted in the children (see [`generation`]).
@@ -401,55 +417,43 @@ mod fork {
         FORKS.load(Ordering::Relaxed)
     }
 
+    /// Moves each snapshot onto its buffer's address: the child's buffers are private memory
+    /// holding the bytes they held when `prepare` copied them. The direct areas' gates are
+    /// the parent's (shared): the child leaves them to it; its own calls' gate is its own.
     unsafe extern "C" fn child() {
         FORKS.fetch_add(1, Ordering::Relaxed);
-        COPIED.store(0, Ordering::Relaxed);
+        crate::base::fork_gate::open();
         // SAFETY: see `Held`; the child's only thread is the one that ran `prepare`.
         let slot = unsafe { &mut *HELD.0.get() };
-        let r = PIPE_R.swap(-1, Ordering::Relaxed);
-        let w = PIPE_W.swap(-1, Ordering::Relaxed);
-        if r >= 0 {
-            // SAFETY: the child's copy of the read end, closed once.
-            unsafe { libc::close(r) };
-        }
-        if let Some(guard) = slot.as_mut() {
-            let live = FORK_LIVE_RANGES.get().copied();
-            for (&base, e) in guard.iter_mut() {
-                if e.fd >= 0 {
-                    // SAFETY: `base` is the start of a live `e.len`-byte shared mapping of
-                    // `e.fd` (the table holds exactly the live buffers, under its lock).
-                    if unsafe { privatize(base, e.len, e.fd, live) } {
-                        e.fd = -1;
-                    } else {
-                        let msg = b"oxccl: a forked child cannot copy a shared buffer (out of memory?); it would share its writes with the parent, exiting\n";
-                        // SAFETY: raw write of a static message, then exit without unwinding.
-                        unsafe {
-                            libc::write(2, msg.as_ptr().cast(), msg.len());
-                            libc::_exit(70);
-                        }
+        if let Some((guard, snaps)) = slot.as_mut() {
+            for s in snaps.iter() {
+                // SAFETY: `s.copy` is a private mapping of `s.len` bytes (the child's copy of
+                // the parent's) and `s.base` the start of a registered `s.len`-byte mapping.
+                if s.copy.is_null() || !unsafe { move_onto(s.copy, s.base, s.len) } {
+                    let msg = b"oxccl: a forked child cannot copy a shared buffer (out of memory?); it would share its writes with the parent, exiting\n";
+                    // SAFETY: raw write of a static message, then exit without unwinding.
+                    unsafe {
+                        libc::write(2, msg.as_ptr().cast(), msg.len());
+                        libc::_exit(70);
                     }
                 }
-            }
-        }
-        if w >= 0 {
-            // SAFETY: one byte from a local, then the child's copy of the write end closed.
-            unsafe {
-                libc::write(w, b"x".as_ptr().cast(), 1);
-                libc::close(w);
+                if let Some(e) = guard.get_mut(&s.base) {
+                    e.fd = -1;
+                }
             }
         }
         drop(slot.take());
     }
 
-    /// Replaces the shared mapping `[base, base + len)` of `fd` by private anonymous memory
-    /// holding the same bytes where they are live, at the same address: the ranges `live`
-    /// reports (all of it if `live` is `None` or does not know the buffer), and in them only
-    /// the file's data extents (holes stay untouched zero pages); the rest reads as zero and
-    /// takes no memory. Raw system calls only (async-signal-safe).
+    /// A private anonymous mapping of `len` bytes holding the live bytes of the shared mapping
+    /// `[base, base + len)` of `fd`: the ranges `live` reports (all of it if `live` is `None`
+    /// or does not know the buffer), and in them only the file's data extents (holes stay
+    /// untouched zero pages); the rest reads as zero and takes no memory. Null if it cannot be
+    /// made (out of memory).
     ///
     /// # Safety
     /// `base` must be the start of a `len`-byte shared mapping of `fd`.
-    unsafe fn privatize(base: usize, len: usize, fd: i32, live: Option<LiveRanges>) -> bool {
+    unsafe fn snapshot(base: usize, len: usize, fd: i32, live: Option<LiveRanges>) -> *mut u8 {
         // SAFETY: a fresh anonymous mapping at an address the kernel picks.
         let tmp = unsafe {
             libc::mmap(
@@ -462,7 +466,7 @@ mod fork {
             )
         };
         if tmp == libc::MAP_FAILED {
-            return false;
+            return std::ptr::null_mut();
         }
         let tmp = tmp.cast::<u8>();
         let mut ok = true;
@@ -476,25 +480,28 @@ mod fork {
         if !ok {
             // SAFETY: our fresh mapping, unmapped once.
             unsafe { libc::munmap(tmp.cast(), len) };
-            return false;
+            return std::ptr::null_mut();
         }
-        // SAFETY: moves the fresh mapping onto `base`, replacing the shared one atomically; the
-        // live bytes there are the same, so every pointer into a live block stays valid.
+        tmp
+    }
+
+    /// Moves the private mapping `from` onto `base` (`len` bytes), replacing the shared one
+    /// atomically: every pointer into a live block stays valid. Async-signal-safe.
+    ///
+    /// # Safety
+    /// `from` and `base` must be mappings of `len` bytes, `base` one nothing else uses.
+    unsafe fn move_onto(from: *mut u8, base: usize, len: usize) -> bool {
+        // SAFETY: per the contract.
         let moved = unsafe {
             libc::mremap(
-                tmp.cast(),
+                from.cast(),
                 len,
                 len,
                 libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
                 base as *mut libc::c_void,
             )
         };
-        if moved == libc::MAP_FAILED {
-            // SAFETY: our fresh mapping, unmapped once.
-            unsafe { libc::munmap(tmp.cast(), len) };
-            return false;
-        }
-        true
+        moved != libc::MAP_FAILED
     }
 
     /// Copies the data extents of `fd` in `[from, to)` (clamped to `len`) into `tmp` at the
@@ -556,11 +563,11 @@ mod fork {
         true
     }
 
-    /// Bytes this process copied at the fork that made it (0 in a process not forked from
-    /// one with shared buffers).
+    /// Bytes of shared buffers copied for the child at this process's last fork (in a child:
+    /// at the fork that made it; 0 if there were none).
     static COPIED: AtomicU64 = AtomicU64::new(0);
 
-    /// Bytes of shared buffers this process copied when it was forked (see [`privatize`]).
+    /// Bytes of shared buffers copied for this child when it was forked (see [`snapshot`]).
     #[cfg(test)]
     pub(crate) fn copied_bytes() -> u64 {
         COPIED.load(Ordering::Relaxed)

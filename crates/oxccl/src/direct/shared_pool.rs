@@ -31,9 +31,9 @@
 //!   recently freed cached blocks, then is refused (torch's allocator then serves private
 //!   memory), and the program keeps descriptors for its files, sockets and pipes.
 //!
-//! After `fork` the child holds private copies of the parent's live blocks (at the same
-//! addresses, see [`shared_buffer`](crate::direct::shared_buffer)'s fork handler), so neither
-//! sees the other's writes; the cached blocks and the free blocks of slabs are not copied
+//! After `fork` the child holds private copies of the parent's live blocks as they were at
+//! the fork (at the same addresses, see [`shared_buffer`](crate::direct::shared_buffer)'s fork
+//! handlers), so neither sees the other's writes; the cached blocks and the free blocks of slabs are not copied
 //! (`fork_live_ranges`: they read as zero pages there). Its pool forgets the cache and a block
 //! it frees that the parent allocated is unmapped in the child, never cached (a copy is no
 //! longer a shared buffer).
@@ -539,8 +539,8 @@ mod held_over_fork {
     }
 
     /// Runs `f` on the global pool's state while `fork` holds its lock (between `prepare` and
-    /// `release`, on the forking thread: in the registry's `child` handler, which runs before
-    /// `release`); `None` at any other time or if the pool did not exist at `prepare`.
+    /// `release`, on the forking thread: in the registry's `prepare` handler, which runs after
+    /// this one's); `None` at any other time or if the pool did not exist at `prepare`.
     pub(super) fn with_held<R>(f: impl FnOnce(&State) -> R) -> Option<R> {
         // SAFETY: see `Held`; only the forking thread calls this, between `prepare` and
         // `release` (elsewhere the cell is `None`: `release` emptied it), and reads only.

@@ -46,6 +46,9 @@ const BELL_OFF: usize = 128;
 /// only when it changes, read only by a peer about to spin.
 const CPU_OFF: usize = 256;
 const CLOSED_OFF: usize = 320;
+/// The owner's fork gate for its peers' writes (see [`close_peer_gates`]): closed (u32), then
+/// the peers' writes in progress (u32, 8 bytes on).
+const GATE_OFF: usize = 336;
 const RECORDS_OFF: usize = 384;
 /// Bytes of one event record (four cache lines).
 const RECORD: usize = 256;
@@ -104,6 +107,12 @@ impl Area {
     }
     fn closed(&self) -> &AtomicU32 {
         self.at(CLOSED_OFF)
+    }
+    fn gate_closed(&self) -> &AtomicU32 {
+        self.at(GATE_OFF)
+    }
+    fn gate_writers(&self) -> &AtomicU32 {
+        self.at(GATE_OFF + 8)
     }
     fn cpu(&self) -> &AtomicU32 {
         self.at(CPU_OFF)
@@ -325,6 +334,7 @@ impl Setup {
             }
         }
         if let Ok((a, fd)) = mine {
+            own_areas().push(a.base.as_ptr() as usize);
             areas[rank] = Some(a);
             self.my_fd = Some(fd);
         }
@@ -505,6 +515,31 @@ impl Direct for ShmDirect {
         write_remote(pid, addr, src)
     }
 
+    fn enter_peer_writes(&self, peer: usize) {
+        let Some(a) = self.areas.get(peer).and_then(|a| a.as_ref()) else {
+            return;
+        };
+        let start = std::time::Instant::now();
+        loop {
+            a.gate_writers().fetch_add(1, Ordering::SeqCst);
+            // A peer that died forking leaves its gate closed: go on after a bound (the
+            // call's liveness checks find it gone).
+            if a.gate_closed().load(Ordering::SeqCst) == 0 || start.elapsed() > PEER_GATE_WAIT {
+                return;
+            }
+            a.gate_writers().fetch_sub(1, Ordering::SeqCst);
+            while a.gate_closed().load(Ordering::SeqCst) != 0 && start.elapsed() <= PEER_GATE_WAIT {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
+    fn leave_peer_writes(&self, peer: usize) {
+        if let Some(a) = self.areas.get(peer).and_then(|a| a.as_ref()) {
+            a.gate_writers().fetch_sub(1, Ordering::Release);
+        }
+    }
+
     fn map_peer(&mut self, peer: usize, region: &Region) -> std::io::Result<Option<NonNull<u8>>> {
         let Some(pid) = self.pids[peer].filter(|_| self.cma) else {
             return Ok(None);
@@ -586,12 +621,62 @@ impl Direct for ShmDirect {
     }
 }
 
+/// How long a rank waits at most for a peer's fork to open its gate.
+const PEER_GATE_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The direct areas of this process (their addresses), whose gates a fork closes.
+fn own_areas() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    static OWN: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+    OWN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Closes the fork gate of every direct area of this process, so that no peer writes into
+/// its buffers from now on, and waits until the peers' writes in progress are done (at most
+/// `bound`; false if some still were). For `fork`'s `prepare` (the snapshot of the shared
+/// buffers for the child); [`open_peer_gates`] opens them in the parent. The areas stay
+/// mapped meanwhile: an area is unmapped only after its entry is gone, under the same lock.
+pub(crate) fn close_peer_gates(bound: std::time::Duration) -> bool {
+    let own = own_areas();
+    let area = |b: usize| Area {
+        base: NonNull::new(b as *mut u8).expect("an area's address"),
+    };
+    for &b in own.iter() {
+        let a = std::mem::ManuallyDrop::new(area(b));
+        a.gate_closed().store(1, Ordering::SeqCst);
+    }
+    let start = std::time::Instant::now();
+    for &b in own.iter() {
+        let a = std::mem::ManuallyDrop::new(area(b));
+        while a.gate_writers().load(Ordering::SeqCst) != 0 {
+            if start.elapsed() > bound {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+    true
+}
+
+/// Opens the gates [`close_peer_gates`] closed (in the parent after `fork`: the child must not
+/// write into the areas, which are its parent's).
+pub(crate) fn open_peer_gates() {
+    let own = own_areas();
+    for &b in own.iter() {
+        let a = std::mem::ManuallyDrop::new(Area {
+            base: NonNull::new(b as *mut u8).expect("an area's address"),
+        });
+        a.gate_closed().store(0, Ordering::SeqCst);
+    }
+}
+
 impl Drop for ShmDirect {
     fn drop(&mut self) {
         // Peers waiting for this rank's next event learn at their next liveness check that it
         // will never come.
         if let Some(me) = self.areas.get(self.rank).and_then(|a| a.as_ref()) {
             me.closed().store(1, Ordering::Release);
+            let base = me.base.as_ptr() as usize;
+            own_areas().retain(|&b| b != base);
         }
         fence(Ordering::SeqCst);
         for (r, a) in self.areas.iter().enumerate() {

@@ -48,6 +48,14 @@ impl PeerBuf {
     /// Copies `src` to `off` of the buffer (with streaming stores if `nt` and the buffer is
     /// mapped).
     pub(super) fn write(&self, cx: &DirectCtx<'_>, off: usize, src: &[u8], nt: bool) -> Result<()> {
+        // Not while the peer's process forks (see `Direct::enter_peer_writes`).
+        cx.direct.enter_peer_writes(self.peer);
+        let res = self.write_ungated(cx, off, src, nt);
+        cx.direct.leave_peer_writes(self.peer);
+        res
+    }
+
+    fn write_ungated(&self, cx: &DirectCtx<'_>, off: usize, src: &[u8], nt: bool) -> Result<()> {
         match self.local {
             // SAFETY: within the peer's buffer as in `read`; only this rank touches these bytes
             // in this phase, and `src` is this rank's own memory.
