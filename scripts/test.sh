@@ -25,9 +25,10 @@
 # what they measure on a quiet machine, and loops that need many random rounds to find a rare
 # case run a few rounds in the normal tiers and their full count in the stress tier.
 #
-# Every tier runs to its end even when a step of it fails; then the next tier runs. A summary
-# ends the output, each tier's result and time, and last a line `tiers: N passed, N failed`;
-# the exit status is 1 when any tier failed.
+# A failing step ends its tier (the tests all run first: cargo's --no-fail-fast, and the fast
+# tier's doc tests after its other tests), and the next tier runs. A summary ends the output,
+# each tier's result and time, and last a line `tiers: N passed, N failed`; the exit status is
+# 1 when any tier failed.
 #
 # Installs what it needs (the Rust components rustfmt and clippy; torch, numpy, pytest and
 # maturin from PyPI into .venv) if they are missing. Disk: a clean run needs about 10 GB (the
@@ -90,9 +91,12 @@ tier_fast() {
   echo "== cargo test: unit tests and the in-process test binaries (${fast[*]})"
   local args
   mapfile -t args < <(test_args "${fast[@]}")
-  cargo test --workspace --locked --lib --bins "${args[@]}" -- --test-threads=2
+  # Unit, in-process and doc tests all run before the tier reports a failure.
+  local rc=0
+  cargo test --workspace --locked --no-fail-fast --lib --bins "${args[@]}" -- --test-threads=2 || rc=$?
   echo "== cargo test --doc"
-  cargo test --workspace --locked --doc -- --test-threads=2
+  cargo test --workspace --locked --no-fail-fast --doc -- --test-threads=2 || rc=$?
+  return "$rc"
 }
 
 tier_procs() {
@@ -101,7 +105,7 @@ tier_procs() {
   mapfile -t args < <(test_args "${PROCS_TESTS[@]}")
   # Tests start up to 8 rank processes each: one test at a time per binary, two binaries'
   # worth of ranks at most, so that oversubscription stays bounded on small machines.
-  cargo test --workspace --locked "${args[@]}" -- --test-threads=2
+  cargo test --workspace --locked --no-fail-fast "${args[@]}" -- --test-threads=2
 }
 
 tier_cluster() {
@@ -172,7 +176,7 @@ tier_stress() {
   echo "== stress: kill and soak loops at their full counts (${STRESS_LOOPS[*]})"
   local args
   mapfile -t args < <(test_args "${STRESS_LOOPS[@]}")
-  cargo test --workspace --locked "${args[@]}" -- --test-threads=1 || failed+=(loops)
+  cargo test --workspace --locked --no-fail-fast "${args[@]}" -- --test-threads=1 || failed+=(loops)
   echo "== stress: exit loop (scripts/exit_loop.sh ${EXIT_LOOP_RUNS:-1000})"
   if python_env; then
     ./scripts/exit_loop.sh "${EXIT_LOOP_RUNS:-1000}" || failed+=(exit_loop)
