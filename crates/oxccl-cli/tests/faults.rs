@@ -507,7 +507,19 @@ fn oxccl_run_blames_the_killed_rank_even_when_it_sees_every_death_at_once() {
     rustix::process::kill_process(lpid, rustix::process::Signal::STOP).unwrap();
     let victim = rustix::process::Pid::from_raw(kids[1].1).unwrap();
     rustix::process::kill_process(victim, rustix::process::Signal::KILL).unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // The others fail after it (quiet, within a second): until each has ended (a zombie of
+    // the stopped launcher), at most 60 s on a busy machine.
+    let ended = |pid: i32| match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|t| t.trim_start().starts_with('Z')),
+    };
+    let t = Instant::now();
+    while !kids.iter().all(|&(_, pid)| ended(pid)) && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     rustix::process::kill_process(lpid, rustix::process::Signal::CONT).unwrap();
     let out = launcher.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -985,14 +985,16 @@ fn a_rank_that_exits_inside_a_call_is_lost_not_gone() {
         &[
             ("OXCCL_INFLIGHT_CHILD", "1"),
             ("OXCCL_TRANSPORT", "shm"),
-            ("OXCCL_TIMEOUT", "15"),
-            ("OXCCL_HEARTBEAT_TIMEOUT", "5"),
+            // Both past the bound below (30 s): the loss is heard from rank 0's exit, also
+            // on a busy machine.
+            ("OXCCL_TIMEOUT", "60"),
+            ("OXCCL_HEARTBEAT_TIMEOUT", "40"),
         ],
     );
     let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
     let mut err: Option<(String, Instant)> = None;
     let mut t_go = None;
-    let by = Instant::now() + Duration::from_secs(40);
+    let by = Instant::now() + Duration::from_secs(75);
     while err.is_none() {
         let Ok((r, l, at)) = rx.recv_timeout(by.saturating_duration_since(Instant::now())) else {
             break;
@@ -1019,8 +1021,9 @@ fn a_rank_that_exits_inside_a_call_is_lost_not_gone() {
     };
     let ms = at.duration_since(go).as_millis();
     assert!(
-        ms < 3000 && oxccl::blamed_rank(&e) == Some(0),
-        "rank 2 failed {ms} ms after rank 0 was told to exit, not within 3 s naming rank 0: {e}"
+        // Quiet, milliseconds; at a load of 15 on 2 cores 3.4 s was seen.
+        ms < 30_000 && oxccl::blamed_rank(&e) == Some(0),
+        "rank 2 failed {ms} ms after rank 0 was told to exit, not within 30 s naming rank 0: {e}"
     );
     println!("rank 2 failed {ms} ms after the go: {e}");
 }
