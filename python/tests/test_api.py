@@ -37,7 +37,7 @@ def test_a_forked_child_cannot_call_on_its_parents_comm(transport):
 
 
 def test_timeout_is_timeout_error():
-    res = launch(2, "timeout", env={"OXCCL_TIMEOUT": "2"})
+    res = launch(2, "timeout", env={"OXCCL_TIMEOUT": "1"})
     assert "timeout ok" in res[0][1], res[0][1]
 
 

@@ -72,7 +72,7 @@ def test_killed_or_stopped_peer_raises_naming_it(sig, numel):
     """3 ranks loop checked inference_all_reduce calls (4 KiB: one-shot; 4 MiB: single-copy);
     rank 1 is SIGKILLed or SIGSTOPped mid-loop: ranks 0 and 2 must raise an oxccl error naming
     rank 1 within seconds (a stopped rank through the watchdog's heartbeats)."""
-    victim, timeout = 1, 10
+    victim, timeout = 1, 40
     env = {"OXCCL_TIMEOUT": str(timeout), "INFER_KILL_NUMEL": str(numel)}
     for r, rc, out, took in signal_one(3, [sys.executable, WORKER, "killed"], env, victim, sig, 0.02, timeout + 30):
         assert rc == 0, f"rank {r} rc {rc}: {out}"
@@ -80,4 +80,5 @@ def test_killed_or_stopped_peer_raises_naming_it(sig, numel):
         # PeerLostError, or AbortedError where another rank's word of the loss came first
         assert m and m.group(1) in ("PeerLostError", "AbortedError"), f"rank {r}: {out}"
         assert re.search(_BLAME.format(v=victim), m.group(3)), f"rank {r} does not name rank {victim}: {out}"
-        assert took < 8, f"rank {r} raised only after {took:.1f} s: {out}"
+        # Quiet, the heartbeat's 1 s at most; ten times that, far under the timeout.
+        assert took < 15, f"rank {r} raised only after {took:.1f} s: {out}"

@@ -19,5 +19,5 @@ def test_random_calls_match_gloo(n):
     seed = int(os.environ.get("OXCCL_PROP_SEED", random.randrange(1 << 30)))
     print(f"seed {seed}")
     res = launch(n, script=os.path.join(HERE, "torch_prop_run.py"), args=[CALLS, seed], timeout=600)
-    for _, out in res:
-        assert "property test ok" in out, out
+    for r, (_, out) in enumerate(res):
+        assert "property test ok" in out, f"seed {seed} (OXCCL_PROP_SEED={seed} replays it), rank {r}:\n{out}"

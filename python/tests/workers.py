@@ -346,14 +346,15 @@ def timeout():
 
     comm = oxccl.init()
     if comm.rank == 1:
-        time.sleep(6)  # never calls; exits after rank 0 timed out
+        time.sleep(12)  # never calls; exits after rank 0 timed out
         return
     t0 = time.monotonic()
     try:
         comm.all_reduce(np.ones(8, np.float32), async_op=True).wait()
     except oxccl.TimeoutError as e:
         assert isinstance(e, TimeoutError)  # also the builtin
-        assert time.monotonic() - t0 < 5.5
+        # OXCCL_TIMEOUT=1 (test_api.py): ten times that.
+        assert time.monotonic() - t0 < 10
         _ok("timeout")
         return
     raise AssertionError("no timeout")

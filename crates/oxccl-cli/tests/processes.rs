@@ -173,15 +173,18 @@ fn child() {
         std::process::exit(0);
     }
     if mode == "idle" {
-        // Rank 0 arrives a second late; the others wait inside collectives meanwhile and must
-        // not burn a core doing so (spin briefly, then sleep on a futex or in poll).
+        // Rank 0 arrives three seconds late; the others wait inside collectives meanwhile and
+        // must not burn a core doing so (spin briefly, then sleep on a futex or in poll). A
+        // burnt core is ~3 s of CPU (still ~1 s with three other busy processes on two
+        // cores); the brief spin is milliseconds quiet: the bound, 0.5 s of CPU, is between
+        // (an absolute amount, not a share of the wall time a busy machine stretches).
         let comm = Communicator::from_env().unwrap();
         let cpu = || rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
         let secs = |t: rustix::time::Timespec| t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9;
         for (what, big) in [("barrier", false), ("all_reduce 4 MiB", true)] {
             comm.barrier().unwrap();
             if comm.rank() == 0 {
-                std::thread::sleep(Duration::from_secs(1));
+                std::thread::sleep(Duration::from_secs(3));
             }
             let (c0, w0) = (cpu(), Instant::now());
             if big {
@@ -196,9 +199,9 @@ fn child() {
                 comm.rank()
             );
             if comm.rank() != 0 {
-                assert!(wall > 0.5, "rank {} did not wait ({wall} s)", comm.rank());
+                assert!(wall > 1.5, "rank {} did not wait ({wall} s)", comm.rank());
                 assert!(
-                    used < 0.1 * wall,
+                    used < 0.5,
                     "rank {} burned {used:.3} s of CPU in {wall:.3} s of {what}",
                     comm.rank()
                 );
@@ -215,7 +218,13 @@ fn child() {
         let (rank, n) = (comm.rank(), comm.world_size());
         let mut rng = 0x2545_f491_4f6c_dd1d_u64 ^ (rank as u64 + 1);
         let mut slow = 0;
-        for i in 0..3000u32 {
+        // 3000 calls in the stress tier (OXCCL_STRESS=1), 300 otherwise.
+        let calls = if std::env::var("OXCCL_STRESS").is_ok_and(|v| v == "1") {
+            3000
+        } else {
+            300
+        };
+        for i in 0..calls {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;

@@ -258,7 +258,8 @@ fn run_round(
                 .env("OXCCL_EXIT_LEAVERS", list.join(","))
                 .env("OXCCL_EXIT_FORGET", if forget { "1" } else { "0" })
                 .env("OXCCL_SHM_RING_BYTES", "1M")
-                .env("OXCCL_TIMEOUT", "15")
+                // Long, so that "well before the timeout" (below) holds on a busy machine.
+                .env("OXCCL_TIMEOUT", "60")
                 .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
                 .env("OXCCL_TUNE_FILE", "")
                 .env("OXCCL_HOSTID", format!("exits-host-{}", r / path.per_host))
@@ -321,7 +322,7 @@ fn run_round(
     for &s in &survivors {
         signal(&kids[s], "-CONT");
     }
-    let by = Instant::now() + Duration::from_secs(25);
+    let by = Instant::now() + Duration::from_secs(75);
     let outs: Vec<_> = kids
         .into_iter()
         .map(|k| output_by(k, by, Duration::from_millis(5)))
@@ -366,7 +367,9 @@ fn run_round(
                 "survivor {r} ended with {:?}: {lines:?} {tail:?}",
                 o.status.code()
             ));
-        } else if msg.contains("timed out") || ms > 3000 || blamed.is_none_or(|b| b == r) {
+        } else if msg.contains("timed out") || ms > 30_000 || blamed.is_none_or(|b| b == r) {
+            // Quiet, milliseconds; at a load of 10 on 2 cores up to 10 s was seen: 30 s is
+            // still half the 60 s timeout.
             wrong.push(format!(
                 "survivor {r}'s next call did not fail promptly naming another rank: {next}"
             ));
@@ -573,8 +576,10 @@ fn hubless_round(
                 .env("OXCCL_HUBLESS_VICTIM", victim.to_string())
                 .env("OXCCL_HUBLESS_WAITS", w.join(","))
                 .env("OXCCL_TRANSPORT", transport)
-                .env("OXCCL_TIMEOUT", "10")
-                .env("OXCCL_HEARTBEAT_TIMEOUT", "5")
+                // Both past the bound below (30 s): the loss is heard from the victim's exit,
+                // not by the heartbeat nor the timeout, also on a busy machine.
+                .env("OXCCL_TIMEOUT", "60")
+                .env("OXCCL_HEARTBEAT_TIMEOUT", "40")
                 .env("OXCCL_TUNE_FILE", "");
             spawn_child(&mut c, r, tx.clone())
         })
@@ -651,7 +656,7 @@ fn hubless_round(
         &mut said,
         &mut errs,
         &|s: &[Vec<String>]| count(s, "ERR ") >= waiting.len(),
-        Duration::from_secs(12),
+        Duration::from_secs(45),
     );
     kill_all(&mut kids);
     let left = files_of(tag);
@@ -667,9 +672,10 @@ fn hubless_round(
                 }
                 let ms = at.duration_since(t_kill).as_millis();
                 times.push(format!("rank {a} {ms} ms"));
-                if ms > 3000 || oxccl::blamed_rank(e) != Some(victim) {
+                // Quiet, milliseconds; at a load of 10 on 2 cores up to 9 s was seen.
+                if ms > 30_000 || oxccl::blamed_rank(e) != Some(victim) {
                     wrong.push(format!(
-                        "rank {a} failed {ms} ms after the kill, not within 3 s naming rank {victim}: {e}"
+                        "rank {a} failed {ms} ms after the kill, not within 30 s naming rank {victim}: {e}"
                     ));
                 }
             }
@@ -1320,14 +1326,16 @@ fn a_rank_that_exits_inside_a_call_is_lost_not_gone() {
         &[
             ("OXCCL_INFLIGHT_CHILD", "1"),
             ("OXCCL_TRANSPORT", "shm"),
-            ("OXCCL_TIMEOUT", "15"),
-            ("OXCCL_HEARTBEAT_TIMEOUT", "5"),
+            // Both past the bound below (30 s): the loss is heard from rank 0's exit, also
+            // on a busy machine.
+            ("OXCCL_TIMEOUT", "60"),
+            ("OXCCL_HEARTBEAT_TIMEOUT", "40"),
         ],
     );
     let mut said: Vec<Vec<String>> = vec![Vec::new(); n];
     let mut err: Option<(String, Instant)> = None;
     let mut t_go = None;
-    let by = Instant::now() + Duration::from_secs(40);
+    let by = Instant::now() + Duration::from_secs(75);
     while err.is_none() {
         let Ok((r, l, at)) = rx.recv_timeout(by.saturating_duration_since(Instant::now())) else {
             break;
@@ -1354,8 +1362,9 @@ fn a_rank_that_exits_inside_a_call_is_lost_not_gone() {
     };
     let ms = at.duration_since(go).as_millis();
     assert!(
-        ms < 3000 && oxccl::blamed_rank(&e) == Some(0),
-        "rank 2 failed {ms} ms after rank 0 was told to exit, not within 3 s naming rank 0: {e}"
+        // Quiet, milliseconds; at a load of 15 on 2 cores 3.4 s was seen.
+        ms < 30_000 && oxccl::blamed_rank(&e) == Some(0),
+        "rank 2 failed {ms} ms after rank 0 was told to exit, not within 30 s naming rank 0: {e}"
     );
     println!("rank 2 failed {ms} ms after the go: {e}");
 }

@@ -32,8 +32,17 @@ fn seeds() -> Vec<Vec<u8>> {
     vec![h, frames, join, b"OXCCLAUT\x01\x00".to_vec()]
 }
 
+/// Cases per property: 3000, ten times that in the stress tier (`OXCCL_STRESS=1`).
+fn cases() -> u32 {
+    if std::env::var("OXCCL_STRESS").is_ok_and(|v| v == "1") {
+        30_000
+    } else {
+        3000
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn random_bytes(data in proptest::collection::vec(any::<u8>(), 0..300)) {

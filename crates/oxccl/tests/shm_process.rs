@@ -266,8 +266,9 @@ fn killed_peer(reap: bool) {
             .contains(&format!("process {pid} of rank 1 exited")),
         "{err}"
     );
+    // Quiet, within a 100 ms wait or two; a busy machine gets ten times that and more.
     assert!(
-        delay < Duration::from_secs(2),
+        delay < Duration::from_secs(10),
         "death noticed after {delay:?}"
     );
     eprintln!("killed child noticed after {delay:?}, {got} bytes received");

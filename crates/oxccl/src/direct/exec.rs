@@ -615,7 +615,7 @@ mod cadence_tests {
         const EVENTS: u64 = 8;
         let peer = std::thread::spawn(move || {
             for _ in 0..EVENTS {
-                std::thread::sleep(Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(500));
                 late.publish(&[], &EventRecord::default());
             }
             late
@@ -642,8 +642,10 @@ mod cadence_tests {
             cx.wait_all(e).expect("the peer publishes every event");
         }
         let learned = cx.direct.cadence().spin(base).budget;
-        // Every wait (20 ms) outlasts 2000 checks unless this thread lost its CPU meanwhile,
-        // which the doubling of a caught wait undoes at most once per wait.
+        // Every wait (500 ms; 2000 checks with a yield every 64 take about a millisecond
+        // quiet, some 100 ms where each yield gives the CPU away for a time slice) outlasts
+        // 2000 checks unless this thread lost its CPU meanwhile, which the doubling of a
+        // caught wait undoes at most once per wait.
         assert!(
             learned < base.budget,
             "learned {learned} after {EVENTS} spun-out waits"

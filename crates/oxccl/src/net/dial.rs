@@ -284,7 +284,12 @@ mod tests {
         let r = dial(addr, &SECRET, start + Duration::from_millis(2500))
             .run(|_, m| said.push(m.to_string()), |g| Error::Env(g.last_err));
         assert!(r.is_err());
-        assert!(start.elapsed() < Duration::from_secs(4));
+        // Ends at the 2.5 s deadline quiet; ten times that for a busy machine.
+        assert!(
+            start.elapsed() < Duration::from_secs(25),
+            "{:?}",
+            start.elapsed()
+        );
         let reports = said
             .iter()
             .filter(|m| m.contains("has not answered the oxccl handshake"))

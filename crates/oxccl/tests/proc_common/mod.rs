@@ -131,6 +131,12 @@ pub fn signal(k: &Child, sig: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Whether the stress tier runs this (`OXCCL_STRESS=1`, set by `scripts/test.sh stress`): long
+/// random loops then run their full counts.
+pub fn stress() -> bool {
+    std::env::var("OXCCL_STRESS").is_ok_and(|v| v == "1")
+}
+
 /// The whole number in environment variable `name`, or `default` where it is unset or not
 /// one (the tests' round counts).
 pub fn env_u64(name: &str, default: u64) -> u64 {
