@@ -5,7 +5,8 @@ on PATH only with build isolation; ``/path/venv/bin/pip install --no-build-isola
 from a shell where that venv is not activated would fail with ``FileNotFoundError:
 'maturin'`` although maturin is installed in the venv. This backend puts the directory of the
 maturin executable that belongs to the importable ``maturin`` package (the one the build
-uses) first on PATH, then hands every hook to maturin.
+uses) first on PATH, then hands every hook to maturin; ``build_wheel`` then adds the prebuilt
+C++ torch backend and the ``oxccl`` command to maturin's wheel (see below).
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ from maturin import *  # noqa: E402,F401,F403 - the PEP 517 hooks
 #   the wheel's data (``<name>.data/scripts/oxccl``): installers put it in the environment's
 #   bin directory. Added only when the source tree holds the CLI crate (a source
 #   distribution does not).
+#
+# The platform tag: maturin's manylinux tag for the Rust module, raised to the oldest
+# manylinux_2_N whose glibc and libstdc++ symbol versions cover the C++ module and the
+# command (``linux`` when that cannot be read); torch's own libraries, which the C++ module
+# links, are left out of that judgement as for any torch extension's wheel.
 #
 # ``OXCCL_WHEEL_TORCH_EXT=0`` and ``OXCCL_WHEEL_CLI=0`` (or the config settings
 # ``torch-ext=0`` and ``cli=0``) leave either out; ``=1`` makes its absence an error.
@@ -213,10 +219,86 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
-def _add_to_wheel(wheel: str, files: Dict[str, str], scripts: Dict[str, str]) -> None:
+#: manylinux policies (auditwheel's, for x86_64): the newest symbol
+#: version of glibc, libstdc++ (GLIBCXX, CXXABI) and libgcc_s (GCC) each allows.
+_MANYLINUX = [
+    (17, {"GLIBC": "2.17", "GLIBCXX": "3.4.19", "CXXABI": "1.3.7", "GCC": "4.8.0"}),
+    (24, {"GLIBC": "2.24", "GLIBCXX": "3.4.22", "CXXABI": "1.3.10", "GCC": "4.8.0"}),
+    (28, {"GLIBC": "2.28", "GLIBCXX": "3.4.24", "CXXABI": "1.3.11", "GCC": "7.0.0"}),
+    (31, {"GLIBC": "2.31", "GLIBCXX": "3.4.28", "CXXABI": "1.3.12", "GCC": "7.0.0"}),
+    (34, {"GLIBC": "2.34", "GLIBCXX": "3.4.29", "CXXABI": "1.3.13", "GCC": "7.0.0"}),
+    (35, {"GLIBC": "2.35", "GLIBCXX": "3.4.30", "CXXABI": "1.3.13", "GCC": "12.0.0"}),
+    (36, {"GLIBC": "2.36", "GLIBCXX": "3.4.30", "CXXABI": "1.3.13", "GCC": "12.0.0"}),
+    (38, {"GLIBC": "2.38", "GLIBCXX": "3.4.30", "CXXABI": "1.3.13", "GCC": "12.0.0"}),
+    (39, {"GLIBC": "2.39", "GLIBCXX": "3.4.33", "CXXABI": "1.3.15", "GCC": "14.0.0"}),
+]
+
+
+def _version(v: str) -> List[int]:
+    return [int(x) for x in v.split(".")]
+
+
+def _manylinux_minor(module: str) -> Optional[int]:
+    """The oldest manylinux_2_N whose glibc, libstdc++ and libgcc_s symbol versions cover what
+    `module` needs (read with ``readelf -V``), or None when that cannot be told. Libraries
+    outside those (torch's libc10, libtorch*) are not judged: they come with the torch the
+    wheel is for, as for any torch extension's wheel."""
+    try:
+        out = subprocess.run(["readelf", "-V", "--wide", module], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    needs: Dict[str, str] = {}
+    for name, ver in re.findall(r"Name: (GLIBC|GLIBCXX|CXXABI|GCC)_([0-9.]+)\b", out):
+        if name not in needs or _version(ver) > _version(needs[name]):
+            needs[name] = ver
+    for minor, allows in _MANYLINUX:
+        if all(_version(v) <= _version(allows[n]) for n, v in needs.items()):
+            return minor
+    return None
+
+
+def _retag(name: str, wheel_file: bytes, minor: Optional[int]) -> Any:
+    """The wheel's name and WHEEL file with each manylinux platform tag raised to
+    ``manylinux_2_<minor>`` at least (``linux`` when `minor` is None)."""
+
+    def fix(plat: str) -> str:
+        m = re.fullmatch(r"(?:manylinux_2_(\d+)|manylinux2014)_(\w+)", plat)
+        if m is None:
+            return plat
+        have = int(m.group(1) or 17)
+        if minor is None:
+            return f"linux_{m.group(2)}"
+        return f"manylinux_2_{max(have, minor)}_{m.group(2)}"
+
+    def fix_all(plats: str) -> str:
+        out: List[str] = []
+        for p in plats.split("."):
+            p = fix(p)
+            if p not in out:
+                out.append(p)
+        return ".".join(out)
+
+    stem, plats = name[: -len(".whl")].rsplit("-", 1)
+    new_name = f"{stem}-{fix_all(plats)}.whl"
+    lines = []
+    for line in wheel_file.decode().splitlines():
+        if line.startswith("Tag: "):
+            tag, plat = line[len("Tag: "):].rsplit("-", 1)
+            fixed = [f"Tag: {tag}-{p}" for p in fix_all(plat).split(".")]
+            lines.extend(f for f in fixed if f not in lines)
+        else:
+            lines.append(line)
+    return new_name, ("\n".join(lines) + "\n").encode()
+
+
+def _add_to_wheel(
+    wheel: str, files: Dict[str, str], scripts: Dict[str, str], manylinux: Optional[int], retag: bool
+) -> str:
     """Rewrites `wheel` with `files` (``{path in the wheel: file}``) and `scripts` (``{name:
     file}``, under ``<dist-info name>.data/scripts/``, executable), and a RECORD that lists
-    them."""
+    them; with `retag`, its platform tag raised to what `manylinux` (see :func:`_retag`)
+    says. Returns the new wheel's file name (in the same directory)."""
+    new_name = os.path.basename(wheel)
     with zipfile.ZipFile(wheel) as src:
         infos = src.infolist()
         record_name = next(i.filename for i in infos if i.filename.endswith(".dist-info/RECORD"))
@@ -234,6 +316,8 @@ def _add_to_wheel(wheel: str, files: Dict[str, str], scripts: Dict[str, str]) ->
                 if info.filename == record_name or info.filename in names:
                     continue
                 data = src.read(info)
+                if retag and info.filename.endswith(".dist-info/WHEEL"):
+                    new_name, data = _retag(os.path.basename(wheel), data, manylinux)
                 dst.writestr(info, data)
                 records.append(f"{info.filename},{_record_hash(data)},{len(data)}")
             for arc, path, mode in added:
@@ -246,7 +330,10 @@ def _add_to_wheel(wheel: str, files: Dict[str, str], scripts: Dict[str, str]) ->
                 records.append(f"{arc},{_record_hash(data)},{len(data)}")
             records.append(f"{record_name},,")
             dst.writestr(record_name, "\n".join(records) + "\n")
-    os.replace(tmp, wheel)
+    os.replace(tmp, os.path.join(os.path.dirname(wheel), new_name))
+    if new_name != os.path.basename(wheel):
+        os.unlink(wheel)
+    return new_name
 
 
 def build_wheel(wheel_directory: str, config_settings: Optional[dict] = None, metadata_directory: Optional[str] = None) -> str:
@@ -255,6 +342,15 @@ def build_wheel(wheel_directory: str, config_settings: Optional[dict] = None, me
     want_ext = _choice(config_settings, "torch-ext", "OXCCL_WHEEL_TORCH_EXT")
     want_cli = _choice(config_settings, "cli", "OXCCL_WHEEL_CLI")
     maturin_settings = {k: v for k, v in (config_settings or {}).items() if k not in ("torch-ext", "cli")}
+    # maturin's PEP 517 build tags the wheel `linux` unless told a compatibility; `pypi` has it
+    # check the Rust module and give the oldest manylinux tag it meets. A compatibility given
+    # by the caller (MATURIN_PEP517_ARGS, the config setting build-args) is kept, and so is its
+    # tag.
+    args = " ".join(_maturin.get_maturin_pep517_args(maturin_settings))
+    retag = "--compatibility" not in args and "--manylinux" not in args
+    if retag and sys.platform.startswith("linux"):
+        key = "maturin.build-args" if "maturin.build-args" in maturin_settings else "build-args"
+        maturin_settings[key] = (args + " --compatibility pypi").strip()
     name = _maturin.build_wheel(wheel_directory, maturin_settings or None, metadata_directory)
     wheel = os.path.join(wheel_directory, name)
     with tempfile.TemporaryDirectory(prefix="oxccl-wheel-") as tmp:
@@ -272,6 +368,8 @@ def build_wheel(wheel_directory: str, config_settings: Optional[dict] = None, me
             if exe is not None:
                 scripts["oxccl"] = exe
         if files or scripts:
-            _add_to_wheel(wheel, files, scripts)
+            modules = [p for a, p in files.items() if a.endswith(".so")] + list(scripts.values())
+            manylinux = max((_manylinux_minor(m) or 10**6 for m in modules), default=17)
+            name = _add_to_wheel(wheel, files, scripts, None if manylinux == 10**6 else manylinux, retag)
             _log(f"added to {name}: {', '.join(sorted(files) + ['scripts/' + s for s in scripts])}")
     return name
