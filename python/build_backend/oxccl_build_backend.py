@@ -312,7 +312,22 @@ def _add_to_wheel(
         tmp = wheel + ".tmp"
         records = []
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as dst:
-            for info in infos:
+            # The package's files, the added ones, then the metadata (last, as the wheel format
+            # recommends).
+            dist_info = record_name.split("/")[0] + "/"
+            ordered = [i for i in infos if not i.filename.startswith(dist_info)] + [None]
+            ordered += [i for i in infos if i.filename.startswith(dist_info)]
+            for info in ordered:
+                if info is None:
+                    for arc, path, mode in added:
+                        with open(path, "rb") as f:
+                            data = f.read()
+                        entry = zipfile.ZipInfo(arc, date_time=(2020, 1, 1, 0, 0, 0))
+                        entry.external_attr = (0o100000 | mode) << 16
+                        entry.compress_type = zipfile.ZIP_DEFLATED
+                        dst.writestr(entry, data)
+                        records.append(f"{arc},{_record_hash(data)},{len(data)}")
+                    continue
                 if info.filename == record_name or info.filename in names:
                     continue
                 data = src.read(info)
@@ -320,14 +335,6 @@ def _add_to_wheel(
                     new_name, data = _retag(os.path.basename(wheel), data, manylinux)
                 dst.writestr(info, data)
                 records.append(f"{info.filename},{_record_hash(data)},{len(data)}")
-            for arc, path, mode in added:
-                with open(path, "rb") as f:
-                    data = f.read()
-                info = zipfile.ZipInfo(arc, date_time=(2020, 1, 1, 0, 0, 0))
-                info.external_attr = (0o100000 | mode) << 16
-                info.compress_type = zipfile.ZIP_DEFLATED
-                dst.writestr(info, data)
-                records.append(f"{arc},{_record_hash(data)},{len(data)}")
             records.append(f"{record_name},,")
             dst.writestr(record_name, "\n".join(records) + "\n")
     os.replace(tmp, os.path.join(os.path.dirname(wheel), new_name))
