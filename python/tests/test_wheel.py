@@ -188,3 +188,70 @@ def test_other_torch_with_no_compiler_names_both_versions(installed):
     assert f"prebuilt C++ torch backend is for torch {FAKE_TORCH}" in out, out
     assert f"the installed torch is {torch.__version__}" in out, out
     assert f"install torch {FAKE_TORCH}" in out and "C++ compiler" in out, out
+
+
+# The build backend's wheel rewriting, on a small fake wheel (no build).
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "python", "build_backend"))
+    pytest.importorskip("maturin")
+    import oxccl_build_backend
+
+    return oxccl_build_backend
+
+
+def _fake_wheel(directory, name="oxccl-0.1.0-cp39-abi3-manylinux_2_17_x86_64.whl"):
+    with zipfile.ZipFile(directory / name, "w") as z:
+        z.writestr("oxccl/__init__.py", "x = 1\n")
+        z.writestr("oxccl-0.1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: cp39-abi3-manylinux_2_17_x86_64\n")
+        z.writestr("oxccl-0.1.0.dist-info/RECORD", "stale\n")
+    return name
+
+
+def test_added_files_are_recorded_and_retagged(backend, tmp_path):
+    import base64
+    import hashlib
+
+    name = _fake_wheel(tmp_path)
+    (tmp_path / "m.so").write_bytes(b"module")
+    (tmp_path / "exe").write_bytes(b"#!/bin/sh\n")
+    new = backend._add_to_wheel(str(tmp_path / name), {"oxccl/_torch_backend.x.so": str(tmp_path / "m.so")},
+                                {"oxccl": str(tmp_path / "exe")}, 34, True)
+    assert new == "oxccl-0.1.0-cp39-abi3-manylinux_2_34_x86_64.whl" and not (tmp_path / name).exists()
+    with zipfile.ZipFile(tmp_path / new) as z:
+        names = z.namelist()
+        assert names[-1].endswith("/RECORD") and names.index("oxccl-0.1.0.data/scripts/oxccl") < names.index("oxccl-0.1.0.dist-info/WHEEL")
+        assert (z.getinfo("oxccl-0.1.0.data/scripts/oxccl").external_attr >> 16) & 0o777 == 0o755
+        assert "Tag: cp39-abi3-manylinux_2_34_x86_64" in z.read("oxccl-0.1.0.dist-info/WHEEL").decode()
+        rows = [r.split(",") for r in z.read("oxccl-0.1.0.dist-info/RECORD").decode().split()]
+        assert sorted(r[0] for r in rows) == sorted(names)
+        for path, digest, size in rows:
+            if path.endswith("RECORD"):
+                continue
+            data = z.read(path)
+            want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert digest == f"sha256={want}" and int(size) == len(data), path
+    # No newer need than the Rust module's tag keeps it; an unreadable need gives `linux`.
+    assert backend._retag(new, b"Tag: cp39-abi3-manylinux_2_34_x86_64\n", 28)[0] == new
+    assert backend._retag(new, b"", None)[0] == "oxccl-0.1.0-cp39-abi3-linux_x86_64.whl"
+
+
+def test_a_failed_optional_part_is_left_out(backend, tmp_path, monkeypatch):
+    monkeypatch.setattr(backend._maturin, "build_wheel", lambda d, settings, meta: _fake_wheel(tmp_path))
+
+    def fail(tmp):
+        raise RuntimeError("the build of the C++ torch backend failed (exit status 1)")
+
+    monkeypatch.setattr(backend, "_torch_ext_files", fail)
+    monkeypatch.setattr(backend, "_cli_file", lambda: None)
+    for var in ("OXCCL_WHEEL_TORCH_EXT", "OXCCL_WHEEL_CLI", "MATURIN_PEP517_ARGS"):
+        monkeypatch.delenv(var, raising=False)
+    name = backend.build_wheel(str(tmp_path))  # by default: left out, the wheel is made
+    with zipfile.ZipFile(tmp_path / name) as z:
+        assert not [n for n in z.namelist() if "_torch_backend" in n]
+    with pytest.raises(RuntimeError, match="C\\+\\+ torch backend failed"):
+        backend.build_wheel(str(tmp_path), {"torch-ext": "1"})
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        backend.build_wheel(str(tmp_path), {"cli": "maybe"})
