@@ -10,6 +10,11 @@ fails (no compiler, no torch headers) it warns and the Python backend serves.
     python -m oxccl.build_torch_ext            # builds into the package (next to this file)
     python -m oxccl.build_torch_ext --cache    # builds into the cache import oxccl.torch uses
 
+A wheel built by ``pip wheel --no-build-isolation ./python`` in a venv with torch carries a
+build for that torch in the package, with its record: installed with that torch it serves
+with no build; with another torch the first import builds one as above, or, where that
+fails, the warning names both torch versions.
+
 A build is usable only for the torch version, oxccl version, Python and C++ sources it was
 built from, and only while the library is the file that was built (its size and sha256): all
 recorded in ``_torch_backend.json`` beside it; anything else is rebuilt.
@@ -288,11 +293,43 @@ def _die_with_parent(parent: int) -> None:
         kill_group(signal.SIGTERM, None)
 
 
+def _packaged_note(k: Dict[str, str]) -> str:
+    """When the package holds a build (a wheel's) for another torch or Python than this
+    process's: a sentence naming both and the fixes, to append to a :class:`BuildUnavailable`
+    message; else ""."""
+    stamp = _read_stamp(HERE)
+    built = stamp.get("key") if stamp is not None else None
+    if not isinstance(built, dict) or built == k:
+        return ""
+    fix = "a C++ compiler (then the first import builds it once)"
+    if built.get("torch") != k["torch"]:
+        return (
+            f"; this oxccl package's prebuilt C++ torch backend is for torch {built.get('torch')}, "
+            f"the installed torch is {k['torch']}: install torch {built.get('torch')}, or {fix}, or "
+            f"an oxccl wheel built with torch {k['torch']} (`pip wheel --no-build-isolation ./python` "
+            "in a venv that has it)"
+        )
+    differs = ", ".join(f"{n} {built.get(n)!r} (here {k[n]!r})" for n in sorted(k) if built.get(n) != k[n])
+    return f"; this oxccl package's prebuilt C++ torch backend was built for {differs}: install {fix}"
+
+
 def find_or_build() -> str:
     """The path of a usable built module: the package's, else the cache's, else one built now
     into the cache (once across processes: the others wait on a file lock, bounded by
-    ``OXCCL_TORCH_EXT_TIMEOUT``). Raises :class:`BuildUnavailable` when there is none."""
+    ``OXCCL_TORCH_EXT_TIMEOUT``). Raises :class:`BuildUnavailable` when there is none; its
+    message names the versions a prebuilt module in the package (a wheel's) was made for
+    when they are not this process's."""
     k = key()
+    try:
+        return _find_or_build(k)
+    except BuildUnavailable as e:
+        note = _packaged_note(k)
+        if not note:
+            raise
+        raise BuildUnavailable(str(e) + note) from None
+
+
+def _find_or_build(k: Dict[str, str]) -> str:
     found = usable(HERE, k) or usable(cache_dir(k), k)
     if found:
         return found

@@ -1,7 +1,10 @@
 """One-step install: ``.venv/bin/pip install --no-build-isolation ./python`` (as python/README.md
-gives it, in a venv that is not activated) in a fresh venv gives the C++ torch backend with
-no second command (built once, on first ``import oxccl.torch``, into the cache), and the
-Python backend with a warning when it cannot be built."""
+gives it, in a venv that is not activated) in a fresh venv, here with the wheel's prebuilt
+C++ torch backend and command left out (``OXCCL_WHEEL_TORCH_EXT=0``, ``OXCCL_WHEEL_CLI=0``: as
+a build with no torch in its environment gives; test_wheel.py covers the wheel with them),
+gives the C++ torch backend with no second command (built once, on first
+``import oxccl.torch``, into the cache), and the Python backend with a warning when it cannot
+be built."""
 
 import os
 import shutil
@@ -72,6 +75,7 @@ def venv(tmp_path_factory):
     assert not (env_dir / "bin" / "maturin").exists()
     env = dict(os.environ, CARGO_TARGET_DIR=os.path.join(REPO, "python", "target"))
     env["PATH"] = _without_maturin_on_path(env.get("PATH", ""))
+    env.update(OXCCL_WHEEL_TORCH_EXT="0", OXCCL_WHEEL_CLI="0")
     for name in ("PYTHONPATH", "VIRTUAL_ENV"):
         env.pop(name, None)
     t0 = time.monotonic()
