@@ -5,7 +5,7 @@
 # stops. Under each launcher:
 #   - `oxccl perf all_reduce` runs as one rank per process and checks its results;
 #   - examples/python/launchers_torch.py (DDP on a small model) runs once over gloo and once
-#     over oxccl, and the digests of the trained weights must be the same.
+#     over oxccl: the trained weights must be equal (to rounding beyond 2 ranks).
 # A launcher that is missing is skipped with the reason; anything that fails is an error.
 #
 #   scripts/launchers.sh                  # oxccl from target/release, else target/debug
@@ -43,6 +43,7 @@ cleanup() {
   rm -rf "$TMP"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM  # the EXIT trap then stops the daemons
 
 port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)); }
 
@@ -77,7 +78,7 @@ PYEOF
 
 echo "== mpirun"
 if command -v mpirun >/dev/null; then
-  MPI=(mpirun -n 4)
+  MPI=(timeout 300 mpirun -n 4)
   [ "$(id -u)" = 0 ] && MPI+=(--allow-run-as-root)
   MPI+=(--oversubscribe --bind-to none -x OXCCL_SECRET -x OMP_NUM_THREADS -x PYTHONUNBUFFERED)
   P=$(port)
@@ -96,7 +97,7 @@ fi
 
 echo "== torchrun"
 if [ $HAVE_TORCH = 1 ]; then
-  TR=("$PY" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1)
+  TR=(timeout 300 "$PY" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1)
   P=$(port)
   "${TR[@]}" --master-port "$P" --no-python "$BIN" perf "${PERF_ARGS[@]}" > "$TMP/torchrun.perf" 2>&1 \
     || { cat "$TMP/torchrun.perf"; echo "FAIL: oxccl perf under torchrun" >&2; exit 1; }
@@ -174,10 +175,11 @@ EOF
     echo "FAIL: slurmctld and slurmd did not come up" >&2
     exit 1
   fi
-  SR=(srun -n 4 --oversubscribe --time 5)
+  # --overcommit: 4 tasks on a host with fewer CPUs; timeout: a job that never starts fails.
+  SR=(timeout 300 srun -n 4 --overcommit --time 5)
   P=$(port)
   MASTER_ADDR=127.0.0.1 MASTER_PORT=$P "${SR[@]}" "$BIN" perf "${PERF_ARGS[@]}" > "$TMP/srun.perf" 2>&1 \
-    || { cat "$TMP/srun.perf"; echo "FAIL: oxccl perf under srun" >&2; exit 1; }
+    || { cat "$TMP/srun.perf"; tail -n 20 "$S/slurmctld.log" "$S/slurmd.log"; echo "FAIL: oxccl perf under srun" >&2; exit 1; }
   check_perf "$TMP/srun.perf" 4
   echo "ok: srun -n 4 oxccl perf ${PERF_ARGS[*]}"
   if [ $HAVE_TORCH = 1 ]; then
