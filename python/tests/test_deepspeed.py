@@ -5,6 +5,7 @@ stage. The script imports no oxccl; the backend name comes from the package's to
 
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -22,7 +23,10 @@ def train(backend, tmp_path):
     out = tmp_path / f"p_{backend}.pt"
     results = launch(
         2, script=SCRIPT, args=["--backend", backend, "--stage", *STAGES, "--out", out],
-        env={"DS_ACCELERATOR": "cpu"}, timeout=400,
+        # DeepSpeed's cpu accelerator compiles its shared-memory op at init_distributed
+        # (whatever the backend; once, cached by torch) and wants ninja on PATH: the venv's.
+        env={"DS_ACCELERATOR": "cpu", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")},
+        timeout=600,
     )
     for s in STAGES:
         assert f"ZeRO stage {s}, 2 ranks over {backend}: loss" in results[0][1], results[0][1][-3000:]
