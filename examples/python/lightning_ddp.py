@@ -13,6 +13,7 @@ the trained weights (``--out``) are the same under every backend that sums alike
 import argparse
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 try:
@@ -65,8 +66,6 @@ def main():
     )
     model = Regression()
     trainer.fit(model, data)
-    import torch.distributed as dist
-
     backend = dist.get_backend()
     # Every rank's weights, gathered: DDP keeps them identical.
     w = torch.cat([p.detach().flatten() for p in model.parameters()])
