@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks and tests of oxccl, in tiers. Each tier is one command; several can be given
 # together (`./scripts/test.sh fast procs`); with none, the tiers CI runs (.ci/run): fast,
-# procs, cluster, torch, in that order.
+# procs, cluster, torch, frameworks, in that order.
 #
 #   ./scripts/test.sh fast     formatting, clippy (warnings are errors), the library's unit
 #                              tests, doc tests and the in-process test binaries (ranks as
@@ -14,6 +14,10 @@
 #   ./scripts/test.sh torch    the Python package and its torch backend: a virtual environment
 #                              at .venv, the extension built in release mode, pytest, then
 #                              PyTorch's own distributed suite (scripts/torch_suite.sh)
+#   ./scripts/test.sh frameworks  Lightning, DeepSpeed (ZeRO 1-3), the HF Trainer and Ray Train
+#                              over oxccl against gloo (installed into .venv from PyPI), and the
+#                              launchers (scripts/launchers.sh: mpirun, torchrun, and as root
+#                              a Slurm this tier installs from Debian and starts)
 #   ./scripts/test.sh stress   not run by CI: the loom models (scripts/loom.sh), the tests that
 #                              need a race to happen (`#[ignore]`d tests named `stress_*`,
 #                              retried until they see it), the fuzz smoke test and the long
@@ -56,8 +60,10 @@ PROCS_TESTS=(
 # counts) by the stress tier.
 STRESS_LOOPS=(kills startup faults processes)
 
-ALL_TIERS=(fast procs cluster torch stress)
-DEFAULT_TIERS=(fast procs cluster torch)
+ALL_TIERS=(fast procs cluster torch frameworks stress)
+DEFAULT_TIERS=(fast procs cluster torch frameworks)
+# The pytest files of the frameworks tier (the torch tier runs every other one).
+FRAMEWORK_TESTS=(test_lightning.py test_deepspeed.py test_hf_trainer.py test_ray_train.py)
 
 free_gb() { df -Pk . | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
 
@@ -154,12 +160,50 @@ tier_torch() {
   python_env
   echo "== python: pytest"
   local rc=0 suite_rc=0
-  .venv/bin/python -m pytest -q -p no:cacheprovider python/tests || rc=$?
+  local ignore=() f
+  for f in "${FRAMEWORK_TESTS[@]}"; do ignore+=(--ignore "python/tests/$f"); done
+  .venv/bin/python -m pytest -q -p no:cacheprovider "${ignore[@]}" python/tests || rc=$?
   if [ "$rc" -eq 5 ]; then echo "pytest collected no tests" >&2; fi
   echo "== python: PyTorch's own distributed test suite against oxccl (scripts/torch_suite.sh)"
   ./scripts/torch_suite.sh || suite_rc=$?
   if [ "$rc" -ne 0 ]; then return "$rc"; fi
   return "$suite_rc"
+}
+
+tier_frameworks() {
+  python_env
+  echo "== frameworks: lightning, deepspeed, transformers, accelerate, ray[train] (PyPI)"
+  if ! .venv/bin/python -c "import lightning, deepspeed, transformers, accelerate, ray.train" 2>/dev/null; then
+    mkdir -p target/pip-tmp
+    TMPDIR="$PWD/target/pip-tmp" .venv/bin/pip install -q --no-cache-dir \
+      lightning deepspeed transformers accelerate "ray[train]"
+    rm -rf target/pip-tmp
+  fi
+  # DeepSpeed compiles its CPU shared-memory op at init_distributed whatever the backend
+  # (minutes, once; torch caches it): compiled here so that no test's timeout includes it.
+  echo "== frameworks: DeepSpeed's CPU op, built once"
+  DS_ACCELERATOR=cpu PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c \
+    "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+  if [ "$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null; then
+    echo "== frameworks: Slurm from Debian (slurmd, slurmctld, slurm-client)"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      slurmd slurmctld slurm-client >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends slurmd slurmctld slurm-client >/dev/null
+    fi
+  fi
+  if [ "$(id -u)" = 0 ] && ! command -v mpirun >/dev/null; then
+    echo "== frameworks: Open MPI from Debian"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
+  fi
+  echo "== frameworks: pytest (${FRAMEWORK_TESTS[*]})"
+  local rc=0 args=() f
+  for f in "${FRAMEWORK_TESTS[@]}"; do args+=("python/tests/$f"); done
+  .venv/bin/python -m pytest -q -p no:cacheprovider -rs "${args[@]}" || rc=$?
+  echo "== frameworks: launchers (scripts/launchers.sh)"
+  cargo build --release --locked -p oxccl-cli
+  PYTHON=.venv/bin/python ./scripts/launchers.sh || rc=$?
+  return "$rc"
 }
 
 tier_stress() {
