@@ -414,7 +414,7 @@ fn check_survivors(outs: &[String], errs: &str, killed: u128, victim: usize, wha
 }
 
 #[test]
-fn a_rank_killed_at_a_random_moment_is_reported_by_every_survivor_within_2s() {
+fn a_rank_killed_at_a_random_moment_is_reported_by_every_survivor() {
     let rounds = env_num("OXCCL_FAULT_ROUNDS", if stress() { 20 } else { 3 });
     let base = now_ns() as u64;
     for transport in ["shm", "tcp"] {
@@ -535,7 +535,7 @@ fn oxccl_run_blames_the_killed_rank_even_when_it_sees_every_death_at_once() {
 }
 
 #[test]
-fn a_rank_killed_between_calls_is_reported_within_2s() {
+fn a_rank_killed_between_calls_is_reported_by_the_watchdog() {
     for transport in ["shm", "tcp"] {
         let seed = 11;
         let (outs, errs, killed) = run_ranks(4, "between", transport, seed, 2);
@@ -550,7 +550,7 @@ fn a_rank_killed_between_calls_is_reported_within_2s() {
 }
 
 #[test]
-fn a_frozen_rank_is_reported_by_the_heartbeat_within_2s() {
+fn a_frozen_rank_is_reported_by_the_heartbeat() {
     for transport in ["shm", "tcp"] {
         let (outs, errs, killed) = run_ranks(3, "stop", transport, 5, 1);
         check_survivors(&outs, &errs, killed, 1, &format!("SIGSTOP, {transport}"));
