@@ -19,22 +19,30 @@ SCRIPT = os.path.join(REPO, "examples", "python", "deepspeed_zero.py")
 STAGES = (1, 2, 3)
 
 
-def train(backend, tmp_path):
+def train(backend, tmp_path, attempts=1):
     out = tmp_path / f"p_{backend}.pt"
-    results = launch(
-        2, script=SCRIPT, args=["--backend", backend, "--stage", *STAGES, "--out", out],
-        # DeepSpeed's cpu accelerator compiles its shared-memory op at init_distributed
-        # (whatever the backend; once, cached by torch) and wants ninja on PATH: the venv's.
-        env={"DS_ACCELERATOR": "cpu", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")},
-        timeout=600,
-    )
+    for attempt in range(attempts):
+        results = launch(
+            2, script=SCRIPT, args=["--backend", backend, "--stage", *STAGES, "--out", out],
+            # DeepSpeed's cpu accelerator compiles its shared-memory op at init_distributed
+            # (whatever the backend; once, cached by torch) and wants ninja on PATH: the venv's.
+            env={"DS_ACCELERATOR": "cpu", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")},
+            timeout=600,
+            expect_ok=attempt == attempts - 1,
+        )
+        if all(rc == 0 for rc, _ in results):
+            break
+        # Only the gloo reference gets a second run: under load its non-root rank has been seen
+        # to abort in teardown ("terminate called without an active exception") after every
+        # collective had completed. Whatever oxccl's run does is the product and is judged once.
+        print(f"{backend} reference run {attempt} failed, rerunning: {[rc for rc, _ in results]}\n{results[1][1][-2000:]}")
     for s in STAGES:
         assert f"ZeRO stage {s}, 2 ranks over {backend}: loss" in results[0][1], results[0][1][-3000:]
     return torch.load(out)
 
 
 def test_zero_stages_same_parameters_as_gloo(tmp_path):
-    ref = train("gloo", tmp_path)
+    ref = train("gloo", tmp_path, attempts=2)
     got = train("oxccl", tmp_path)
     for s in STAGES:
         assert torch.equal(ref[s], got[s]), (s, (ref[s] - got[s]).abs().max())
