@@ -44,3 +44,8 @@ def test_python_examples(script):
     res = launch(2, script=os.path.join(REPO, "examples", "python", script))
     for _, out in res:
         assert "done" in out, out
+
+
+def test_set_default_timeout_bounds_later_calls():
+    res = launch(2, "torch_set_default_timeout", timeout=120)
+    assert "set default timeout ok" in res[0][1], res[0][1]

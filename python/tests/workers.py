@@ -360,6 +360,40 @@ def timeout():
     raise AssertionError("no timeout")
 
 
+def torch_set_default_timeout():
+    """``dist.set_timeout`` (``ProcessGroup.set_timeout``, as gloo's): the group was made
+    with a 600 s timeout; after it is set to 2 s, a call that rank 1 never joins fails on
+    rank 0 with a timeout error well before 600 s (the test's 120 s bound catches a value
+    left ignored)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import oxccl
+
+    dist.init_process_group("oxccl", timeout=timedelta(seconds=600))
+    pg = dist.group.WORLD
+    with pytest_raises(Exception, "not positive"):
+        pg.set_timeout(timedelta(0))
+    dist.set_timeout(timedelta(seconds=2))
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        store.wait(["timed out"], timedelta(seconds=100))  # never calls; alive meanwhile
+        return
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+    except oxccl.TimeoutError as e:
+        print(f"rank 0: timed out after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+        assert "all_reduce" in str(e), e
+        _ok("set default timeout")
+        return
+    finally:
+        store.set("timed out", "1")
+    raise AssertionError("no timeout")
+
+
 # ---------------------------------------------------------------------------------------------
 # The torch backend, against gloo.
 # ---------------------------------------------------------------------------------------------

@@ -136,6 +136,10 @@ oxcclResult_t oxcclCommUserRank(const oxcclComm_t comm, int* rank);
 /* *seconds = the communicator's timeout: the bound on each call (OXCCL_TIMEOUT).
  * oxcclInvalidArgument for a NULL argument. */
 oxcclResult_t oxcclCommTimeout(const oxcclComm_t comm, double* seconds);
+/* Sets the communicator's timeout, the bound on each later call, instead of OXCCL_TIMEOUT;
+ * it holds for every handle of the communicator. oxcclInvalidArgument for a NULL comm or a
+ * timeout that is not a number of at least 0.001 seconds. */
+oxcclResult_t oxcclCommSetTimeout(const oxcclComm_t comm, double seconds);
 
 /* Collectives, as NCCL's. Counts are in elements of `datatype`. In place as NCCL:
  * sendbuff == recvbuff; for all-gather sendbuff == recvbuff + rank*sendcount; for
@@ -229,7 +233,7 @@ oxcclResult_t oxcclMemFree(void* ptr);
  * oxcclCommInitRank and oxcclCommInitFromEnv (communicators come from Python there), in this
  * order. Check version (at least the one you need) and size before use: entries are only
  * added at the end, raising the version. */
-#define OXCCL_API_VERSION 2
+#define OXCCL_API_VERSION 3
 typedef struct {
   uint32_t version; /* OXCCL_API_VERSION */
   uint32_t size;    /* sizeof(oxcclApi_t) */
@@ -254,6 +258,7 @@ typedef struct {
   oxcclResult_t (*work_free)(oxcclWork_t);
   oxcclResult_t (*mem_alloc)(void**, size_t);  /* since version 2 */
   oxcclResult_t (*mem_free)(void*);            /* since version 2 */
+  oxcclResult_t (*comm_set_timeout)(const oxcclComm_t, double); /* since version 3 */
 } oxcclApi_t;
 
 /* This library's function table; static, never NULL, never fails. */

@@ -153,7 +153,26 @@ pub extern "C" fn oxcclCommUserRank(comm: *const oxcclComm, rank: *mut c_int) ->
 #[no_mangle]
 pub extern "C" fn oxcclCommTimeout(comm: *const oxcclComm, seconds: *mut f64) -> oxcclResult_t {
     guard(|| {
-        *out(seconds, "seconds")? = handle(comm)?.comm.config().timeout.as_secs_f64();
+        *out(seconds, "seconds")? = handle(comm)?.comm.timeout().as_secs_f64();
+        Ok(())
+    })
+}
+
+/// `oxcclCommSetTimeout`: sets the communicator's timeout (each later call's bound), in
+/// seconds, instead of `OXCCL_TIMEOUT`; it holds for every handle of the communicator.
+#[no_mangle]
+pub extern "C" fn oxcclCommSetTimeout(comm: *const oxcclComm, seconds: f64) -> oxcclResult_t {
+    guard(|| {
+        let c = &handle(comm)?.comm;
+        // As OXCCL_TIMEOUT's own lower bound: a call cannot be given less than a millisecond.
+        if !(seconds.is_finite() && seconds >= 1e-3) {
+            return Err(CError::invalid(format!(
+                "rank {}: oxcclCommSetTimeout: the timeout {seconds} s is not a number of \
+                 seconds of at least 0.001",
+                c.rank()
+            )));
+        }
+        c.set_timeout(std::time::Duration::from_secs_f64(seconds.min(1e9)));
         Ok(())
     })
 }

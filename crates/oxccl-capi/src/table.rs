@@ -14,7 +14,7 @@ use crate::work::*;
 
 /// The table's layout version (`OXCCL_API_VERSION` in `oxccl.h`); raised whenever an entry is
 /// added, removed or changed.
-pub const API_VERSION: u32 = 2;
+pub const API_VERSION: u32 = 3;
 
 type Coll = extern "C" fn(
     *const u8,
@@ -94,6 +94,8 @@ pub struct oxcclApi {
     pub mem_alloc: extern "C" fn(*mut *mut c_void, usize) -> oxcclResult_t,
     /// [`oxcclMemFree`] (since version 2).
     pub mem_free: extern "C" fn(*mut c_void) -> oxcclResult_t,
+    /// [`oxcclCommSetTimeout`] (since version 3).
+    pub comm_set_timeout: extern "C" fn(*const oxcclComm, f64) -> oxcclResult_t,
 }
 
 /// The table of this library instance.
@@ -121,6 +123,7 @@ pub static API: oxcclApi = oxcclApi {
     work_free: oxcclWorkFree,
     mem_alloc: oxcclMemAlloc,
     mem_free: oxcclMemFree,
+    comm_set_timeout: oxcclCommSetTimeout,
 };
 
 /// `oxcclGetApi`: this library's function table.

@@ -57,7 +57,7 @@ impl WorkState {
             done: Condvar::new(),
             finished: AtomicBool::new(false),
             rank: comm.rank(),
-            timeout: comm.config().timeout,
+            timeout: comm.timeout(),
             calls: calls.len(),
         });
         let job = Arc::clone(&state);

@@ -330,3 +330,45 @@ fn all_reduce_on_mem_alloc_buffers_matches_a_reference() {
         }
     });
 }
+
+#[test]
+fn set_timeout_changes_what_the_communicator_reports_and_refuses_nonsense() {
+    two_ranks(|_, comm| {
+        let mut s = 0.0;
+        ok(oxcclCommTimeout(comm, &mut s));
+        assert_eq!(s, 20.0); // OXCCL_TIMEOUT, set by two_ranks
+        ok(oxcclCommSetTimeout(comm, 2.5));
+        ok(oxcclCommTimeout(comm, &mut s));
+        assert_eq!(s, 2.5);
+        for bad in [0.0, -1.0, 1e-4, f64::NAN, f64::INFINITY] {
+            assert_eq!(
+                oxcclCommSetTimeout(comm, bad),
+                oxcclInvalidArgument,
+                "{bad}"
+            );
+            assert!(
+                last_error().contains("oxcclCommSetTimeout"),
+                "{}",
+                last_error()
+            );
+        }
+        ok(oxcclCommTimeout(comm, &mut s));
+        assert_eq!(s, 2.5);
+        assert_eq!(
+            oxcclCommSetTimeout(std::ptr::null(), 1.0),
+            oxcclInvalidArgument
+        );
+        // the calls go on, under the new bound
+        let x = [1.0f32; 4];
+        let mut out = [0.0f32; 4];
+        ok(oxcclAllReduce(
+            x.as_ptr().cast(),
+            out.as_mut_ptr().cast(),
+            4,
+            FLOAT32,
+            0,
+            comm,
+        ));
+        assert_eq!(out, [2.0; 4]);
+    });
+}

@@ -543,6 +543,20 @@ class BackendOxcclCpp : public c10d::Backend {
 
   const std::string getBackendName() const override { return "oxccl"; }
   bool supportsSplitting() const override { return true; }
+
+  // dist.set_timeout (ProcessGroup.set_timeout): the bound on every later call of the group (the
+  // communicator's timeout, which the calls handed to the Python backend share), and the
+  // group's timeout for the groups made from it.
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    if (timeout.count() <= 0)
+      raise(oxcclInvalidArgument, "oxccl: rank " + std::to_string(getRank()) +
+                                      ": set_timeout: the timeout (" + std::to_string(timeout.count()) +
+                                      " ms) is not positive");
+    check(api_->comm_set_timeout(comm_, timeout.count() / 1000.0));
+    timeout_s_ = timeout.count() / 1000.0;
+    py::gil_scoped_acquire gil;
+    py_.attr("_timeout") = py::module_::import("datetime").attr("timedelta")(py::arg("milliseconds") = timeout.count());
+  }
   bool supportsCoalescing() const override { return false; }
 
   c10::intrusive_ptr<Options> getBackendOptions() override {
@@ -968,7 +982,7 @@ class BackendOxcclCpp : public c10d::Backend {
   py::object wrap_;
   const oxcclApi_t* api_;
   oxcclComm_t comm_;
-  double timeout_s_;
+  std::atomic<double> timeout_s_;
   bool held_ = false;
   uint64_t seq_ = 0;  // collectives called (getSequenceNumberForGroup)
   std::shared_ptr<Group> group_;
