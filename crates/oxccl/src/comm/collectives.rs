@@ -14,6 +14,7 @@ use crate::direct::link::Direct;
 use crate::exec::p2p::{self, P2pOp};
 use crate::exec::{self, Buffers};
 use crate::fault::fingerprint::{CallPrint, Fingerprint, P2pCall};
+use crate::plan::call_plan::{Facts, Planner, Sharing};
 use crate::plan::tune;
 use crate::sched::{Coll, CollKind};
 use crate::transport::tcp::lazy::LazyTcp;
@@ -105,14 +106,23 @@ impl Communicator {
             mapped_min: self.cfg.mapped_min,
             deterministic: self.cfg.deterministic,
         };
-        let algo = self
-            .model
-            .choose(&situation, self.topo.as_deref(), self.forced_algo);
-        let mapped_first = tune::mapped_first(&situation, self.forced_algo, algo);
-        debug!(seq, call = name, count = call.count, dtype = %call.dtype, algo = algo.name(), mapped_first, "call");
+        // The call's plan: final here unless it depends on the ranks' buffers, which they
+        // agree on in the call's first direct event (exec::Call::collective), and then what
+        // runs unless every rank shares (what the flight recorder shows until the call ends).
+        let planner = Planner {
+            model: &self.model,
+            topo: self.topo.as_deref(),
+            facts: Facts {
+                situation,
+                forced: self.forced_algo,
+                oneshot_mapped_min: self.cfg.oneshot_mapped_min,
+            },
+        };
+        let first = planner.plan(Sharing::NotAsked);
+        debug!(seq, call = name, count = call.count, dtype = %call.dtype, plan = ?first, "call");
         let fp = Fingerprint::of(call.kind, call.dtype, call.op, call.count, call.root);
         let print = st.seqr.next(self.rank, seq, call.kind, fp);
-        let mut timing = self.guard.begin(seq, name, &print, algo.name());
+        let mut timing = self.guard.begin(seq, name, &print, first.name());
         let State {
             links,
             scratch,
@@ -138,15 +148,12 @@ impl Communicator {
             scratch,
             held: stash.held_mut(),
             nt_bytes: self.cfg.nt_bytes,
-            mapped_min: self.cfg.oneshot_mapped_min,
-            mapped_first,
             lazy: lazy.as_mut(),
         }
-        .collective(algo, coll, self.topo.as_ref(), &mut bufs);
+        .collective(&planner, first, coll, self.topo.as_ref(), &mut bufs);
         Self::drop_made(lazy);
-        // What ran: one-shot and `mapped_first` calls go single-copy where every rank's
-        // buffers are shared (perf's algo column, the timeline).
-        let ran = res.as_ref().map_or(algo, |a| *a);
+        // The plan that ran (perf's algo column, the flight recorder, the timeline).
+        let ran = res.as_ref().map_or(first, |p| *p);
         st.last_algo = ran.name();
         let res = self
             .guard

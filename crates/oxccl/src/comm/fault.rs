@@ -335,7 +335,7 @@ impl Supervisor {
             }
         }
         let err = res.as_ref().err();
-        self.recorder.end(seq, err.map(|e| e.to_string()));
+        self.recorder.end_as(seq, algo, err.map(|e| e.to_string()));
         if let Some(m) = &self.metrics {
             m.end(seq, call, &print.fp, err.is_some());
             if let Some(e) = err {

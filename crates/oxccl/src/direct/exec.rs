@@ -40,9 +40,6 @@ pub(crate) struct DirectCtx<'a> {
     /// Out-of-place results are written with streaming stores from this footprint on
     /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
     pub nt_bytes: usize,
-    /// One-shot inputs from this size on may run through shared buffers
-    /// ([`Config::oneshot_mapped_min`](crate::base::param::Config::oneshot_mapped_min)).
-    pub mapped_min: usize,
 }
 
 fn mismatch(
@@ -469,7 +466,6 @@ mod tests {
                 links: Some(&mut links),
                 step_ends: None,
                 nt_bytes: usize::MAX,
-                mapped_min: usize::MAX,
             };
             cx.begin(&[], EventRecord::default())
         };
@@ -547,7 +543,6 @@ mod access_error_tests {
             links: None,
             step_ends: None,
             nt_bytes: 0,
-            mapped_min: usize::MAX,
         };
         cx.read_error(peer, efault())
     }
@@ -635,7 +630,6 @@ mod cadence_tests {
             links: None,
             step_ends: None,
             nt_bytes: 0,
-            mapped_min: usize::MAX,
         };
         for _ in 0..EVENTS {
             let e = cx.direct.publish(&[], &EventRecord::default());

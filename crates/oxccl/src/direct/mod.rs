@@ -3,8 +3,10 @@
 //! shared memory), through which run one-shot collectives (data in the slots, [`oneshot`]) and
 //! single-copy ones (straight between ranks' buffers, [`cma`]: `process_vm_readv`/`writev`, or
 //! loads and stores into peers' mapped [`shared_buffer`]s, which [`shared_pool`] caches for
-//! allocations without a communicator); [`exec`] publishes and waits.
+//! allocations without a communicator); [`exec`] publishes and waits; [`agree`] is the
+//! agreement on shared buffers a call's plan may depend on.
 
+pub(crate) mod agree;
 pub(crate) mod cma;
 pub(crate) mod exec;
 pub(crate) mod hugepages;

@@ -9,91 +9,55 @@
 //! ([`Direct::slot_bytes`](crate::direct::link::Direct::slot_bytes)).
 //!
 //! From `OXCCL_ONESHOT_MAPPED_MIN` bytes on (8 KiB by default; all_reduce, reduce_scatter,
-//! all_gather), a rank whose input and output both lie in shared buffers (`Communicator::alloc_shared`, torch's shared-memory
-//! allocator) publishes where they lie instead of copying its input into its slot (the first
-//! event's record then holds its buffers; a rank that copied leaves the record empty), and
-//! every rank reads from the first event who did what, so all decide alike:
-//! - every rank shared: the call goes on as single-copy ([`cma`](crate::direct::cma)), each
-//!   rank folding its block straight from the peers' mapped buffers into theirs: no copy into
-//!   a slot, whose lines the peer still holds from its last read (2-4x faster at 8-32 KB);
-//! - none: the slots hold every input, as above;
-//! - some: every rank publishes its input in a second event and folds from those slots.
+//! all_gather), the call's first event is the agreement on shared buffers
+//! ([`agree`](crate::direct::agree)): a rank whose input and output both lie in shared buffers
+//! publishes where they lie, any other its input. The plan then says
+//! ([`Slots`]): where every rank shared, the call runs single-copy instead (not here); where
+//! none did, the slots hold every input and the fold reads them from that event; where some
+//! did, every rank publishes its input in a second event and folds from those slots.
 
 use crate::base::buffers::Buffers;
 use crate::base::error::Result;
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
-use crate::direct::cma;
 use crate::direct::exec::DirectCtx;
 use crate::direct::link::EventRecord;
-use crate::sched::{Algo, Coll, CollKind};
+use crate::plan::call_plan::Slots;
+use crate::sched::{Coll, CollKind};
 
-/// Runs `c` one-shot (or, where every rank's buffers are shared, single-copy: see the
-/// module), and says which ran ([`Algo::OneShot`] or [`Algo::Cma`], alike on every rank).
-/// `tmp` is single-copy's scratch, reused across calls.
+/// Runs `c` one-shot, its inputs brought into the slots as `slots` says: `agreed` is the
+/// agreement's event for [`Slots::Agreed`] and [`Slots::Again`].
 pub(crate) fn run(
     cx: &mut DirectCtx<'_>,
     c: &Coll,
     bufs: &mut Buffers<'_>,
-    tmp: &mut Vec<u64>,
-) -> Result<Algo> {
-    let (n, me) = (c.nranks, c.rank);
+    slots: Slots,
+    agreed: Option<u64>,
+) -> Result<()> {
+    debug_assert!(slots == Slots::Publish || agreed.is_some(), "{slots:?}");
     let (inp, in_len) = bufs.input_raw();
-    let (outp, out_len) = bufs.output_raw();
     // SAFETY: the buffers are valid for their lengths for the whole call (Buffers' contract);
     // the input is only read here, before anything is written to the output.
     let input = unsafe { std::slice::from_raw_parts(inp, in_len) };
-    // Every rank decides this alike: the kind, the input's length and whether ranks can
-    // reach each other's memory are the same on all.
-    let may_map = n > 1
-        && in_len >= cx.mapped_min
-        && matches!(
-            c.kind,
-            CollKind::AllReduce | CollKind::ReduceScatter | CollKind::AllGather
-        )
-        && cx.direct.can_read_peers();
-    if !may_map {
-        // A broadcast needs only the root's data: the others publish none (no copy).
-        let publish = match c.kind {
-            CollKind::Broadcast if me != c.root => &input[..0],
-            _ => input,
-        };
-        let e = cx.begin(publish, EventRecord::default())?;
-        fold(cx, c, bufs, e)?;
-        return Ok(Algo::OneShot);
-    }
-    let (regions, [in_shared, out_shared]) = cma::regions(bufs);
-    let shared = in_shared && out_shared;
-    let e = if shared {
-        cx.begin(
-            bytemuck::bytes_of(&regions),
-            EventRecord::buffers(inp, in_len, outp, out_len),
-        )?
-    } else {
-        cx.begin(input, EventRecord::default())?
+    let e = match (slots, agreed) {
+        (Slots::Agreed, Some(e)) => e,
+        (Slots::Again, Some(_)) => {
+            // Some ranks published their buffers, some their data: every rank publishes its
+            // data.
+            let e2 = cx.publish(input, &EventRecord::default());
+            cx.wait_all(e2)?;
+            e2
+        }
+        _ => {
+            // A broadcast needs only the root's data: the others publish none (no copy).
+            let publish = match c.kind {
+                CollKind::Broadcast if c.rank != c.root => &input[..0],
+                _ => input,
+            };
+            cx.begin(publish, EventRecord::default())?
+        }
     };
-    let sharing = (0..n)
-        .filter(|&p| {
-            if p == me {
-                shared
-            } else {
-                cx.direct.peer_record(p, e).input_len != 0
-            }
-        })
-        .count();
-    if sharing == n {
-        cma::run_from(cx, c, bufs, tmp, e, regions)?;
-        return Ok(Algo::Cma);
-    }
-    if sharing == 0 {
-        fold(cx, c, bufs, e)?;
-        return Ok(Algo::OneShot);
-    }
-    // Some ranks published their buffers, some their data: every rank publishes its data.
-    let e2 = cx.publish(input, &EventRecord::default());
-    cx.wait_all(e2)?;
-    fold(cx, c, bufs, e2)?;
-    Ok(Algo::OneShot)
+    fold(cx, c, bufs, e)
 }
 
 /// Bytes of own data an in-place fold copies aside (on the stack) to read them from there

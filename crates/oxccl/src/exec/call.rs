@@ -1,7 +1,9 @@
 //! One call as the executors see it: which call, how it waits, its fingerprint and failure
 //! hooks, and the communicator state it runs over. The communicator builds one [`Call`] per
-//! collective; [`Call::collective`] hands it to the direct-area executor or to the schedule
-//! executor, whichever the chosen algorithm runs on.
+//! collective; [`Call::collective`] gathers what the call's plan depends on (the agreement on
+//! shared buffers, where [`Planner::ask`] asks for one), makes the plan
+//! ([`crate::plan::call_plan`]) and hands the call to the one executor the plan names:
+//! one-shot or single-copy in the direct area, or the schedule over the links.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,12 +11,14 @@ use std::time::{Duration, Instant};
 use crate::base::error::Result;
 use crate::base::wait::{CallId, Spin, Waiter};
 use crate::bootstrap::topo::Topology;
+use crate::direct::agree::agree;
 use crate::direct::exec::DirectCtx;
 use crate::direct::link::Direct;
 use crate::direct::{cma, oneshot};
 use crate::exec::{execute, Buffers, Ctx, FaultHooks};
 use crate::fault::fingerprint::{CallPrint, HEADER_BYTES};
 use crate::fault::health::Health;
+use crate::plan::call_plan::{Plan, Planner};
 use crate::sched::{Algo, Coll};
 use crate::transport::tcp::lazy::LazyTcp;
 use crate::transport::Link;
@@ -48,30 +52,26 @@ pub(crate) struct Call<'a> {
     /// Out-of-place results are written with streaming stores from this footprint on
     /// ([`Config::nt_bytes`](crate::base::param::Config::nt_bytes)).
     pub nt_bytes: usize,
-    /// One-shot calls from this input size on may run through shared buffers
-    /// ([`Config::oneshot_mapped_min`](crate::base::param::Config::oneshot_mapped_min)).
-    pub mapped_min: usize,
-    /// Whether the call runs single-copy instead of its algorithm where every rank's buffers
-    /// turn out to be shared ([`crate::plan::tune::mapped_first`]).
-    pub mapped_first: bool,
     /// The TCP links not made yet (`OXCCL_TCP_CONNECT=lazy`): a schedule's missing links are
     /// made before its first step, within the call's timeout.
     pub lazy: Option<&'a mut LazyTcp>,
 }
 
 impl Call<'_> {
-    /// Runs `coll` by `algo`: in the direct area for a direct algorithm (when there is one),
-    /// else as the algorithm's schedule over the links (`topo` joins `coll` for that); with
-    /// `mapped_first`, single-copy instead where every rank's buffers are shared. Returns the
-    /// algorithm that ran, the same on every rank: `algo`, or [`Algo::Cma`] where one-shot
-    /// or `mapped_first` went through the shared buffers.
+    /// Plans `coll` with `planner` and runs it as planned: first, where the plan depends on it
+    /// ([`Planner::ask`]), the agreement on shared buffers in the direct area; then one-shot or
+    /// single-copy in the direct area, or the algorithm's schedule over the links (`topo`
+    /// joins `coll` for that), in what is left of the call's time. `first` is the plan before
+    /// any agreement (`planner.plan(Sharing::NotAsked)`, what the call was recorded with as it
+    /// began). Returns the plan that ran, the same on every rank.
     pub(crate) fn collective(
         self,
-        algo: Algo,
+        planner: &Planner<'_>,
+        first: Plan,
         mut coll: Coll,
         topo: Option<&Arc<Topology>>,
         bufs: &mut Buffers<'_>,
-    ) -> Result<Algo> {
+    ) -> Result<Plan> {
         let Call {
             id,
             nranks,
@@ -85,15 +85,14 @@ impl Call<'_> {
             scratch,
             held,
             nt_bytes,
-            mapped_min,
-            mapped_first,
             lazy,
         } = self;
         let (mut step_ends, mut timeout, mut direct) = (step_ends, timeout, direct);
+        let mut plan = first;
         if let Some(d) = direct.as_deref_mut() {
-            let on_direct = algo.on_direct_area();
-            if on_direct || mapped_first {
-                let t0 = (!on_direct).then(Instant::now);
+            let ask = planner.ask();
+            if ask.is_some() || !matches!(plan, Plan::Schedule(_)) {
+                let t0 = ask.is_some().then(Instant::now);
                 let mut cx = DirectCtx {
                     direct: d,
                     nranks,
@@ -103,22 +102,37 @@ impl Call<'_> {
                     links: Some(&mut *links),
                     step_ends: step_ends.as_deref_mut(),
                     nt_bytes,
-                    mapped_min,
                 };
-                match algo {
-                    Algo::OneShot => return oneshot::run(&mut cx, &coll, bufs, scratch),
-                    Algo::Cma => return cma::run(&mut cx, &coll, bufs, scratch).map(|()| algo),
-                    _ => {
-                        if cma::run_if_shared(&mut cx, &coll, bufs, scratch)? {
-                            return Ok(Algo::Cma);
-                        }
+                let agreed = match ask {
+                    Some(ask) => {
+                        let a = agree(&mut cx, ask, bufs)?;
+                        plan = planner.plan(a.sharing);
+                        Some(a)
                     }
+                    None => None,
+                };
+                match (plan, agreed) {
+                    (Plan::OneShot(slots), _) => {
+                        oneshot::run(&mut cx, &coll, bufs, slots, agreed.map(|a| a.event))?;
+                        return Ok(plan);
+                    }
+                    (Plan::SingleCopy { .. }, Some(a)) => {
+                        cma::run(&mut cx, &coll, bufs, scratch, &a)?;
+                        return Ok(plan);
+                    }
+                    (Plan::SingleCopy { .. }, None) => {
+                        unreachable!("single-copy is planned only after an agreement")
+                    }
+                    // Some rank's buffers are private: every rank runs the schedule, in what
+                    // is left of the call's time.
+                    (Plan::Schedule(_), _) => {}
                 }
-                // Some rank's buffers are private: every rank runs `algo` over the links,
-                // in what is left of the call's time.
                 timeout = timeout.saturating_sub(t0.map_or(Duration::ZERO, |t| t.elapsed()));
             }
         }
+        let Plan::Schedule(algo) = plan else {
+            unreachable!("{plan:?} is planned only with a direct area")
+        };
         coll.topo = topo.cloned();
         let sched = algo.schedule(&coll);
         debug_assert!(
@@ -167,6 +181,6 @@ impl Call<'_> {
             },
         };
         execute(&mut ctx, &sched, bufs, scratch)?;
-        Ok(algo)
+        Ok(plan)
     }
 }

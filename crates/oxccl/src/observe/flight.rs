@@ -211,6 +211,17 @@ impl Recorder {
 
     /// Records the end of call `seq` (the last one begun).
     pub fn end(&self, seq: u64, error: Option<String>) {
+        self.finish(seq, None, error);
+    }
+
+    /// Records the end of call `seq` (the last one begun), which ran by `algo`: a call whose
+    /// plan depended on an agreement among the ranks began with the plan as far as it was
+    /// known, and ends with the one that ran.
+    pub fn end_as(&self, seq: u64, algo: &'static str, error: Option<String>) {
+        self.finish(seq, Some(algo), error);
+    }
+
+    fn finish(&self, seq: u64, algo: Option<&'static str>, error: Option<String>) {
         let cap = self.slots.len() as u64;
         let n = self.count.load(Ordering::Relaxed);
         if cap == 0 || n == 0 {
@@ -232,6 +243,9 @@ impl Recorder {
         slot.write(|w| {
             w[W_DUR].store(dur, Ordering::Relaxed);
             w[W_FAILED].store(failed as u64, Ordering::Relaxed);
+            if let Some(a) = algo {
+                put_str(w, W_ALGO, a);
+            }
         });
     }
 
@@ -454,6 +468,19 @@ pub fn dump_all(reason: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call that begins with the plan as far as known ends with the plan that ran; one
+    /// ended without a plan keeps the one it began with.
+    #[test]
+    fn a_call_ends_with_the_plan_that_ran() {
+        let r = Recorder::new(0, 2, 1, 4, None, None);
+        r.begin(1, "all_reduce", Fingerprint::default(), 1, "ring");
+        r.end_as(1, "cma", None);
+        r.begin(2, "all_reduce", Fingerprint::default(), 2, "oneshot");
+        r.end(2, None);
+        let algos: Vec<_> = r.entries().iter().map(|e| e.algo).collect();
+        assert_eq!(algos, ["cma", "oneshot"]);
+    }
 
     #[test]
     fn keeps_the_last_calls_in_order() {

@@ -5,8 +5,9 @@
 //! large ones (thresholds: `OXCCL_ONESHOT_MAX` and `OXCCL_CMA_MIN` where set, else what
 //! `oxccl tune` measured, else the defaults); under `OXCCL_DETERMINISTIC=1` reductions take
 //! a rank-ordered algorithm; else each collective's default schedule ([`default_algo`]).
-//! A call that by size runs neither one-shot nor single-copy tries single-copy first when every
-//! rank's buffers turn out to be shared ([`mapped_first`], `OXCCL_MAPPED_MIN`).
+//! A call that by size runs neither one-shot nor single-copy runs single-copy instead when every
+//! rank's buffers are shared ([`mapped_first`], `OXCCL_MAPPED_MIN`). The call's plan is made
+//! from these in [`crate::plan::call_plan`].
 //! Across hosts the cost model ([`crate::plan::cost`]) picks the all_reduce and defers here
 //! for the rest.
 
@@ -96,10 +97,10 @@ pub(crate) fn choose(s: &Situation, forced: Option<Algo>) -> Algo {
 /// Whether a call that [`choose`] gave `chosen` (with `forced` as `OXCCL_ALGO`) runs
 /// single-copy instead where every rank has its input and output in shared buffers: on one
 /// host, from `mapped_min` on, for a collective single-copy runs, unless the algorithm was
-/// forced or is a direct one already (one-shot decides between its slots and the shared
-/// buffers itself, `OXCCL_ONESHOT_MAPPED_MIN`). Whether buffers are shared is each rank's
-/// own fact, so the call publishes them in its first event and every rank reads every rank's
-/// from there: all decide alike (`direct::cma::run_if_shared`), and else run `chosen`.
+/// forced or is a direct one already (one-shot has its own threshold,
+/// `OXCCL_ONESHOT_MAPPED_MIN`). Whether buffers are shared is each rank's own fact: the ranks
+/// agree on it before the call is planned ([`crate::plan::call_plan`]), which runs `chosen`
+/// unless every rank shares.
 ///
 /// `cma_min` is measured for the kernel's cross-memory copies (`process_vm_readv`), whose
 /// system calls make single-copy slower than the ring up to megabytes on some hosts (what

@@ -21,8 +21,9 @@
 //!   copy), the last `1/(2n)` when it also copies its input to its output. Two events.
 //!
 //! Each collective's part is in a file of its own ([`reductions`], [`all_gather`],
-//! [`all_to_all`], [`broadcast`]); this one sets up the call (the first event, each peer's
-//! buffers, [`PeerBuf`]) and ends it (the last event).
+//! [`all_to_all`], [`broadcast`]); this one sets up the call from its first event, the
+//! agreement every rank published its buffers in ([`agree`](crate::direct::agree)), each
+//! peer's buffers as [`PeerBuf`]s, and ends it (the last event).
 //!
 //! Only the owner of a block touches that block of any buffer in a call, so a rank's in-place
 //! buffer is read before it is overwritten, by the same rank. The last event of each call tells
@@ -30,10 +31,9 @@
 
 use crate::base::buffers::Buffers;
 use crate::base::error::{Error, Result};
+use crate::direct::agree::{self, Agreed};
 use crate::direct::exec::DirectCtx;
-use crate::direct::hugepages;
 use crate::direct::link::EventRecord;
-use crate::direct::shared_buffer::{region_of, Region};
 use crate::sched::{Coll, CollKind};
 
 mod all_gather;
@@ -85,56 +85,6 @@ impl Call<'_> {
     }
 }
 
-/// Where this rank's input and output lie in shared buffers, as the words the first event
-/// publishes (a region's four words each, zero for a private buffer), and whether each
-/// (input, output) does.
-pub(crate) fn regions(bufs: &mut Buffers<'_>) -> ([u64; 8], [bool; 2]) {
-    let (inp, in_len) = bufs.input_raw();
-    let (outp, out_len) = bufs.output_raw();
-    let mut regions = [0u64; 8];
-    let mut shared = [false; 2];
-    for (i, (p, l)) in [(inp, in_len), (outp.cast_const(), out_len)]
-        .into_iter()
-        .enumerate()
-    {
-        if let Some(r) = region_of(p, l) {
-            regions[4 * i..4 * i + 4].copy_from_slice(&r.to_words());
-            shared[i] = true;
-        }
-    }
-    (regions, shared)
-}
-
-/// Runs `c` single-copy. `tmp` is reused across calls.
-pub(crate) fn run(
-    cx: &mut DirectCtx<'_>,
-    c: &Coll,
-    bufs: &mut Buffers<'_>,
-    tmp: &mut Vec<u64>,
-) -> Result<()> {
-    let (inp, in_len) = bufs.input_raw();
-    let (outp, out_len) = bufs.output_raw();
-    // The first event carries the call's header: every rank checks that its peers called the
-    // same collective on the same count before touching their memory. Its data: where this
-    // rank's buffers lie in shared buffers, if they do, for peers to map.
-    let (regions, shared) = regions(bufs);
-    for ((p, l), shared) in [(inp, in_len), (outp.cast_const(), out_len)]
-        .into_iter()
-        .zip(shared)
-    {
-        if !shared {
-            // Private: the peers' cross-memory copies walk its pages (huge ones, once
-            // registered).
-            hugepages::register(p, l);
-        }
-    }
-    let e1 = cx.begin(
-        bytemuck::bytes_of(&regions),
-        EventRecord::buffers(inp, in_len, outp, out_len),
-    )?;
-    run_from(cx, c, bufs, tmp, e1, regions)
-}
-
 /// Fails unless `peer`'s buffers as it published them (`rec`) hold at least the bytes of its
 /// input and output that this call reads and writes. Every access to a peer's buffer stays
 /// inside what it published (a mapping of a shared buffer is only used for a published range
@@ -171,66 +121,18 @@ fn check_lengths(cx: &DirectCtx<'_>, c: &Coll, peer: usize, rec: &EventRecord) -
     })
 }
 
-/// Runs `c` single-copy if every rank has its input and output in shared buffers
-/// (`plan::tune::mapped_first`): every rank publishes its [`regions`] with the first event, as
-/// [`run`] does, and reads every rank's from there, so all decide alike. Returns false, having
-/// done nothing more than that event (every rank has published it and checked the call's
-/// header), when some rank's buffer is private: the call then runs as chosen by size.
-pub(crate) fn run_if_shared(
+/// Runs `c` single-copy from the agreement on (`agreed`: every rank has published its
+/// [`EventRecord::buffers`] and its [`regions`](agree::regions) in it). Each peer's buffer is
+/// reached through a mapping where the peer published a shared one, by the kernel's
+/// cross-memory copies otherwise. `tmp` is reused across calls.
+pub(crate) fn run(
     cx: &mut DirectCtx<'_>,
     c: &Coll,
     bufs: &mut Buffers<'_>,
     tmp: &mut Vec<u64>,
-) -> Result<bool> {
-    let (inp, in_len) = bufs.input_raw();
-    let (outp, out_len) = bufs.output_raw();
-    let (regions, _) = regions(bufs);
-    let e1 = cx.begin(
-        bytemuck::bytes_of(&regions),
-        EventRecord::buffers(inp, in_len, outp, out_len),
-    )?;
-    // Every rank's input and output shared, or empty (a broadcast's or reduce's non-root).
-    let all_shared = (0..c.nranks).all(|p| {
-        let rec = cx.direct.peer_record(p, e1);
-        let w = regions_of(cx, c.rank, p, e1, regions);
-        [rec.input_len, rec.output_len]
-            .into_iter()
-            .zip(w)
-            .all(|(len, region)| len == 0 || region.is_some())
-    });
-    if !all_shared {
-        return Ok(false);
-    }
-    run_from(cx, c, bufs, tmp, e1, regions)?;
-    Ok(true)
-}
-
-/// Rank `p`'s input and output regions as it published them with event `e1` (this rank,
-/// `me`, published `mine`): `None` for a buffer that is not shared.
-fn regions_of(
-    cx: &DirectCtx<'_>,
-    me: usize,
-    p: usize,
-    e1: u64,
-    mine: [u64; 8],
-) -> [Option<Region>; 2] {
-    let mut w = mine;
-    if p != me {
-        bytemuck::bytes_of_mut(&mut w).copy_from_slice(cx.direct.peer_slot(p, e1, 64));
-    }
-    [0, 1].map(|i| Region::from_words(w[4 * i..4 * i + 4].try_into().expect("4 words")))
-}
-
-/// Runs `c` single-copy from its first event `e1` on: every rank has published `e1` with
-/// [`EventRecord::buffers`] and its [`regions`] (this rank's are `regions`) as its data.
-pub(crate) fn run_from(
-    cx: &mut DirectCtx<'_>,
-    c: &Coll,
-    bufs: &mut Buffers<'_>,
-    tmp: &mut Vec<u64>,
-    e1: u64,
-    regions: [u64; 8],
+    agreed: &Agreed,
 ) -> Result<()> {
+    let (e1, regions) = (agreed.event, agreed.regions);
     let (n, me) = (c.nranks, c.rank);
     let (inp, in_len) = bufs.input_raw();
     let (outp, out_len) = bufs.output_raw();
@@ -242,7 +144,7 @@ pub(crate) fn run_from(
             check_lengths(cx, c, p, &rec)?;
         }
         let bufs = [(rec.input, rec.input_len), (rec.output, rec.output_len)];
-        let w = regions_of(cx, me, p, e1, regions);
+        let w = agree::regions_of(cx, me, p, e1, regions);
         peers.push([0, 1].map(|i| {
             let (addr, len) = bufs[i];
             let region = w[i];
@@ -300,7 +202,8 @@ mod tests {
     use crate::base::op::ReduceOp;
     use crate::base::wait::{CallId, Spin, Waiter};
     use crate::direct::link::{mem_group, Direct};
-    use crate::direct::shared_buffer::SharedBuffer;
+    use crate::direct::shared_buffer::{Region, SharedBuffer};
+    use crate::plan::call_plan::Ask;
     use std::time::Duration;
 
     /// A peer (buggy or hostile) publishes a shared buffer and a record whose input and output
@@ -362,12 +265,12 @@ mod tests {
                 links: None,
                 step_ends: None,
                 nt_bytes: usize::MAX,
-                mapped_min: 0,
             };
             let bytes: &mut [u8] = &mut buf;
             let len = bytes.len();
             let mut bufs = Buffers::in_place(bytes, 0..len, 0..len);
-            run(&mut cx, &c, &mut bufs, &mut Vec::new())
+            agree::agree(&mut cx, Ask::SingleCopy, &mut bufs)
+                .and_then(|a| run(&mut cx, &c, &mut bufs, &mut Vec::new(), &a))
         };
         hostile.join().unwrap();
         match res {
