@@ -1,6 +1,7 @@
 """Launches ranks as separate processes (each with a timeout), like torchrun would."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,10 +13,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
+_GIVEN_PORTS = set()
+_PORT_RNG = random.Random()  # its own: tests may seed the module's
+
+
 def free_port() -> int:
+    """A port for a rendezvous address: free now, never given twice by this process, drawn
+    below the kernel's ephemeral range (a port from ``bind(("127.0.0.1", 0))`` lies in that
+    range, where every outgoing connection takes ports too, so another job's connection can
+    take it before rank 0 binds it; below the range only an explicit bind can)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000 if low > 11000 else 0):
+        port = _PORT_RNG.randrange(10000, low)
+        if port in _GIVEN_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN_PORTS.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _GIVEN_PORTS.add(port)
+    return port
 
 
 def launch(n, worker=None, script=None, args=(), env=None, timeout=240, expect_ok=True):
