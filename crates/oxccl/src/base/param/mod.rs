@@ -190,7 +190,7 @@ pub struct Config {
     /// (sent data, or keepalive probes on an idle connection) is lost. Default 20 s; 0 leaves
     /// the kernel's defaults (minutes).
     pub tcp_dead_after: Duration,
-    // Start-up settings (bootstrap/mod.rs).
+    // Start-up settings (bootstrap/).
     /// `OXCCL_STARTUP_REPORT_SECS`: while a rank waits in init, it says every this many
     /// seconds what it waits for. Default 10 s; 0 says nothing.
     pub startup_report: Option<Duration>,
