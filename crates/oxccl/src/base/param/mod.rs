@@ -261,14 +261,6 @@ impl Default for Config {
     }
 }
 
-/// `OXCCL_MEMBARRIER=1`: asymmetric fences in the doorbell ([`crate::base::wait`]): rings without a
-/// hardware fence, sleepers issue `membarrier`. Off by default: a stress test lost wake-ups
-/// with it (see `crate::base::wait`). Read once per process; set it on every rank of a host or none.
-/// A value the table refuses counts as the default here; [`Config::from_env`] reports it.
-pub(crate) fn membarrier_allowed() -> bool {
-    table::MEMBARRIER.flag().ok().flatten().unwrap_or(false)
-}
-
 /// `OXCCL_HUGEPAGES=0`: no transparent huge pages for large private buffers on the single-copy
 /// path (`direct::hugepages`); default on. Read once per process (an address space's buffers
 /// are the process's, whatever communicator uses them). A value the table refuses counts as
