@@ -1,7 +1,9 @@
 //! Tests of the TCP rendezvous, all over loopback.
 
 use super::*;
+use crate::net::auth::{Hello, Purpose};
 use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;

@@ -40,7 +40,7 @@ const VERSION: u32 = 2;
 /// Bytes of one data slot.
 pub(crate) const SLOT_BYTES: usize = 64 << 10;
 // A tune file's one-shot threshold is bounded by a slot.
-const _: () = assert!(SLOT_BYTES == crate::base::param::Tuning::ONESHOT_MAX_LIMIT);
+const _: () = assert!(SLOT_BYTES == crate::plan::tuning::Tuning::ONESHOT_MAX_LIMIT);
 const BELL_OFF: usize = 128;
 /// The owner's CPU at its last publish, plus one (0: unknown), in a line of its own: written
 /// only when it changes, read only by a peer about to spin.

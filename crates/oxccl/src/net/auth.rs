@@ -168,6 +168,9 @@ pub fn comm_tag(secret: &[u8; 16]) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// HMAC-SHA256 keyed by `secret` over `parts` one after the other: the one MAC of the crate
+/// (the handshake's proofs here, the status agent's answers through [`mac_tag`] and
+/// [`mac_matches`]).
 fn mac(secret: &[u8; 16], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC accepts keys of any length: this cannot fail.
     let mut m = <HmacSha256 as KeyInit>::new_from_slice(secret)
@@ -176,6 +179,16 @@ fn mac(secret: &[u8; 16], parts: &[&[u8]]) -> HmacSha256 {
         m.update(p);
     }
     m
+}
+
+/// The [`mac`] of `parts`, keyed by `secret`.
+pub(crate) fn mac_tag(secret: &[u8; 16], parts: &[&[u8]]) -> [u8; 32] {
+    mac(secret, parts).finalize().into_bytes().into()
+}
+
+/// Whether `tag` is the [`mac`] of `parts` keyed by `secret` (compared in constant time).
+pub(crate) fn mac_matches(secret: &[u8; 16], parts: &[&[u8]], tag: &[u8]) -> bool {
+    mac(secret, parts).verify_slice(tag).is_ok()
 }
 
 fn nonce(rank: usize, addr: &str) -> Result<[u8; NONCE]> {

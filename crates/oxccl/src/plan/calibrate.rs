@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use crate::base::dtype::DataType;
 use crate::base::op::ReduceOp;
-use crate::base::param::Rates;
 use crate::base::reduce::reduce_inplace;
+use crate::plan::tuning::Rates;
 
 /// Bytes of each buffer in the cache-resident measurements (two such buffers fit in the L2
 /// of current cores; the model's cache-resident limit is 1 MiB).

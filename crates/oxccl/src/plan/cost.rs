@@ -73,7 +73,7 @@ pub(crate) struct CostModel {
 impl Default for CostModel {
     fn default() -> Self {
         // The built-in rates, also the nominal ones a tune file's are checked against.
-        let r = crate::base::param::Rates::NOMINAL;
+        let r = crate::plan::tuning::Rates::NOMINAL;
         CostModel {
             shm: LinkCost {
                 alpha_us: r.shm_lat_us,
@@ -106,8 +106,8 @@ impl CostModel {
     /// The model a communicator with `cfg` uses: the defaults, with `OXCCL_NET_GBPS` and
     /// `OXCCL_NET_LAT_US` where set.
     pub(crate) fn for_config(cfg: &crate::base::param::Config) -> Self {
-        let m = match &cfg.rates {
-            Some(r) => Self::default().with_rates(r),
+        let m = match crate::plan::tuning::Rates::of(cfg) {
+            Some(r) => Self::default().with_rates(&r),
             None => Self::default(),
         };
         m.with_net(cfg.net_gbps, cfg.net_lat_us)
@@ -115,7 +115,7 @@ impl CostModel {
 
     /// The model with this host's measured rates (`oxccl tune`) in place of the built-in
     /// ones: the shared-memory link, reduction (float32 sum), and the TCP stack's cost.
-    pub(crate) fn with_rates(mut self, r: &crate::base::param::Rates) -> Self {
+    pub(crate) fn with_rates(mut self, r: &crate::plan::tuning::Rates) -> Self {
         self.shm = LinkCost {
             alpha_us: r.shm_lat_us,
             gbps: r.shm_gbps,
@@ -383,11 +383,11 @@ mod tests {
         assert_ne!(m.choose(ar, 64 << 20, Some(&uneven), None), Algo::Hier);
     }
 
-    fn rates(tcp_lat_us: f64, tcp_gbps: f64) -> crate::base::param::Rates {
-        crate::base::param::Rates {
+    fn rates(tcp_lat_us: f64, tcp_gbps: f64) -> crate::plan::tuning::Rates {
+        crate::plan::tuning::Rates {
             tcp_lat_us,
             tcp_gbps,
-            ..crate::base::param::Rates::NOMINAL
+            ..crate::plan::tuning::Rates::NOMINAL
         }
     }
 

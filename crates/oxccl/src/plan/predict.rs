@@ -4,10 +4,11 @@
 //! library calls for every call). `oxccl sim` prints them.
 
 use crate::base::error::{Error, Result};
-use crate::base::param::{Config, Rates};
+use crate::base::param::Config;
 use crate::bootstrap::topo::Topology;
 use crate::plan::cost::CostModel;
 use crate::plan::tune;
+use crate::plan::tuning::Rates;
 use crate::sched::{Algo, CollKind};
 
 /// The most ranks a prediction covers (a world holds at most 65536 ranks).
@@ -318,7 +319,7 @@ mod tests {
         };
         // The same rates through the config (the tune file) and through with_rates.
         let via_cfg = Predictor::from_config(&Config {
-            rates: Some(r),
+            rates: Some(r.raw()),
             ..Config::default()
         })
         .unwrap();

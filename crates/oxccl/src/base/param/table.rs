@@ -513,14 +513,6 @@ pub const BOOTSTRAP_HOST_LEADERS: Param = p(
     Comm,
     "1: with direct exchanges, one rank per host joins rank 0 for its host's ranks",
 );
-/// `OXCCL_MEMBARRIER`.
-pub const MEMBARRIER: Param = p(
-    "OXCCL_MEMBARRIER",
-    Kind::Bool,
-    "0",
-    Process,
-    "1: asymmetric fences in the doorbell",
-);
 /// `OXCCL_HUGEPAGES`.
 pub const HUGEPAGES: Param = p(
     "OXCCL_HUGEPAGES",
@@ -776,7 +768,6 @@ pub const PARAMS: &[Param] = &[
     TCP_SPIN,
     BIND,
     YIELD_EVERY,
-    MEMBARRIER,
     HOSTID,
     SOCKET_IFNAME,
     ALGO,
