@@ -150,8 +150,8 @@ pub trait Direct: Send {
 
     /// Before writing into `peer`'s buffers (mapped or with cross-memory copies): waits while
     /// `peer`'s process is forking (it copies its shared buffers for the child, which must
-    /// not see this write), and holds its fork off until [`leave_peer_writes`]
-    /// (Self::leave_peer_writes). Nothing where the ranks are threads of one process.
+    /// not see this write), and holds its fork off until
+    /// [`leave_peer_writes`](Self::leave_peer_writes). Nothing where the ranks are threads of one process.
     fn enter_peer_writes(&self, _peer: usize) {}
 
     /// After the writes [`enter_peer_writes`](Self::enter_peer_writes) let through.

@@ -34,13 +34,13 @@
 //! only, never the parent's, and never sees a later write of the parent, its threads or its
 //! peers, as with ordinary memory. The child's copies are no longer shared buffers
 //! (collectives treat them as plain memory). Only live bytes are copied: the owner of a buffer
-//! (the pool) tells which ([`LiveRanges`]; a freed block, a slab's free blocks: none), and of
+//! (the pool) tells which (`LiveRanges`; a freed block, a slab's free blocks: none), and of
 //! those only the memfd's data extents; the rest reads as zero in the child and takes no
 //! memory.
 //!
 //! The copies are made in the parent, in `prepare`, before the kernel forks: it first closes
 //! the fork gates, so that no call of this process writes into a buffer (each pauses at its
-//! next wait, [`crate::base::fork_gate`]) and no peer does (each waits before its next write
+//! next wait, `base::fork_gate`) and no peer does (each waits before its next write
 //! into this process's memory, `direct::shm::close_peer_gates`), then copies, forks, and opens
 //! the gates in `parent`; the child moves each copy onto its buffer's address (`mremap`, no
 //! copy). A call in flight across the fork (`async_op=True`) just pauses; a peer's write that
