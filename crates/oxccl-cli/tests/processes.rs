@@ -696,7 +696,21 @@ fn tune(args: &[&str], file: &std::path::Path) -> Output {
 fn tune_measures_and_saves() {
     let file = std::env::temp_dir().join(format!("oxccl-tune-{}.conf", std::process::id()));
     // --force: the test suite's load may fail tune's checks (tune_refuses_what_it_cannot_trust).
-    let out = tune(&["--force"], &file);
+    // Under a heavy load the ring's small-size times can exceed its large-size ones, so that
+    // no link rate fits them and tune refuses even with --force; such a sweep is measured
+    // again, at most three times in all.
+    let mut out = tune(&["--force"], &file);
+    for attempt in 2..=3 {
+        let err = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() || !err.contains("give no shared-memory link") {
+            break;
+        }
+        eprintln!(
+            "tune attempt {} found no link rate in its times (load?):\n{err}",
+            attempt - 1
+        );
+        out = tune(&["--force"], &file);
+    }
     assert_ok(&out, "tune");
     let saved = oxccl::Tuning::parse(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
