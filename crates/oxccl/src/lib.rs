@@ -70,7 +70,7 @@
 //! list (bottom layer first):
 //!
 //! 1. `base`: errors, environment parameters (all of them), data types, reduction operators,
-//!    the reduction kernels, memory helpers, the doorbell and spin/sleep waiting primitives.
+//!    the reduction kernels, memory utilities, the doorbell and spin/sleep waiting primitives.
 //! 2. `net`: the authenticated socket layer (handshake, admitting strangers) shared by the
 //!    rendezvous and the TCP transport.
 //! 3. `bootstrap`: rendezvous (unique id, launcher environment, root join, local groups) and

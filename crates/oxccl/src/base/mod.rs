@@ -1,5 +1,5 @@
 //! The base layer: errors, environment parameters, data types, reduction operators, the
-//! reduction kernels, memory helpers and the doorbell/spin waiting primitives. Imports nothing
+//! reduction kernels, memory utilities and the doorbell/spin waiting primitives. Imports nothing
 //! else of the crate.
 
 pub(crate) mod buffers;

@@ -172,12 +172,12 @@ impl Communicator {
         Ok(child)
     }
 
-    /// The new communicator's init, made on a helper thread while this one watches this
+    /// The new communicator's init, made on a thread of its own while this one watches this
     /// communicator: a rank of the group that dies or stops during the init is known here
     /// within the heartbeat timeout (its links close, or its heartbeats stop), while the new
     /// communicator's rendezvous would wait for it until the whole timeout (600 s by default).
     /// Then the split fails at once with this communicator's error, naming that rank; the
-    /// helper's init ends by its own timeout and drops what it made.
+    /// thread's init ends by its own timeout and drops what it made.
     fn init_watched_inner(
         &self,
         call: &'static str,

@@ -17,7 +17,7 @@
 //! and does not protect against an attacker who can rewrite packets in flight: it keeps
 //! strangers and other communicators out.
 //!
-//! The module also has length-prefixed frame helpers ([`write_frame`], [`read_frame`]) that
+//! The module also has length-prefixed frame functions ([`write_frame`], [`read_frame`]) that
 //! refuse frames above a caller-given size before allocating, and a [`Deadlined`] stream
 //! wrapper that bounds the total time a handshake may take.
 

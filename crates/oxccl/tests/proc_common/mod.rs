@@ -1,4 +1,4 @@
-//! Helpers shared by the integration tests that start ranks as child processes or as
+//! Code shared by the integration tests that start ranks as child processes or as
 //! threads of the test process.
 
 #![allow(dead_code)]

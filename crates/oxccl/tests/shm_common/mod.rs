@@ -1,4 +1,4 @@
-//! Helpers shared by the shared-memory integration tests: verifiable byte streams and a
+//! Code shared by the shared-memory integration tests: verifiable byte streams and a
 //! spin-then-sleep driver that follows the doorbell protocol of `oxccl::testing::wait`.
 
 #![allow(dead_code)]
