@@ -22,8 +22,12 @@
 #                              need a race to happen (`#[ignore]`d tests named `stress_*`,
 #                              retried until they see it), the fuzz smoke test and the long
 #                              kill and soak loops at their full counts (OXCCL_STRESS=1, read by
-#                              the tests), and the exit loop (scripts/exit_loop.sh) at
-#                              EXIT_LOOP_RUNS runs (default 1000); hours on a 2-core machine
+#                              the tests), the exit loop (scripts/exit_loop.sh) at
+#                              EXIT_LOOP_RUNS runs (default 1000), and the torch property test
+#                              and the allocator, form and p2p tests under AddressSanitizer and
+#                              glibc's malloc checks (scripts/sanitize_torch.sh: SANITIZE_CALLS
+#                              calls per case, default 10000, for SANITIZE_SEEDS random seeds,
+#                              default 3, and one fixed seed); hours on a 2-core machine
 #
 # No test here depends on the machine being quiet: wall-clock bounds are at least ten times
 # what they measure on a quiet machine, and loops that need many random rounds to find a rare
@@ -224,6 +228,9 @@ tier_stress() {
   echo "== stress: exit loop (scripts/exit_loop.sh ${EXIT_LOOP_RUNS:-1000})"
   if python_env; then
     ./scripts/exit_loop.sh "${EXIT_LOOP_RUNS:-1000}" || failed+=(exit_loop)
+    echo "== stress: the torch backend under ASan and glibc's malloc checks" \
+      "(scripts/sanitize_torch.sh ${SANITIZE_CALLS:-10000} ${SANITIZE_SEEDS:-3})"
+    ./scripts/sanitize_torch.sh "${SANITIZE_CALLS:-10000}" "${SANITIZE_SEEDS:-3}" || failed+=(sanitize)
   else
     failed+=(python_env)
   fi

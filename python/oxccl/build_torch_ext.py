@@ -19,10 +19,25 @@ A build is usable only for the torch version, oxccl version, Python and C++ sour
 built from, and only while the library is the file that was built (its size and sha256): all
 recorded in ``_torch_backend.json`` beside it; anything else is rebuilt.
 
+A build with AddressSanitizer, for finding memory errors (the stress tier's step, see
+CONTRIBUTING.md): ``OXCCL_TORCH_EXT_SANITIZE=address`` adds ``-fsanitize=address`` to the
+build and ``"sanitize": "address"`` to its key, so such a build and a plain one never stand
+in for each other; it goes to the cache, never into the package (with ``OXCCL_TORCH_EXT_DIR``
+naming a cache of its own, the plain build's cache is left as it is). A process that loads it
+must have ASan's runtime loaded first, and libstdc++ with it (ASan's interceptor of C++
+throws finds the real one only in a library loaded by then)::
+
+    OXCCL_TORCH_EXT_SANITIZE=address OXCCL_TORCH_EXT_DIR=target/torch-ext-asan \
+        python -m oxccl.build_torch_ext
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
+        ASAN_OPTIONS=detect_leaks=0 OXCCL_TORCH_EXT_SANITIZE=address \
+        OXCCL_TORCH_EXT_DIR=target/torch-ext-asan python ...
+
 Environment: ``OXCCL_TORCH_EXT_BUILD=0`` turns the build on import off;
 ``OXCCL_TORCH_EXT_DIR`` is the cache's root (default ``$XDG_CACHE_HOME/oxccl/torch-ext`` or
 ``~/.cache/oxccl/torch-ext``); ``OXCCL_TORCH_EXT_TIMEOUT`` bounds the build and the wait for
-another process's build (seconds, default 600).
+another process's build (seconds, default 600); ``OXCCL_TORCH_EXT_SANITIZE`` (``address``
+or unset) is the sanitizer the build has.
 """
 
 from __future__ import annotations
@@ -62,18 +77,38 @@ def _sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
+#: The sanitizers a build can have (``OXCCL_TORCH_EXT_SANITIZE``), with the compiler's flags.
+SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
+
+
+def sanitizer() -> Optional[str]:
+    """``OXCCL_TORCH_EXT_SANITIZE``: the sanitizer of the build to use, or None (unset or
+    empty: a plain build)."""
+    raw = os.environ.get("OXCCL_TORCH_EXT_SANITIZE", "").strip().lower()
+    if not raw:
+        return None
+    if raw not in SANITIZERS:
+        raise ValueError(f"OXCCL_TORCH_EXT_SANITIZE={raw!r}: expected one of {', '.join(SANITIZERS)} or nothing")
+    return raw
+
+
 def key() -> Dict[str, str]:
-    """What a build is usable for: torch's version, oxccl's, the Python ABI, the C++ sources."""
+    """What a build is usable for: torch's version, oxccl's, the Python ABI, the C++ sources,
+    and its sanitizer if it has one (:func:`sanitizer`)."""
     import torch
 
     from . import _oxccl
 
-    return {
+    k = {
         "torch": str(torch.__version__),
         "oxccl": str(_oxccl.__version__),
         "python": sys.implementation.cache_tag + sysconfig.get_config_var("EXT_SUFFIX"),
         "sources": _sources_hash(),
     }
+    sanitize = sanitizer()
+    if sanitize:
+        k["sanitize"] = sanitize
+    return k
 
 
 def cache_root() -> str:
@@ -92,6 +127,8 @@ def cache_dir(k: Optional[Dict[str, str]] = None) -> str:
     k = key() if k is None else k
     tag = sys.implementation.cache_tag
     name = f"{k['torch']}-{k['oxccl']}-{tag}-{k['sources'][:12]}"
+    if k.get("sanitize"):
+        name += f"-{k['sanitize']}"
     return os.path.join(cache_root(), name.replace(os.sep, "_"))
 
 
@@ -151,11 +188,14 @@ def build(verbose: bool = False, into: str = HERE, k: Optional[Dict[str, str]] =
 
     k = key() if k is None else k
     csrc = os.path.join(HERE, "csrc")
+    sanitize = SANITIZERS[k["sanitize"]] if k.get("sanitize") else []
     ext = CppExtension(
         name=f"oxccl.{NAME}",
         sources=[os.path.join(csrc, "backend.cpp"), os.path.join(csrc, "inference.cpp")],
         include_dirs=[csrc],
-        extra_compile_args=["-O2", "-g0", "-fvisibility=hidden"],
+        # With a sanitizer: line numbers in its reports (-g), and its runtime linked.
+        extra_compile_args=["-O2", "-g" if sanitize else "-g0", "-fvisibility=hidden"] + sanitize,
+        extra_link_args=sanitize,
     )
     os.makedirs(into, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".oxccl-torch-ext-", dir=into) as tmp:
@@ -329,6 +369,27 @@ def find_or_build() -> str:
         raise BuildUnavailable(str(e) + note) from None
 
 
+def _asan_loaded() -> bool:
+    """Whether AddressSanitizer's runtime is mapped in this process (true where
+    ``/proc/self/maps`` cannot be read: then the load says it)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libasan" in f.read()
+    except OSError:
+        return True
+
+
+def check_loadable() -> None:
+    """Raises ValueError when this process could not load the build :func:`sanitizer` asks
+    for: an ASan build where ASan's runtime is not loaded (loading it would end the process,
+    the runtime must come first)."""
+    if sanitizer() == "address" and not _asan_loaded():
+        raise ValueError(
+            "OXCCL_TORCH_EXT_SANITIZE=address: AddressSanitizer's runtime is not loaded in this process: run it "
+            'with LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"'
+        )
+
+
 def _find_or_build(k: Dict[str, str]) -> str:
     found = usable(HERE, k) or usable(cache_dir(k), k)
     if found:
@@ -385,7 +446,8 @@ def _main(argv: list) -> None:
         return
     # The command: the same child process, so that killing this one ends the compilers too.
     k = key()
-    into = cache_dir(k) if "--cache" in argv else HERE
+    # A sanitized build is never the package's: it goes to the cache, as with --cache.
+    into = cache_dir(k) if "--cache" in argv or k.get("sanitize") else HERE
     timeout = _timeout_s()
     _, rc = _run_build(into, k, None, time.monotonic() + timeout, timeout, "above", verbose=verbose)
     if rc != 0:

@@ -1708,12 +1708,13 @@ def _load_cpp() -> Any:
 
     name = f"{__package__}.{build_torch_ext.NAME}"
     try:
+        build_torch_ext.check_loadable()
         path = build_torch_ext.find_or_build()
     except build_torch_ext.BuildUnavailable as e:
         why = str(e)
     except OSError as e:  # the cache cannot be written (a full disk, a read-only home)
         why = f"cannot build it into the cache {build_torch_ext.cache_root()}: {e}"
-    except ValueError as e:  # a malformed OXCCL_TORCH_EXT_BUILD or OXCCL_TORCH_EXT_TIMEOUT
+    except ValueError as e:  # a malformed OXCCL_TORCH_EXT_BUILD, _TIMEOUT or _SANITIZE; ASan not loaded
         raise InvalidArgumentError(str(e)) from None
     else:
         try:

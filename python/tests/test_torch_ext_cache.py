@@ -205,3 +205,27 @@ def test_killed_build_leaves_no_compiler(tmp_path, how):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_sanitized_build_has_a_key_and_cache_of_its_own(monkeypatch):
+    """A build with ASan (OXCCL_TORCH_EXT_SANITIZE=address) never stands in for a plain one,
+    nor a plain one for it: their keys and cache directories differ."""
+    monkeypatch.delenv("OXCCL_TORCH_EXT_SANITIZE", raising=False)
+    plain = bte.key()
+    assert "sanitize" not in plain
+    monkeypatch.setenv("OXCCL_TORCH_EXT_SANITIZE", "address")
+    asan = bte.key()
+    assert asan == dict(plain, sanitize="address")
+    assert bte.cache_dir(asan) != bte.cache_dir(plain)
+    monkeypatch.setenv("OXCCL_TORCH_EXT_SANITIZE", "thread")
+    with pytest.raises(ValueError, match="OXCCL_TORCH_EXT_SANITIZE"):
+        bte.key()
+
+
+def test_sanitized_build_without_asan_loaded_is_refused(tmp_path):
+    """OXCCL_TORCH_EXT_SANITIZE=address in a process without ASan's runtime: a clear error at
+    import, before any build is looked for or loaded (loading one would end the process)."""
+    r = _import(tmp_path, OXCCL_TORCH_EXT_SANITIZE="address", OXCCL_TORCH_EXT_BUILD="0", LD_PRELOAD="")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "InvalidArgumentError" in r.stderr and "LD_PRELOAD" in r.stderr, r.stderr
+    assert not any(tmp_path.iterdir()), "nothing is built or cached"

@@ -662,6 +662,14 @@ pub const TORCH_EXT_TIMEOUT: Param = p(
     Python,
     "bounds the C++ torch backend's build on import and the wait for another rank's",
 );
+/// `OXCCL_TORCH_EXT_SANITIZE`.
+pub const TORCH_EXT_SANITIZE: Param = p(
+    "OXCCL_TORCH_EXT_SANITIZE",
+    Kind::Enum(&["address"]),
+    "unset",
+    Python,
+    "the sanitizer the C++ torch backend is built with and loaded for",
+);
 /// `OXCCL_ROOT_IP`.
 pub const ROOT_IP: Param = p(
     "OXCCL_ROOT_IP",
@@ -810,6 +818,7 @@ pub const PARAMS: &[Param] = &[
     TORCH_EXT_BUILD,
     TORCH_EXT_DIR,
     TORCH_EXT_TIMEOUT,
+    TORCH_EXT_SANITIZE,
     ROOT_IP,
     BIN,
     CLUSTER_RATE,

@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# The torch backend under memory-error detectors: the property test
+# (python/tests/test_torch_property.py: random torch.distributed calls on oxccl and gloo,
+# compared) and the tests of the shared-memory allocator, of the call forms and of
+# point-to-point calls, with
+#
+#   asan    the C++ backend built with AddressSanitizer (OXCCL_TORCH_EXT_SANITIZE=address, into
+#           a cache of its own under target/: the normal build is left as it is), ASan's
+#           runtime preloaded into every process, so that its allocator serves every malloc of
+#           the process (torch's, the Rust library's) and its checks cover the C++ backend and
+#           every memcpy/memset; and
+#   malloc  the normal build with glibc's heap checks: its own (they abort with "malloc(): ..."
+#           or "free(): ..." on damaged heap metadata), libc_malloc_debug.so.0 with
+#           MALLOC_CHECK_=3 (which glibc may leave off in a process whose libc allocated before
+#           the library's start: python's does), and MALLOC_PERTURB_ (memory overwritten at
+#           malloc and free, so that a use after free reads garbage the comparison with gloo
+#           sees).
+#
+#   scripts/sanitize_torch.sh [CALLS] [SEEDS]   # defaults: 10000 calls, 3 random seeds
+#
+# Each seed runs the property test's two cases (2 and 3 ranks) for CALLS calls each, under
+# each tool; one more seed, 847752098 (where a rank once died with "malloc(): unaligned tcache
+# chunk detected"), runs first. A run fails on a failing test, or on any report of the tools
+# (ASan's report files, glibc's "malloc(): ..." or "free(): ..." messages in the output) even
+# where the test passed; a failure prints the tool, the seed, each rank's last call (the
+# property test's trace, OXCCL_PROP_TRACE) and the report. Logs stay under $LOG_DIR. Nothing
+# here depends on timing: the ranks' calls are bounded by the tests' own timeouts.
+#
+# Needs the venv and the normal build that scripts/test.sh's python_env makes (.venv, the
+# extension built, the C++ backend built); PYTHON overrides the interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CALLS=${1:-10000}
+NSEEDS=${2:-3}
+PY=${PYTHON:-.venv/bin/python}
+LOG_DIR=${LOG_DIR:-$(mktemp -d /tmp/oxccl-sanitize.XXXXXX)}
+mkdir -p "$LOG_DIR"
+LIBASAN=$(gcc -print-file-name=libasan.so)
+# Preloaded with ASan's runtime: its __cxa_throw interceptor finds the real one only in a
+# library loaded at its start (python does not link libstdc++; without it, the first C++
+# exception aborts the process with "CHECK failed ... real___cxa_throw").
+LIBSTDCXX=$(gcc -print-file-name=libstdc++.so)
+MALLOC_DEBUG=$(gcc -print-file-name=libc_malloc_debug.so.0)
+if [ ! -e "$MALLOC_DEBUG" ]; then
+  MALLOC_DEBUG=$(ldconfig -p | awk '/libc_malloc_debug.so.0/ {print $NF; exit}')
+fi
+ASAN_DIR=$PWD/target/torch-ext-asan
+# glibc prints its heap errors to the terminal unless told otherwise: into the ranks' output.
+export LIBC_FATAL_STDERR_=1 OXCCL_TORCH_BACKEND=cpp OXCCL_TORCH_EXT_BUILD=0
+# The tools slow the ranks down, and a loaded machine stalls them: a rank silent past the
+# default heartbeat deadline (1.5 s) would be reported lost. This step looks for memory
+# errors, not for lost peers: the deadline is far above any stall.
+export OXCCL_HEARTBEAT_TIMEOUT=600
+failed=()
+
+echo "== sanitize: the C++ torch backend built with ASan into $ASAN_DIR (logs: $LOG_DIR)"
+# Built when the cache holds no usable build (as `import oxccl.torch` would), with a failed
+# build's record removed first: this step retries it.
+rm -f "$ASAN_DIR"/*/build-failed.log
+if ! OXCCL_TORCH_EXT_SANITIZE=address OXCCL_TORCH_EXT_DIR=$ASAN_DIR OXCCL_TORCH_EXT_BUILD=1 "$PY" -c \
+  'from oxccl.build_torch_ext import find_or_build; print("   " + find_or_build())'; then
+  echo "sanitize: the ASan build failed" >&2
+  exit 1
+fi
+
+# The environment of one tool, as `env` arguments, into the array `tool_env`.
+set_tool_env() {
+  case $1 in
+    asan)
+      tool_env=(LD_PRELOAD="$LIBASAN $LIBSTDCXX" OXCCL_TORCH_EXT_SANITIZE=address OXCCL_TORCH_EXT_DIR="$ASAN_DIR"
+        ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$2/asan:print_legend=0")
+      ;;
+    malloc)
+      tool_env=(LD_PRELOAD="$MALLOC_DEBUG" MALLOC_CHECK_=3 MALLOC_PERTURB_=165)
+      ;;
+  esac
+}
+
+# The tools' reports in directory $1 and log $2: ASan's files (the first three, each cut to
+# its first 40 lines; all are kept in $1), glibc's messages.
+reports() {
+  local f shown=0
+  for f in "$1"/asan.*; do
+    [ -e "$f" ] || continue
+    shown=$((shown + 1))
+    if [ "$shown" -le 3 ]; then
+      echo "--- $f"
+      head -n 40 "$f"
+    else
+      echo "--- $f (not shown)"
+    fi
+  done
+  grep -E -n -m 20 "AddressSanitizer|malloc\(\)|free\(\)|double free|corrupted (size|double-linked)|memory corruption|tcache|malloc_consolidate|munmap_chunk|realloc\(\)" "$2"
+}
+
+# Runs `pytest ARGS...` under tool $1 with name $2 (its logs in $LOG_DIR/$2); extra env after --.
+run_one() {
+  local tool=$1 name=$2
+  shift 2
+  local dir=$LOG_DIR/$name extra=()
+  while [ "$#" -gt 0 ] && [ "$1" != -- ]; do extra+=("$1"); shift; done
+  shift
+  mkdir -p "$dir"
+  set_tool_env "$tool" "$dir"
+  local start=$SECONDS rc=0
+  env "${tool_env[@]}" "${extra[@]}" OXCCL_PROP_TRACE="$dir/trace" \
+    "$PY" -m pytest -q -p no:cacheprovider "$@" >"$dir/pytest.log" 2>&1 || rc=$?
+  local found
+  found=$(reports "$dir" "$dir/pytest.log")
+  if [ "$rc" -ne 0 ] || [ -n "$found" ]; then
+    failed+=("$name")
+    echo "sanitize: FAILED: $name (tool $tool, pytest exit status $rc${found:+, a report of the tool})" >&2
+    local t
+    for t in "$dir"/trace.*; do
+      [ -e "$t" ] && echo "  last call begun: $(tail -n 1 "$t")" >&2
+    done
+    if [ -n "$found" ]; then echo "$found" >&2; fi
+    grep -E "FAILED|rank [0-9]+: seed|Error" "$dir/pytest.log" | head -n 20 >&2
+    echo "  full output: $dir/pytest.log" >&2
+  else
+    echo "   $name: ok ($((SECONDS - start)) s)"
+  fi
+}
+
+# Checks, under tool $1, that the ranks will load the C++ backend meant for it.
+check_backend() {
+  set_tool_env "$1" "$LOG_DIR"
+  env "${tool_env[@]}" "$PY" -c '
+import sys, oxccl.torch as ot
+path = getattr(ot._CPP, "__file__", None)
+if path is None or (sys.argv[1] == "asan") != ("-address" in path):
+    sys.exit(f"sanitize: the {sys.argv[1]} run would not use the C++ backend built for it (it found {path})")
+print(f"   the C++ backend: {path}")
+' "$1"
+}
+
+# Checks that tool $1 reports a heap error and that reports() finds its report: a write
+# past a malloc'd block (ASan) or a double free (glibc), on purpose.
+self_check() {
+  local dir=$LOG_DIR/$1-self-check
+  mkdir -p "$dir"
+  set_tool_env "$1" "$dir"
+  # In a subshell (not the last command there: not exec'd), so that the shell's own line
+  # about the abort goes to the log too.
+  (env "${tool_env[@]}" "$PY" -c '
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+p = libc.malloc(24)
+if sys.argv[1] == "asan":
+    ctypes.memset(p, 0, 64)
+else:
+    libc.free(p)
+    libc.free(p)
+' "$1" || true) >"$dir/out.log" 2>&1
+  if [ -z "$(reports "$dir" "$dir/out.log")" ]; then
+    echo "sanitize: $1 did not report a heap error made on purpose (see $dir): its runs would prove nothing" >&2
+    return 1
+  fi
+  echo "   $1 reports a heap error made on purpose"
+}
+
+seeds=(847752098)
+for ((i = 0; i < NSEEDS; i++)); do
+  seeds+=("$("$PY" -c 'import random; print(random.randrange(1 << 30))')")
+done
+for tool in asan malloc; do
+  echo "== sanitize: $tool: the property test, ${#seeds[@]} seeds (${seeds[*]}), $CALLS calls per case"
+  if ! self_check "$tool" || ! check_backend "$tool"; then
+    failed+=("$tool")
+    continue
+  fi
+  for seed in "${seeds[@]}"; do
+    echo "   seed $seed (replay: OXCCL_PROP_SEED=$seed OXCCL_PROP_CALLS=$CALLS)"
+    for n in 2 3; do
+      run_one "$tool" "$tool-prop-$seed-$n" OXCCL_PROP_SEED="$seed" OXCCL_PROP_CALLS="$CALLS" -- \
+        "python/tests/test_torch_property.py::test_random_calls_match_gloo[$n]"
+    done
+  done
+  echo "== sanitize: $tool: the allocator, call form and point-to-point tests"
+  run_one "$tool" "$tool-tests" -- python/tests/test_torch_shm_allocator.py python/tests/test_torch_forms.py \
+    python/tests/test_torch_p2p_calls.py
+done
+
+if [ "${#failed[@]}" -ne 0 ]; then
+  echo "sanitize: failed: ${failed[*]} (logs: $LOG_DIR)" >&2
+  exit 1
+fi
+echo "sanitize: no report (logs: $LOG_DIR)"
