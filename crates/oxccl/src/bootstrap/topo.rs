@@ -38,6 +38,16 @@ impl Topology {
         Topology { host_of, hosts }
     }
 
+    /// From the host index of each rank (hosts numbered as given; tests).
+    #[cfg(test)]
+    pub(crate) fn of_hosts(host_of: Vec<usize>) -> Self {
+        let mut hosts = vec![Vec::new(); host_of.iter().max().map_or(0, |m| m + 1)];
+        for (r, &h) in host_of.iter().enumerate() {
+            hosts[h].push(r);
+        }
+        Topology { host_of, hosts }
+    }
+
     /// `rank`'s index among the ranks of its host.
     pub fn local_rank(&self, rank: usize) -> usize {
         let h = &self.hosts[self.host_of[rank]];

@@ -241,12 +241,7 @@ mod tests {
     }
 
     fn topo(host_of: Vec<usize>) -> Topology {
-        let nh = host_of.iter().max().unwrap() + 1;
-        let mut hosts = vec![Vec::new(); nh];
-        for (r, &h) in host_of.iter().enumerate() {
-            hosts[h].push(r);
-        }
-        Topology { host_of, hosts }
+        Topology::of_hosts(host_of)
     }
 
     /// The table: a call's facts and agreement, what it asks, and its plan.

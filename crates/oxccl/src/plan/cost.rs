@@ -264,12 +264,7 @@ mod tests {
     use super::*;
 
     fn topo(host_of: Vec<usize>) -> Topology {
-        let nh = host_of.iter().max().unwrap() + 1;
-        let mut hosts = vec![Vec::new(); nh];
-        for (r, &h) in host_of.iter().enumerate() {
-            hosts[h].push(r);
-        }
-        Topology { host_of, hosts }
+        Topology::of_hosts(host_of)
     }
 
     fn sit(kind: CollKind, bytes: usize) -> tune::Situation {
