@@ -24,7 +24,8 @@ FACTOR = {
 
 
 def ratio_rows(path):
-    """The final table of compare.sh (bytes, oxccl us, mpi us, gloo us), or of
+    """The final table of compare.sh (bytes, oxccl us, mpi us, gloo us, ratios and, for
+    all_reduce with DeepSpeed installed, its columns), or of
     scripts/anchors/compare_reduce.sh (no gloo column: NaN)."""
     rows, seen = [], False
     for line in open(path):
@@ -32,7 +33,8 @@ def ratio_rows(path):
             seen, rows = True, []
             continue
         f = line.split()
-        if seen and len(f) == 6 and f[0].isdigit():
+        # 6 columns; 8 where compare.sh adds DeepSpeed's (ds us, ds/ox time), not plotted here
+        if seen and len(f) in (6, 8) and f[0].isdigit():
             rows.append((int(f[0]), float(f[1]), float(f[2]), float(f[3])))
         elif seen and len(f) == 4 and f[0].isdigit():
             rows.append((int(f[0]), float(f[1]), float(f[2]), float("nan")))
