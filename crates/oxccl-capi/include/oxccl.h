@@ -138,7 +138,7 @@ oxcclResult_t oxcclCommUserRank(const oxcclComm_t comm, int* rank);
 oxcclResult_t oxcclCommTimeout(const oxcclComm_t comm, double* seconds);
 /* Sets the communicator's timeout, the bound on each later call, instead of OXCCL_TIMEOUT;
  * it holds for every handle of the communicator. oxcclInvalidArgument for a NULL comm or a
- * timeout that is not a number of at least 0.001 seconds. */
+ * timeout that is not a number of seconds from 0.001 to 1e7 (OXCCL_TIMEOUT's bounds). */
 oxcclResult_t oxcclCommSetTimeout(const oxcclComm_t comm, double seconds);
 
 /* Collectives, as NCCL's. Counts are in elements of `datatype`. In place as NCCL:

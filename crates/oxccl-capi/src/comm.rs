@@ -164,15 +164,16 @@ pub extern "C" fn oxcclCommTimeout(comm: *const oxcclComm, seconds: *mut f64) ->
 pub extern "C" fn oxcclCommSetTimeout(comm: *const oxcclComm, seconds: f64) -> oxcclResult_t {
     guard(|| {
         let c = &handle(comm)?.comm;
-        // As OXCCL_TIMEOUT's own lower bound: a call cannot be given less than a millisecond.
-        if !(seconds.is_finite() && seconds >= 1e-3) {
+        // The bounds OXCCL_TIMEOUT is held to.
+        let (min, max) = (oxccl::params::MIN_SECS, oxccl::params::MAX_SECS);
+        if !(min..=max).contains(&seconds) {
             return Err(CError::invalid(format!(
                 "rank {}: oxcclCommSetTimeout: the timeout {seconds} s is not a number of \
-                 seconds of at least 0.001",
+                 seconds from {min} to {max}",
                 c.rank()
             )));
         }
-        c.set_timeout(std::time::Duration::from_secs_f64(seconds.min(1e9)));
+        c.set_timeout(std::time::Duration::from_secs_f64(seconds));
         Ok(())
     })
 }
