@@ -143,6 +143,7 @@ impl Case {
             root: self.root,
             chunk_bytes: 1,
             topo: None,
+            blocks: None,
         }
     }
 
@@ -270,7 +271,12 @@ impl Case {
             CollKind::SendRecv { .. } => {
                 count_wrong(d, op, recv, |g| value(op, (r + n - 1) % n, g) as f64)
             }
-            CollKind::Send { .. } | CollKind::Recv { .. } | CollKind::Barrier => 0,
+            CollKind::Send { .. }
+            | CollKind::Recv { .. }
+            | CollKind::Barrier
+            | CollKind::Gather
+            | CollKind::Scatter
+            | CollKind::AllToAllV => 0,
         }
     }
 }

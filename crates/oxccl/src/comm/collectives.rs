@@ -14,9 +14,9 @@ use crate::direct::link::Direct;
 use crate::exec::p2p::{self, P2pOp};
 use crate::exec::{self, Buffers};
 use crate::fault::fingerprint::{CallPrint, Fingerprint, P2pCall};
-use crate::plan::call_plan::{Facts, Planner, Sharing};
+use crate::plan::call_plan::{Facts, Plan, Planner, Sharing};
 use crate::plan::tune;
-use crate::sched::{Coll, CollKind};
+use crate::sched::{Blocks, Coll, CollKind};
 use crate::transport::tcp::lazy::LazyTcp;
 
 /// One call's arguments, before buffers.
@@ -89,6 +89,7 @@ impl Communicator {
             root: call.root,
             chunk_bytes: self.cfg.chunk_bytes,
             topo: None,
+            blocks: None,
         };
         let situation = tune::Situation {
             kind: call.kind,
@@ -239,12 +240,11 @@ impl Communicator {
         res
     }
 
-    /// Runs a point-to-point group ([`crate::exec::p2p`]) of `kind` as one call.
+    /// Runs a group of the user's sends and receives ([`crate::exec::p2p`]) as one call.
     fn run_p2p(
         &self,
         name: &'static str,
         validate: impl FnOnce(u64) -> Result<Call>,
-        kind: P2pCall,
         ops: &mut [P2pOp<'_>],
     ) -> Result<()> {
         let (mut st, seq) = self.begin_call(name)?;
@@ -294,8 +294,6 @@ impl Communicator {
             health: Some(self.guard.health()),
             call: name,
             seq,
-            kind,
-            coll_seq: 0,
         }
         .run(ops);
         let res = self.guard.end(seq, name, &print, "p2p", timing, res);
@@ -328,52 +326,278 @@ impl Communicator {
     /// refused on one rank (bad arguments there only) leaves its peers waiting in it, bounded
     /// by the timeout, until that rank calls it again, instead of letting them run on into
     /// later calls whose messages a later call of that rank would take.
+    ///
+    /// Such a call runs as a schedule ([`Algo::Flat`](crate::Algo::Flat), named `flat` in
+    /// `oxccl perf` and the flight recorder), like every collective: its operations are its
+    /// blocks (each send a block of its input, each receive one of its output), every
+    /// operation of one element type; a rank's sends to itself are copied into its receives
+    /// from itself, in order.
     pub fn group_p2p_as(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
-        if !call.is_collective() {
-            return self.run_group(call, ops);
+        if call.is_collective() {
+            self.run_blocks(call, ops)
+        } else {
+            self.run_group(call, ops)
         }
-        let (n, me) = (self.nranks, self.rank);
-        let (mut sends, mut recvs) = (vec![false; n], vec![false; n]);
-        for op in ops.iter() {
+    }
+
+    /// The argument checks of a collective made of messages (`call`), before anything moves:
+    /// named peers in range, whole elements of one type, no tags, sends to this rank itself
+    /// matched by receives from itself of the same length. Returns the element type.
+    fn check_blocks(&self, call: P2pCall, seq: u64, ops: &[P2pOp<'_>]) -> Result<DataType> {
+        let (n, me, name) = (self.nranks, self.rank, call.name());
+        let bad = |msg: String| self.bad(name, seq, msg);
+        let dtype = ops.first().map_or(DataType::U8, |op| match op {
+            P2pOp::Send { dtype, .. } | P2pOp::Recv { dtype, .. } => *dtype,
+        });
+        let (mut to_me, mut from_me) = (Vec::new(), Vec::new());
+        for op in ops {
+            let (peer, tag, dt, len) = match op {
+                P2pOp::Send {
+                    peer,
+                    tag,
+                    dtype,
+                    buf,
+                } => (Some(*peer), *tag, *dtype, buf.len()),
+                P2pOp::Recv {
+                    peer,
+                    tag,
+                    dtype,
+                    buf,
+                    ..
+                } => (*peer, *tag, *dtype, buf.len()),
+            };
+            if let Some(p) = peer.filter(|&p| p >= n) {
+                return Err(bad(format!("peer {p} is out of range (world size {n})")));
+            }
+            if len % dt.size() != 0 {
+                return Err(bad(format!(
+                    "a buffer of {len} bytes is not a whole number of {dt} elements"
+                )));
+            }
+            if peer.is_none() {
+                return Err(bad(format!(
+                    "a {name} receives from named ranks only, not from any rank"
+                )));
+            }
+            if tag != 0 {
+                return Err(bad(format!("a {name} has no tags (got tag {tag})")));
+            }
+            if dt != dtype {
+                return Err(bad(format!(
+                    "a {name}'s buffers are all of one element type (got {dtype} and {dt})"
+                )));
+            }
             match op {
-                P2pOp::Send { peer, .. } if *peer < n => sends[*peer] = true,
-                P2pOp::Recv { peer: Some(p), .. } if *p < n => recvs[*p] = true,
+                P2pOp::Send { peer, .. } if *peer == me => to_me.push(len),
+                P2pOp::Recv { peer: Some(p), .. } if *p == me => from_me.push(len),
                 _ => {}
             }
         }
-        let empty = || P2pOp::Send {
-            peer: 0,
-            tag: 0,
-            dtype: DataType::U8,
-            buf: &[],
-        };
-        let mut all: Vec<P2pOp<'_>> = ops
-            .iter_mut()
-            .map(|op| std::mem::replace(op, empty()))
-            .collect();
-        for p in (0..n).filter(|&p| p != me) {
-            if sends[p] && !recvs[p] {
-                all.push(P2pOp::Recv {
-                    peer: Some(p),
-                    tag: 0,
-                    dtype: DataType::U8,
-                    buf: &mut [],
-                    from: None,
-                });
-            } else if recvs[p] && !sends[p] {
-                all.push(P2pOp::Send {
-                    peer: p,
-                    tag: 0,
-                    dtype: DataType::U8,
-                    buf: &[],
-                });
+        for (k, &len) in to_me.iter().enumerate() {
+            let Some(&got) = from_me.get(k) else {
+                return Err(bad(
+                    "a send to this rank itself (tag 0) needs a receive from itself in the same group"
+                        .into(),
+                ));
+            };
+            if got != len {
+                return Err(bad(format!(
+                    "a send to itself of {} x {dtype} into a receive of {} x {dtype}",
+                    len / dtype.size(),
+                    got / dtype.size()
+                )));
             }
         }
-        let res = self.run_group(call, &mut all);
-        for (slot, op) in ops.iter_mut().zip(all) {
-            *slot = op;
+        if from_me.len() > to_me.len() {
+            return Err(bad(
+                "a receive from this rank itself needs a send to itself in the same group".into(),
+            ));
         }
-        res
+        Ok(dtype)
+    }
+
+    /// Runs a collective made of messages (gather, scatter, all_to_allv) as its schedule
+    /// (`sched::blocks`), over the buffers of its operations, with the executor's message
+    /// framing (`exec::messages`).
+    fn run_blocks(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        let name = call.name();
+        let (mut st, seq) = self.begin_call(name)?;
+        let dtype = self.check_blocks(call, seq, ops)?;
+        let (n, me) = (self.nranks, self.rank);
+        let kind = match call {
+            P2pCall::Gather => CollKind::Gather,
+            P2pCall::Scatter => CollKind::Scatter,
+            P2pCall::AllToAllV | P2pCall::User => CollKind::AllToAllV,
+        };
+        let mut blocks = Blocks::new(n);
+        let (mut in_off, mut out_off) = (0, 0);
+        for op in ops.iter() {
+            match op {
+                P2pOp::Send { peer, buf, .. } => {
+                    blocks.send[*peer].push((in_off, buf.len()));
+                    in_off += buf.len();
+                }
+                P2pOp::Recv { peer, buf, .. } => {
+                    let p = peer.unwrap_or(me); // named: checked above
+                    blocks.recv[p].push((out_off, buf.len()));
+                    out_off += buf.len();
+                }
+            }
+        }
+        let count = ops.first().map_or(0, |op| match op {
+            P2pOp::Send { buf, .. } => buf.len(),
+            P2pOp::Recv { buf, .. } => buf.len(),
+        }) / dtype.size();
+        let coll = Coll {
+            kind,
+            rank: me,
+            nranks: n,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+            root: 0,
+            chunk_bytes: self.cfg.chunk_bytes,
+            topo: None,
+            blocks: Some(std::sync::Arc::new(blocks)),
+        };
+        let planner = Planner {
+            model: &self.model,
+            topo: self.topo.as_deref(),
+            facts: Facts {
+                situation: tune::Situation {
+                    kind,
+                    input_bytes: coll.input_bytes(),
+                    direct: st.direct.is_some(),
+                    cma: st.direct.as_ref().is_some_and(|d| d.can_read_peers()),
+                    slot_bytes: st.direct.as_ref().map_or(0, |d| d.slot_bytes()),
+                    nranks: n,
+                    oneshot_max: self.cfg.oneshot_max,
+                    cma_min: self.cfg.cma_min,
+                    mapped_min: self.cfg.mapped_min,
+                    deterministic: self.cfg.deterministic,
+                },
+                forced: self.forced_algo,
+                oneshot_mapped_min: self.cfg.oneshot_mapped_min,
+            },
+        };
+        let Plan::Schedule(algo) = planner.plan(Sharing::NotAsked) else {
+            return Err(Error::Aborted {
+                rank: me,
+                msg: format!("internal error in {name} (call #{seq}): planned off a schedule"),
+            });
+        };
+        let sched = algo.schedule(&coll);
+        debug_assert!(sched.validate(me).is_ok(), "{:?}", sched.validate(me));
+        // What the flight recorder shows, as for a group (the first operation's message).
+        let first = match ops.first() {
+            Some(P2pOp::Recv { peer, .. }) => CollKind::Recv {
+                peer: peer.unwrap_or(me),
+            },
+            Some(P2pOp::Send { peer, .. }) => CollKind::Send { peer: *peer },
+            None => CollKind::Send { peer: 0 },
+        };
+        let print = CallPrint {
+            fp: Fingerprint::of(first, dtype, ReduceOp::Sum, count, 0),
+            send_seq: 0,
+            recv_seq: 0,
+            call_seq: seq,
+        };
+        st.last_algo = algo.name();
+        let mut timing = self.guard.begin(seq, name, &print, algo.name());
+        let State {
+            links,
+            seqr,
+            stash,
+            direct,
+            lazy,
+            scratch,
+            ..
+        } = &mut *st;
+        let mut timeout = self.guard.timeout();
+        if let Some(l) = lazy.as_mut() {
+            let t0 = std::time::Instant::now();
+            let made = self.connect_p2p(l, ops, t0 + timeout, name, seq);
+            timeout = timeout.saturating_sub(t0.elapsed());
+            match made {
+                Ok(made) => {
+                    for (p, link) in made {
+                        links[p] = Some(link);
+                    }
+                }
+                Err(e) => {
+                    let res = self
+                        .guard
+                        .end(seq, name, &print, algo.name(), timing, Err(e));
+                    return Self::end_call(&mut st, res);
+                }
+            }
+            Self::drop_made(lazy);
+        }
+        // Numbered once accepted: a call refused above takes no number, as a refused
+        // collective (its retry is the same collective).
+        let coll_seq = seqr.next_coll();
+        // How the direct area's check describes this call: a message of it.
+        let dprint = CallPrint {
+            fp: Fingerprint::p2p(dtype, count, false, call),
+            send_seq: coll_seq,
+            recv_seq: coll_seq,
+            call_seq: seq,
+        };
+        let res = {
+            let mut input: Vec<(usize, &[u8])> = Vec::new();
+            let mut output: Vec<(usize, &mut [u8])> = Vec::new();
+            let (mut in_off, mut out_off) = (0, 0);
+            for op in ops.iter_mut() {
+                match op {
+                    P2pOp::Send { buf, .. } => {
+                        input.push((in_off, *buf));
+                        in_off += buf.len();
+                    }
+                    P2pOp::Recv { buf, .. } => {
+                        let len = buf.len();
+                        output.push((out_off, &mut **buf));
+                        out_off += len;
+                    }
+                }
+            }
+            let mut ctx = exec::Ctx {
+                rank: me,
+                links,
+                dtype,
+                op: ReduceOp::Sum,
+                nranks: n,
+                spin: self.spin,
+                timeout,
+                call: name,
+                seq,
+                // A peer's user receive may read these messages: copied, never lent.
+                single_copy: false,
+                guard: exec::FaultHooks {
+                    print: Some(&dprint),
+                    health: Some(self.guard.health()),
+                    step_ends: timing.as_mut().map(|t| &mut t.1),
+                    direct: direct.as_deref().map(|d| d as &dyn Direct),
+                    held: None,
+                },
+                messages: Some(exec::Messages {
+                    call,
+                    coll_seq,
+                    seqr,
+                    stash,
+                    stash_limit: self.cfg.p2p_stash_bytes,
+                }),
+            };
+            exec::execute_parts(&mut ctx, &sched, &input, &mut output, scratch)
+        };
+        if res.is_ok() {
+            for op in ops.iter_mut() {
+                if let P2pOp::Recv { peer, from, .. } = op {
+                    *from = *peer;
+                }
+            }
+        }
+        let res = self.guard.end(seq, name, &print, algo.name(), timing, res);
+        Self::end_call(&mut st, res)
     }
 
     fn run_group(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
@@ -401,7 +625,7 @@ impl Communicator {
                 root: 0,
             })
         };
-        self.run_p2p(call.name(), validate, call, ops)
+        self.run_p2p(call.name(), validate, ops)
     }
 
     /// Sends `buf` to `peer` with `tag`; the peer receives it with [`recv_tagged`](Self::recv_tagged)
@@ -640,6 +864,10 @@ impl Communicator {
                     call(kind, ic)
                 }
                 CollKind::Barrier => call(kind, 0),
+                // Their blocks are operations, one per buffer.
+                CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV => bad(format!(
+                    "{name} takes its blocks as operations: use Communicator::group_p2p_as"
+                )),
             }
         };
         match bufs {
@@ -665,7 +893,7 @@ impl Communicator {
                     from: None,
                 });
                 let mut ops: Vec<P2pOp<'_>> = send.into_iter().chain(recv).collect();
-                self.run_p2p(name, validate, P2pCall::User, &mut ops)
+                self.run_p2p(name, validate, &mut ops)
             }
             ByteBufs::Separate { send, recv } => {
                 let send: &[u8] = if kind == CollKind::Broadcast && !is_root {

@@ -179,6 +179,7 @@ impl Call<'_> {
                 direct: direct.map(|d| &*d as &dyn Direct),
                 held: Some(held),
             },
+            messages: None,
         };
         execute(&mut ctx, &sched, bufs, scratch)?;
         Ok(plan)

@@ -9,10 +9,12 @@
 //! deadline and that the peers it waits for are alive.
 
 mod call;
+mod messages;
 pub(crate) mod p2p;
 mod single_copy;
 
 pub(crate) use call::Call;
+pub(crate) use messages::Messages;
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
@@ -55,6 +57,11 @@ pub(crate) struct Ctx<'a> {
     pub single_copy: bool,
     /// Failure handling: fingerprints, health, step timing (all off by default).
     pub guard: FaultHooks<'a>,
+    /// For a collective made of messages (gather, scatter, all_to_allv): each transfer is a
+    /// message with its own header, told apart from the user's ([`messages`]); the call
+    /// headers of [`FaultHooks::print`] are then not sent (the print only describes the call
+    /// to the direct area's check).
+    pub messages: Option<Messages<'a>>,
 }
 
 /// The executor's failure-handling hooks ([`crate::fault::fingerprint`], [`crate::fault::health`]).
@@ -87,10 +94,27 @@ struct XState {
     single: bool,
 }
 
+/// One of a schedule's buffers in memory.
+enum Span {
+    /// One range of memory: address, length.
+    One(*mut u8, usize),
+    /// Parts, each its own memory (a collective made of messages: each block a buffer of its
+    /// own): `(offset in the buffer, address, length)`, by offset. A region lies in one part.
+    Parts(Vec<(usize, *mut u8, usize)>),
+}
+
+impl XState {
+    /// Whether the transfer of `len` bytes still has its header or data to move (an empty
+    /// transfer of a collective made of messages still has its header).
+    fn pending(&self, len: usize) -> bool {
+        self.done < len || self.hdr.pending()
+    }
+}
+
 /// Resolved memory of a schedule's buffers.
 struct Mem {
-    input: (*mut u8, usize),
-    output: (*mut u8, usize),
+    input: Span,
+    output: Span,
     scratch: (*mut u8, usize),
     /// The staging chunk of single-copy reductions (not a schedule buffer).
     stage: (*mut u8, usize),
@@ -98,10 +122,12 @@ struct Mem {
 
 impl Mem {
     fn ptr(&self, r: BufRange) -> Result<*mut u8, String> {
-        let (base, len) = match r.buf {
-            Buf::Input => self.input,
-            Buf::Output => self.output,
-            Buf::Scratch => self.scratch,
+        let (base, len) = match (r.buf, &self.input, &self.output) {
+            (Buf::Input, Span::One(p, n), _) | (Buf::Output, _, Span::One(p, n)) => (*p, *n),
+            (Buf::Input, Span::Parts(parts), _) | (Buf::Output, _, Span::Parts(parts)) => {
+                return part(parts, r)
+            }
+            (Buf::Scratch, ..) => self.scratch,
         };
         if r.off.checked_add(r.len).is_none_or(|end| end > len) {
             return Err(format!("region {r:?} outside its buffer of {len} bytes"));
@@ -111,12 +137,67 @@ impl Mem {
     }
 }
 
+/// The address of region `r` of a buffer in `parts`: inside one part, or an error.
+fn part(parts: &[(usize, *mut u8, usize)], r: BufRange) -> Result<*mut u8, String> {
+    if r.len == 0 {
+        return Ok(std::ptr::NonNull::<u8>::dangling().as_ptr());
+    }
+    let after = parts.partition_point(|&(off, _, _)| off <= r.off);
+    parts[..after]
+        .iter()
+        .rev()
+        .find(|&&(off, _, len)| r.off + r.len <= off + len)
+        // SAFETY: `off <= r.off` and `r.off + r.len <= off + len`: inside the part.
+        .map(|&(off, p, _)| unsafe { p.add(r.off - off) })
+        .ok_or_else(|| format!("region {r:?} is not inside one part of its buffer"))
+}
+
 /// Runs `sched` to completion. `scratch` is grown to the schedule's need and reused across
 /// calls.
 pub(crate) fn execute(
     ctx: &mut Ctx<'_>,
     sched: &Schedule,
     bufs: &mut Buffers<'_>,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let (p, n) = bufs.input_raw();
+    let (input, output) = (Span::One(p as *mut u8, n), {
+        let (p, n) = bufs.output_raw();
+        Span::One(p, n)
+    });
+    run(ctx, sched, input, output, scratch)
+}
+
+/// Runs `sched` (a collective made of messages) over buffers in parts: `input` and `output`
+/// as `(offset in the buffer, memory)`, by offset, each region of the schedule inside one
+/// part. The parts' memory is borrowed for the call: the sends' read, the receives' written.
+pub(crate) fn execute_parts(
+    ctx: &mut Ctx<'_>,
+    sched: &Schedule,
+    input: &[(usize, &[u8])],
+    output: &mut [(usize, &mut [u8])],
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let input = Span::Parts(
+        input
+            .iter()
+            .map(|(off, b)| (*off, b.as_ptr() as *mut u8, b.len()))
+            .collect(),
+    );
+    let output = Span::Parts(
+        output
+            .iter_mut()
+            .map(|(off, b)| (*off, b.as_mut_ptr(), b.len()))
+            .collect(),
+    );
+    run(ctx, sched, input, output, scratch)
+}
+
+fn run(
+    ctx: &mut Ctx<'_>,
+    sched: &Schedule,
+    input: Span,
+    output: Span,
     scratch: &mut Vec<u64>,
 ) -> Result<()> {
     // Past the schedule's scratch: the staging chunk of single-copy reductions.
@@ -132,11 +213,8 @@ pub(crate) fn execute(
         scratch.resize(words, 0);
     }
     let mem = Mem {
-        input: {
-            let (p, n) = bufs.input_raw();
-            (p as *mut u8, n)
-        },
-        output: bufs.output_raw(),
+        input,
+        output,
         scratch: (scratch.as_mut_ptr() as *mut u8, sched.scratch_bytes),
         // SAFETY: `scratch` holds at least `scratch_bytes + stage` bytes (grown above).
         stage: (
@@ -147,7 +225,10 @@ pub(crate) fn execute(
     if ctx.single_copy {
         single_copy::register(ctx.links, &mem);
     }
-    let headers = HeaderFlags::new(ctx.guard.print.is_some(), ctx.links.len());
+    let headers = HeaderFlags::new(
+        ctx.guard.print.is_some() && ctx.messages.is_none(),
+        ctx.links.len(),
+    );
     let id = CallId {
         rank: ctx.rank,
         call: ctx.call,
@@ -159,7 +240,9 @@ pub(crate) fn execute(
         mem: &mem,
         headers,
         failed_seen: None,
+        before: Vec::new(),
     };
+    run.messages_begin()?;
     for step in &sched.steps {
         run.step(step)?;
         if let Some(ends) = run.ctx.guard.step_ends.as_deref_mut() {
@@ -178,6 +261,9 @@ struct Runner<'c, 'a, 'm> {
     headers: HeaderFlags,
     /// When this call first saw the communicator failed.
     failed_seen: Option<Instant>,
+    /// Per transfer of the step, for a collective made of messages: what a receive reads
+    /// before its own message.
+    before: Vec<messages::Before>,
 }
 
 /// How long a call that sees the communicator failed elsewhere goes on taking data that is
@@ -260,7 +346,9 @@ impl Runner<'_, '_, '_> {
                     .is_some_and(|l| l.single_copy(matches!(x, Xfer::Send { .. }), x.len()));
             }
         }
-        if let Some(p) = self.ctx.guard.print {
+        if self.ctx.messages.is_some() {
+            self.messages_step(step, &mut st)?;
+        } else if let Some(p) = self.ctx.guard.print {
             for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
                 s.hdr = self
                     .headers
@@ -331,9 +419,9 @@ impl Runner<'_, '_, '_> {
         let mut all_done = true;
         let es = self.ctx.dtype.size();
         let (dtype, op) = (self.ctx.dtype, self.ctx.op);
-        for (x, s) in step.xfers.iter().zip(st.iter_mut()) {
+        for (i, (x, s)) in step.xfers.iter().zip(st.iter_mut()).enumerate() {
             let len = x.len();
-            if s.done == len {
+            if !s.pending(len) {
                 continue;
             }
             let peer = x.peer();
@@ -342,6 +430,9 @@ impl Runner<'_, '_, '_> {
             }
             match *x {
                 _ if s.single => progressed |= self.progress_single(x, s)?,
+                Xfer::Recv { .. } if s.hdr.pending() && self.ctx.messages.is_some() => {
+                    progressed |= self.message_header(i, x, s)?
+                }
                 Xfer::Send { src, .. } => {
                     let p = self.mem.ptr(src).map_err(|m| self.internal(m))?;
                     // SAFETY: in bounds (checked by `ptr`); the schedule's validation ensures
@@ -416,7 +507,7 @@ impl Runner<'_, '_, '_> {
                     }
                 }
             }
-            if s.done < len {
+            if s.pending(len) {
                 all_done = false;
             }
         }
@@ -426,7 +517,7 @@ impl Runner<'_, '_, '_> {
     /// Whether a transfer of `step` still pending waits on a socket.
     fn socket_pending(&self, step: &Step, st: &[XState]) -> bool {
         step.xfers.iter().zip(st).any(|(x, s)| {
-            s.done < x.len()
+            s.pending(x.len())
                 && self
                     .ctx
                     .links
@@ -445,7 +536,7 @@ impl Runner<'_, '_, '_> {
         let mut bell: Option<*const Doorbell> = None;
         let mut fds: Vec<(RawFd, PollFlags)> = Vec::new();
         for (x, s) in step.xfers.iter().zip(st.iter()) {
-            if s.done == x.len() {
+            if !s.pending(x.len()) {
                 continue;
             }
             let Some(link) = self.ctx.links.get(x.peer()).and_then(|l| l.as_ref()) else {
@@ -528,7 +619,7 @@ impl Runner<'_, '_, '_> {
             step.xfers
                 .iter()
                 .zip(st)
-                .filter(|(x, s)| s.done < x.len())
+                .filter(|(x, s)| s.pending(x.len()))
                 .map(|(x, _)| x.peer())
                 .collect()
         };
@@ -812,6 +903,7 @@ mod direct_race_tests {
                 direct: Some(&direct),
                 ..Default::default()
             },
+            messages: None,
         };
         let mut out = vec![0u64; n];
         let res = {

@@ -17,18 +17,18 @@
 //! fails) and a later receive takes it from there: messages of one source and tag are
 //! received in the order they were sent, whatever the order of the tags.
 //!
-//! A group runs either the user's own messages ([`P2pCall::User`]) or one collective made of
+//! A group runs the user's own messages ([`P2pCall::User`]). The collectives made of
 //! messages ([`P2pCall::Gather`], ...:
-//! [`Communicator::group_p2p_as`](crate::Communicator::group_p2p_as)). Every message says
-//! which in its header, and a collective's messages carry the collective's number (the
+//! [`Communicator::group_p2p_as`](crate::Communicator::group_p2p_as)) run as schedules in the
+//! executor, each transfer framed as a message here (`exec::messages`): every message says
+//! which call it is of, and a collective's messages carry the collective's number (the
 //! communicator's count of collectives, the one every collective's header carries) instead
-//! of the pair's message number. A receive takes only a message of its own call: a user receive that finds a
+//! of the pair's message number. A user receive takes only a user message: one that finds a
 //! collective's message keeps it in the stash if that collective is still to come on this
-//! rank (the peer is ahead), and fails if it is past (the message can never be taken); a
-//! collective's receive that finds a user message keeps it for a later user receive, and
-//! fails on a message of any other collective ([`Error::Mismatch`], naming both calls and
-//! both numbers). So a call refused on one rank (bad arguments there only) never lets a
-//! later call take the messages its peers sent for it.
+//! rank (the peer is ahead), and fails if it is past (the message can never be taken;
+//! [`Error::Mismatch`], naming both calls and both numbers). So a call refused on one rank
+//! (bad arguments there only) never lets a later call take the messages its peers sent for
+//! it.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, RawFd};
@@ -44,7 +44,7 @@ use crate::fault::health::Health;
 use crate::transport::{Link, WaitSource};
 
 /// Bytes of the tag that follows the header of a tagged message.
-const TAG_BYTES: usize = 8;
+pub(crate) const TAG_BYTES: usize = 8;
 /// Data sent in the same write as the header.
 const WITH_HEADER: usize = 4096 - HEADER_BYTES - TAG_BYTES;
 
@@ -105,9 +105,83 @@ impl Stash {
         &mut self.held
     }
 
-    fn is_held(&self, peer: usize) -> bool {
+    /// Whether a collective's header read off `peer`'s link is held (the peer is in a
+    /// collective whose messages are not point-to-point ones).
+    pub(crate) fn is_held(&self, peer: usize) -> bool {
         self.held.get(peer).is_some_and(|h| h.is_some())
     }
+
+    /// Bytes of the messages kept.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Counts `n` bytes of a message being read into the stash ([`Stash::keep_user`] adds
+    /// it once read).
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.bytes += n;
+    }
+
+    /// Keeps a user message read by a collective's receive (its bytes already counted by
+    /// [`Stash::reserve`]).
+    pub(crate) fn keep_user(
+        &mut self,
+        peer: usize,
+        tag: u32,
+        fp: Fingerprint,
+        mseq: u64,
+        data: Vec<u8>,
+    ) {
+        self.msgs.push_back(Stashed {
+            peer,
+            call: P2pCall::User,
+            tag,
+            fp,
+            mseq,
+            data,
+        });
+    }
+
+    /// Takes the message of collective `call` numbered `n` from `peer`, if one is kept:
+    /// its header's fingerprint, its number and its bytes.
+    pub(crate) fn take_collective(
+        &mut self,
+        peer: usize,
+        call: P2pCall,
+        n: u64,
+    ) -> Option<(Fingerprint, u64, Vec<u8>)> {
+        let k = self
+            .msgs
+            .iter()
+            .position(|m| m.peer == peer && m.call == call && m.mseq as u32 == n as u32)?;
+        let m = self.msgs.remove(k).expect("found above");
+        self.bytes -= m.data.len();
+        Some((m.fp, m.mseq, m.data))
+    }
+
+    /// A kept message of a collective other than `call` numbered `n` that is numbered `n` or
+    /// before (begun: no receive can take it any more): its peer, fingerprint and number.
+    pub(crate) fn past_collective(
+        &self,
+        call: P2pCall,
+        n: u64,
+    ) -> Option<(usize, Fingerprint, u64)> {
+        self.msgs
+            .iter()
+            .find(|m| {
+                m.call.is_collective()
+                    && !(m.call == call && m.mseq as u32 == n as u32)
+                    && begun(n, m.mseq)
+            })
+            .map(|m| (m.peer, m.fp, m.mseq))
+    }
+}
+
+/// Whether a collective's message numbered `mseq` (low 32 bits) is of a collective begun by
+/// a rank whose last collective begun is `cur`: numbers within 2^31 behind count as begun
+/// (they wrap at 2^32).
+fn begun(cur: u64, mseq: u64) -> bool {
+    (cur as u32).wrapping_sub(mseq as u32) < 1 << 31
 }
 
 /// What a group needs of the communicator.
@@ -126,10 +200,6 @@ pub(crate) struct Ctx<'a> {
     pub direct: Option<(&'a dyn crate::direct::link::Direct, CallPrint)>,
     pub call: &'static str,
     pub seq: u64,
-    /// What the group is: the user's messages, or one collective made of messages.
-    pub kind: P2pCall,
-    /// A collective's number on the communicator (set by [`Ctx::run`]; 0 for user groups).
-    pub coll_seq: u64,
 }
 
 /// A group's progress: operations done, sends queued and in flight per peer, the message
@@ -214,16 +284,6 @@ impl Ctx<'_> {
         let mut done = vec![false; ops.len()];
         self.validate(ops)?;
         self.local(ops, &mut done)?;
-        if self.kind.is_collective() {
-            // Numbered once accepted: a call refused above takes no number, as a refused
-            // collective (its retry is the same collective).
-            self.coll_seq = self.seqr.next_coll();
-            if let Some((_, print)) = self.direct.as_mut() {
-                print.fp.root = self.kind.code();
-                print.send_seq = self.coll_seq;
-                print.recv_seq = self.coll_seq;
-            }
-        }
         self.take_stashed(ops, &mut done)?;
         // Sends, in order per peer.
         let mut outq: Vec<VecDeque<usize>> = (0..n).map(|_| VecDeque::new()).collect();
@@ -430,63 +490,30 @@ impl Ctx<'_> {
                     "a buffer of {len} bytes is not a whole number of {dtype} elements"
                 )));
             }
-            if self.kind.is_collective() {
-                match op {
-                    P2pOp::Recv { peer: None, .. } => {
-                        return Err(self.bad(format!(
-                            "a {} receives from named ranks only, not from any rank",
-                            self.kind.name()
-                        )))
-                    }
-                    P2pOp::Send { tag, .. } | P2pOp::Recv { tag, .. } if *tag != 0 => {
-                        return Err(self.bad(format!(
-                            "a {} has no tags (got tag {tag})",
-                            self.kind.name()
-                        )))
-                    }
-                    _ => {}
-                }
-            }
         }
         Ok(())
     }
 
-    /// Whether a collective's message numbered `mseq` (low 32 bits) is of a collective this
-    /// rank has begun: the one in progress (a collective group) or, in a user group, the last
-    /// begun. Numbers within 2^31 behind count as begun (they wrap at 2^32).
+    /// Whether a collective's message numbered `mseq` is of a collective this rank has begun
+    /// (the last begun or before).
     fn begun(&self, mseq: u64) -> bool {
-        let cur = if self.kind.is_collective() {
-            self.coll_seq
-        } else {
-            self.seqr.colls()
-        };
-        (cur as u32).wrapping_sub(mseq as u32) < 1 << 31
+        begun(self.seqr.colls(), mseq)
     }
 
-    /// Whether a message of `call` numbered `mseq` belongs to this group.
-    fn ours(&self, call: P2pCall, mseq: u64) -> bool {
-        call == self.kind && (!call.is_collective() || mseq as u32 == self.coll_seq as u32)
+    /// Whether a message of `call` belongs to this group: the user's.
+    fn ours(&self, call: P2pCall, _mseq: u64) -> bool {
+        call == P2pCall::User
     }
 
-    /// The error for a message from `peer` (`fp`, numbered `mseq`) that belongs to another
-    /// call and that no receive of this rank can take any more (or that comes where this
-    /// collective expects its own).
+    /// The error for a message from `peer` (`fp`, numbered `mseq`) of a collective that no
+    /// receive of this rank can take any more.
     fn foreign(&self, peer: usize, fp: &Fingerprint, mseq: u64) -> Error {
-        let mine = if self.kind.is_collective() {
-            format!(
-                "{} (its collective #{}, call #{})",
-                self.kind.name(),
-                self.coll_seq,
-                self.seq
-            )
-        } else {
-            format!(
-                "{} (call #{}), a point-to-point receive, after beginning its collective #{}",
-                self.call,
-                self.seq,
-                self.seqr.colls()
-            )
-        };
+        let mine = format!(
+            "{} (call #{}), a point-to-point receive, after beginning its collective #{}",
+            self.call,
+            self.seq,
+            self.seqr.colls()
+        );
         let theirs = match fp.p2p_call() {
             Some(c) if c.is_collective() => format!("{fp} as its collective #{mseq}"),
             _ => format!("{fp} as its message #{mseq} (a point-to-point send)"),
@@ -610,22 +637,10 @@ impl Ctx<'_> {
         if fp.data_type() == Some(*dtype) && fp.count == count as u64 {
             return Ok(());
         }
-        let (mine, theirs) = if self.kind.is_collective() {
-            (
-                format!(
-                    "{}, receiving {count} x {dtype} from rank {peer} (its collective #{}, call #{})",
-                    self.kind.name(),
-                    self.coll_seq,
-                    self.seq
-                ),
-                format!("{fp} as its collective #{mseq}"),
-            )
-        } else {
-            (
-                format!("recv({count} x {dtype}, tag {tag}) (call #{})", self.seq),
-                format!("{fp} with tag {tag} as its message #{mseq}"),
-            )
-        };
+        let (mine, theirs) = (
+            format!("recv({count} x {dtype}, tag {tag}) (call #{})", self.seq),
+            format!("{fp} with tag {tag} as its message #{mseq}"),
+        );
         Err(Error::Mismatch {
             rank: self.rank,
             peer,
@@ -657,12 +672,13 @@ impl Ctx<'_> {
                     continue;
                 };
                 let h = Header {
-                    fp: Fingerprint::p2p(*dtype, buf.len() / dtype.size(), *tag != 0, self.kind),
-                    mseq: if self.kind.is_collective() {
-                        self.coll_seq
-                    } else {
-                        self.seqr.next_send(peer)
-                    },
+                    fp: Fingerprint::p2p(
+                        *dtype,
+                        buf.len() / dtype.size(),
+                        *tag != 0,
+                        P2pCall::User,
+                    ),
+                    mseq: self.seqr.next_send(peer),
                 };
                 let mut hdr = [0u8; HEADER_BYTES + TAG_BYTES];
                 hdr[..HEADER_BYTES].copy_from_slice(&h.encode());
@@ -800,12 +816,9 @@ impl Ctx<'_> {
                                 ),
                             ));
                         }
-                    } else if !self.ours(mcall, h.mseq)
-                        && (self.kind.is_collective() || self.begun(h.mseq))
-                    {
-                        // Another collective's message where this collective expects its
-                        // own, or one of a collective this rank is past: no receive can
-                        // take it.
+                    } else if self.begun(h.mseq) {
+                        // A message of a collective this rank is past: no receive can take
+                        // it.
                         return Err(self.foreign(peer, &h.fp, h.mseq));
                     }
                     let tag = if got > HEADER_BYTES {
@@ -821,19 +834,14 @@ impl Ctx<'_> {
                         return Err(self.protocol(peer, format!("bad element type in {}", h.fp)));
                     };
                     let len = (h.fp.count as usize).saturating_mul(dt.size());
-                    // Only a message of this group's call goes to one of its receives; the
-                    // others (a user message read by a collective, a collective's message
-                    // that came early) wait in the stash for their call.
+                    // Only a user message goes to one of the group's receives; a collective's
+                    // message that came early waits in the stash for its call.
                     let ours = self.ours(mcall, h.mseq);
                     let matched = (0..ops.len()).find(|&i| {
                         ours && !done[i]
                             && matches!(ops[i], P2pOp::Recv { peer: p, tag: t, from: None, .. }
                                 if t == tag && p.is_none_or(|p| p == peer))
                     });
-                    if ours && matched.is_none() && self.kind.is_collective() {
-                        // This collective's message, but no receive of it is left for it.
-                        return Err(self.foreign(peer, &h.fp, h.mseq));
-                    }
                     let target = match matched {
                         Some(i) => {
                             self.check_match(&ops[i], peer, &h.fp, h.mseq, tag)?;
@@ -926,7 +934,7 @@ fn named(ops: &[P2pOp<'_>], done: &[bool], peer: usize) -> bool {
 }
 
 /// Whether a complete 16-byte header announces a tag.
-fn tagged(buf: &[u8]) -> bool {
+pub(crate) fn tagged(buf: &[u8]) -> bool {
     buf[0] & 0x0f == 15 && buf[1] >> 4 == 1
 }
 

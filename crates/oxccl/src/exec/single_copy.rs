@@ -14,7 +14,7 @@
 //!
 //! [`Link::single_copy`]: crate::transport::Link::single_copy
 
-use super::{apply_recv, Mem, Runner, XState};
+use super::{apply_recv, Mem, Runner, Span, XState};
 use crate::base::error::Result;
 use crate::direct::hugepages;
 use crate::direct::shared_buffer::region_of;
@@ -35,9 +35,11 @@ pub(super) fn register(links: &[Option<Box<dyn Link>>], mem: &Mem) {
         .flatten()
         .any(|l| l.single_copy(true, usize::MAX) || l.single_copy(false, usize::MAX));
     if lends {
-        for (p, len) in [mem.input, mem.output] {
-            if region_of(p, len).is_none() {
-                hugepages::register(p, len);
+        for span in [&mem.input, &mem.output] {
+            if let Span::One(p, len) = *span {
+                if region_of(p, len).is_none() {
+                    hugepages::register(p, len);
+                }
             }
         }
     }

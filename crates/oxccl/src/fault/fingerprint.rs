@@ -120,7 +120,13 @@ pub fn kind_code(kind: CollKind) -> u8 {
         CollKind::ReduceScatter => 5,
         CollKind::AllToAll => 6,
         CollKind::Barrier => 7,
-        CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. } => P2P,
+        // Messages, each with its own header (`exec::messages`).
+        CollKind::SendRecv { .. }
+        | CollKind::Send { .. }
+        | CollKind::Recv { .. }
+        | CollKind::Gather
+        | CollKind::Scatter
+        | CollKind::AllToAllV => P2P,
     }
 }
 
@@ -460,6 +466,28 @@ impl HeaderFault {
 }
 
 impl HeaderState {
+    /// A header to send: `bytes`, before the data.
+    pub fn sending(bytes: [u8; HEADER_BYTES]) -> Self {
+        HeaderState {
+            left: HEADER_BYTES,
+            buf: bytes,
+        }
+    }
+
+    /// A header to receive before the data, read and checked by the caller (a message's,
+    /// `exec::messages`); pending until [`HeaderState::done`].
+    pub fn awaited() -> Self {
+        HeaderState {
+            left: HEADER_BYTES,
+            buf: [0; HEADER_BYTES],
+        }
+    }
+
+    /// Marks the header as taken.
+    pub fn done(&mut self) {
+        self.left = 0;
+    }
+
     /// True while header bytes remain to be sent or received.
     #[inline]
     pub fn pending(&self) -> bool {

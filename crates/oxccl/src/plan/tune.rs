@@ -20,6 +20,7 @@ pub(crate) fn default_algo(kind: CollKind) -> Algo {
         CollKind::Broadcast | CollKind::Reduce => Algo::Chain,
         CollKind::AllToAll => Algo::Pairwise,
         CollKind::Barrier => Algo::Dissemination,
+        CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV => Algo::Flat,
         CollKind::SendRecv { .. } | CollKind::Send { .. } | CollKind::Recv { .. } => {
             Algo::PointToPoint
         }

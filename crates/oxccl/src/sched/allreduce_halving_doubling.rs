@@ -182,6 +182,7 @@ mod tests {
                 root: 0,
                 chunk_bytes: 24,
                 topo: None,
+                blocks: None,
             })
             .collect()
     }

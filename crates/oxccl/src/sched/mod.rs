@@ -13,18 +13,24 @@ use crate::base::dtype::DataType;
 use crate::base::op::ReduceOp;
 use crate::bootstrap::topo::Topology;
 
+pub(crate) use blocks::Blocks;
+
 pub(crate) mod allgather_ring;
 pub(crate) mod allreduce_halving_doubling;
 pub(crate) mod allreduce_hier;
 pub(crate) mod allreduce_ring;
 pub(crate) mod allreduce_tree;
 pub(crate) mod alltoall_pairwise;
+pub(crate) mod alltoallv_flat;
 pub(crate) mod barrier_dissemination;
+pub(crate) mod blocks;
 pub(crate) mod broadcast_chain;
+pub(crate) mod gather_flat;
 pub(crate) mod ordered;
 pub(crate) mod placement;
 pub(crate) mod reduce_chain;
 pub(crate) mod reduce_scatter_ring;
+pub(crate) mod scatter_flat;
 pub(crate) mod sendrecv;
 #[cfg(test)]
 pub(crate) mod sim;
@@ -63,6 +69,12 @@ pub enum CollKind {
     },
     /// Wait until every rank has arrived.
     Barrier,
+    /// The root gets every rank's block (blocks may differ in size).
+    Gather,
+    /// Every rank gets its block of the root's buffer (blocks may differ in size).
+    Scatter,
+    /// Rank r's block p goes to rank p's block r, blocks of any size (all_to_allv).
+    AllToAllV,
 }
 
 impl CollKind {
@@ -79,6 +91,9 @@ impl CollKind {
             CollKind::Send { .. } => "send",
             CollKind::Recv { .. } => "recv",
             CollKind::Barrier => "barrier",
+            CollKind::Gather => "gather",
+            CollKind::Scatter => "scatter",
+            CollKind::AllToAllV => "all_to_allv",
         }
     }
 
@@ -123,6 +138,9 @@ pub struct Coll {
     /// Which host each rank is on (`None`: one host, or unknown). Rings and chains follow
     /// host order (crossing each host boundary once); hierarchical algorithms need it.
     pub topo: Option<Arc<Topology>>,
+    /// The blocks this rank sends and receives, for the collectives whose blocks may differ
+    /// in size (gather, scatter, all_to_allv; `None` for every other collective).
+    pub(crate) blocks: Option<Arc<Blocks>>,
 }
 
 impl Coll {
@@ -141,6 +159,9 @@ impl Coll {
             CollKind::ReduceScatter | CollKind::AllToAll => self.count * self.nranks * es,
             CollKind::SendRecv { .. } | CollKind::Send { .. } => self.count * es,
             CollKind::Recv { .. } | CollKind::Barrier => 0,
+            CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV => {
+                self.blocks.as_ref().map_or(0, |b| b.input_bytes())
+            }
         }
     }
 
@@ -160,6 +181,9 @@ impl Coll {
             CollKind::AllGather | CollKind::AllToAll => self.count * self.nranks * es,
             CollKind::SendRecv { .. } | CollKind::Recv { .. } => self.count * es,
             CollKind::Send { .. } | CollKind::Barrier => 0,
+            CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV => {
+                self.blocks.as_ref().map_or(0, |b| b.output_bytes())
+            }
         }
     }
 }
@@ -466,11 +490,14 @@ pub enum Algo {
     /// Halving-doubling (Rabenseifner) all_reduce: reduce-scatter by recursive halving, then
     /// all-gather by recursive doubling; the ring's bytes in `2·log2 n` steps.
     HalvingDoubling,
+    /// Every block straight between the two ranks it concerns, all in one step (gather,
+    /// scatter, all_to_allv, whose blocks may differ in size).
+    Flat,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 11] = [
+    pub const ALL: [Algo; 12] = [
         Algo::Ring,
         Algo::Chain,
         Algo::Pairwise,
@@ -482,6 +509,7 @@ impl Algo {
         Algo::Hier,
         Algo::Tree,
         Algo::HalvingDoubling,
+        Algo::Flat,
     ];
 
     /// The algorithm's name.
@@ -498,6 +526,7 @@ impl Algo {
             Algo::Hier => "hier",
             Algo::Tree => "tree",
             Algo::HalvingDoubling => "hd",
+            Algo::Flat => "flat",
         }
     }
 
@@ -524,6 +553,10 @@ impl Algo {
             ) | (Algo::Chain, CollKind::Broadcast | CollKind::Reduce)
                 | (Algo::Pairwise, CollKind::AllToAll)
                 | (Algo::Dissemination, CollKind::Barrier)
+                | (
+                    Algo::Flat,
+                    CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV
+                )
                 | (
                     Algo::Hier | Algo::Tree | Algo::HalvingDoubling,
                     CollKind::AllReduce
@@ -575,6 +608,9 @@ impl Algo {
             (Algo::Chain, CollKind::Reduce) => reduce_chain::schedule(coll),
             (Algo::Pairwise, CollKind::AllToAll) => alltoall_pairwise::schedule(coll),
             (Algo::Dissemination, CollKind::Barrier) => barrier_dissemination::schedule(coll),
+            (Algo::Flat, CollKind::Gather) => gather_flat::schedule(coll),
+            (Algo::Flat, CollKind::Scatter) => scatter_flat::schedule(coll),
+            (Algo::Flat, CollKind::AllToAllV) => alltoallv_flat::schedule(coll),
             (Algo::Ordered, _) if self.supports(coll.kind) => ordered::schedule(coll),
             (Algo::PointToPoint, _) if self.supports(coll.kind) => sendrecv::schedule(coll),
             (a, k) => panic!("algorithm {} does not implement {}", a.name(), k.name()),

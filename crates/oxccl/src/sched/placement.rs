@@ -102,6 +102,7 @@ mod tests {
             root: 0,
             chunk_bytes: 64,
             topo: Some(Arc::new(t)),
+            blocks: None,
         };
         let ring = Ring::of(&c);
         assert_eq!((ring.pos, ring.left(), ring.right()), (1, 0, 1));

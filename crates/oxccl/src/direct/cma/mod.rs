@@ -95,6 +95,7 @@ fn check_lengths(cx: &DirectCtx<'_>, c: &Coll, peer: usize, rec: &EventRecord) -
     let theirs = Coll {
         rank: peer,
         topo: None,
+        blocks: None,
         ..*c
     };
     let need = [theirs.input_bytes() as u64, theirs.output_bytes() as u64];
@@ -249,6 +250,7 @@ mod tests {
             root: 0,
             chunk_bytes: 1 << 20,
             topo: None,
+            blocks: None,
         };
         let id = CallId {
             rank: 0,

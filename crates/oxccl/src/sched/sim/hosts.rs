@@ -50,6 +50,7 @@ fn colls(kind: CollKind, t: &Arc<Topology>, count: usize, op: ReduceOp, root: us
             root,
             chunk_bytes: 16,
             topo: Some(t.clone()),
+            blocks: None,
         })
         .collect()
 }

@@ -272,6 +272,59 @@ fn coll(kind: CollKind, rank: usize, n: usize, count: usize, op: ReduceOp, root:
         root,
         chunk_bytes: 24,
         topo: None,
+        blocks: None,
+    }
+}
+
+/// Rank `rank`'s call of `kind` over `n` ranks with `blocks` (bytes of u8 elements).
+pub(crate) fn coll_with_blocks(
+    kind: CollKind,
+    rank: usize,
+    n: usize,
+    blocks: crate::sched::Blocks,
+) -> Coll {
+    Coll {
+        dtype: DataType::U8,
+        blocks: Some(std::sync::Arc::new(blocks)),
+        ..coll(kind, rank, n, 0, ReduceOp::Sum, 0)
+    }
+}
+
+/// Runs the flat schedule of `kind` with each rank's blocks (`blocks_of(rank)`) over inputs
+/// whose every byte says which rank and offset it is, and checks against the plain
+/// reference: the k-th block rank `r` receives from rank `p` is the k-th block `p` sends `r`,
+/// and output bytes no block covers stay as they were.
+pub(crate) fn check_blocks(
+    kind: CollKind,
+    n: usize,
+    blocks_of: impl Fn(usize) -> crate::sched::Blocks,
+) {
+    let all: Vec<crate::sched::Blocks> = (0..n).map(&blocks_of).collect();
+    let colls: Vec<Coll> = (0..n)
+        .map(|r| coll_with_blocks(kind, r, n, all[r].clone()))
+        .collect();
+    let byte = |r: usize, i: usize| (r * 31 + i * 7 + 1) as u8;
+    let mut bufs = make_bufs(
+        n,
+        |r| (0..colls[r].input_bytes()).map(|i| byte(r, i)).collect(),
+        |r| vec![0xee; colls[r].output_bytes()],
+    );
+    let inputs: Vec<Vec<u8>> = bufs.iter().map(|b| b.input.clone()).collect();
+    run(Algo::Flat, &colls, &mut bufs);
+    for r in 0..n {
+        let mut want = vec![0xeeu8; colls[r].output_bytes()];
+        for p in 0..n {
+            for (&(so, sl), &(ro, rl)) in all[p].send[r].iter().zip(&all[r].recv[p]) {
+                assert_eq!(
+                    sl,
+                    rl,
+                    "{} n={n}: block {p} -> {r} differs in length",
+                    kind.name()
+                );
+                want[ro..ro + rl].copy_from_slice(&inputs[p][so..so + sl]);
+            }
+        }
+        assert_eq!(bufs[r].output, want, "{} n={n} rank={r}", kind.name());
     }
 }
 
