@@ -29,7 +29,9 @@ pub(crate) mod runq;
 /// `oxccl perf` arguments (nccl-tests' names).
 #[derive(ClapArgs, Clone)]
 pub struct Args {
-    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv.
+    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, sendrecv, gather,
+    /// scatter or all_to_allv (gather, scatter, all_to_allv: blocks of one size, sizes as
+    /// all_gather's: the root's whole buffer, every rank's for all_to_allv).
     collective: String,
     /// Smallest size in bytes (K, M, G suffixes; at most 1024G).
     #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = args::bytes(0, MAX_PERF_BYTES))]
@@ -182,9 +184,12 @@ fn kind_of(name: &str) -> Result<CollKind, String> {
         "reduce_scatter" | "reducescatter" => CollKind::ReduceScatter,
         "all_to_all" | "alltoall" => CollKind::AllToAll,
         "sendrecv" => CollKind::SendRecv { to: 0, from: 0 },
+        "gather" => CollKind::Gather,
+        "scatter" => CollKind::Scatter,
+        "all_to_allv" | "alltoallv" => CollKind::AllToAllV,
         _ => {
             return Err(format!(
-                "unknown collective '{}' (expected all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv)",
+                "unknown collective '{}' (expected all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, sendrecv, gather, scatter or all_to_allv)",
                 oxccl::params::shown(name)
             ))
         }
@@ -324,7 +329,12 @@ fn bus_factor(kind: CollKind, n: usize) -> f64 {
     let n = n as f64;
     match kind {
         CollKind::AllReduce => 2.0 * (n - 1.0) / n,
-        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll => (n - 1.0) / n,
+        CollKind::AllGather
+        | CollKind::ReduceScatter
+        | CollKind::AllToAll
+        | CollKind::AllToAllV
+        | CollKind::Gather
+        | CollKind::Scatter => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -333,7 +343,12 @@ fn bus_factor(kind: CollKind, n: usize) -> f64 {
 fn shape(kind: CollKind, bytes: usize, es: usize, n: usize) -> (usize, usize, usize) {
     let elems = bytes / es;
     match kind {
-        CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll => {
+        CollKind::AllGather
+        | CollKind::ReduceScatter
+        | CollKind::AllToAll
+        | CollKind::AllToAllV
+        | CollKind::Gather
+        | CollKind::Scatter => {
             let per = elems / n;
             (per, per * n, per * n * es)
         }
@@ -540,7 +555,12 @@ fn rank_main(a: &Args) -> Result<(), String> {
             a.ranks
         );
     }
-    if a.root >= n && matches!(kind, CollKind::Broadcast | CollKind::Reduce) {
+    if a.root >= n
+        && matches!(
+            kind,
+            CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter
+        )
+    {
         return Err(format!("root {} is out of range for {n} ranks", a.root));
     }
     if a.kill_rank.is_some() || a.stall_rank.is_some() || a.cut_rank.is_some() {
@@ -605,7 +625,10 @@ fn rank_main(a: &Args) -> Result<(), String> {
     let (mut bw_sum, mut rows, mut total_wrong) = (0.0, 0usize, 0u64);
     // The largest share of the ranks' timed wall time they spent waiting for a CPU.
     let mut most_waiting: Option<f64> = None;
-    let rooted = matches!(kind, CollKind::Broadcast | CollKind::Reduce);
+    let rooted = matches!(
+        kind,
+        CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter
+    );
     for dtype in dtypes(&a.datatype)? {
         for op in ops(&a.op, kind, dtype)? {
             for size in sizes(a)? {
@@ -615,7 +638,7 @@ fn rank_main(a: &Args) -> Result<(), String> {
                     bytes,
                     elems,
                     dtype.name(),
-                    if rooted || matches!(kind, CollKind::AllReduce | CollKind::ReduceScatter) {
+                    if kind.reduces() || kind == CollKind::Broadcast {
                         op.name()
                     } else {
                         "none"

@@ -681,6 +681,66 @@ fn perf_reports_the_algorithm_that_ran_and_obeys_algo() {
     );
 }
 
+/// Gather, scatter and all_to_allv in `oxccl perf` (ranks as processes, shared memory and
+/// TCP, in and out of place, each checked against the reference): the `flat` schedule, named
+/// in every row.
+#[test]
+fn perf_runs_gather_scatter_and_all_to_allv_flat() {
+    let dir = std::env::temp_dir().join(format!("oxccl-flat-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (coll, transport, root) in [
+        ("gather", "shm", "2"),
+        ("scatter", "shm", "1"),
+        ("all_to_allv", "shm", "0"),
+        ("gather", "tcp", "0"),
+        ("scatter", "tcp", "2"),
+    ] {
+        let json = dir.join(format!("{coll}-{transport}.jsonl"));
+        let out = Command::new(OXCCL)
+            .args([
+                "perf",
+                coll,
+                "--ranks",
+                "3",
+                "--transport",
+                transport,
+                "-r",
+                root,
+                "-b",
+                "8",
+                "-e",
+                "3M",
+                "-f",
+                "64",
+                "-n",
+                "2",
+                "-w",
+                "1",
+            ])
+            .arg("--json")
+            .arg(&json)
+            .env("OXCCL_TUNE_FILE", "")
+            .output()
+            .unwrap();
+        assert_ok(&out, coll);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("Out of bounds values : 0 OK"),
+            "{coll}: {stdout}"
+        );
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(&json)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(!rows.is_empty(), "{coll} {transport}");
+        assert!(
+            rows.iter().all(|r| r["algo"] == "flat" && r["wrong"] == 0),
+            "{coll} {transport}: {rows:?}"
+        );
+    }
+}
+
 /// `oxccl tune --ranks 2 --max-bytes 256K ARGS --out FILE`.
 fn tune(args: &[&str], file: &std::path::Path) -> Output {
     Command::new(OXCCL)

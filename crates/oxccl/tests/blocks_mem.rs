@@ -7,8 +7,9 @@
 
 use std::time::Duration;
 
+use oxccl::check::Case;
 use oxccl::testing::transport::mem;
-use oxccl::{Communicator, Config, DataType, Error, P2pCall, P2pOp};
+use oxccl::{CollKind, Communicator, Config, DataType, Error, P2pCall, P2pOp, ReduceOp};
 
 /// Runs `body(rank, comm)` on `n` threads, each with its own communicator (links with queues
 /// of `cap` bytes; a direct area too where `direct`).
@@ -180,6 +181,73 @@ fn all_to_allv_matches_reference() {
         all_to_allv(n, false);
     }
     all_to_allv(4, true);
+}
+
+/// Blocks of one size through `call_bytes` (what `oxccl perf gather` and friends run), in
+/// and out of place, every root, element types of every size, checked against
+/// `oxccl::check`'s reference.
+#[test]
+fn equal_blocks_through_call_bytes_match_reference() {
+    for (n, direct) in [(1, false), (2, false), (3, false), (5, false), (3, true)] {
+        ranks(n, 4096, direct, |rank, comm| {
+            let mut kinds = vec![(CollKind::AllToAllV, 0)];
+            for root in 0..n {
+                kinds.push((CollKind::Gather, root));
+                kinds.push((CollKind::Scatter, root));
+            }
+            for (kind, root) in kinds {
+                for dtype in [DataType::U8, DataType::F16, DataType::F32, DataType::F64] {
+                    for count in [0, 1, 13, 70_001] {
+                        for in_place in [false, true] {
+                            let case = Case {
+                                kind,
+                                dtype,
+                                op: ReduceOp::Sum,
+                                root,
+                                count,
+                                in_place,
+                                rank,
+                                nranks: n,
+                            };
+                            let mut bufs = case.buffers(None).unwrap();
+                            let (send, recv) = bufs.get();
+                            case.fill(send, recv);
+                            case.call(comm, send, recv)
+                                .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+                            assert_eq!(case.wrong(recv), 0, "rank {rank}: {case:?}");
+                            assert_eq!(comm.last_algo(), "flat", "{case:?}");
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Buffers that do not fit the root's blocks are refused before anything moves, naming the
+/// lengths.
+#[test]
+fn unequal_buffers_through_call_bytes_are_refused() {
+    ranks_failing(2, |rank, comm| {
+        let send = vec![0u8; 8];
+        let mut recv = vec![0u8; 12];
+        let e = comm
+            .call_bytes(
+                CollKind::Gather,
+                DataType::U8,
+                ReduceOp::Sum,
+                rank, // each rank its own root: refused on both before any message
+                oxccl::ByteBufs::Separate {
+                    send: &send,
+                    recv: &mut recv,
+                },
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { msg, .. } if msg.contains("the root's recv has 12 elements; expected world size 2 x send 8")),
+            "{e}"
+        );
+    });
 }
 
 /// A block whose length differs between its sender and its receiver is a mismatch that the

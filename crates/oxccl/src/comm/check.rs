@@ -14,7 +14,7 @@ use crate::base::op::ReduceOp;
 use crate::comm::{ByteBufs, Communicator};
 use crate::direct::shared_buffer::SharedBuffer;
 use crate::exec::p2p::P2pOp;
-use crate::sched::{Coll, CollKind};
+use crate::sched::{alltoallv_flat, gather_flat, scatter_flat, Coll, CollKind};
 
 enum Storage {
     /// Words (8-byte aligned for every dtype) and the length in bytes.
@@ -133,6 +133,14 @@ pub struct Case {
 
 impl Case {
     fn coll(&self) -> Coll {
+        let block = vec![self.count * self.dtype.size(); self.nranks];
+        let (r, root) = (self.rank, self.root);
+        let blocks = match self.kind {
+            CollKind::Gather => Some(gather_flat::blocks(r, root, &block)),
+            CollKind::Scatter => Some(scatter_flat::blocks(r, root, &block)),
+            CollKind::AllToAllV => Some(alltoallv_flat::blocks(r, self.nranks, |_, _| block[0])),
+            _ => None,
+        };
         Coll {
             kind: self.kind,
             rank: self.rank,
@@ -143,7 +151,7 @@ impl Case {
             root: self.root,
             chunk_bytes: 1,
             topo: None,
-            blocks: None,
+            blocks: blocks.map(std::sync::Arc::new),
         }
     }
 
@@ -211,7 +219,14 @@ impl Case {
                     self.input_value(g)
                 });
             }
-            CollKind::Broadcast if !is_root => {}
+            // The root's own block, at its place.
+            CollKind::Gather if is_root => {
+                let b = self.count * es;
+                fill(d, &mut recv[self.rank * b..(self.rank + 1) * b], |g| {
+                    self.input_value(g)
+                });
+            }
+            CollKind::Broadcast | CollKind::Scatter if !is_root => {}
             _ => fill(d, recv, |g| self.input_value(g)),
         }
     }
@@ -265,8 +280,18 @@ impl Case {
                 }
                 wrong
             }
-            CollKind::AllToAll => {
+            CollKind::AllToAll | CollKind::AllToAllV => {
                 count_wrong(d, op, recv, |j| value(op, j / nc, r * c + j % nc) as f64)
+            }
+            CollKind::Gather if is_root => {
+                count_wrong(d, op, recv, |j| value(op, j / nc, j % nc) as f64)
+            }
+            // In place, the root's buffer is its input, untouched.
+            CollKind::Scatter if is_root && self.in_place => {
+                count_wrong(d, op, recv, |g| value(op, r, g) as f64)
+            }
+            CollKind::Scatter => {
+                count_wrong(d, op, recv, |i| value(op, self.root, r * c + i) as f64)
             }
             CollKind::SendRecv { .. } => {
                 count_wrong(d, op, recv, |g| value(op, (r + n - 1) % n, g) as f64)
@@ -274,9 +299,7 @@ impl Case {
             CollKind::Send { .. }
             | CollKind::Recv { .. }
             | CollKind::Barrier
-            | CollKind::Gather
-            | CollKind::Scatter
-            | CollKind::AllToAllV => 0,
+            | CollKind::Gather => 0,
         }
     }
 }

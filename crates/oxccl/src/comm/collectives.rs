@@ -334,10 +334,115 @@ impl Communicator {
     /// from itself, in order.
     pub fn group_p2p_as(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
         if call.is_collective() {
-            self.run_blocks(call, ops)
+            self.run_blocks(call, ops, |_| Ok(()))
         } else {
             self.run_group(call, ops)
         }
+    }
+
+    /// Gather, scatter and all_to_allv with blocks of one size, as `call_bytes` passes them
+    /// (`count` elements a block, as all_gather's; the root's whole buffer, or every rank's
+    /// for all_to_allv, holds `n` blocks in rank order): their operations, then
+    /// [`run_blocks`](Self::run_blocks) after `validate`. In place, the root's own block of
+    /// a gather or scatter stays where it is, and an all_to_allv sends from a copy of the
+    /// buffer. Buffers that `validate` refuses give no operations.
+    fn blocks_call(
+        &self,
+        kind: CollKind,
+        dtype: DataType,
+        root: usize,
+        bufs: ByteBufs<'_>,
+        validate: impl FnOnce(u64) -> Result<()>,
+    ) -> Result<()> {
+        let (n, me, es) = (self.nranks, self.rank, dtype.size());
+        let send = |peer, buf| P2pOp::Send {
+            peer,
+            tag: 0,
+            dtype,
+            buf,
+        };
+        let recv = |peer, buf| P2pOp::Recv {
+            peer: Some(peer),
+            tag: 0,
+            dtype,
+            buf,
+            from: None,
+        };
+        let copy: Vec<u64>;
+        let mut ops: Vec<P2pOp<'_>> = Vec::new();
+        let is_root = me == root && root < n;
+        let call = match kind {
+            CollKind::Gather => P2pCall::Gather,
+            CollKind::Scatter => P2pCall::Scatter,
+            _ => P2pCall::AllToAllV,
+        };
+        match (kind, bufs) {
+            (CollKind::Gather, ByteBufs::Separate { send: s, recv: r }) => {
+                if is_root && r.len() == n * s.len() {
+                    ops.push(send(me, s));
+                    ops.extend(
+                        split_mut(r, n)
+                            .into_iter()
+                            .enumerate()
+                            .map(|(p, b)| recv(p, b)),
+                    );
+                } else if !is_root && root < n {
+                    ops.push(send(root, s));
+                }
+            }
+            (CollKind::Gather, ByteBufs::InPlace(buf)) => {
+                if is_root && buf.len() % n == 0 {
+                    let blocks = split_mut(buf, n).into_iter().enumerate();
+                    ops.extend(blocks.filter(|(p, _)| *p != me).map(|(p, b)| recv(p, b)));
+                } else if !is_root && root < n {
+                    ops.push(send(root, buf));
+                }
+            }
+            (CollKind::Scatter, ByteBufs::Separate { send: s, recv: r }) => {
+                if is_root && s.len() == n * r.len() {
+                    ops.extend(split(s, n).into_iter().enumerate().map(|(p, b)| send(p, b)));
+                    ops.push(recv(me, r));
+                } else if !is_root && root < n {
+                    ops.push(recv(root, r));
+                }
+            }
+            (CollKind::Scatter, ByteBufs::InPlace(buf)) => {
+                if is_root && buf.len() % n == 0 {
+                    let blocks = split(buf, n).into_iter().enumerate();
+                    ops.extend(blocks.filter(|(p, _)| *p != me).map(|(p, b)| send(p, b)));
+                } else if !is_root && root < n {
+                    ops.push(recv(root, buf));
+                }
+            }
+            (_, ByteBufs::Separate { send: s, recv: r }) => {
+                if s.len() == r.len() && s.len() % (n * es) == 0 {
+                    ops.extend(split(s, n).into_iter().enumerate().map(|(p, b)| send(p, b)));
+                    ops.extend(
+                        split_mut(r, n)
+                            .into_iter()
+                            .enumerate()
+                            .map(|(p, b)| recv(p, b)),
+                    );
+                }
+            }
+            (_, ByteBufs::InPlace(buf)) => {
+                if buf.len() % (n * es) == 0 {
+                    let mut words = vec![0u64; buf.len().div_ceil(8)];
+                    bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..buf.len()]
+                        .copy_from_slice(buf);
+                    copy = words;
+                    let s = &bytemuck::cast_slice::<u64, u8>(&copy)[..buf.len()];
+                    ops.extend(split(s, n).into_iter().enumerate().map(|(p, b)| send(p, b)));
+                    ops.extend(
+                        split_mut(buf, n)
+                            .into_iter()
+                            .enumerate()
+                            .map(|(p, b)| recv(p, b)),
+                    );
+                }
+            }
+        }
+        self.run_blocks(call, &mut ops, validate)
     }
 
     /// The argument checks of a collective made of messages (`call`), before anything moves:
@@ -419,9 +524,16 @@ impl Communicator {
     /// Runs a collective made of messages (gather, scatter, all_to_allv) as its schedule
     /// (`sched::blocks`), over the buffers of its operations, with the executor's message
     /// framing (`exec::messages`).
-    fn run_blocks(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
+    /// `check` runs first, with the call's sequence number.
+    fn run_blocks(
+        &self,
+        call: P2pCall,
+        ops: &mut [P2pOp<'_>],
+        check: impl FnOnce(u64) -> Result<()>,
+    ) -> Result<()> {
         let name = call.name();
         let (mut st, seq) = self.begin_call(name)?;
+        check(seq)?;
         let dtype = self.check_blocks(call, seq, ops)?;
         let (n, me) = (self.nranks, self.rank);
         let kind = match call {
@@ -679,7 +791,13 @@ impl Communicator {
     /// for callers that know the type only at run time (the benchmark, the Python package).
     /// Lengths are in bytes and must be multiples of the element size, and the buffers aligned
     /// for it; what each buffer holds follows the typed methods ([`all_reduce`](Self::all_reduce)
-    /// and friends, and their `_in_place` forms).
+    /// and friends, and their `_in_place` forms). [`CollKind::Gather`], [`CollKind::Scatter`]
+    /// and [`CollKind::AllToAllV`] take blocks of one size here (blocks of different sizes:
+    /// [`group_p2p_as`](Self::group_p2p_as)): a gather's root receives `n` blocks, each rank's
+    /// send, in rank order (other ranks' receive buffers are ignored); a scatter's root sends
+    /// `n` blocks, block `r` into rank `r`'s receive buffer (other ranks' send buffers are
+    /// ignored); all_to_allv is all_to_all's shape. In place, the root's buffer holds the `n`
+    /// blocks (its own at its rank's place) and every other rank's is its one block.
     pub fn call_bytes(
         &self,
         kind: CollKind,
@@ -772,7 +890,10 @@ impl Communicator {
             if (in_len | out_len) & mask != 0 {
                 return bad(format!("buffer lengths {in_len} and {out_len} bytes are not multiples of the {dtype} size {es}"));
             }
-            let ignored = (kind == CollKind::Broadcast || kind == CollKind::Reduce) && !is_root;
+            let ignored = matches!(
+                kind,
+                CollKind::Broadcast | CollKind::Reduce | CollKind::Gather | CollKind::Scatter
+            ) && !is_root;
             if !in_place && !ignored && in_len > 0 && out_len > 0 {
                 let (s, r) = (ptrs[0], ptrs[1]);
                 if s < r + out_len && r < s + in_len {
@@ -811,7 +932,12 @@ impl Communicator {
                     }
                     call(kind, if kind == CollKind::Broadcast { oc } else { ic })
                 }
-                CollKind::AllGather | CollKind::ReduceScatter | CollKind::AllToAll if in_place => {
+                CollKind::AllGather
+                | CollKind::ReduceScatter
+                | CollKind::AllToAll
+                | CollKind::AllToAllV
+                    if in_place =>
+                {
                     if oc % n != 0 {
                         return bad(format!("{oc} elements do not divide among {n} ranks"));
                     }
@@ -833,7 +959,7 @@ impl Communicator {
                     }
                     call(kind, oc)
                 }
-                CollKind::AllToAll => {
+                CollKind::AllToAll | CollKind::AllToAllV => {
                     if ic != oc || ic % n != 0 {
                         return bad(format!("send ({ic}) and recv ({oc}) must have one length, divisible by the world size {n}"));
                     }
@@ -864,13 +990,37 @@ impl Communicator {
                     call(kind, ic)
                 }
                 CollKind::Barrier => call(kind, 0),
-                // Their blocks are operations, one per buffer.
-                CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV => bad(format!(
-                    "{name} takes its blocks as operations: use Communicator::group_p2p_as"
-                )),
+                CollKind::Gather | CollKind::Scatter => {
+                    self.check_root(name, seq, root)?;
+                    if in_place {
+                        if is_root && oc % n != 0 {
+                            return bad(format!("{oc} elements do not divide among {n} ranks"));
+                        }
+                        return call(kind, if is_root { oc / n } else { oc });
+                    }
+                    // The root's whole buffer holds every rank's block.
+                    let (whole, block, w, b) = if kind == CollKind::Gather {
+                        (oc, ic, "recv", "send")
+                    } else {
+                        (ic, oc, "send", "recv")
+                    };
+                    if is_root && Some(whole) != block.checked_mul(n) {
+                        return bad(format!(
+                            "the root's {w} has {whole} elements; expected world size {n} x {b} {block}"
+                        ));
+                    }
+                    call(kind, block)
+                }
             }
         };
         match bufs {
+            _ if matches!(
+                kind,
+                CollKind::Gather | CollKind::Scatter | CollKind::AllToAllV
+            ) =>
+            {
+                self.blocks_call(kind, dtype, root, bufs, |seq| validate(seq).map(|_| ()))
+            }
             // Point-to-point goes through its engine (tags, the stash of early messages).
             ByteBufs::Separate { send, recv } if kind.is_p2p() => {
                 let (to, from) = match kind {
@@ -1333,4 +1483,22 @@ pub enum ByteBufs<'a> {
     },
     /// One buffer, used in place.
     InPlace(&'a mut [u8]),
+}
+
+/// `buf` in `n` blocks of equal length (`buf.len()` a multiple of `n`).
+fn split(buf: &[u8], n: usize) -> Vec<&[u8]> {
+    let b = buf.len() / n.max(1);
+    (0..n).map(|p| &buf[p * b..(p + 1) * b]).collect()
+}
+
+/// `buf` in `n` blocks of equal length (`buf.len()` a multiple of `n`), mutably.
+fn split_mut(mut buf: &mut [u8], n: usize) -> Vec<&mut [u8]> {
+    let b = buf.len() / n.max(1);
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (head, tail) = std::mem::take(&mut buf).split_at_mut(b);
+        v.push(head);
+        buf = tail;
+    }
+    v
 }

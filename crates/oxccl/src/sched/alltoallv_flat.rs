@@ -5,9 +5,7 @@
 //! sending the next: with blocks of different sizes, a step of the pairwise exchange would
 //! last as long as its largest block.
 
-#[cfg(test)]
-use super::Blocks;
-use super::{blocks, Coll, Schedule};
+use super::{blocks, Blocks, Coll, Schedule};
 
 /// The flat all_to_allv schedule for `c` (its blocks: [`Coll::blocks`]).
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -16,7 +14,6 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
 
 /// Rank `rank`'s blocks in an all_to_allv where rank `r` sends `lens(r, p)` bytes to rank
 /// `p`: blocks in rank order in both input and output.
-#[cfg(test)]
 pub(crate) fn blocks(rank: usize, n: usize, lens: impl Fn(usize, usize) -> usize) -> Blocks {
     let send: Vec<Option<usize>> = (0..n).map(|p| Some(lens(rank, p))).collect();
     let recv: Vec<Option<usize>> = (0..n).map(|p| Some(lens(p, rank))).collect();

@@ -31,7 +31,6 @@ impl Blocks {
 
     /// Blocks laid end to end by rank: `send[p]` (bytes) of the input for each rank `p`
     /// (`None`: nothing for `p`, not even an empty block), and the same for the output.
-    #[cfg(test)]
     pub(crate) fn by_rank(send: &[Option<usize>], recv: &[Option<usize>]) -> Self {
         let lay = |lens: &[Option<usize>]| {
             let mut off = 0;

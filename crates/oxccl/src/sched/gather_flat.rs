@@ -3,9 +3,7 @@
 //! rank an empty transfer, the word that it has begun, so that no rank completes the gather
 //! before the root has begun it. One step; the root receives `Σ` of the others' blocks.
 
-#[cfg(test)]
-use super::Blocks;
-use super::{blocks, Coll, Schedule};
+use super::{blocks, Blocks, Coll, Schedule};
 
 /// The flat gather schedule for `c` (its blocks: [`Coll::blocks`]).
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -14,7 +12,6 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
 
 /// Rank `rank`'s blocks in a gather to `root` of `lens[r]` bytes from each rank `r`: the
 /// root's output holds every rank's block in rank order; each rank's input is its block.
-#[cfg(test)]
 pub(crate) fn blocks(rank: usize, root: usize, lens: &[usize]) -> Blocks {
     let n = lens.len();
     let mut send = vec![None; n];

@@ -3,9 +3,7 @@
 //! transfer, the word that it has begun, so that the root does not complete the scatter
 //! before every rank has begun it. One step; the root sends `Σ` of the others' blocks.
 
-#[cfg(test)]
-use super::Blocks;
-use super::{blocks, Coll, Schedule};
+use super::{blocks, Blocks, Coll, Schedule};
 
 /// The flat scatter schedule for `c` (its blocks: [`Coll::blocks`]).
 pub(crate) fn schedule(c: &Coll) -> Schedule {
@@ -14,7 +12,6 @@ pub(crate) fn schedule(c: &Coll) -> Schedule {
 
 /// Rank `rank`'s blocks in a scatter from `root` of `lens[r]` bytes to each rank `r`: the
 /// root's input holds every rank's block in rank order; each rank's output is its block.
-#[cfg(test)]
 pub(crate) fn blocks(rank: usize, root: usize, lens: &[usize]) -> Blocks {
     let n = lens.len();
     let mut recv = vec![None; n];
