@@ -313,9 +313,9 @@ impl Communicator {
     }
 
     /// A collective made of sends and receives (`call`: a gather, a scatter, an all_to_all
-    /// with blocks of different sizes), run as [`group_p2p`](Self::group_p2p) runs a group
-    /// (tag 0, named peers only), with two differences that keep its messages apart from
-    /// every other call's. It is a collective: every rank of the communicator calls it, in
+    /// with blocks of different sizes): its sends and receives all progress at once, as
+    /// [`group_p2p`](Self::group_p2p)'s do (tag 0, named peers only), with two differences
+    /// that keep its messages apart from every other call's. It is a collective: every rank of the communicator calls it, in
     /// the same order as its other collectives, and its messages carry its number on the
     /// communicator's count of collectives; a receive of any other call never takes them,
     /// and its receives take nothing else (a user message read meanwhile is kept for a
@@ -327,11 +327,12 @@ impl Communicator {
     /// by the timeout, until that rank calls it again, instead of letting them run on into
     /// later calls whose messages a later call of that rank would take.
     ///
-    /// Such a call runs as a schedule ([`Algo::Flat`](crate::Algo::Flat), named `flat` in
-    /// `oxccl perf` and the flight recorder), like every collective: its operations are its
-    /// blocks (each send a block of its input, each receive one of its output), every
-    /// operation of one element type; a rank's sends to itself are copied into its receives
-    /// from itself, in order.
+    /// Such a call runs as a schedule ([`Algo::Flat`](crate::Algo::Flat), named `flat` by
+    /// [`last_algo`](Self::last_algo), the flight recorder and `oxccl perf`), like every
+    /// collective: its operations are its blocks (each send a block of its input, each
+    /// receive one of its output), all of one element type; a rank's sends to itself are
+    /// copied into its receives from itself, in order. With `call` [`P2pCall::User`] it is
+    /// [`group_p2p`](Self::group_p2p).
     pub fn group_p2p_as(&self, call: P2pCall, ops: &mut [P2pOp<'_>]) -> Result<()> {
         if call.is_collective() {
             self.run_blocks(call, ops, |_| Ok(()))
