@@ -250,6 +250,52 @@ fn unequal_buffers_through_call_bytes_are_refused() {
     });
 }
 
+/// The flight recorder names each of these calls and the schedule that ran it.
+#[test]
+fn the_flight_recorder_names_the_flat_schedule() {
+    ranks(2, 4096, false, |rank, comm| {
+        let mine = block(rank, 0, 3);
+        let mut outs = vec![vec![0u32; 3]; 2];
+        if rank == 0 {
+            let [o0, o1] = &mut outs[..] else {
+                unreachable!()
+            };
+            comm.group_p2p_as(
+                P2pCall::Gather,
+                &mut [send(0, &mine), recv(0, o0), recv(1, o1)],
+            )
+            .unwrap();
+        } else {
+            comm.group_p2p_as(P2pCall::Gather, &mut [send(0, &mine)])
+                .unwrap();
+        }
+        let mut out = vec![0u32; 3];
+        let root_sends: Vec<Vec<u32>> = (0..2).map(|p| block(1, p, 3)).collect();
+        if rank == 1 {
+            comm.group_p2p_as(
+                P2pCall::Scatter,
+                &mut [
+                    send(0, &root_sends[0]),
+                    send(1, &root_sends[1]),
+                    recv(1, &mut out),
+                ],
+            )
+            .unwrap();
+        } else {
+            comm.group_p2p_as(P2pCall::Scatter, &mut [recv(1, &mut out)])
+                .unwrap();
+        }
+        let json = comm.flight_record();
+        for call in ["gather", "scatter"] {
+            let entry = json
+                .lines()
+                .find(|l| l.contains(&format!("\"call\":\"{call}\"")))
+                .unwrap_or_else(|| panic!("no {call} in {json}"));
+            assert!(entry.contains("\"algo\":\"flat\""), "{entry}");
+        }
+    });
+}
+
 /// A block whose length differs between its sender and its receiver is a mismatch that the
 /// receiver names before any of its bytes land; the call's number is taken, and the
 /// communicator fails (as for any collective whose ranks disagree).
