@@ -66,7 +66,7 @@ pub struct Args {
     /// Reduction op (sum, prod, min, max, avg, band, bor, bxor, premul_sum:SCALAR) or `all`.
     #[arg(short = 'o', long = "op", default_value = "sum")]
     op: String,
-    /// Root of broadcast and reduce.
+    /// Root of broadcast, reduce, gather and scatter.
     #[arg(short = 'r', long = "root", default_value_t = 0, value_parser = args::count(0, MAX_RANK))]
     root: usize,
     /// Ranks to start on this host, 1 to 1024 (ignored under a launcher, which says how many).
