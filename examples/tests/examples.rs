@@ -1,17 +1,13 @@
 //! Runs every Rust example with 1, 2 and 3 ranks (this test is their launcher: it sets the
 //! torchrun variables `oxccl run` would), so the examples cannot rot.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// The rendezvous ports of the process tests (below the ephemeral range; see there).
+#[path = "../../crates/oxccl/tests/proc_common/port.rs"]
+mod port;
+use port::free_port;
 
 /// Runs `exe` with `n` ranks, again on a fresh port when another process took the port
 /// between `free_port` and rank 0's bind (tests run in parallel).

@@ -67,13 +67,10 @@ fn status_within(port: u16, json: bool, secs: u32) -> (bool, String) {
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// The rendezvous ports of the process tests (below the ephemeral range; see there).
+#[path = "../../oxccl/tests/proc_common/port.rs"]
+mod port;
+use port::free_port;
 
 #[test]
 fn status_shows_who_is_behind() {
