@@ -109,6 +109,8 @@ pub(crate) struct Bootstrap {
     report_every: Option<Duration>,
     links: Links,
     seq: u64,
+    /// The exchanges this rank has finished (`seq` counts those started).
+    finished: u64,
     /// What rank 0 sent with the peer table ([`Bootstrap::init_saying`]).
     root_says: Vec<u8>,
     /// The exchange connections (`mesh.rs`); `None` when the exchanges go through rank 0
@@ -217,6 +219,7 @@ impl Bootstrap {
             report_every: cfg.startup_report,
             links: Links::Root(Vec::new()),
             seq: 0,
+            finished: 0,
             root_says: says.to_vec(),
             mesh: None,
             traffic: mesh::Traffic::default(),
@@ -419,6 +422,13 @@ impl Bootstrap {
         auth::comm_tag(&self.secret)
     }
 
+    /// The exchanges this rank has finished. Once it has finished its last, everything it
+    /// sends on the connections that stay open is for the peers' watchdogs: they read
+    /// nothing else on them.
+    pub(crate) fn exchanges_finished(&self) -> u64 {
+        self.finished
+    }
+
     /// Hands over the connections that stay open, each with its peer's rank and whether
     /// heartbeats go over it, for the communicator's watchdog (`fault::control`), and
     /// whether they are a graph in which every rank passes failures on (true) or a star
@@ -567,6 +577,9 @@ impl Exchange for Bootstrap {
             }
             res
         };
+        if res.is_ok() {
+            self.finished += 1;
+        }
         tracing::debug!(
             rank = self.rank,
             exchange = self.seq,

@@ -118,8 +118,37 @@ impl Communicator {
         let t0 = Instant::now();
         // Rank 0's settings ride with the peer table: every rank takes them.
         let mut boot = Bootstrap::init_saying(id, rank, world_size, &cfg, &encode_settings(&cfg))?;
+        // A rank that fails after its last exchange tells its peers why: some may have
+        // finished init already, and would otherwise only see it leave.
+        let mut last_exchange = None;
+        match Self::init_on(&mut boot, t0, rank, world_size, cfg, &mut last_exchange) {
+            Ok(comm) => {
+                comm.lock()._boot = Some(boot);
+                crate::comm::exit::register(&comm);
+                Ok(comm)
+            }
+            Err(e) => {
+                if last_exchange.is_some_and(|n| boot.exchanges_finished() >= n) {
+                    tell_peers_init_failed(&mut boot, rank, &e);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Init after the rendezvous: the settings, the links, the supervisor. `last_exchange`:
+    /// set to the number of finished exchanges that makes this rank's last one finished, once
+    /// it is known.
+    fn init_on(
+        boot: &mut Bootstrap,
+        t0: Instant,
+        rank: usize,
+        world_size: usize,
+        cfg: Config,
+        last_exchange: &mut Option<u64>,
+    ) -> Result<Self> {
         let t_rendezvous = t0.elapsed();
-        let cfg = agree_on_settings(&boot, cfg)?;
+        let cfg = agree_on_settings(boot, cfg)?;
         let t_settings = t0.elapsed();
         let forced_algo = parse_algo(&cfg)?;
         let peers = boot.peers().to_vec();
@@ -154,14 +183,14 @@ impl Communicator {
             (None, Vec::new())
         };
         let mut rider = InitRider {
-            supervisor: Some(Supervisor::prepare(&boot, &cfg)),
+            supervisor: Some(Supervisor::prepare(boot, &cfg)),
             ports: None,
             direct,
             direct_msg,
             done: None,
         };
         let shm_links = {
-            let mut carrier = Carrier::new(&mut boot, &mut rider);
+            let mut carrier = Carrier::new(boot, &mut rider);
             let links = shm::connect(&mut carrier, &shm_peers, tag, &cfg)?;
             carrier.finish()?;
             links
@@ -172,8 +201,11 @@ impl Communicator {
         // transport's exchange of listen addresses (a round trip through rank 0).
         let tcp_anywhere =
             world_size > 1 && (cfg.transport == TransportChoice::Tcp || topo.hosts.len() > 1);
+        // Init's last exchange: the TCP port exchange where any rank has a TCP peer, else the
+        // shared-memory transport's (finished by now).
+        *last_exchange = Some(boot.exchanges_finished() + u64::from(tcp_anywhere));
         let (tcp_links, lazy) = if tcp_anywhere {
-            match tcp::setup(&mut boot, &tcp_peers, &secret, &cfg)? {
+            match tcp::setup(boot, &tcp_peers, &secret, &cfg)? {
                 tcp::Setup::Now(links) => (links, None),
                 tcp::Setup::Later(lazy) => (Vec::new(), Some(lazy)),
             }
@@ -213,7 +245,7 @@ impl Communicator {
                 msg: "the supervisor's ports were not exchanged".into(),
             });
         };
-        *comm.guard = prep.finish(&mut boot, &comm.cfg, &stats, ports)?;
+        *comm.guard = prep.finish(boot, &comm.cfg, &stats, ports)?;
         let us = |d: std::time::Duration| d.as_micros() as u64;
         debug!(
             rank,
@@ -234,12 +266,7 @@ impl Communicator {
             "wait policy"
         );
         comm.topo = Some(Arc::new(topo));
-        {
-            let mut st = comm.lock();
-            st._boot = Some(boot);
-            st.direct = direct;
-        }
-        crate::comm::exit::register(&comm);
+        comm.lock().direct = direct;
         Ok(comm)
     }
 
@@ -404,4 +431,30 @@ fn parse_algo(cfg: &Config) -> Result<Option<Algo>> {
                 .map_err(|e| Error::Env(format!("OXCCL_ALGO: {e}")))
         })
         .transpose()
+}
+
+/// Tells the peers this rank is still connected to (over the connections their watchdogs
+/// read: [`Bootstrap::take_connections`]) that its init failed with `e`, as a failed call's
+/// report does: a peer that finished init then blames the rank `e` names, not this rank for
+/// leaving. Called only after this rank's last exchange (nothing else is read on those
+/// connections then). Best effort, without blocking: what was unread is drained first so
+/// that the close sends the report and an orderly end, not a reset.
+fn tell_peers_init_failed(boot: &mut Bootstrap, rank: usize, e: &Error) {
+    use rustix::net::{RecvFlags, SendFlags, Shutdown};
+    let Some(f) = crate::fault::watchdog::report_frame(rank, e) else {
+        return;
+    };
+    let bytes = f.encode();
+    let (conns, _) = boot.take_connections();
+    let mut sink = [0u8; 4096];
+    for (_, s, _) in &conns {
+        let _ = rustix::net::send(s, &bytes, SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
+        for _ in 0..64 {
+            if !matches!(rustix::net::recv(s, &mut sink, RecvFlags::DONTWAIT), Ok((n, _)) if n > 0)
+            {
+                break;
+            }
+        }
+        let _ = rustix::net::shutdown(s, Shutdown::Write);
+    }
 }
