@@ -89,7 +89,6 @@ def _drain_at_exit() -> None:
 atexit.register(_drain_at_exit)  # before _flush_at_exit, so it runs after it
 
 
-
 @atexit.register
 def _flush_at_exit() -> None:
     # Held sends of a rank that never waited go out before the process ends (registered after

@@ -288,9 +288,8 @@ def main(argv=None):
     tags = _config_tags(a.backend, a.world_size)
     # On gloo every selected test must pass: the selection is the tests that pass there.
     expected = {} if a.no_expect or a.backend == "gloo" else read_expected(a.expected, tags)
-    impl = sorted(tags - {a.backend, f"ws{a.world_size}"})[0] if a.backend == "oxccl" else "-"
     print(
-        f"== torch {torch.__version__} distributed_test.py: backend {a.backend} ({impl}), "
+        f"== torch {torch.__version__} distributed_test.py: backend {a.backend}, "
         f"world size {a.world_size}, {len(names)} tests, timeout {a.timeout}s each, "
         f"{a.start_method}",
         flush=True,
