@@ -1328,16 +1328,18 @@ class BackendOxcclCpp : public c10d::Backend {
     seq_++;
     int root = int(opts.rootRank), me = getRank(), n = getSize();
     checkRoot("gather", opts.rootRank);
-    if (inputs.size() != 1)
-      invalid("gather: requires exactly one input tensor, got " + std::to_string(inputs.size()));
-    Lib in = dense(inputs[0], "gather input", nullptr, nullptr, true, false);
     std::string refusal;
     std::vector<at::Tensor> outs;
+    // The root's problems (its input's too) are its refusal, which every rank raises; the
+    // others' raise here, before the agreement.
+    if (inputs.size() != 1) refusal = "gather: requires exactly one input tensor, got " + std::to_string(inputs.size());
+    if (refusal.empty()) refusal = tensorProblem(inputs[0], "gather input");
+    if (me != root && !refusal.empty()) invalid(refusal);
     if (me == root) {
       outs = outputs.empty() ? std::vector<at::Tensor>() : outputs[0];
-      if (outputs.size() > 1)
+      if (refusal.empty() && outputs.size() > 1)
         refusal = "gather: requires a single output list on the root, got " + std::to_string(outputs.size());
-      else if (int(outs.size()) != n)
+      else if (refusal.empty() && int(outs.size()) != n)
         refusal = "gather: " + std::to_string(outs.size()) + " output tensors on the root for a group of " +
                   std::to_string(n);
       for (size_t i = 0; refusal.empty() && i < outs.size(); i++) {
@@ -1349,6 +1351,7 @@ class BackendOxcclCpp : public c10d::Backend {
       }
     }
     agreeOnRoot("gather", oxcclP2pGather, root, refusal);
+    Lib in = dense(inputs[0], "gather input", nullptr, nullptr, true, false);
     auto ops = std::make_shared<std::vector<oxcclP2pOp_t>>();
     Post post;
     std::vector<at::Tensor> extra{in.t};
@@ -1382,18 +1385,19 @@ class BackendOxcclCpp : public c10d::Backend {
     seq_++;
     int root = int(opts.rootRank), me = getRank(), n = getSize();
     checkRoot("scatter", opts.rootRank);
-    if (outputs.size() != 1)
-      invalid("scatter: requires exactly one output tensor, got " + std::to_string(outputs.size()));
-    Post post;
-    auto userOut = outputs[0];
-    Lib out = dense(userOut, "scatter output", nullptr, &post, false, false);
     std::string refusal;
     std::vector<at::Tensor> ins;
+    // As gather: the root's problems (its output's too) are its refusal.
+    if (outputs.size() != 1)
+      refusal = "scatter: requires exactly one output tensor, got " + std::to_string(outputs.size());
+    if (refusal.empty()) refusal = tensorProblem(outputs[0], "scatter output");
+    if (me != root && !refusal.empty()) invalid(refusal);
+    at::Tensor userOut = refusal.empty() ? outputs[0] : at::Tensor();
     if (me == root) {
       ins = inputs.empty() ? std::vector<at::Tensor>() : inputs[0];
-      if (inputs.size() > 1)
+      if (refusal.empty() && inputs.size() > 1)
         refusal = "scatter: requires a single input list on the root, got " + std::to_string(inputs.size());
-      else if (int(ins.size()) != n)
+      else if (refusal.empty() && int(ins.size()) != n)
         refusal = "scatter: " + std::to_string(ins.size()) + " input tensors on the root for a group of " +
                   std::to_string(n);
       for (size_t i = 0; refusal.empty() && i < ins.size(); i++) {
@@ -1405,6 +1409,8 @@ class BackendOxcclCpp : public c10d::Backend {
       }
     }
     agreeOnRoot("scatter", oxcclP2pScatter, root, refusal);
+    Post post;
+    Lib out = dense(userOut, "scatter output", nullptr, &post, false, false);
     auto ops = std::make_shared<std::vector<oxcclP2pOp_t>>();
     std::vector<at::Tensor> extra{out.t};
     if (me != root) {
