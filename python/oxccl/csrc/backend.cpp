@@ -60,6 +60,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <pthread.h>
 #include <unistd.h>
 #include <vector>
@@ -650,24 +651,32 @@ std::string dtypeName(const at::Tensor& t) {
   }
 }
 
-// Whether any two of `ts` share a byte (their spans, strides included).
-bool anyOverlap(const std::vector<at::Tensor>& ts) {
-  if (ts.size() < 2) return false;
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
-  for (auto& t : ts) {
+// The indices of the tensors of `ts` whose bytes (their spans, strides included) overlap
+// those of one before them in address order.
+std::vector<bool> overlapping(const std::vector<at::Tensor>& ts) {
+  std::vector<bool> out(ts.size(), false);
+  std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> spans;
+  for (size_t i = 0; i < ts.size(); i++) {
+    auto& t = ts[i];
     if (!t.defined() || t.numel() == 0 || t.layout() != at::kStrided) continue;
     int64_t last = 0;
     for (int64_t d = 0; d < t.dim(); d++) last += (t.size(d) - 1) * t.stride(d);
     auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.emplace_back(p, p + uintptr_t(last + 1) * t.element_size());
+    spans.emplace_back(p, p + uintptr_t(last + 1) * t.element_size(), i);
   }
   std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); i++)
-    if (spans[i].first < spans[i - 1].second) return true;
-  return false;
+  uintptr_t end = 0;
+  for (size_t k = 0; k < spans.size(); k++) {
+    if (k > 0 && std::get<0>(spans[k]) < end) out[std::get<2>(spans[k])] = true;
+    end = std::max(end, std::get<1>(spans[k]));
+  }
+  return out;
 }
 
-bool overlap(const at::Tensor& a, const at::Tensor& b) { return anyOverlap({a, b}); }
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  auto o = overlapping({a, b});
+  return o[0] || o[1];
+}
 
 // One library call.
 enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Barrier, P2p };
@@ -884,7 +893,6 @@ py::object batchFrame() {
 struct Lib {
   at::Tensor t;
   int dt;
-  size_t count() const { return dt == oxcclUint8 && t.scalar_type() != at::kByte ? t.nbytes() : size_t(t.numel()); }
 };
 
 class BackendOxcclCpp : public c10d::Backend {
@@ -975,10 +983,12 @@ class BackendOxcclCpp : public c10d::Backend {
     for (auto& t : tensors) checkTensor(t, "allreduce_coalesced");
     Post post;
     std::vector<Call> calls;
-    std::vector<at::Tensor> extra, seen;
-    for (auto& t : tensors) {
+    std::vector<at::Tensor> extra;
+    auto aliased = overlapping(tensors);
+    for (size_t i = 0; i < tensors.size(); i++) {
+      auto& t = tensors[i];
       at::Tensor src = t;
-      if (!seen.empty() && anyOverlap(withOne(seen, t))) {
+      if (aliased[i]) {
         src = t.clone(at::MemoryFormat::Contiguous);
         Lib l = dense(src, "all_reduce output", &o, &post, true, true);
         post.backs.emplace_back(t, src);
@@ -989,7 +999,6 @@ class BackendOxcclCpp : public c10d::Backend {
         calls.push_back(reduceCall(Kind::AllReduce, l, o, 0));
         extra.push_back(l.t);
       }
-      seen.push_back(t);
     }
     return run("all_reduce", calls, tensors, OpType::ALLREDUCE_COALESCED, opts.asyncOp, extra, std::move(post));
   }
@@ -1784,11 +1793,6 @@ class BackendOxcclCpp : public c10d::Backend {
       for (auto& t : tensors) t.copy_(total);
     }
     return c10::make_intrusive<DoneWork>(Value(tensors), OpType::ALLREDUCE);
-  }
-
-  static std::vector<at::Tensor> withOne(std::vector<at::Tensor> ts, const at::Tensor& t) {
-    ts.push_back(t);
-    return ts;
   }
 
   static Call reduceCall(Kind kind, const Lib& l, const Op& o, int root) {
