@@ -8,7 +8,6 @@
 # timeout, when py-spy is installed).
 #
 #   scripts/exit_loop.sh 1000                   # prints a tally; exit status 1 on any failure
-#   OXCCL_TORCH_BACKEND=python scripts/exit_loop.sh 100
 #
 # Every rank here is a fresh interpreter (about 3 CPU-seconds of `import torch` each);
 # scripts/exit_loop_fork.py runs the same scenario with the ranks forked from a parent that
@@ -34,7 +33,7 @@ for ((i = 1; i <= N; i++)); do
   for r in 0 1; do
     env RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
       OXCCL_SECRET=5f3c2a1b0e9d8c7b6a5f4e3d2c1b0a99 OXCCL_TIMEOUT="${OXCCL_TIMEOUT:-60}" OMP_NUM_THREADS=1 \
-      PYTHONUNBUFFERED=1 OXCCL_TORCH_BACKEND="${OXCCL_TORCH_BACKEND:-cpp}" \
+      PYTHONUNBUFFERED=1 \
       "$PY" "$WORKER" exit_queued >"$LOG_DIR/run$i.rank$r.log" 2>&1 &
     pids+=($!)
   done

@@ -18,7 +18,6 @@ so that the final collection skips them; the shutdown under test (oxccl's exit h
 completion threads, finalization, static destructors) is the same.
 
     .venv/bin/python scripts/exit_loop_fork.py 1000            # tally; exit 1 on any failure
-    OXCCL_TORCH_BACKEND=python .venv/bin/python scripts/exit_loop_fork.py 200
 
 Each run is bounded by EXIT_LOOP_TIMEOUT seconds (default 120): a rank past it is killed and
 counted as a failure. Every failing run's output is kept under LOG_DIR (default: a fresh

@@ -46,7 +46,7 @@ if [ ! -e "$MALLOC_DEBUG" ]; then
 fi
 ASAN_DIR=$PWD/target/torch-ext-asan
 # glibc prints its heap errors to the terminal unless told otherwise: into the ranks' output.
-export LIBC_FATAL_STDERR_=1 OXCCL_TORCH_BACKEND=cpp OXCCL_TORCH_EXT_BUILD=0
+export LIBC_FATAL_STDERR_=1 OXCCL_TORCH_EXT_BUILD=0
 # The tools slow the ranks down, and a loaded machine stalls them: a rank silent past the
 # default heartbeat deadline (1.5 s) would be reported lost. This step looks for memory
 # errors, not for lost peers: the deadline is far above any stall.

@@ -2,11 +2,10 @@
 # Runs PyTorch's own distributed test suite (torch/testing/_internal/distributed/
 # distributed_test.py, the suite torch's test_distributed_spawn.py runs with BACKEND=gloo)
 # against oxccl: the tests of python/tests/torch_suite/selected_tests.txt (those that pass on
-# gloo on a CPU-only machine) at world sizes 2 and 3 with the C++ backend, and at 2 with the
-# Python backend (OXCCL_TORCH_BACKEND=python). Fails when a test fails that
+# gloo on a CPU-only machine) at world sizes 2 and 3. Fails when a test fails that
 # python/tests/torch_suite/expected_failures.txt does not list, or passes while listed there.
 # Each test has a timeout (TORCH_SUITE_TIMEOUT seconds, default 30). TORCH_SUITE_SIZES sets the
-# world sizes of the C++ backend's runs (default "2 3"; "2 3 4" adds 4 ranks, about 150 s more:
+# world sizes (default "2 3"; "2 3 4" adds 4 ranks, about 150 s more:
 # 89 of the 90 pass there and test_ddp_logging_data_cpu fails as listed, with torch 2.15).
 #
 #   scripts/torch_suite.sh           # oxccl (about 4-5 minutes on a 2-core machine)
@@ -26,5 +25,4 @@ fi
 for ws in ${TORCH_SUITE_SIZES:-2 3}; do
   "$PY" "${RUN[@]}" --backend oxccl --world-size "$ws" || rc=1
 done
-OXCCL_TORCH_BACKEND=python "$PY" "${RUN[@]}" --backend oxccl --world-size 2 || rc=1
 exit "$rc"

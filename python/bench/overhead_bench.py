@@ -1,27 +1,19 @@
-"""Per-call cost of a blocking all_reduce through torch.distributed: the "oxccl" backend (its
-C++ backend and its Python backend) vs gloo vs oxccl's own Python API (``oxccl.Comm``) vs the
-bare binding, in one run.
+"""Per-call cost of a blocking all_reduce through torch.distributed: the "oxccl" backend vs
+gloo vs oxccl's own Python API (``oxccl.Comm``) vs the bare binding, in one run.
 
     python python/bench/overhead_bench.py [--iters 2000] [--rounds 5]
     python python/bench/overhead_bench.py --layers     # one rank: the cost of each layer
     python python/bench/overhead_bench.py --async-op   # dist.all_reduce(x, async_op=True).wait()
-    python python/bench/overhead_bench.py --both --paths "oxccl C++,oxccl Python"   # sync and async side by side
+    python python/bench/overhead_bench.py --both --paths "oxccl,gloo"   # sync and async side by side
 
 Starts 2 ranks on this host (subprocesses), one TCPStore, a gloo default group, an "oxccl"
-group with the C++ backend (oxccl/csrc, when built), one with the Python backend, and, on the
-communicator of the first, the plain API. For each size (4 B, 16 KB,
-4 MB of float32) the paths take turns in rounds; every call is timed on its own and rank 0
-prints the median (and 10th/90th percentiles) in microseconds per call.
-
-The Python backend's group has a communicator of its own; the other oxccl columns share the
-C++ backend's. (Each communicator has its own single-copy temporaries: before the library
-placed them by the peer buffer's page offset, that alone made one communicator's 4 MB calls
-3x slower than the other's; see docs/algorithms.md.)
+group, and, on its communicator, the plain API. For each size (4 B, 16 KB, 4 MB of float32)
+the paths take turns in rounds; every call is timed on its own and rank 0 prints the median
+(and 10th/90th percentiles) in microseconds per call.
 
 Paths:
   gloo            dist.all_reduce(x, group=gloo)
-  oxccl C++       dist.all_reduce(x, group=oxccl)   (the C++ backend: calls up to 1 MiB inline)
-  oxccl Python    dist.all_reduce(x, group=oxccl_py) (the Python backend, INLINE_MAX_BYTES inline)
+  oxccl           dist.all_reduce(x, group=oxccl)   (calls up to 1 MiB inline)
   oxccl.Comm      comm.all_reduce(x)                (the library's Python API)
   binding         comm._raw.call(...)               (the PyO3 call alone)
 """
@@ -47,18 +39,15 @@ def rank_main(iters, rounds, async_op=False, both=False, only=None):
     import torch
     import torch.distributed as dist
 
-    import oxccl.torch as oxt
+    import oxccl.torch  # noqa: F401 - registers "oxccl"
 
     r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, r == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=r, world_size=n)
     gloo = dist.group.WORLD
     ox = dist.new_group(backend="oxccl")
-    cpp, oxt._CPP = oxt._CPP, None  # the next group gets the Python backend
-    ox_py = dist.new_group(backend="oxccl")
-    oxt._CPP = cpp
     backend = ox._get_backend(torch.device("cpu"))
-    comm = getattr(backend, "python_backend", backend).comm
+    comm = backend._state.comm
 
     def torch_path(group, async_=async_op):
         if async_:  # queued at every size (torch's opts.asyncOp), then waited for
@@ -79,11 +68,7 @@ def rank_main(iters, rounds, async_op=False, both=False, only=None):
     def binding_path(x):
         comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), x.numel() * 4), True)
 
-    torch_paths = [
-        ("gloo", gloo),
-        ("oxccl C++" if cpp is not None else "oxccl C++ (not built)", ox),
-        ("oxccl Python", ox_py),
-    ]
+    torch_paths = [("gloo", gloo), ("oxccl", ox)]
     if both:  # each torch path blocking, then with async_op=True and wait()
         paths = []
         for name, group in torch_paths:
@@ -133,8 +118,8 @@ def rank_main(iters, rounds, async_op=False, both=False, only=None):
             return
         c = names[1]
         print("ratios (median): " + "; ".join(
-            f"{label}: gloo/C++ {med(d['gloo']) / med(d[c]):.1f}x, Python/C++ {med(d['oxccl Python']) / med(d[c]):.2f}x, "
-            f"C++ minus oxccl.Comm {med(d[c]) - med(d['oxccl.Comm']):.1f} µs"
+            f"{label}: gloo/oxccl {med(d['gloo']) / med(d[c]):.1f}x, "
+            f"oxccl minus oxccl.Comm {med(d[c]) - med(d['oxccl.Comm']):.1f} µs"
             for label, d in rows
         ))
     dist.destroy_process_group()
@@ -146,7 +131,7 @@ def layers(iters):
     import torch
     import torch.distributed as dist
 
-    import oxccl.torch as oxt
+    import oxccl.torch  # noqa: F401 - registers "oxccl"
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,12 +139,8 @@ def layers(iters):
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("oxccl", store=store, rank=0, world_size=1)
     pg = dist.group.WORLD
-    cpp, oxt._CPP = oxt._CPP, None  # a second group with the Python backend
-    pg_py = dist.new_group(backend="oxccl")
-    oxt._CPP = cpp
     backend = pg._get_backend(torch.device("cpu"))
-    py_backend = pg_py._get_backend(torch.device("cpu"))
-    comm = py_backend.comm
+    comm = backend._state.comm
     x = torch.ones(1)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # as dist.all_reduce(x) sets it (the default, True, queues the call)
@@ -168,8 +149,6 @@ def layers(iters):
         (f"dist.all_reduce(x, group=pg)  (torch's Python API, {kind})", lambda: dist.all_reduce(x, group=pg)),
         (f"pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup, {kind})", lambda: pg.allreduce([x], opts).wait()),
         (f"backend.allreduce([x], opts).wait()  ({kind})", lambda: backend.allreduce([x], opts).wait()),
-        ("dist.all_reduce(x, group=pg_py)  (torch's Python API, BackendOxccl)", lambda: dist.all_reduce(x, group=pg_py)),
-        ("py_backend.allreduce([x], opts).wait()  (BackendOxccl)", lambda: py_backend.allreduce([x], opts).wait()),
         ("comm.all_reduce(x)  (oxccl.Comm)", lambda: comm.all_reduce(x)),
         ("comm._raw.call(...)  (the binding)", lambda: comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), 4), True)),
     ]

@@ -3,8 +3,8 @@ gives it, in a venv that is not activated) in a fresh venv, here with the wheel'
 C++ torch backend and command left out (``OXCCL_WHEEL_TORCH_EXT=0``, ``OXCCL_WHEEL_CLI=0``: as
 a build with no torch in its environment gives; test_wheel.py covers the wheel with them),
 gives the C++ torch backend with no second command (built once, on first
-``import oxccl.torch``, into the cache), and the Python backend with a warning when it cannot
-be built."""
+``import oxccl.torch``, into the cache), and an ImportError naming the reason and the fix
+when it cannot be built."""
 
 import os
 import shutil
@@ -24,12 +24,16 @@ WORKER = r"""
 import os, sys, warnings
 warnings.simplefilter("always")
 import torch, torch.distributed as dist
-import oxccl, oxccl.torch as ot
-print("FILE", oxccl.__file__, flush=True)
+import oxccl
 if os.environ.get("EXPECT_CPP") == "0":
-    assert ot._CPP is None
-    print("OK python", flush=True)
-    sys.exit(0)
+    try:
+        import oxccl.torch
+    except ImportError as e:
+        print("NO BACKEND:", e, flush=True)
+        sys.exit(0)
+    raise SystemExit("oxccl.torch imported without its C++ backend")
+import oxccl.torch as ot
+print("FILE", oxccl.__file__, flush=True)
 assert ot._CPP is not None, "no C++ backend"
 print("CPP", ot._CPP.__file__, flush=True)
 dist.init_process_group("oxccl")
@@ -128,14 +132,14 @@ def run_ranks(py, cwd, n, env, timeout=600):
 def test_pip_install_builds_the_cpp_backend_once(venv):
     root, py = venv
     cache = root / "cache"
-    env = {"OXCCL_TORCH_EXT_DIR": str(cache), "OXCCL_TORCH_BACKEND": "cpp"}
+    env = {"OXCCL_TORCH_EXT_DIR": str(cache)}
     t0 = time.monotonic()
     outs = run_ranks(py, str(root), 2, env)
     print(f"first import (2 ranks, one build): {time.monotonic() - t0:.1f} s")
     text = "".join(outs)
     assert text.count(BUILDING) == 1, text
     for out in outs:
-        assert "OK cpp" in out and "Python backend" not in out, out
+        assert "OK cpp" in out and "not available" not in out, out
         assert f"FILE {root}" in out, out  # the fresh venv's oxccl, not this one's
         assert f"CPP {cache}" in out, out
     built = [d for d in cache.iterdir() if d.is_dir()]
@@ -148,11 +152,11 @@ def test_pip_install_builds_the_cpp_backend_once(venv):
 
 def test_fallbacks_warn(venv):
     root, py = venv
-    # Auto-build off, empty cache: the Python backend, with a warning.
+    # Auto-build off, empty cache: no backend, an ImportError that says why.
     outs = run_ranks(py, str(root), 1, {"OXCCL_TORCH_EXT_DIR": str(root / "off"), "OXCCL_TORCH_EXT_BUILD": "0", "EXPECT_CPP": "0"})
-    assert "OXCCL_TORCH_EXT_BUILD=0" in outs[0] and "using the Python backend" in outs[0], outs[0]
+    assert "OXCCL_TORCH_EXT_BUILD=0" in outs[0] and "the torch backend (C++) is not available" in outs[0], outs[0]
     assert not (root / "off").exists()
-    # A failing compiler: one failed build, a warning, the Python backend; the next import
+    # A failing compiler: one failed build, an ImportError naming it; the next import
     # does not retry.
     env = {"OXCCL_TORCH_EXT_DIR": str(root / "broken"), "CXX": "/bin/false", "CC": "/bin/false", "EXPECT_CPP": "0"}
     outs = run_ranks(py, str(root), 1, env, timeout=300)

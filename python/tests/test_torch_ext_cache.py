@@ -19,10 +19,16 @@ pytest.importorskip("torch")
 from oxccl import build_torch_ext as bte  # noqa: E402
 
 IMPORT = (
-    "import warnings; warnings.simplefilter('always')\n"
-    "import oxccl.torch as ot\n"
-    "print('FROM', ot.__file__, flush=True)\n"
-    "print('CPP' if ot._CPP is not None else 'PYTHON', flush=True)\n"
+    "import sys, warnings; warnings.simplefilter('always')\n"
+    "import oxccl\n"
+    "print('FROM', oxccl.__file__.rsplit('/oxccl/', 1)[0], flush=True)\n"
+    "try:\n"
+    "    import oxccl.torch as ot\n"
+    "except ImportError as e:\n"
+    "    print('NONE', flush=True)\n"
+    "    print(e, file=sys.stderr, flush=True)\n"
+    "else:\n"
+    "    print('CPP' if ot._CPP is not None else 'PYTHON', flush=True)\n"
 )
 
 
@@ -46,7 +52,7 @@ _PATH = []
 
 
 def _env(root, **extra):
-    e = dict(os.environ, OXCCL_TORCH_EXT_DIR=str(root), OXCCL_TORCH_BACKEND="cpp")
+    e = dict(os.environ, OXCCL_TORCH_EXT_DIR=str(root))
     e["PYTHONPATH"] = os.pathsep.join(_PATH + [p for p in [os.environ.get("PYTHONPATH")] if p])
     e.update(extra)
     return e
@@ -119,8 +125,8 @@ def test_damaged_cache_is_refused_without_a_crash(built, tmp_path, damage):
     DAMAGE[damage](d, so)
     r = _import(root, OXCCL_TORCH_EXT_BUILD="0")
     assert r.returncode == 0, f"exit {r.returncode} (a negative one is a signal)\n{r.stdout}{r.stderr}"
-    assert "PYTHON" in r.stdout and f"FROM {_PATH[0]}" in r.stdout, r.stdout
-    assert "OXCCL_TORCH_EXT_BUILD=0" in r.stderr and "using the Python backend" in r.stderr, r.stderr
+    assert "NONE" in r.stdout and f"FROM {_PATH[0]}" in r.stdout, r.stdout
+    assert "OXCCL_TORCH_EXT_BUILD=0" in r.stderr and "the torch backend (C++) is not available" in r.stderr, r.stderr
 
 
 def test_damaged_cache_is_rebuilt(built, tmp_path):

@@ -1,8 +1,8 @@
 """No hang and no crash reachable from torch: fork does not share a pool
 tensor's writes, zero and negative timeouts expire at once, a process exits cleanly with
 queued calls in flight, init/destroy repeats on one MASTER_PORT (rank 0 late to destroy in
-odd rounds), async_op=True returns before a late peer at every size, the Python
-backend's survivor of a lost peer raises instead of crashing, and destroy_process_group
+odd rounds), async_op=True returns before a late peer at every size, the survivor of a
+lost peer raises instead of crashing, and destroy_process_group
 closes the communicator after its queued calls (see torch_lifecycle_worker.py)."""
 
 import os
@@ -17,91 +17,64 @@ pytest.importorskip("torch")
 WORKER = os.path.join(HERE, "torch_lifecycle_worker.py")
 
 
-def _cpp():
-    import oxccl.torch as ot
-
-    if ot._CPP is None:
-        pytest.skip("the C++ torch backend is not built (python -m oxccl.build_torch_ext)")
-
-
 def _run(n, scenario, args=(), env=None, timeout=90, expect_ok=True):
     res = launch(n, script=WORKER, args=[scenario, *args], env=env, timeout=timeout, expect_ok=expect_ok)
     return res
 
 
 def test_fork_gives_the_child_private_copies_of_pool_tensors():
-    _cpp()
-    env = {"OXCCL_TORCH_BACKEND": "cpp", "OXCCL_TORCH_ALLOCATOR": "1"}
+    env = {"OXCCL_TORCH_ALLOCATOR": "1"}
     for _, out in _run(2, "fork", env=env):
         assert "fork ok" in out, out
 
 
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_a_child_forked_after_destroy_makes_its_own_group_and_exits_cleanly(backend):
-    if backend == "cpp":
-        _cpp()
-    for _, out in _run(2, "fork_after_destroy", env={"OXCCL_TORCH_BACKEND": backend}, timeout=120):
+def test_a_child_forked_after_destroy_makes_its_own_group_and_exits_cleanly():
+    for _, out in _run(2, "fork_after_destroy", timeout=120):
         assert "fork after destroy ok" in out, out
 
 
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_zero_and_negative_timeouts_expire_at_once(backend):
-    if backend == "cpp":
-        _cpp()
-    for _, out in _run(2, "timeouts", env={"OXCCL_TORCH_BACKEND": backend}):
+def test_zero_and_negative_timeouts_expire_at_once():
+    for _, out in _run(2, "timeouts"):
         assert "timeouts ok" in out, out
 
 
 def test_exit_with_queued_calls_in_flight_is_clean():
     """Every run of both ranks exits 0 (no "terminate called", no signal)."""
-    _cpp()
     runs = int(os.environ.get("OXCCL_EXIT_RUNS", "5"))
     failures = []
     for i in range(runs):
-        res = _run(2, "exit_queued", env={"OXCCL_TORCH_BACKEND": "cpp"}, timeout=60, expect_ok=False)
+        res = _run(2, "exit_queued", timeout=60, expect_ok=False)
         for r, (rc, out) in enumerate(res):
             if rc != 0 or "exit_queued ok" not in out:
                 failures.append((i, r, rc, out[-2000:]))
     assert not failures, f"{len(failures)} of {2 * runs} exits failed; first: {failures[0]}"
 
 
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_async_op_is_asynchronous_at_every_size(backend):
+def test_async_op_is_asynchronous_at_every_size():
     """async_op=True returns before a late peer arrives (4 B and 16 KiB, which a blocking call
     runs inline; the peer 8 s late), work.wait(timeout=1 s) raises against it, and the group A/B scenario that
     deadlocked while small async calls ran inline completes."""
-    if backend == "cpp":
-        _cpp()
     # About 40 s of late peers (2 x 8 s, 8 x 3 s): room for a busy machine.
-    for _, out in _run(2, "async_small", env={"OXCCL_TORCH_BACKEND": backend}, timeout=240):
+    for _, out in _run(2, "async_small", timeout=240):
         assert "async_small ok" in out, out
 
 
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_reinit_on_the_same_master_port(backend):
-    if backend == "cpp":
-        _cpp()
-    for _, out in _run(2, "reinit", args=[5], env={"OXCCL_TORCH_BACKEND": backend}):
+def test_reinit_on_the_same_master_port():
+    for _, out in _run(2, "reinit", args=[5]):
         assert "reinit ok" in out, out
 
 
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_ddp_survivor_of_a_lost_peer_raises(backend):
-    if backend == "cpp":
-        _cpp()
-    env = {"OXCCL_TORCH_BACKEND": backend, "OXCCL_TIMEOUT": "20"}
+def test_ddp_survivor_of_a_lost_peer_raises():
+    env = {"OXCCL_TIMEOUT": "20"}
     res = _run(2, "peer_exit_ddp", env=env, timeout=90, expect_ok=False)
     rc, out = res[0]
     assert rc == 0 and "peer_exit_ddp ok" in out, f"survivor rc {rc} (signal {-rc if rc < 0 else None})\n{out}"
     assert rc != -signal.SIGSEGV
 
 
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_destroy_process_group_closes_the_communicator(backend):
+def test_destroy_process_group_closes_the_communicator():
     """Rank 0's destroy_process_group waits for its queued call, then closes the communicator:
     later calls there raise, and the other ranks' next call fails within seconds naming rank 0
     (before: the communicator stayed open, and a call on it still ran)."""
-    if backend == "cpp":
-        _cpp()
-    for _, out in _run(3, "shutdown", env={"OXCCL_TORCH_BACKEND": backend}, timeout=90):
+    for _, out in _run(3, "shutdown", timeout=90):
         assert "shutdown ok" in out, out

@@ -1,5 +1,4 @@
-"""Clear errors, never a crash or a silent write: OXCCL_TORCH_BACKEND with a wrong value,
-oxccl.torch.inference_all_reduce on a leaf tensor that requires grad (refused as torch's own
+"""Clear errors, never a crash or a silent write: oxccl.torch.inference_all_reduce on a leaf tensor that requires grad (refused as torch's own
 in-place ops refuse it) or on a meta tensor (no memory: the device is named)."""
 
 import os
@@ -50,14 +49,6 @@ def _run(code, **env):
     return subprocess.run([sys.executable, "-c", code], env=e, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
-def test_wrong_backend_choice_is_one_clear_error():
-    r = _run("import oxccl.torch", OXCCL_TORCH_BACKEND="garbage")
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "OXCCL_TORCH_BACKEND='garbage': expected 'cpp' or 'python'" in r.stderr, r.stderr
-    assert "NameError" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
-
-
-@pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_inference_all_reduce_refusals(backend):
-    r = _run(ONE_RANK, OXCCL_TORCH_BACKEND=backend, MASTER_ADDR="127.0.0.1")
+def test_inference_all_reduce_refusals():
+    r = _run(ONE_RANK, MASTER_ADDR="127.0.0.1")
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -19,7 +19,7 @@ def test_large_tensors_in_shared_memory(n, mode):
 
     if ot._CPP is None:
         pytest.skip("the C++ torch backend is not built (python -m oxccl.build_torch_ext)")
-    env = {"OXCCL_TORCH_BACKEND": "cpp", "OXCCL_TORCH_ALLOCATOR": "1" if mode == "on" else "0"}
+    env = {"OXCCL_TORCH_ALLOCATOR": "1" if mode == "on" else "0"}
     res = launch(n, script=os.path.join(HERE, "shm_allocator_worker.py"), args=[mode], env=env, timeout=240)
     for _, out in res:
         assert f"shm allocator {mode} ok" in out, out

@@ -17,7 +17,7 @@ def cpp_backend():
 
     if ot._CPP is None:
         pytest.skip("the C++ torch backend is not built (python -m oxccl.build_torch_ext)")
-    return {"OXCCL_TORCH_BACKEND": "cpp"}
+    return {}
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -644,7 +644,7 @@ def main():
     # gloo for the default group (barriers between checks); each check on an oxccl group of its
     # own, so that a check that breaks its communicator does not fail the next ones
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    want = "BackendOxccl" if os.environ.get("OXCCL_TORCH_BACKEND") == "python" else "BackendOxcclCpp"
+    want = "BackendOxcclCpp"
     bad = []
     for fn in CHECKS:
         g = dist.new_group(list(range(N)), backend="oxccl")

@@ -179,14 +179,10 @@ def then_blocking(be):
 
         fut = dist.all_reduce(x, async_op=True).get_future().then(cb)
         out[f"then_{numel}"] = fut.wait()
-    # is_completed(): True once waited for (the Python backend alone cannot say so: torch's
-    # wrapper answers from its own flag)
+    # is_completed(): True once waited for
     w = dist.all_reduce(torch.ones(1 << 19), async_op=True)
     w.wait()
-    if be == "gloo" or os.environ.get("OXCCL_TORCH_BACKEND") != "python":
-        out["is_completed_after_wait"] = torch.tensor([int(w.is_completed())])
-    else:
-        out["is_completed_after_wait"] = torch.tensor([1])
+    out["is_completed_after_wait"] = torch.tensor([int(w.is_completed())])
     return out
 
 
@@ -401,7 +397,7 @@ def run(be, store, tmp, names):
     assert w.group_name and torch.device("cpu") in w._device_types, (w.group_name, w._device_types)
     if be == "oxccl":  # the C++ backend (oxccl/csrc) unless the Python one was asked for
         kind = type(w._get_backend(torch.device("cpu"))).__name__
-        want = "BackendOxccl" if os.environ.get("OXCCL_TORCH_BACKEND") == "python" else "BackendOxcclCpp"
+        want = "BackendOxcclCpp"
         assert kind == want, f"the oxccl backend in use is {kind}, expected {want}"
     results, times = {}, {}
     for name in names:

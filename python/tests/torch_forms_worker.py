@@ -417,6 +417,77 @@ def dtypes_gloo_rejects(g):
     assert torch.allclose(x, want), (x, want)
 
 
+@oxccl_only
+def gather_scatter_empty_list_on_the_root(g):
+    """An empty gather_list (scatter_list) on the root fails on every rank at the call, not at
+    wait(), before any data moves, and the group stays in step: the next collective works.
+    The other ranks cannot see the root's list: the root tells them in a message of the call
+    itself, and each raises the root's reason; so does a tensor of the root's own that no call
+    can take. (gloo raises on the root only; its peers wait in the call.)"""
+    b = g._get_backend(CPU)
+    for root in (0, N - 1):
+        for empty in ([], [[]]):
+            go = dist.GatherOptions()
+            go.rootRank = root
+            try:
+                b.gather(empty if R == root else [], [torch.full((2,), float(R))], go)
+            except oxccl.InvalidArgumentError as e:
+                msg = str(e)
+                assert f"rank {R}" in msg and "gather" in msg and f"0 output tensors on the root for a group of {N}" in msg, msg
+                assert R == root or f"the root (rank {root}) refused" in msg, msg
+            else:
+                raise AssertionError(f"gather with an empty list on root {root}: accepted on rank {R}")
+            so = dist.ScatterOptions()
+            so.rootRank = root
+            out = torch.full((2,), -1.0)
+            try:
+                b.scatter([out], empty if R == root else [], so)
+            except oxccl.InvalidArgumentError as e:
+                msg = str(e)
+                assert f"rank {R}" in msg and "scatter" in msg and f"0 input tensors on the root for a group of {N}" in msg, msg
+                assert R == root or f"the root (rank {root}) refused" in msg, msg
+            else:
+                raise AssertionError(f"scatter with an empty list on root {root}: accepted on rank {R}")
+            assert torch.equal(out, torch.full((2,), -1.0)), f"the refused scatter wrote {out}"
+            t = torch.full((3,), float(R + 1))
+            dist.all_reduce(t, group=g)
+            assert torch.equal(t, torch.full((3,), float(N * (N + 1) // 2))), t
+            # and the same calls, well formed, still work
+            outs = [torch.zeros(2) for _ in range(N)] if R == root else None
+            dist.gather(torch.full((2,), float(R)), outs, dst=root, group=g)
+            if R == root:
+                assert torch.equal(torch.stack(outs), torch.arange(N, dtype=torch.float32)[:, None].expand(N, 2)), outs
+            dist.scatter(out, [torch.full((2,), float(p)) for p in range(N)] if R == root else None, src=root, group=g)
+            assert torch.equal(out, torch.full((2,), float(R))), out
+        # The root's own tensor refused (a meta tensor has no memory): every rank raises too.
+        go = dist.GatherOptions()
+        go.rootRank = root
+        mine = torch.empty(2, device="meta") if R == root else torch.full((2,), float(R))
+        outs = [[torch.zeros(2) for _ in range(N)]] if R == root else []
+        try:
+            b.gather(outs, [mine], go)
+        except oxccl.InvalidArgumentError as e:
+            msg = str(e)
+            assert "gather input: the tensor is on meta" in msg, msg
+            assert R == root or f"the root (rank {root}) refused" in msg, msg
+        else:
+            raise AssertionError(f"gather with a meta input on root {root}: accepted on rank {R}")
+        so = dist.ScatterOptions()
+        so.rootRank = root
+        out = torch.empty(2, device="meta") if R == root else torch.full((2,), -1.0)
+        try:
+            b.scatter([out], [[torch.ones(2) for _ in range(N)]] if R == root else [], so)
+        except oxccl.InvalidArgumentError as e:
+            msg = str(e)
+            assert "scatter output: the tensor is on meta" in msg, msg
+            assert R == root or f"the root (rank {root}) refused" in msg, msg
+        else:
+            raise AssertionError(f"scatter with a meta output on root {root}: accepted on rank {R}")
+        t = torch.ones(2)
+        dist.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full((2,), float(N))), t
+
+
 @check
 def sequence_numbers(g, be):
     s0 = g._get_sequence_number_for_group()
@@ -469,7 +540,7 @@ def main():
     ox = dist.new_group(list(range(N)), backend="oxccl")
     gl = dist.new_group(list(range(N)), backend="gloo")
     kind = type(ox._get_backend(CPU)).__name__
-    want = "BackendOxccl" if os.environ.get("OXCCL_TORCH_BACKEND") == "python" else "BackendOxcclCpp"
+    want = "BackendOxcclCpp"
     assert kind == want, f"the oxccl backend in use is {kind}, expected {want}"
     bad, n = [], 0
     for fn in CHECKS:

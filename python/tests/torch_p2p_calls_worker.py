@@ -22,6 +22,7 @@ import oxccl.torch  # noqa: F401 - registers "oxccl"
 
 R = int(os.environ["RANK"])
 N = int(os.environ["WORLD_SIZE"])
+GROUPS = os.environ.get("P2P_CALLS_GROUPS", "oxccl")
 CHECKS = []
 
 warnings.filterwarnings("ignore")
@@ -43,6 +44,15 @@ def eq(got, want, what):
     assert torch.equal(got, want), f"{what}: got {got.flatten().tolist()} want {want.flatten().tolist()}"
 
 
+def raised(fn):
+    """The exception `fn` raises, or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the refusal expected
+        return e
+    return None
+
+
 def refused(fn, what):
     try:
         fn()
@@ -55,7 +65,9 @@ def refused(fn, what):
 def gather_refused_on_the_root_then_retried(g):
     """Rank 1 sends a user message, then gathers; the root refuses its first gather (a
     gather_list of the wrong length), retries, then receives: the gather gets the gather's
-    block and the recv the user message."""
+    block and the recv the user message. On oxccl the root's refusal reaches every rank
+    before any data moves (each raises it, naming the root's reason), and every rank
+    retries; on gloo the others wait in their first gather for the root's retry."""
     if R == 0:
         refused(lambda: dist.gather(block(0, GATHER), [torch.zeros(2, 2) for _ in range(N + 1)], dst=0, group=g),
                 "a gather_list of N+1 tensors")
@@ -69,6 +81,9 @@ def gather_refused_on_the_root_then_retried(g):
             eq(u, block(p, USER), f"user message of rank {p}")
     else:
         dist.send(block(R, USER), dst=0, group=g)
+        if GROUPS == "oxccl":
+            e = raised(lambda: dist.gather(block(R, GATHER), dst=0, group=g))
+            assert e is not None and "the root (rank 0) refused" in str(e) and f"{N + 1} output tensors" in str(e), e
         dist.gather(block(R, GATHER), dst=0, group=g)
 
 
@@ -76,7 +91,8 @@ def gather_refused_on_the_root_then_retried(g):
 def scatter_refused_on_the_root_then_retried(g):
     """The root refuses its first scatter (a scatter_list of the wrong length), sends a user
     message to every rank, then scatters: each rank's scatter gets its block, its recv the
-    user message."""
+    user message. On oxccl every rank raises the root's refusal first and retries, as in
+    gather_refused_on_the_root_then_retried."""
     out = torch.zeros(2, 2)
     if R == 0:
         refused(lambda: dist.scatter(out, [block(0, SCATTER)] * (N + 1), src=0, group=g), "a scatter_list of N+1 tensors")
@@ -85,6 +101,10 @@ def scatter_refused_on_the_root_then_retried(g):
         dist.scatter(out, [block(p, SCATTER) for p in range(N)], src=0, group=g)
         eq(out, block(0, SCATTER), "the root's own block")
     else:
+        if GROUPS == "oxccl":
+            e = raised(lambda: dist.scatter(out, src=0, group=g))
+            assert e is not None and "the root (rank 0) refused" in str(e) and f"{N + 1} input tensors" in str(e), e
+            eq(out, torch.zeros(2, 2), "nothing received by the refused scatter")
         dist.scatter(out, src=0, group=g)
         eq(out, block(R, SCATTER), "scatter block")
         u = torch.zeros(2, 2)
@@ -159,8 +179,8 @@ def main():
     # gloo for the default group (barriers between checks); each check on an oxccl group of its
     # own, so that a check that breaks its communicator does not fail the next ones
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    want = "BackendOxccl" if os.environ.get("OXCCL_TORCH_BACKEND") == "python" else "BackendOxcclCpp"
-    groups = os.environ.get("P2P_CALLS_GROUPS", "oxccl")
+    want = "BackendOxcclCpp"
+    groups = GROUPS
     bad = []
     # (gather against scatter waits forever on gloo)
     for fn in CHECKS + ([gather_against_scatter] if groups == "oxccl" else []):

@@ -217,6 +217,45 @@ oxcclResult_t oxcclWorkOnComplete(const oxcclWork_t work, oxcclWorkCallback cb, 
  * then). NULL does nothing. Returns oxcclSuccess. */
 oxcclResult_t oxcclWorkFree(oxcclWork_t work);
 
+/* Point-to-point: sends and receives that progress together, as NCCL's ncclSend/ncclRecv
+ * inside ncclGroupStart/ncclGroupEnd, with tags and receives from any rank; or a collective
+ * made of them (a gather, a scatter, an all-to-all whose blocks differ in size). */
+
+/* What a point-to-point group is. oxcclP2pUser: the program's own messages, matched by
+ * source and tag, in send order per source and tag (a message that no pending receive takes
+ * waits in the receiver's stash, bounded by OXCCL_P2P_STASH). The others: a collective of
+ * that name, called by every rank of the communicator in the same order as its other
+ * collectives, whose messages (tag 0, named peers only) carry its number: no other call's
+ * receive takes them, its errors name it, and no rank runs ahead of a peer that has not
+ * begun it. */
+typedef enum {
+  oxcclP2pUser = 0, oxcclP2pGather = 1, oxcclP2pScatter = 2, oxcclP2pAllToAllv = 3
+} oxcclP2pCall_t;
+
+/* One operation of a point-to-point group. */
+typedef struct {
+  int send;                 /* 1: send count elements of buff to peer; 0: receive them */
+  int peer;                 /* the other rank; -1 on a receive of oxcclP2pUser: any rank */
+  uint32_t tag;             /* the receive must name the sender's tag (0 in collectives) */
+  oxcclDataType_t datatype; /* a receive takes only a message of its type and count */
+  void* buff;               /* may be NULL when count is 0 */
+  size_t count;             /* elements */
+  int source;               /* out: set once the group has completed, on a receive the rank
+                               the message came from; -1 on sends (and before) */
+} oxcclP2pOp_t;
+
+/* Runs the nops operations of ops as one group: they progress together, so any mix
+ * completes at any size (two ranks that both send first included). Sends to this rank itself
+ * are matched with its receives from itself. Outside a group it returns once every send has
+ * been taken and every receive filled; inside one (oxcclGroupStart) it is queued in order with
+ * the group's other calls, and ops and the buffers must stay valid until the work completes
+ * (the sources are written then). Every operation is checked before any data moves:
+ * oxcclInvalidArgument for a NULL comm, NULL ops with nops > 0, an unknown call or type, a
+ * send that is not 0 or 1, a peer outside the communicator (-1 only on a user receive), a
+ * nonzero tag in a collective, a NULL buffer with a nonzero count. Otherwise as the
+ * collectives; a message of the wrong type or count is oxcclMismatch. */
+oxcclResult_t oxcclP2p(oxcclP2pOp_t* ops, size_t nops, oxcclP2pCall_t call, const oxcclComm_t comm);
+
 /* Memory in shared memory, as ncclMemAlloc/ncclMemFree: collectives on it (from any
  * communicator) reach it on every rank of the host with loads and stores instead of
  * cross-memory copies. Page-aligned, contents undefined; freed blocks are cached (at most
@@ -232,8 +271,10 @@ oxcclResult_t oxcclMemFree(void* ptr);
 /* The function table (the capsule's contents): every function above but oxcclGetUniqueId,
  * oxcclCommInitRank and oxcclCommInitFromEnv (communicators come from Python there), in this
  * order. Check version (at least the one you need) and size before use: entries are only
- * added at the end, raising the version. */
-#define OXCCL_API_VERSION 3
+ * added at the end, raising the version, so a caller built for an older version reads the
+ * entries it knows where they always were; a caller built for this one must check that size
+ * covers the entries it uses. */
+#define OXCCL_API_VERSION 4
 typedef struct {
   uint32_t version; /* OXCCL_API_VERSION */
   uint32_t size;    /* sizeof(oxcclApi_t) */
@@ -259,6 +300,7 @@ typedef struct {
   oxcclResult_t (*mem_alloc)(void**, size_t);  /* since version 2 */
   oxcclResult_t (*mem_free)(void*);            /* since version 2 */
   oxcclResult_t (*comm_set_timeout)(const oxcclComm_t, double); /* since version 3 */
+  oxcclResult_t (*p2p)(oxcclP2pOp_t*, size_t, oxcclP2pCall_t, const oxcclComm_t); /* since version 4 */
 } oxcclApi_t;
 
 /* This library's function table; static, never NULL, never fails. */

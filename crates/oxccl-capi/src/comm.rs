@@ -178,8 +178,33 @@ pub extern "C" fn oxcclCommSetTimeout(comm: *const oxcclComm, seconds: f64) -> o
     })
 }
 
-/// One collective on raw buffers, ready to run now or later.
-pub(crate) struct Call {
+/// One call of a group, ready to run now or later: a collective, or a point-to-point group.
+pub(crate) enum Call {
+    /// A collective on raw buffers.
+    Coll(Coll),
+    /// Sends and receives ([`crate::p2p`]).
+    P2p(crate::p2p::P2p),
+}
+
+impl Call {
+    /// Runs the call.
+    ///
+    /// # Safety
+    ///
+    /// Its buffers must be valid for the call (see [`RawBufs::as_byte_bufs`] and
+    /// [`crate::p2p::P2p::run`]).
+    pub(crate) unsafe fn run(self, comm: &Communicator) -> oxccl::Result<()> {
+        match self {
+            // SAFETY: forwarded from the caller.
+            Call::Coll(c) => unsafe { c.run(comm) },
+            // SAFETY: forwarded from the caller.
+            Call::P2p(p) => unsafe { p.run(comm) },
+        }
+    }
+}
+
+/// One collective on raw buffers.
+pub(crate) struct Coll {
     pub(crate) kind: CollKind,
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
@@ -187,7 +212,7 @@ pub(crate) struct Call {
     pub(crate) bufs: RawBufs,
 }
 
-impl Call {
+impl Coll {
     /// Runs the call.
     ///
     /// # Safety
@@ -234,13 +259,13 @@ fn collective(
                 recv_len: recv.1,
             },
         };
-        let call = Call {
+        let call = Call::Coll(Coll {
             kind,
             dtype: dtype(dt)?,
             op: op(rop)?,
             root,
             bufs,
-        };
+        });
         match group::record(&h.comm, call)? {
             None => Ok(()),
             // SAFETY: a blocking call: the C caller's buffers are valid for its duration.

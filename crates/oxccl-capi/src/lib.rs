@@ -6,6 +6,8 @@
 //! - [`group`]: `oxcclGroupStart`/`oxcclGroupEnd`, which queue calls as one nonblocking
 //!   [`work::oxcclWork`];
 //! - [`work`]: waiting on, testing, and completion callbacks of queued work;
+//! - [`p2p`]: `oxcclP2p`, sends and receives (tags, any source) and the collectives made of
+//!   them, as one group;
 //! - [`mem`]: `oxcclMemAlloc`/`oxcclMemFree`, memory in shared memory for collectives;
 //! - [`table`]: every function in one table ([`API`]), which the Python module exports as a
 //!   capsule so that C++ code in the same process (the torch backend) calls the same library
@@ -24,6 +26,7 @@
 pub mod comm;
 pub mod group;
 pub mod mem;
+pub mod p2p;
 pub mod result;
 pub mod table;
 pub mod types;

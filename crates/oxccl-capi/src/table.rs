@@ -8,13 +8,14 @@ use std::ffi::{c_char, c_int, c_void};
 use crate::comm::*;
 use crate::group::*;
 use crate::mem::*;
+use crate::p2p::*;
 use crate::result::*;
 use crate::types::{oxcclDataType_t, oxcclRedOp_t};
 use crate::work::*;
 
 /// The table's layout version (`OXCCL_API_VERSION` in `oxccl.h`); raised whenever an entry is
 /// added, removed or changed.
-pub const API_VERSION: u32 = 3;
+pub const API_VERSION: u32 = 4;
 
 type Coll = extern "C" fn(
     *const u8,
@@ -96,6 +97,9 @@ pub struct oxcclApi {
     pub mem_free: extern "C" fn(*mut c_void) -> oxcclResult_t,
     /// [`oxcclCommSetTimeout`] (since version 3).
     pub comm_set_timeout: extern "C" fn(*const oxcclComm, f64) -> oxcclResult_t,
+    /// [`oxcclP2p`] (since version 4).
+    pub p2p:
+        extern "C" fn(*mut oxcclP2pOp, usize, oxcclP2pCall_t, *const oxcclComm) -> oxcclResult_t,
 }
 
 /// The table of this library instance.
@@ -124,6 +128,7 @@ pub static API: oxcclApi = oxcclApi {
     mem_alloc: oxcclMemAlloc,
     mem_free: oxcclMemFree,
     comm_set_timeout: oxcclCommSetTimeout,
+    p2p: oxcclP2p,
 };
 
 /// `oxcclGetApi`: this library's function table.

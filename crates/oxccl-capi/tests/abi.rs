@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use oxccl_capi::comm::*;
 use oxccl_capi::group::*;
+use oxccl_capi::p2p::*;
 use oxccl_capi::result::*;
 use oxccl_capi::work::*;
 use oxccl_capi::{oxcclComm, oxcclResult_t::*, oxcclWork};
@@ -371,4 +372,156 @@ fn set_timeout_changes_what_the_communicator_reports_and_refuses_nonsense() {
         ));
         assert_eq!(out, [2.0; 4]);
     });
+}
+
+fn op(send: bool, peer: i32, tag: u32, buf: &mut [i32]) -> oxcclP2pOp {
+    oxcclP2pOp {
+        send: i32::from(send),
+        peer,
+        tag,
+        datatype: INT32,
+        buff: buf.as_mut_ptr().cast(),
+        count: buf.len(),
+        source: 7,
+    }
+}
+
+#[test]
+fn p2p_groups_match_by_tag_report_the_source_and_queue_in_groups() {
+    two_ranks(|rank, comm| {
+        let other = 1 - rank as i32;
+        // Both ranks send first, with two tags, in one blocking group; the receives name the
+        // tags in the other order, one from any rank.
+        let mut a: Vec<i32> = (0..5000).map(|i| i + 100 * rank as i32).collect();
+        let mut b: Vec<i32> = vec![-(rank as i32); 3];
+        let (mut ra, mut rb) = (vec![0i32; 5000], vec![0i32; 3]);
+        let mut ops = [
+            op(true, other, 1, &mut a),
+            op(true, other, 2, &mut b),
+            op(false, -1, 2, &mut rb),
+            op(false, other, 1, &mut ra),
+        ];
+        ok(oxcclP2p(ops.as_mut_ptr(), ops.len(), 0, comm));
+        assert_eq!(ra, (0..5000).map(|i| i + 100 * other).collect::<Vec<_>>());
+        assert_eq!(rb, vec![-other; 3]);
+        let sources: Vec<i32> = ops.iter().map(|o| o.source).collect();
+        assert_eq!(sources, vec![-1, -1, other, other]);
+
+        // A gather to rank 0 (oxcclP2pGather), queued in a group: the sources come with the
+        // work.
+        let mut mine = vec![rank as i32 + 40; 2];
+        let mut got = vec![0i32; 2];
+        let mut ops = if rank == 0 {
+            vec![op(false, 1, 0, &mut got)]
+        } else {
+            vec![op(true, 0, 0, &mut mine)]
+        };
+        let mut w = std::ptr::null_mut();
+        ok(oxcclGroupStart());
+        ok(oxcclP2p(ops.as_mut_ptr(), ops.len(), 1, comm));
+        ok(oxcclGroupEnd(&mut w));
+        ok(oxcclWorkWait(w, -1.0));
+        ok(oxcclWorkFree(w));
+        if rank == 0 {
+            assert_eq!(got, vec![41; 2]);
+            assert_eq!(ops[0].source, 1);
+        } else {
+            assert_eq!(ops[0].source, -1);
+        }
+        // the communicator goes on
+        let x = [1.0f32; 2];
+        let mut out = [0.0f32; 2];
+        ok(oxcclAllReduce(
+            x.as_ptr().cast(),
+            out.as_mut_ptr().cast(),
+            2,
+            FLOAT32,
+            0,
+            comm,
+        ));
+        assert_eq!(out, [2.0; 2]);
+    });
+}
+
+#[test]
+fn p2p_refuses_bad_operations_before_any_data_moves() {
+    two_ranks(|rank, comm| {
+        let mut x = vec![rank as i32; 4];
+        let refused = |ops: &mut [oxcclP2pOp], call: i32, want: &str| {
+            assert_eq!(
+                oxcclP2p(ops.as_mut_ptr(), ops.len(), call, comm),
+                oxcclInvalidArgument,
+                "{want}"
+            );
+            let e = last_error();
+            assert!(
+                e.contains(want) && e.contains(&format!("rank {rank}")),
+                "{want}: {e}"
+            );
+        };
+        refused(&mut [op(true, 2, 0, &mut x)], 0, "peer 2 is not a rank");
+        refused(&mut [op(true, -1, 0, &mut x)], 0, "peer -1 is not a rank");
+        refused(&mut [op(false, -1, 0, &mut x)], 1, "peer -1 is not a rank");
+        refused(
+            &mut [op(false, 1 - rank as i32, 3, &mut x)],
+            2,
+            "tag 3 in a collective",
+        );
+        let mut bad = op(true, 0, 0, &mut x);
+        bad.send = 2;
+        refused(&mut [bad], 0, "send is 2");
+        let mut null = op(true, 0, 0, &mut x);
+        null.buff = std::ptr::null_mut();
+        refused(&mut [null], 0, "the buffer is NULL");
+        let mut dt = op(true, 0, 0, &mut x);
+        dt.datatype = 99;
+        assert_eq!(oxcclP2p(&mut dt, 1, 0, comm), oxcclInvalidArgument);
+        assert_eq!(
+            oxcclP2p(&mut op(true, 0, 0, &mut x), 1, 9, comm),
+            oxcclInvalidArgument
+        );
+        assert!(
+            last_error().contains("unknown point-to-point call 9"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            oxcclP2p(std::ptr::null_mut(), 1, 0, comm),
+            oxcclInvalidArgument
+        );
+        assert_eq!(
+            oxcclP2p(&mut op(true, 0, 0, &mut x), 1, 0, std::ptr::null()),
+            oxcclInvalidArgument
+        );
+        // nothing moved: the ranks are still in step
+        let y = [1.0f32; 2];
+        let mut out = [0.0f32; 2];
+        ok(oxcclAllReduce(
+            y.as_ptr().cast(),
+            out.as_mut_ptr().cast(),
+            2,
+            FLOAT32,
+            0,
+            comm,
+        ));
+        assert_eq!(out, [2.0; 2]);
+    });
+}
+
+#[test]
+fn the_table_is_version_4_and_ends_with_p2p() {
+    let api = &oxccl_capi::table::API;
+    assert_eq!(api.version, 4);
+    assert_eq!(
+        api.size as usize,
+        std::mem::size_of::<oxccl_capi::oxcclApi>()
+    );
+    // Entries are only appended: a version-3 caller's table ends where comm_set_timeout ends.
+    let base = api as *const _ as usize;
+    let v3_end = &api.comm_set_timeout as *const _ as usize + std::mem::size_of::<usize>();
+    assert_eq!(&api.p2p as *const _ as usize, v3_end);
+    assert_eq!(
+        api.size as usize,
+        v3_end - base + std::mem::size_of::<usize>()
+    );
 }

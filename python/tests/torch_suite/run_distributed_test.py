@@ -90,13 +90,12 @@ def _args(argv):
 
 def _config_tags(backend, world_size):
     """The tags an expected-failure line may restrict itself to, for this run."""
-    impl = "python" if os.environ.get("OXCCL_TORCH_BACKEND") == "python" else "cpp"
-    return {backend, f"ws{world_size}", impl}
+    return {backend, f"ws{world_size}"}
 
 
 def read_expected(path, tags):
     """Reads ``expected_failures.txt``: ``name [tag ...]: reason`` per line (``#`` comments).
-    Tags (``ws2``, ``ws3``, ``cpp``, ``python``) restrict a line to runs that have all of them.
+    Tags (``ws2``, ``ws3``) restrict a line to runs that have all of them.
     Returns {name: reason} for the lines that apply to this run."""
     expected = {}
     if not os.path.exists(path):
@@ -111,7 +110,7 @@ def read_expected(path, tags):
             if not sep or not words or not reason.strip():
                 raise SystemExit(f"{path}:{lineno}: expected 'test_name [tags]: reason', got {line!r}")
             name, line_tags = words[0], set(words[1:])
-            unknown = line_tags - {"ws2", "ws3", "cpp", "python"}
+            unknown = line_tags - {"ws2", "ws3"}
             if unknown:
                 raise SystemExit(f"{path}:{lineno}: unknown tags {sorted(unknown)}")
             if line_tags <= tags:
@@ -289,9 +288,8 @@ def main(argv=None):
     tags = _config_tags(a.backend, a.world_size)
     # On gloo every selected test must pass: the selection is the tests that pass there.
     expected = {} if a.no_expect or a.backend == "gloo" else read_expected(a.expected, tags)
-    impl = sorted(tags - {a.backend, f"ws{a.world_size}"})[0] if a.backend == "oxccl" else "-"
     print(
-        f"== torch {torch.__version__} distributed_test.py: backend {a.backend} ({impl}), "
+        f"== torch {torch.__version__} distributed_test.py: backend {a.backend}, "
         f"world size {a.world_size}, {len(names)} tests, timeout {a.timeout}s each, "
         f"{a.start_method}",
         flush=True,

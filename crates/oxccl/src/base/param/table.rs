@@ -626,14 +626,6 @@ pub const TORCH_SHM_MIN: Param = p(
     Python,
     "smallest tensor the shared-memory allocator serves",
 );
-/// `OXCCL_TORCH_BACKEND`.
-pub const TORCH_BACKEND: Param = p(
-    "OXCCL_TORCH_BACKEND",
-    Kind::Enum(&["cpp", "python"]),
-    "cpp",
-    Python,
-    "which torch backend import oxccl.torch puts first",
-);
 /// `OXCCL_TORCH_EXT_BUILD`.
 pub const TORCH_EXT_BUILD: Param = p(
     "OXCCL_TORCH_EXT_BUILD",
@@ -814,7 +806,6 @@ pub const PARAMS: &[Param] = &[
     STATUS,
     TORCH_ALLOCATOR,
     TORCH_SHM_MIN,
-    TORCH_BACKEND,
     TORCH_EXT_BUILD,
     TORCH_EXT_DIR,
     TORCH_EXT_TIMEOUT,
