@@ -16,7 +16,6 @@ GIL while they run. ``import oxccl.torch`` registers the torch.distributed backe
 from __future__ import annotations
 
 import atexit
-import ctypes
 import hashlib
 import os
 import sys
@@ -60,20 +59,6 @@ __all__ = [
 #: (for integer and bool tensors ``s`` must be an integer).
 OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor", "premul_sum")
 
-_NP_DTYPES = {
-    np.dtype(np.int8): "int8",
-    np.dtype(np.uint8): "uint8",
-    np.dtype(np.uint16): "uint16",
-    np.dtype(np.int32): "int32",
-    np.dtype(np.uint32): "uint32",
-    np.dtype(np.int64): "int64",
-    np.dtype(np.uint64): "uint64",
-    np.dtype(np.float16): "float16",
-    np.dtype(np.float32): "float32",
-    np.dtype(np.float64): "float64",
-    np.dtype(np.bool_): "bool",
-}
-
 #: Element types, by oxccl's name.
 DTYPES = (
     "int8",
@@ -89,18 +74,6 @@ DTYPES = (
     "float64",
     "bool",
 )
-
-_TORCH_DTYPES: dict = {}
-
-
-def _torch_dtypes(torch: Any) -> dict:
-    if not _TORCH_DTYPES:
-        for name in DTYPES:
-            dt = getattr(torch, name, None)
-            if dt is not None:
-                _TORCH_DTYPES[dt] = name
-    return _TORCH_DTYPES
-
 
 def _op_name(op: Any) -> str:
     """The op as the native side reads it: a name, or ``premul_sum:SCALAR`` for
@@ -123,31 +96,23 @@ def _op_name(op: Any) -> str:
 
 
 class _Buf:
-    """A checked view of an array or tensor: address, bytes, dtype name, owner."""
+    """An array or tensor as the native module takes it: ``view``, an object with a buffer
+    (the array itself, or a numpy view of the tensor's memory), whose memory, contiguity,
+    writability and element type the native module checks; ``declared``, the element type
+    where the buffer's format cannot say it (bfloat16, seen as 16-bit integers); ``obj``,
+    what the caller passed."""
 
-    __slots__ = ("obj", "addr", "nbytes", "dtype", "numel")
+    __slots__ = ("obj", "view", "declared", "numel")
 
-    def __init__(self, obj: Any, what: str, writable: bool):
+    def __init__(self, obj: Any, what: str):
         self.obj = obj
+        self.declared: Optional[str] = None
         if isinstance(obj, np.ndarray):
-            if not obj.flags.c_contiguous:
-                raise InvalidArgumentError(
-                    f"{what}: the array is not C-contiguous (strides {obj.strides}); "
-                    "pass np.ascontiguousarray(x)"
-                )
-            if writable and not obj.flags.writeable:
-                raise InvalidArgumentError(f"{what}: the array is read-only")
-            name = _NP_DTYPES.get(obj.dtype)
-            if name is None and obj.dtype.name == "bfloat16" and obj.dtype.itemsize == 2:
-                name = "bfloat16"  # ml_dtypes.bfloat16
-            if name is None:
-                raise InvalidArgumentError(
-                    f"{what}: unsupported dtype {obj.dtype} (supported: {', '.join(DTYPES)})"
-                )
-            self.addr = obj.ctypes.data
-            self.nbytes = obj.nbytes
+            self.view = obj
             self.numel = obj.size
-            self.dtype = name
+            if obj.dtype.name == "bfloat16" and obj.dtype.itemsize == 2:  # ml_dtypes.bfloat16
+                self.view = obj.view(np.uint16)
+                self.declared = "bfloat16"
             return
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
@@ -164,30 +129,21 @@ class _Buf:
                 )
             if obj.is_conj() or obj.is_neg():
                 raise InvalidArgumentError(f"{what}: lazily conjugated/negated tensors are not supported")
-            name = _torch_dtypes(torch).get(obj.dtype)
-            if name is None:
+            t = obj.detach()
+            if t.dtype == torch.bfloat16:
+                t = t.view(torch.int16)
+                self.declared = "bfloat16"
+            try:
+                self.view = t.numpy()
+            except (TypeError, RuntimeError) as e:
                 raise InvalidArgumentError(
                     f"{what}: unsupported dtype {obj.dtype} (supported: {', '.join(DTYPES)})"
-                )
-            self.addr = obj.data_ptr()
+                ) from e
             self.numel = obj.numel()
-            self.nbytes = self.numel * obj.element_size()
-            self.dtype = name
             return
         raise InvalidArgumentError(
             f"{what}: expected a numpy array or a torch CPU tensor, got {type(obj).__module__}.{type(obj).__name__}"
         )
-
-    def span(self) -> tuple:
-        return (self.addr, self.nbytes)
-
-    def same(self, other: "_Buf") -> bool:
-        return self.addr == other.addr and self.nbytes == other.nbytes
-
-    def overlaps(self, other: "_Buf") -> bool:
-        if self.nbytes == 0 or other.nbytes == 0:
-            return False
-        return self.addr < other.addr + other.nbytes and other.addr < self.addr + self.nbytes
 
 
 def _empty(like: Any, shape: tuple) -> Any:
@@ -307,31 +263,25 @@ class Comm:
         op: str = "sum",
         root: int = 0,
         peer: int = 0,
-        in_place: bool = False,
         async_op: bool = False,
         result: Any = None,
         callback: Any = None,
     ) -> Any:
-        dtype = (recv or send).dtype if (recv or send) else "uint8"
-        if send is not None and recv is not None and not in_place:
-            if send.dtype != recv.dtype:
-                raise InvalidArgumentError(
-                    f"{kind}: input is {send.dtype} but output is {recv.dtype}"
-                )
-            if send.overlaps(recv):
-                raise InvalidArgumentError(f"{kind}: input and output overlap (and are not the same buffer)")
-        s = send.span() if send is not None else (0, 0)
-        r = recv.span() if recv is not None else (0, 0)
-        if in_place:
-            s = (0, 0)
+        """One call: from ``send`` into ``recv``, or on ``recv`` in place (``send`` None)."""
         if root < 0 or peer < 0:
             raise InvalidArgumentError(f"{kind}: negative rank")
+        if send is not None and recv is not None and send.declared != recv.declared:
+            raise InvalidArgumentError(
+                f"{kind}: input is {send.declared or send.view.dtype} but output is {recv.declared or recv.view.dtype}"
+            )
+        b = recv if recv is not None else send
+        dtype = b.declared if b is not None else None
+        s = send.view if send is not None else None
+        r = recv.view if recv is not None else None
         if not async_op:
-            self._raw.call(kind, dtype, op, root, peer, s, r, in_place)
+            self._raw.call(kind, op, root, peer, s, r, dtype)
             return result
-        keep = (send.obj if send is not None else None, recv.obj if recv is not None else None)
-        raw = self._raw.call_async(kind, dtype, op, root, peer, s, r, in_place, keep, callback)
-        return Handle(raw, result)
+        return Handle(self._raw.call_async(kind, op, root, peer, s, r, dtype, callback), result)
 
     # -- collectives ------------------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -345,56 +295,51 @@ class Comm:
         if nbytes == 0:
             return np.zeros(shape, dt)
         mem = self._raw.alloc_shared(nbytes)
-        raw = (ctypes.c_ubyte * nbytes).from_address(mem.address)
-        raw._oxccl_memory = mem  # the array's base (this ctypes object) keeps the memory
-        return np.frombuffer(raw, dtype=dt, count=n).reshape(shape)
+        # The array's base is `mem` (its buffer), which keeps the memory.
+        return np.frombuffer(mem, dtype=dt, count=n).reshape(shape)
 
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False) -> Any:
         """Element-wise reduction of every rank's ``x``: into ``x`` (in place, the default) or
         into ``out`` (same size). Returns the array holding the result."""
         op = _op_name(op)
-        b = _Buf(x, "all_reduce input", writable=out is None)
+        b = _Buf(x, "all_reduce input")
         if out is None or out is x:
-            return self._run("all_reduce", None, b, op=op, in_place=True, async_op=async_op, result=x)
-        o = _Buf(out, "all_reduce output", writable=True)
-        if b.same(o):
-            return self._run("all_reduce", None, o, op=op, in_place=True, async_op=async_op, result=out)
+            return self._run("all_reduce", None, b, op=op, async_op=async_op, result=x)
+        o = _Buf(out, "all_reduce output")
         return self._run("all_reduce", b, o, op=op, async_op=async_op, result=out)
 
     def broadcast(self, x: Any, root: int = 0, async_op: bool = False) -> Any:
         """``root``'s ``x`` into every rank's ``x`` (in place). Returns ``x``."""
-        b = _Buf(x, "broadcast buffer", writable=True)
-        return self._run("broadcast", None, b, root=root, in_place=True, async_op=async_op, result=x)
+        b = _Buf(x, "broadcast buffer")
+        return self._run("broadcast", None, b, root=root, async_op=async_op, result=x)
 
     def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False) -> Any:
         """Element-wise reduction of every rank's ``x`` on ``root``: into ``x`` there (in place,
         the default) or into ``out`` (needed on the root only). Other ranks' ``x`` is only
         read. Returns the result array on the root (``x``/``out``), ``x`` elsewhere."""
         op = _op_name(op)
-        b = _Buf(x, "reduce input", writable=out is None and root == self.rank)
+        b = _Buf(x, "reduce input")
         if out is None or out is x:
-            return self._run("reduce", None, b, op=op, root=root, in_place=True, async_op=async_op, result=x)
-        o = _Buf(out, "reduce output", writable=True)
-        if b.same(o):
-            return self._run("reduce", None, o, op=op, root=root, in_place=True, async_op=async_op, result=out)
+            return self._run("reduce", None, b, op=op, root=root, async_op=async_op, result=x)
+        o = _Buf(out, "reduce output")
         return self._run("reduce", b, o, op=op, root=root, async_op=async_op, result=out)
 
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
         """Every rank's ``x``, concatenated in rank order (along the first axis), into ``out``
         (allocated when not given; ``world_size`` times ``x``'s size). Returns ``out``."""
-        b = _Buf(x, "all_gather input", writable=False)
+        b = _Buf(x, "all_gather input")
         if out is None:
             shape = tuple(x.shape)
             shape = (self.world_size * shape[0],) + shape[1:] if shape else (self.world_size,)
             out = _empty(x, shape)
-        o = _Buf(out, "all_gather output", writable=True)
+        o = _Buf(out, "all_gather output")
         return self._run("all_gather", b, o, async_op=async_op, result=out)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False) -> Any:
         """Block ``rank`` (of ``world_size`` equal blocks) of the element-wise reduction of every
         rank's ``x``, into ``out`` (allocated when not given). Returns ``out``."""
         op = _op_name(op)
-        b = _Buf(x, "reduce_scatter input", writable=False)
+        b = _Buf(x, "reduce_scatter input")
         if out is None:
             n = self.world_size
             shape = tuple(x.shape)
@@ -403,7 +348,7 @@ class Comm:
             else:
                 shape = (b.numel // n,)
             out = _empty(x, shape)
-        o = _Buf(out, "reduce_scatter output", writable=True)
+        o = _Buf(out, "reduce_scatter output")
         return self._run("reduce_scatter", b, o, op=op, async_op=async_op, result=out)
 
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
@@ -411,12 +356,12 @@ class Comm:
         block ``rank`` of its ``out`` (allocated when not given; ``x``'s size). ``out=x`` runs
         in place. Returns ``out``."""
         if out is x:
-            b = _Buf(x, "all_to_all buffer", writable=True)
-            return self._run("all_to_all", None, b, in_place=True, async_op=async_op, result=x)
-        b = _Buf(x, "all_to_all input", writable=False)
+            b = _Buf(x, "all_to_all buffer")
+            return self._run("all_to_all", None, b, async_op=async_op, result=x)
+        b = _Buf(x, "all_to_all input")
         if out is None:
             out = _empty(x, tuple(x.shape))
-        o = _Buf(out, "all_to_all output", writable=True)
+        o = _Buf(out, "all_to_all output")
         return self._run("all_to_all", b, o, async_op=async_op, result=out)
 
     def send(self, x: Any, peer: int, tag: int = 0, async_op: bool = False) -> Any:
@@ -425,7 +370,7 @@ class Comm:
         if tag:
             h = self.p2p([("send", x, peer, tag)], async_op=async_op)
             return Handle(h._raw, None) if async_op else None
-        b = _Buf(x, "send buffer", writable=False)
+        b = _Buf(x, "send buffer")
         return self._run("send", b, None, peer=peer, async_op=async_op, result=None)
 
     def recv(self, x: Any, peer: int, tag: int = 0, async_op: bool = False) -> Any:
@@ -433,7 +378,7 @@ class Comm:
         if tag:
             h = self.p2p([("recv", x, peer, tag)], async_op=async_op)
             return Handle(h._raw, x) if async_op else x
-        b = _Buf(x, "recv buffer", writable=True)
+        b = _Buf(x, "recv buffer")
         return self._run("recv", None, b, peer=peer, async_op=async_op, result=x)
 
     def recv_any(self, x: Any, tag: int = 0, async_op: bool = False) -> Any:
@@ -449,28 +394,24 @@ class Comm:
         recv's peer may be None (any rank). Returns the source rank of each operation (None
         for sends); with ``async_op`` a handle whose ``wait()`` returns that list."""
         raw_ops = []
-        keep = []
         for op in ops:
             if not (isinstance(op, tuple) and len(op) == 4 and op[0] in ("send", "recv")):
                 raise InvalidArgumentError(f"p2p: expected ('send' | 'recv', array, peer, tag), got {op!r}")
             kind, x, peer, tag = op
             if (peer is None and kind == "send") or (peer is not None and peer < 0) or tag < 0:
                 raise InvalidArgumentError(f"p2p: bad peer {peer!r} or tag {tag!r} in {kind}")
-            b = _Buf(x, f"p2p {kind} buffer", writable=(kind == "recv"))
-            keep.append(x)
-            raw_ops.append((kind, peer, int(tag), b.dtype, b.addr, b.nbytes))
+            b = _Buf(x, f"p2p {kind} buffer")
+            raw_ops.append((kind, peer, int(tag), b.view, b.declared))
         if not async_op:
             return self._raw.p2p(raw_ops)
-        raw, sources = self._raw.p2p_async(raw_ops, keep, None)
+        raw, sources = self._raw.p2p_async(raw_ops, None)
         return _P2pHandle(raw, sources)
 
     def sendrecv(self, send: Any, to: int, recv: Any, from_: int, async_op: bool = False) -> Any:
         """Sends ``send`` to ``to`` while receiving ``recv`` from ``from_`` (same size), as
         ``MPI_Sendrecv``. Returns ``recv``."""
-        s = _Buf(send, "sendrecv input", writable=False)
-        r = _Buf(recv, "sendrecv output", writable=True)
-        if s.same(r):
-            return self._run("sendrecv", None, r, peer=to, root=from_, in_place=True, async_op=async_op, result=recv)
+        s = _Buf(send, "sendrecv input")
+        r = _Buf(recv, "sendrecv output")
         return self._run("sendrecv", s, r, peer=to, root=from_, async_op=async_op, result=recv)
 
     def barrier(self, async_op: bool = False) -> Any:

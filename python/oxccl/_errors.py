@@ -27,6 +27,22 @@ class AbortedError(Error):
     """The communicator failed earlier (or was aborted) and can no longer be used."""
 
 
+#: The class of each result code of the C ABI (``oxcclResult_t`` in ``oxccl.h``): the native
+#: module and the C++ torch backend raise through :func:`for_result`.
+_BY_RESULT = {
+    1: InvalidArgumentError,  # oxcclInvalidArgument
+    2: TimeoutError,  # oxcclTimeout
+    3: PeerLostError,  # oxcclPeerLost
+    4: MismatchError,  # oxcclMismatch
+    5: AbortedError,  # oxcclAborted
+}
+
+
+def for_result(code: int) -> type:
+    """The exception class of a C ABI result code (``Error`` for the others)."""
+    return _BY_RESULT.get(code, Error)
+
+
 __all__ = [
     "Error",
     "TimeoutError",

@@ -1,10 +1,12 @@
 //! `oxccl._oxccl`: the native half of the `oxccl` Python package.
 //!
-//! The Python half (`oxccl/__init__.py`) checks arrays and tensors (type, dtype, contiguity,
-//! device, lengths) and passes their addresses here as integers, with the objects that own
-//! the memory. Blocking calls run with the GIL released while the caller's frame keeps the
-//! objects alive; queued calls keep them (the `keepalive` argument) inside the queued job and
-//! release them, under the GIL, when the call has finished.
+//! The Python half (`oxccl/__init__.py`) hands over the objects that hold the data (numpy
+//! arrays, or numpy views of torch CPU tensors); this module takes their memory through the
+//! buffer protocol and checks it itself (C-contiguous, writable where the call writes, the
+//! element type against the buffer's format and item size, input and output apart), so no
+//! address or length comes from Python. Blocking calls run with the GIL released while the
+//! buffer views keep the memory exported; queued calls keep the views inside the queued job
+//! and release them, under the GIL, when the call has finished.
 
 use std::str::FromStr;
 use std::sync::{Arc, Condvar, Mutex};
@@ -14,32 +16,23 @@ use oxccl::{
     CollKind, Communicator, Config, DataType, Error, P2pCall, P2pOp, RawBufs, ReduceOp,
     SharedBuffer, UniqueId, Work,
 };
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyType};
 
-/// The Python exception class (in `oxccl._errors`) for an oxccl error.
-fn error_class(e: &Error) -> &'static str {
-    match e {
-        Error::Timeout { .. } => "TimeoutError",
-        Error::PeerLost { .. } | Error::Connect { .. } => "PeerLostError",
-        Error::Mismatch { .. } => "MismatchError",
-        Error::InvalidArgument { .. } | Error::Env(_) => "InvalidArgumentError",
-        Error::Aborted { .. } => "AbortedError",
-        _ => "Error",
-    }
-}
-
-/// An error as it crosses into Python: the class name and the message.
+/// An error as it crosses into Python: the C ABI's result code (`oxccl_capi::result::code_of`,
+/// the one map from the library's errors to their kinds) and the message. `oxccl._errors`
+/// maps the code to the exception class, for this module and the C++ torch backend alike.
 #[derive(Clone, Debug)]
 struct PyErrInfo {
-    class: &'static str,
+    code: i32,
     msg: String,
 }
 
 impl From<&Error> for PyErrInfo {
     fn from(e: &Error) -> Self {
         PyErrInfo {
-            class: error_class(e),
+            code: oxccl_capi::result::code_of(e) as i32,
             msg: e.to_string(),
         }
     }
@@ -49,7 +42,8 @@ impl PyErrInfo {
     fn to_py(&self, py: Python<'_>) -> PyErr {
         let cls = py
             .import("oxccl._errors")
-            .and_then(|m| m.getattr(self.class))
+            .and_then(|m| m.getattr("for_result"))
+            .and_then(|f| f.call1((self.code,)))
             .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
         match cls {
             Ok(cls) => PyErr::from_type(cls, self.msg.clone()),
@@ -64,35 +58,145 @@ fn err(py: Python<'_>, e: &Error) -> PyErr {
 
 fn bad_arg(py: Python<'_>, msg: String) -> PyErr {
     PyErrInfo {
-        class: "InvalidArgumentError",
+        code: oxccl_capi::oxcclResult_t::oxcclInvalidArgument as i32,
         msg,
     }
     .to_py(py)
 }
 
-/// One call's description, as the Python half passes it.
+/// A Python object's memory, exported through the buffer protocol and checked here: held
+/// (and the memory with it) until dropped, which releases it under the GIL.
+struct Mem {
+    view: PyUntypedBuffer,
+    dtype: DataType,
+}
+
+impl Mem {
+    /// `obj`'s buffer: C-contiguous, writable if `writable`, of a supported element type.
+    /// `declared`: the element type when the buffer's format cannot say it (a bfloat16 tensor
+    /// seen as 16-bit integers), accepted only for an integer format of the same item size.
+    fn take(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        what: &str,
+        writable: bool,
+        declared: Option<&str>,
+    ) -> PyResult<Mem> {
+        let view = PyUntypedBuffer::get(obj).map_err(|e| {
+            bad_arg(
+                py,
+                format!(
+                    "{what}: expected a numpy array or a torch CPU tensor, got a {} ({e})",
+                    obj.get_type()
+                        .name()
+                        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+                ),
+            )
+        })?;
+        if !view.is_c_contiguous() {
+            return Err(bad_arg(
+                py,
+                format!(
+                    "{what}: the array is not C-contiguous (strides {:?}); pass np.ascontiguousarray(x)",
+                    view.strides()
+                ),
+            ));
+        }
+        if writable && view.readonly() {
+            return Err(bad_arg(py, format!("{what}: the array is read-only")));
+        }
+        let format = view.format().to_string_lossy().into_owned();
+        let size = view.item_size();
+        let found = format_dtype(&format, size);
+        let dtype = match declared {
+            None => found,
+            Some(name) => {
+                let d = DataType::from_str(name).map_err(|m| bad_arg(py, format!("{what}: {m}")))?;
+                let int_view = matches!(
+                    format.trim_start_matches(['@', '=', '<']),
+                    "b" | "B" | "h" | "H" | "i" | "I" | "l" | "L" | "q" | "Q"
+                );
+                (found == Some(d) || (int_view && size == d.size())).then_some(d)
+            }
+        }
+        .ok_or_else(|| {
+            bad_arg(
+                py,
+                format!(
+                    "{what}: unsupported element type (buffer format '{format}', {size} bytes{}; supported: {})",
+                    declared.map_or_else(String::new, |d| format!(", declared {d}")),
+                    DataType::ALL.map(DataType::name).join(" ")
+                ),
+            )
+        })?;
+        Ok(Mem { view, dtype })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.view.buf_ptr().cast()
+    }
+
+    fn len(&self) -> usize {
+        self.view.len_bytes()
+    }
+
+    /// Whether the two share a byte.
+    fn overlaps(&self, other: &Mem) -> bool {
+        let (a, b) = (self.ptr() as usize, other.ptr() as usize);
+        self.len() > 0 && other.len() > 0 && a < b + other.len() && b < a + self.len()
+    }
+
+    /// Whether the two are the same bytes.
+    fn same(&self, other: &Mem) -> bool {
+        self.ptr() == other.ptr() && self.len() == other.len()
+    }
+}
+
+/// The element type a buffer format (`struct` module syntax, one native-order item) and item
+/// size stand for; `None` for another format (int16, big-endian, records, ...).
+fn format_dtype(format: &str, size: usize) -> Option<DataType> {
+    let f = format.trim_start_matches(['@', '=', '<']);
+    Some(match (f, size) {
+        ("b", 1) => DataType::I8,
+        ("B", 1) => DataType::U8,
+        ("?", 1) => DataType::Bool,
+        ("H", 2) => DataType::U16,
+        ("e", 2) => DataType::F16,
+        ("i" | "l" | "q", 4) => DataType::I32,
+        ("I" | "L" | "Q", 4) => DataType::U32,
+        ("i" | "l" | "q", 8) => DataType::I64,
+        ("I" | "L" | "Q", 8) => DataType::U64,
+        ("f", 4) => DataType::F32,
+        ("d", 8) => DataType::F64,
+        _ => return None,
+    })
+}
+
+/// One call, its buffers taken from the Python objects and checked.
 struct CallSpec {
     kind: CollKind,
     dtype: DataType,
     op: ReduceOp,
     root: usize,
     bufs: RawBufs,
+    /// The views behind `bufs`: the memory stays exported while they live.
+    _mem: Vec<Mem>,
 }
 
-// SAFETY: RawBufs is Send; the rest is plain data.
+// SAFETY: RawBufs is Send; the views (Send) keep the memory behind it valid.
 unsafe impl Send for CallSpec {}
 
 #[allow(clippy::too_many_arguments)]
 fn spec(
     py: Python<'_>,
+    rank: usize,
     kind: &str,
-    dtype: &str,
+    dtype: Option<&str>,
     op: &str,
     root: usize,
     peer: usize,
-    send: (usize, usize),
-    recv: (usize, usize),
-    in_place: bool,
+    send: Option<&Bound<'_, PyAny>>,
+    recv: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<CallSpec> {
     let kind = match kind {
         "all_reduce" => CollKind::AllReduce,
@@ -110,19 +214,99 @@ fn spec(
         "barrier" => CollKind::Barrier,
         other => return Err(bad_arg(py, format!("unknown collective '{other}'"))),
     };
-    let dtype = DataType::from_str(dtype).map_err(|m| bad_arg(py, m))?;
     let op = ReduceOp::from_str(op).map_err(|m| bad_arg(py, m))?;
-    let bufs = if in_place {
-        RawBufs::InPlace {
-            buf: recv.0 as *mut u8,
-            len: recv.1,
+    let name = kind.name();
+    let s = match send {
+        Some(o) => Some(Mem::take(py, o, &format!("{name} input"), false, dtype)?),
+        None => None,
+    };
+    // Written, except in place where only read: reduce off the root, broadcast on it.
+    let read_only = matches!(kind, CollKind::Reduce if rank != root)
+        || matches!(kind, CollKind::Broadcast if rank == root);
+    let r = match recv {
+        Some(o) => {
+            let in_place = s.is_none() && !matches!(kind, CollKind::Recv { .. });
+            let what = if in_place { "buffer" } else { "output" };
+            Some(Mem::take(
+                py,
+                o,
+                &format!("{name} {what}"),
+                !(in_place && read_only),
+                dtype,
+            )?)
         }
-    } else {
-        RawBufs::Separate {
-            send: send.0 as *const u8,
-            send_len: send.1,
-            recv: recv.0 as *mut u8,
-            recv_len: recv.1,
+        None => None,
+    };
+    let (bufs, dtype, mem) = match (s, r) {
+        (None, None) => (
+            RawBufs::Separate {
+                send: std::ptr::null(),
+                send_len: 0,
+                recv: std::ptr::null_mut(),
+                recv_len: 0,
+            },
+            DataType::U8,
+            vec![],
+        ),
+        // A receive only writes its buffer: no input.
+        (None, Some(r)) if matches!(kind, CollKind::Recv { .. }) => (
+            RawBufs::Separate {
+                send: std::ptr::null(),
+                send_len: 0,
+                recv: r.ptr(),
+                recv_len: r.len(),
+            },
+            r.dtype,
+            vec![r],
+        ),
+        (None, Some(r)) => (
+            RawBufs::InPlace {
+                buf: r.ptr(),
+                len: r.len(),
+            },
+            r.dtype,
+            vec![r],
+        ),
+        (Some(s), None) => (
+            RawBufs::Separate {
+                send: s.ptr(),
+                send_len: s.len(),
+                recv: std::ptr::null_mut(),
+                recv_len: 0,
+            },
+            s.dtype,
+            vec![s],
+        ),
+        (Some(s), Some(r)) => {
+            if s.dtype != r.dtype {
+                return Err(bad_arg(
+                    py,
+                    format!("{name}: input is {} but output is {}", s.dtype, r.dtype),
+                ));
+            }
+            if s.same(&r) {
+                (
+                    RawBufs::InPlace {
+                        buf: r.ptr(),
+                        len: r.len(),
+                    },
+                    r.dtype,
+                    vec![r],
+                )
+            } else if s.overlaps(&r) {
+                return Err(bad_arg(
+                    py,
+                    format!("{name}: input and output overlap (and are not the same buffer)"),
+                ));
+            } else {
+                let bufs = RawBufs::Separate {
+                    send: s.ptr(),
+                    send_len: s.len(),
+                    recv: r.ptr(),
+                    recv_len: r.len(),
+                };
+                (bufs, r.dtype, vec![s, r])
+            }
         }
     };
     Ok(CallSpec {
@@ -131,35 +315,41 @@ fn spec(
         op,
         root,
         bufs,
+        _mem: mem,
     })
 }
 
 impl CallSpec {
     /// Runs the call.
-    ///
-    /// # Safety
-    ///
-    /// The buffers must be valid for the call (see [`RawBufs::as_byte_bufs`]).
-    unsafe fn run(self, comm: &Communicator) -> oxccl::Result<()> {
-        // SAFETY: forwarded from the caller.
+    fn run(&self, comm: &Communicator) -> oxccl::Result<()> {
+        // SAFETY: `_mem` keeps every buffer exported (valid, and the output writable: checked
+        // in `Mem::take`) for as long as `self` lives, which outlasts the call; `spec` refused
+        // an output that overlaps the input.
         let bufs = unsafe { self.bufs.as_byte_bufs() };
         comm.call_bytes(self.kind, self.dtype, self.op, self.root, bufs)
     }
 }
 
 /// One point-to-point operation as the Python half passes it: `("send" | "recv", peer or
-/// None (recv from any), tag, dtype, address, bytes)`.
-type P2pTuple = (String, Option<usize>, u32, String, usize, usize);
+/// None (recv from any), tag, the object holding the data, its element type when the
+/// buffer's format cannot say it)`.
+type P2pTuple<'py> = (
+    String,
+    Option<usize>,
+    u32,
+    Bound<'py, PyAny>,
+    Option<String>,
+);
 
-/// A point-to-point group on raw addresses (plain integers: `Send`), and the call it is.
+/// A point-to-point group, its buffers taken and checked, and the call it is.
 struct P2pSpec {
-    ops: Vec<(bool, Option<usize>, u32, DataType, usize, usize)>,
+    ops: Vec<(bool, Option<usize>, u32, Mem)>,
     call: P2pCall,
 }
 
 /// `call`: None for the user's own messages, else the collective the group is
 /// (`"gather"`, `"scatter"`, `"all_to_allv"`: `Communicator::group_p2p_as`).
-fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>, call: Option<&str>) -> PyResult<P2pSpec> {
+fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple<'_>>, call: Option<&str>) -> PyResult<P2pSpec> {
     let call = match call {
         None => P2pCall::User,
         Some(c) => *P2pCall::ALL
@@ -167,8 +357,8 @@ fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>, call: Option<&str>) -> PyResult<
             .find(|k| k.is_collective() && k.name() == c)
             .ok_or_else(|| bad_arg(py, format!("unknown point-to-point collective '{c}'")))?,
     };
-    let mut v = Vec::with_capacity(ops.len());
-    for (kind, peer, tag, dtype, addr, len) in ops {
+    let mut v: Vec<(bool, Option<usize>, u32, Mem)> = Vec::with_capacity(ops.len());
+    for (kind, peer, tag, obj, dtype) in ops {
         let send = match kind.as_str() {
             "send" => true,
             "recv" => false,
@@ -177,46 +367,68 @@ fn p2p_spec(py: Python<'_>, ops: Vec<P2pTuple>, call: Option<&str>) -> PyResult<
         if send && peer.is_none() {
             return Err(bad_arg(py, "a send needs a peer".into()));
         }
-        let dtype = DataType::from_str(&dtype).map_err(|m| bad_arg(py, m))?;
-        v.push((send, peer, tag, dtype, addr, len));
+        let mem = Mem::take(
+            py,
+            &obj,
+            &format!("p2p {kind} buffer"),
+            !send,
+            dtype.as_deref(),
+        )?;
+        if !send {
+            // A receive's bytes are written by the library alone: no other operation of the
+            // group may read or write them meanwhile.
+            if let Some(j) = v.iter().position(|o| o.3.overlaps(&mem)) {
+                return Err(bad_arg(
+                    py,
+                    format!("p2p: operation {} (recv) overlaps operation {j}", v.len()),
+                ));
+            }
+        } else if let Some(j) = v.iter().position(|o| !o.0 && o.3.overlaps(&mem)) {
+            return Err(bad_arg(
+                py,
+                format!(
+                    "p2p: operation {} (send) overlaps operation {j} (recv)",
+                    v.len()
+                ),
+            ));
+        }
+        v.push((send, peer, tag, mem));
     }
     Ok(P2pSpec { ops: v, call })
 }
 
 impl P2pSpec {
     /// Runs the group; returns each receive's source (`None` for sends).
-    ///
-    /// # Safety
-    ///
-    /// Every address must point to `len` bytes that stay valid (and, for receives, unaliased
-    /// and writable) for the call.
-    unsafe fn run(&self, comm: &Communicator) -> oxccl::Result<Vec<Option<usize>>> {
+    fn run(&self, comm: &Communicator) -> oxccl::Result<Vec<Option<usize>>> {
         let mut ops: Vec<P2pOp<'_>> = self
             .ops
             .iter()
-            .map(|&(send, peer, tag, dtype, addr, len)| {
-                if send {
+            .map(|(send, peer, tag, mem)| {
+                let (p, len) = (mem.ptr(), mem.len());
+                if *send {
                     P2pOp::Send {
                         peer: peer.unwrap_or(usize::MAX),
-                        tag,
-                        dtype,
-                        // SAFETY: forwarded from the caller (empty buffers need no memory).
+                        tag: *tag,
+                        dtype: mem.dtype,
                         buf: if len == 0 {
                             &[]
                         } else {
-                            unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+                            // SAFETY: the view keeps `len` bytes at `p` exported while `self`
+                            // lives, which outlasts the group.
+                            unsafe { std::slice::from_raw_parts(p, len) }
                         },
                     }
                 } else {
                     P2pOp::Recv {
-                        peer,
-                        tag,
-                        dtype,
-                        // SAFETY: forwarded from the caller.
+                        peer: *peer,
+                        tag: *tag,
+                        dtype: mem.dtype,
                         buf: if len == 0 {
                             &mut []
                         } else {
-                            unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+                            // SAFETY: as above, and the view is writable (`Mem::take`) and
+                            // overlaps no other operation of the group (`p2p_spec`).
+                            unsafe { std::slice::from_raw_parts_mut(p, len) }
                         },
                         from: None,
                     }
@@ -251,8 +463,9 @@ impl P2pSources {
     }
 }
 
-/// A buffer in shared memory (`Communicator::alloc_shared`); `Comm.empty` views it as a numpy
-/// array through its address and keeps this object alive as long as the array.
+/// A buffer in shared memory (`Communicator::alloc_shared`), exported through the buffer
+/// protocol as writable bytes: `Comm.empty` views it with `numpy.frombuffer`, and the array
+/// keeps this object (and the memory) alive.
 #[pyclass(frozen, module = "oxccl._oxccl", name = "SharedMemory")]
 struct SharedMemory {
     buf: SharedBuffer,
@@ -260,16 +473,39 @@ struct SharedMemory {
 
 #[pymethods]
 impl SharedMemory {
-    /// Address of the first byte.
-    #[getter]
-    fn address(&self) -> usize {
-        self.buf.as_ptr() as usize
-    }
-
     /// Size in bytes.
     fn __len__(&self) -> usize {
         self.buf.len()
     }
+
+    /// The buffer protocol: the bytes, writable, one dimension.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let buf = &slf.get().buf;
+            (
+                buf.as_ptr().cast_mut().cast::<std::ffi::c_void>(),
+                buf.len(),
+            )
+        };
+        let len = pyo3::ffi::Py_ssize_t::try_from(len)
+            .map_err(|_| pyo3::exceptions::PyBufferError::new_err("buffer too large"))?;
+        // SAFETY: CPython passes a `view` to fill; PyBuffer_FillInfo fills it and takes a
+        // reference to `slf`, which keeps the mapping (unmapped only when `slf` is dropped)
+        // valid for as long as the view exists. The memory is a shared mapping that this
+        // module reaches only through raw pointers, so writes through the view alias no Rust
+        // reference.
+        if unsafe { pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, len, 0, flags) } == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to release: the view's reference to this object is dropped by CPython.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
 /// A communicator (use `oxccl.init`, which wraps this in `oxccl.Comm`).
@@ -321,83 +557,99 @@ impl RawComm {
         Ok(SharedMemory { buf })
     }
 
-    /// A blocking call on raw addresses, GIL released. The caller keeps the memory alive.
+    /// A blocking call, GIL released, on `recv` in place (`send` None) or from `send` into
+    /// `recv` (the same memory: in place). Both are objects with a buffer (numpy arrays);
+    /// `dtype` is given only where their format cannot say it (bfloat16 seen as 16-bit
+    /// integers).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (kind, dtype, op, root, peer, send, recv, in_place))]
+    #[pyo3(signature = (kind, op, root, peer, send, recv, dtype=None))]
     fn call(
         &self,
         py: Python<'_>,
         kind: &str,
-        dtype: &str,
         op: &str,
         root: usize,
         peer: usize,
-        send: (usize, usize),
-        recv: (usize, usize),
-        in_place: bool,
+        send: Option<Bound<'_, PyAny>>,
+        recv: Option<Bound<'_, PyAny>>,
+        dtype: Option<&str>,
     ) -> PyResult<()> {
-        let s = spec(py, kind, dtype, op, root, peer, send, recv, in_place)?;
+        let rank = self.inner.rank();
+        let s = spec(
+            py,
+            rank,
+            kind,
+            dtype,
+            op,
+            root,
+            peer,
+            send.as_ref(),
+            recv.as_ref(),
+        )?;
         let comm = &self.inner;
-        // SAFETY: the Python caller (oxccl.Comm) holds references to the arrays whose memory
-        // these addresses point into, for the duration of this call, and checked the lengths.
-        let r = py.detach(|| unsafe { s.run(comm) });
+        let (r, s) = py.detach(move || (s.run(comm), s));
+        drop(s); // the views, released with the GIL held
         r.map_err(|e| err(py, &e))
     }
 
-    /// Queues a call on raw addresses; `keepalive` (the arrays) is held until the call has
-    /// finished; `callback(None | exception)` then runs on oxccl's stream thread, with the GIL.
+    /// Queues a call (arguments as `call`); the buffers stay exported until it has finished;
+    /// `callback(None | exception)` then runs on oxccl's stream thread, with the GIL.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (kind, dtype, op, root, peer, send, recv, in_place, keepalive, callback=None))]
+    #[pyo3(signature = (kind, op, root, peer, send, recv, dtype=None, callback=None))]
     fn call_async(
         &self,
         py: Python<'_>,
         kind: &str,
-        dtype: &str,
         op: &str,
         root: usize,
         peer: usize,
-        send: (usize, usize),
-        recv: (usize, usize),
-        in_place: bool,
-        keepalive: Py<PyAny>,
+        send: Option<Bound<'_, PyAny>>,
+        recv: Option<Bound<'_, PyAny>>,
+        dtype: Option<&str>,
         callback: Option<Py<PyAny>>,
     ) -> PyResult<Handle> {
-        let s = spec(py, kind, dtype, op, root, peer, send, recv, in_place)?;
-        // SAFETY: `keepalive` owns the memory behind every address and lives until after the
-        // call; the Python caller checked the lengths and does not touch the output until
-        // completion.
-        Ok(self.queue(keepalive, callback, move |comm| unsafe { s.run(comm) }))
+        let rank = self.inner.rank();
+        let s = spec(
+            py,
+            rank,
+            kind,
+            dtype,
+            op,
+            root,
+            peer,
+            send.as_ref(),
+            recv.as_ref(),
+        )?;
+        Ok(self.queue(s, callback, |s, comm| s.run(comm)))
     }
 
     /// A point-to-point group (`Communicator::group_p2p`), blocking, GIL released: `ops` are
-    /// `("send" | "recv", peer (None: a recv from any rank), tag, dtype, address, bytes)`;
-    /// returns each operation's source rank (None for sends). The caller keeps the memory
-    /// alive. `call`: None for user messages, or the collective the group is (`"gather"`,
-    /// `"scatter"`, `"all_to_allv"`: `Communicator::group_p2p_as`).
+    /// `("send" | "recv", peer (None: a recv from any rank), tag, array, dtype or None)`;
+    /// returns each operation's source rank (None for sends). `call`: None for user messages,
+    /// or the collective the group is (`"gather"`, `"scatter"`, `"all_to_allv"`:
+    /// `Communicator::group_p2p_as`).
     #[pyo3(signature = (ops, call=None))]
     fn p2p(
         &self,
         py: Python<'_>,
-        ops: Vec<P2pTuple>,
+        ops: Vec<P2pTuple<'_>>,
         call: Option<String>,
     ) -> PyResult<Vec<Option<usize>>> {
         let s = p2p_spec(py, ops, call.as_deref())?;
         let comm = &self.inner;
-        // SAFETY: the Python caller (oxccl.Comm) holds the arrays behind these addresses for
-        // the duration of this call and checked the lengths.
-        let r = py.detach(|| unsafe { s.run(comm) });
+        let r = py.detach(|| s.run(comm));
+        drop(s); // the views, released with the GIL held
         r.map_err(|e| err(py, &e))
     }
 
-    /// Queues a point-to-point group (as `p2p`, `call` too) on oxccl's stream; `keepalive`
-    /// is held until it has finished, then `callback(None | exception)` runs. Returns the
-    /// handle and the object that gives the receives' sources once it has finished.
-    #[pyo3(signature = (ops, keepalive, callback=None, call=None))]
+    /// Queues a point-to-point group (as `p2p`, `call` too) on oxccl's stream; the buffers
+    /// stay exported until it has finished, then `callback(None | exception)` runs. Returns
+    /// the handle and the object that gives the receives' sources once it has finished.
+    #[pyo3(signature = (ops, callback=None, call=None))]
     fn p2p_async(
         &self,
         py: Python<'_>,
-        ops: Vec<P2pTuple>,
-        keepalive: Py<PyAny>,
+        ops: Vec<P2pTuple<'_>>,
         callback: Option<Py<PyAny>>,
         call: Option<String>,
     ) -> PyResult<(Handle, P2pSources)> {
@@ -406,10 +658,9 @@ impl RawComm {
         let out = P2pSources {
             sources: Arc::clone(&sources),
         };
-        let handle = self.queue(keepalive, callback, move |comm| {
-            // SAFETY: `keepalive` owns the memory behind every address until after the call.
-            let r = unsafe { s.run(comm) };
-            r.map(|v| *sources.lock().unwrap_or_else(|e| e.into_inner()) = Some(v))
+        let handle = self.queue(s, callback, move |s, comm| {
+            s.run(comm)
+                .map(|v| *sources.lock().unwrap_or_else(|e| e.into_inner()) = Some(v))
         });
         Ok((handle, out))
     }
@@ -462,19 +713,19 @@ impl RawComm {
 }
 
 impl RawComm {
-    /// Queues `run` on oxccl's stream; `keepalive` is dropped (under the GIL) after it, and
-    /// `callback(None | exception)` runs then.
-    fn queue(
+    /// Queues `run(spec)` on oxccl's stream; `spec` (holding the buffer views) is dropped,
+    /// under the GIL, after it, and `callback(None | exception)` runs then.
+    fn queue<S: Send + 'static>(
         &self,
-        keepalive: Py<PyAny>,
+        spec: S,
         callback: Option<Py<PyAny>>,
-        run: impl FnOnce(&Communicator) -> oxccl::Result<()> + Send + 'static,
+        run: impl FnOnce(&S, &Communicator) -> oxccl::Result<()> + Send + 'static,
     ) -> Handle {
         let inflight = Inflight::new();
         let work = self.inner.submit(move |comm| {
             // Counted until the end of this closure, after the callback released the GIL.
             let _inflight = inflight;
-            let res = run(comm);
+            let res = run(&spec, comm);
             let info = res.as_ref().err().map(PyErrInfo::from);
             Python::attach(|py| {
                 if let Some(cb) = callback {
@@ -486,7 +737,7 @@ impl RawComm {
                         e.write_unraisable(py, None);
                     }
                 }
-                drop(keepalive);
+                drop(spec);
             });
             Ok(info.map_or(Ok(()), Err))
         });

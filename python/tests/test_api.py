@@ -55,6 +55,31 @@ def test_package_surface():
         oxccl.init(rank=0, world_size=1, unique_id="nonsense")
 
 
+def test_error_classes_follow_the_c_headers_result_codes():
+    """The native module and the C++ torch backend raise through ``_errors.for_result``: its
+    codes must be oxccl.h's."""
+    import re
+    from pathlib import Path
+
+    import oxccl
+    from oxccl import _errors
+
+    header = Path(__file__).resolve().parents[2] / "crates/oxccl-capi/include/oxccl.h"
+    codes = dict((m[0], int(m[1])) for m in re.findall(r"\b(oxccl[A-Za-z]+) = (\d+)", header.read_text()))
+    expect = {
+        "oxcclInvalidArgument": oxccl.InvalidArgumentError,
+        "oxcclTimeout": oxccl.TimeoutError,
+        "oxcclPeerLost": oxccl.PeerLostError,
+        "oxcclMismatch": oxccl.MismatchError,
+        "oxcclAborted": oxccl.AbortedError,
+        "oxcclRemoteError": oxccl.Error,
+        "oxcclSystemError": oxccl.Error,
+        "oxcclInternalError": oxccl.Error,
+    }
+    for name, cls in expect.items():
+        assert _errors.for_result(codes[name]) is cls, name
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_shared_arrays(n):
     res = launch(n, "shared", env={"OXCCL_DEBUG": "debug", "OXCCL_DEBUG_SUBSYS": "shm"})

@@ -201,6 +201,29 @@ def api():
     raises(oxccl.InvalidArgumentError, h.wait)
     if n > 1:
         raises(oxccl.InvalidArgumentError, comm.send, np.ones(2, np.float32), r)
+    # The native module reads every buffer itself (the buffer protocol) and checks it.
+    a = np.ones(8, np.float32)
+    msg = raises(oxccl.InvalidArgumentError, comm.all_reduce, a[:6], out=a[2:])
+    assert "overlap" in msg, msg
+    msg = raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, ">f4"))
+    assert "unsupported element type" in msg, msg
+    raises(oxccl.InvalidArgumentError, comm.all_reduce, np.ones(3, np.int16))
+    # a declared element type only reinterprets an integer buffer of the same item size
+    raw = comm._raw
+    raises(oxccl.InvalidArgumentError, raw.call, "all_reduce", "sum", 0, 0, None, np.ones(3, np.uint8), "float64")
+    raises(oxccl.InvalidArgumentError, raw.call, "all_reduce", "sum", 0, 0, None, np.ones(3, np.float64), "float32")
+    raises(oxccl.InvalidArgumentError, raw.call, "all_reduce", "sum", 0, 0, None, bytearray(4), "nonsense")
+    raises(oxccl.InvalidArgumentError, raw.call, "all_reduce", "sum", 0, 0, None, b"abcd")  # read-only
+    raises(oxccl.InvalidArgumentError, raw.call, "all_reduce", "sum", 0, 0, None, 12345)  # no buffer
+    msg = raises(oxccl.InvalidArgumentError, comm.p2p, [("send", a, r, 0), ("recv", a[4:], r, 0)])
+    assert "overlaps" in msg, msg
+    # the same memory through two objects: in place
+    a[:] = 1
+    comm.all_reduce(a, out=a[:])
+    assert np.all(a == n)
+    tb = torch.ones(5, dtype=torch.bfloat16)
+    comm.all_reduce(tb)
+    assert torch.all(tb == n), tb
     # still usable after rejected arguments
     x = np.ones(3, np.float32)
     comm.all_reduce(x)
