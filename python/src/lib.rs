@@ -816,7 +816,8 @@ fn init_from_env(py: Python<'_>) -> PyResult<RawComm> {
 }
 
 /// Joins the communicator of `unique_id` (a string from `new_unique_id`) as `rank`; settings
-/// from the environment, except the timeout when `timeout_s` is given. With `watch` (a
+/// from the environment, except the timeout when `timeout_s` is given (OXCCL_TIMEOUT's bounds:
+/// at least a millisecond; longer than its maximum is its maximum). With `watch` (a
 /// communicator) and `group` (`group[i]`: the rank in `watch` of the new rank `i`), `watch`
 /// watches the init: a rank of the group lost there fails the init at once and, later, the
 /// new communicator (`Communicator::init_watched`).
@@ -834,13 +835,16 @@ fn init_with_id(
     let id = UniqueId::from_str(unique_id).map_err(|e| err(py, &e))?;
     let mut cfg = Config::from_env().map_err(|e| err(py, &e))?;
     if let Some(t) = timeout_s {
-        if !(t.is_finite() && t > 0.0) {
+        // The bounds OXCCL_TIMEOUT is held to; a longer one (torch users pass a year for
+        // "none") is the longest.
+        let (min, max) = (oxccl::params::MIN_SECS, oxccl::params::MAX_SECS);
+        if t.is_nan() || t < min {
             return Err(bad_arg(
                 py,
-                format!("timeout {t} s is not a positive number"),
+                format!("timeout {t} s is not a number of seconds of at least {min}"),
             ));
         }
-        cfg.timeout = std::time::Duration::from_secs_f64(t.min(1e9));
+        cfg.timeout = std::time::Duration::from_secs_f64(t.min(max));
     }
     let watched = match (watch, group) {
         (None, None) => None,
