@@ -65,8 +65,14 @@ def rank_main(iters, rounds, async_op=False, both=False, only=None):
     def comm_path(x):
         comm.all_reduce(x)
 
+    views = {}
+
     def binding_path(x):
-        comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), x.numel() * 4), True)
+        # the binding takes an object with a buffer: the tensor's numpy view, made once
+        v = views.get(id(x))
+        if v is None:
+            v = views[id(x)] = x.numpy()
+        comm._raw.call("all_reduce", "sum", 0, 0, None, v)
 
     torch_paths = [("gloo", gloo), ("oxccl", ox)]
     if both:  # each torch path blocking, then with async_op=True and wait()
@@ -142,6 +148,7 @@ def layers(iters):
     backend = pg._get_backend(torch.device("cpu"))
     comm = backend._state.comm
     x = torch.ones(1)
+    xv = x.numpy()  # the binding takes an object with a buffer
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # as dist.all_reduce(x) sets it (the default, True, queues the call)
     kind = type(backend).__name__
@@ -150,7 +157,7 @@ def layers(iters):
         (f"pg.allreduce([x], opts).wait()  (torch's C++ ProcessGroup, {kind})", lambda: pg.allreduce([x], opts).wait()),
         (f"backend.allreduce([x], opts).wait()  ({kind})", lambda: backend.allreduce([x], opts).wait()),
         ("comm.all_reduce(x)  (oxccl.Comm)", lambda: comm.all_reduce(x)),
-        ("comm._raw.call(...)  (the binding)", lambda: comm._raw.call("all_reduce", "float32", "sum", 0, 0, (0, 0), (x.data_ptr(), 4), True)),
+        ("comm._raw.call(...)  (the binding)", lambda: comm._raw.call("all_reduce", "sum", 0, 0, None, xv)),
     ]
     res = {name: [] for name, _ in steps}
     for _ in range(5):

@@ -83,23 +83,13 @@ const oxcclApi_t* g_api = nullptr;  // the library's table, set by the first bac
 void defineInferenceFunctions(py::module_& m);  // inference.cpp
 
 // ------------------------------------------------------------------------------------------
-// Errors: the oxccl exception classes (oxccl._errors) on the calling thread, a
-// DistBackendError in futures. The one map of result codes to classes.
+// Errors: the oxccl exception classes on the calling thread, a DistBackendError in futures.
+// The class of a result code is oxccl._errors.for_result's, the one map of codes to classes
+// (the Python binding raises through it too).
 // ------------------------------------------------------------------------------------------
-const char* errorClass(oxcclResult_t r) {
-  switch (r) {
-    case oxcclTimeout: return "TimeoutError";
-    case oxcclPeerLost: return "PeerLostError";
-    case oxcclMismatch: return "MismatchError";
-    case oxcclInvalidArgument: return "InvalidArgumentError";
-    case oxcclAborted: return "AbortedError";
-    default: return "Error";
-  }
-}
-
 [[noreturn]] void raise(oxcclResult_t r, const std::string& msg) {
   py::gil_scoped_acquire gil;
-  py::object cls = py::module_::import("oxccl._errors").attr(errorClass(r));
+  py::object cls = py::module_::import("oxccl._errors").attr("for_result")(int(r));
   PyErr_SetString(cls.ptr(), msg.c_str());
   throw py::error_already_set();
 }
