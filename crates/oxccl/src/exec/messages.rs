@@ -19,7 +19,7 @@
 use super::{Runner, XState};
 use crate::base::dtype::DataType;
 use crate::base::error::{Error, Result};
-use crate::exec::p2p::{tagged, Stash, TAG_BYTES};
+use crate::exec::p2p::{message_call, tagged, Stash, TAG_BYTES};
 use crate::fault::fingerprint::{
     Fingerprint, Header, HeaderState, P2pCall, Sequencer, HEADER_BYTES,
 };
@@ -232,21 +232,7 @@ impl Runner<'_, '_, '_> {
                     let (buf, got) = (*buf, *got);
                     let h =
                         Header::decode(&buf[..HEADER_BYTES]).map_err(|e| self.protocol(peer, e))?;
-                    if !h.fp.is_p2p() {
-                        return Err(self.protocol(
-                            peer,
-                            format!(
-                                "expected a point-to-point message, got the start of {} (a collective begun while this rank waits for messages)",
-                                h.fp
-                            ),
-                        ));
-                    }
-                    let Some(mcall) = h.fp.p2p_call() else {
-                        return Err(self.protocol(
-                            peer,
-                            format!("a message of an unknown call (code {})", h.fp.root),
-                        ));
-                    };
+                    let mcall = message_call(&h).map_err(|e| self.protocol(peer, e))?;
                     let m = self.ctx.messages.as_mut().expect("message mode");
                     if mcall == P2pCall::User {
                         // A user message sent before this call's: kept for a user receive.

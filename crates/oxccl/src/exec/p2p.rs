@@ -790,21 +790,7 @@ impl Ctx<'_> {
                         *cur = None;
                         return Ok(moved);
                     }
-                    if !h.fp.is_p2p() {
-                        return Err(self.protocol(
-                            peer,
-                            format!(
-                                "expected a point-to-point message, got the start of {} (a collective begun while this rank waits for messages)",
-                                h.fp
-                            ),
-                        ));
-                    }
-                    let Some(mcall) = h.fp.p2p_call() else {
-                        return Err(self.protocol(
-                            peer,
-                            format!("a message of an unknown call (code {})", h.fp.root),
-                        ));
-                    };
+                    let mcall = message_call(&h).map_err(|e| self.protocol(peer, e))?;
                     if mcall == P2pCall::User {
                         let want = self.seqr.next_recv(peer);
                         if h.mseq != want & 0xffff_ffff {
@@ -979,4 +965,17 @@ fn waiting_on(
     v.sort_unstable();
     v.dedup();
     v
+}
+
+/// The point-to-point call a message's header says it belongs to; why not, for a header that
+/// starts a collective (begun while this rank waits for messages) or names no known call.
+pub(crate) fn message_call(h: &Header) -> std::result::Result<P2pCall, String> {
+    if !h.fp.is_p2p() {
+        return Err(format!(
+            "expected a point-to-point message, got the start of {} (a collective begun while this rank waits for messages)",
+            h.fp
+        ));
+    }
+    h.fp.p2p_call()
+        .ok_or_else(|| format!("a message of an unknown call (code {})", h.fp.root))
 }
