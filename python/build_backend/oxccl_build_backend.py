@@ -86,8 +86,8 @@ from maturin import *  # noqa: E402,F401,F403 - the PEP 517 hooks
 # links, are left out of that judgement as for any torch extension's wheel.
 #
 # By default either is added when it can be built, and left out with a message when its
-# build fails (the package still works: the first import builds the C++ module, or the
-# Python backend serves). ``OXCCL_WHEEL_TORCH_EXT=0`` and ``OXCCL_WHEEL_CLI=0`` (or the config
+# build fails (the package still works: the first import builds the C++ module, or says
+# why it cannot). ``OXCCL_WHEEL_TORCH_EXT=0`` and ``OXCCL_WHEEL_CLI=0`` (or the config
 # settings ``torch-ext=0`` and ``cli=0``) leave either out; ``=1`` makes its absence an error.
 
 import base64  # noqa: E402
@@ -372,7 +372,7 @@ def build_wheel(wheel_directory: str, config_settings: Optional[dict] = None, me
                 if want_ext:
                     raise
                 # Asked for by default only: the package still installs, and the first import
-                # builds the module (or uses the Python backend), as from source.
+                # builds the module, as from source.
                 _log(f"{e}: the wheel has no prebuilt C++ torch backend")
                 ext = None
             if ext is None and want_ext:

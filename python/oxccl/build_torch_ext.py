@@ -5,7 +5,7 @@
 ``import oxccl.torch`` does this by itself the first time it finds no usable build: it builds
 once, for the torch installed then, into a cache (:func:`cache_dir`), with a one-line message
 on stderr, under a file lock so that ranks importing at once build it once; when the build
-fails (no compiler, no torch headers) it warns and the Python backend serves.
+fails (no compiler, no torch headers) it raises an ImportError that says why and how to fix it.
 
     python -m oxccl.build_torch_ext            # builds into the package (next to this file)
     python -m oxccl.build_torch_ext --cache    # builds into the cache import oxccl.torch uses

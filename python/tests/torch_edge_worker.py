@@ -600,8 +600,8 @@ def subgroups(g):
             dist.recv(rr, src=0, group=sub2)
             eq(rr, val((3,), r=0), "pair recv")
     dist.barrier()
-    # rank 0 is in neither split (the Python backend alone: that rank crashed in torch's
-    # ProcessGroup::splitGroup, SIGSEGV, on its split's None)
+    # rank 0 is in neither split (torch's ProcessGroup::splitGroup has crashed, SIGSEGV, on
+    # the None a rank outside every split gets)
     for ranks in ([1, 2], [2, 1]):
         sg = dist.split_group(parent_pg=g, split_ranks=[ranks]) if hasattr(dist, "split_group") else None
         if R not in ranks:

@@ -473,8 +473,7 @@ def vs_gloo(default):
                 a, b = x.clone(), x.clone()
                 w = dist.all_reduce(a, op=op, group=ox, async_op=True)
                 w.wait()
-                # torch answers is_completed() of a Python backend's Work from its own
-                # wrapper's flag: the future is the way to poll
+                # once wait() has returned, the future is done too (as gloo's)
                 assert w.get_future().done()
                 if op == dist.ReduceOp.AVG:
                     dist.all_reduce(b, op=dist.ReduceOp.SUM, group=gl)
