@@ -187,6 +187,28 @@ impl Communicator {
 
     /// Forgets the lazy TCP state once every link is made (closing its listener: no peer
     /// dials any more).
+    /// Makes the links of `lazy` that `ops` need now, into `links`, within the call's timeout;
+    /// returns what is left of the timeout.
+    fn connect_lazy(
+        &self,
+        lazy: &mut Option<LazyTcp>,
+        links: &mut [Option<Box<dyn crate::transport::Link>>],
+        ops: &[P2pOp<'_>],
+        name: &'static str,
+        seq: u64,
+    ) -> Result<std::time::Duration> {
+        let timeout = self.guard.timeout();
+        let Some(l) = lazy.as_mut() else {
+            return Ok(timeout);
+        };
+        let t0 = std::time::Instant::now();
+        for (p, link) in self.connect_p2p(l, ops, t0 + timeout, name, seq)? {
+            links[p] = Some(link);
+        }
+        Self::drop_made(lazy);
+        Ok(timeout.saturating_sub(t0.elapsed()))
+    }
+
     fn drop_made(lazy: &mut Option<LazyTcp>) {
         if lazy.as_ref().is_some_and(|l| l.all_made()) {
             *lazy = None;
@@ -265,23 +287,13 @@ impl Communicator {
             lazy,
             ..
         } = &mut *st;
-        let mut timeout = self.guard.timeout();
-        if let Some(l) = lazy.as_mut() {
-            let t0 = std::time::Instant::now();
-            let made = self.connect_p2p(l, ops, t0 + timeout, name, seq);
-            timeout = timeout.saturating_sub(t0.elapsed());
-            let made = match made {
-                Ok(made) => made,
-                Err(e) => {
-                    let res = self.guard.end(seq, name, &print, "p2p", timing, Err(e));
-                    return Self::end_call(&mut st, res);
-                }
-            };
-            for (p, link) in made {
-                links[p] = Some(link);
+        let timeout = match self.connect_lazy(lazy, links, ops, name, seq) {
+            Ok(left) => left,
+            Err(e) => {
+                let res = self.guard.end(seq, name, &print, "p2p", timing, Err(e));
+                return Self::end_call(&mut st, res);
             }
-            Self::drop_made(lazy);
-        }
+        };
         let res = p2p::Ctx {
             direct: direct.as_deref().map(|d| (d as &dyn Direct, print)),
             rank: self.rank,
@@ -626,26 +638,15 @@ impl Communicator {
             scratch,
             ..
         } = &mut *st;
-        let mut timeout = self.guard.timeout();
-        if let Some(l) = lazy.as_mut() {
-            let t0 = std::time::Instant::now();
-            let made = self.connect_p2p(l, ops, t0 + timeout, name, seq);
-            timeout = timeout.saturating_sub(t0.elapsed());
-            match made {
-                Ok(made) => {
-                    for (p, link) in made {
-                        links[p] = Some(link);
-                    }
-                }
-                Err(e) => {
-                    let res = self
-                        .guard
-                        .end(seq, name, &print, algo.name(), timing, Err(e));
-                    return Self::end_call(&mut st, res);
-                }
+        let timeout = match self.connect_lazy(lazy, links, ops, name, seq) {
+            Ok(left) => left,
+            Err(e) => {
+                let res = self
+                    .guard
+                    .end(seq, name, &print, algo.name(), timing, Err(e));
+                return Self::end_call(&mut st, res);
             }
-            Self::drop_made(lazy);
-        }
+        };
         // Numbered once accepted: a call refused above takes no number, as a refused
         // collective (its retry is the same collective).
         let coll_seq = seqr.next_coll();
