@@ -37,6 +37,23 @@ fn lazy_child() {
     let mut comm = Communicator::from_env().unwrap();
     let (r, n) = (comm.rank(), comm.world_size());
     match mode.as_str() {
+        "leave_early" => {
+            // A chain broadcast lets the ranks near the root run ahead (their sends sit in
+            // socket buffers) and leave while later ranks are still receiving: rank 0, the
+            // hub of the control star, leaves first, then each new hub in turn.
+            comm.set_algo(Some(Algo::Chain));
+            let mut v = vec![0.0f32; 16384];
+            for i in 0..40 {
+                if r == 0 {
+                    v.iter_mut().for_each(|x| *x = i as f32);
+                }
+                comm.broadcast_in_place(&mut v, 0)
+                    .unwrap_or_else(|e| panic!("rank {r}: broadcast {i}: {e}"));
+                assert!(v.iter().all(|&x| x == i as f32), "rank {r}: call {i}");
+            }
+            drop(comm);
+            println!("CHILD {r} left");
+        }
         "check" => {
             let s0 = sockets();
             // The acceptor adopts a peer's connection whenever it comes: the peers' first
@@ -177,6 +194,27 @@ fn check_run(connect: &str, extra: &[(&str, String)]) -> Vec<(usize, usize, usiz
             (num(3), num(4), num(5))
         })
         .collect()
+}
+
+/// Ranks that leave one after another while later ranks still finish their calls: the hub
+/// of the control star hands over to a rank that leaves in turn, and every rank it admitted
+/// meanwhile must hear its goodbye, not a closed connection (which would fail the call as
+/// a lost peer).
+#[test]
+fn ranks_leaving_one_after_another_fail_no_rank_still_in_a_call() {
+    for round in 0..3 {
+        let n = 8;
+        for (r, l) in lines(spawn(n, "leave_early", "eager", &[]))
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(
+                l.as_deref(),
+                Some(format!("CHILD {r} left").as_str()),
+                "round {round}: rank {r} failed (its error is above)"
+            );
+        }
+    }
 }
 
 #[test]

@@ -480,6 +480,11 @@ fn run(
         }
         flush(&mut w, &conns);
         if stopping {
+            // A new hub stops admitting first: every connection its acceptor admitted is
+            // then in the inbox, adopted below, and hears this rank's goodbye. One admitted
+            // after the goodbye would close without one, and its rank, still in a call,
+            // would report this rank lost.
+            drop(acceptor.take());
             // A hub's goodbye that came meanwhile: the new hub hears this rank's goodbye too
             // (else it would wait for this rank).
             read_round(&mut w, &conns, &mut tmp);
@@ -490,7 +495,6 @@ fn run(
             // Take what the peers sent meanwhile (heartbeats) before the sockets close: a
             // close with unread bytes resets the connection, and a reset may drop the goodbye
             // before it leaves (the peer would then report this rank lost).
-            drop(acceptor);
             for s in conns.iter().flatten() {
                 for _ in 0..64 {
                     match rustix::net::recv(s, &mut tmp, RecvFlags::DONTWAIT) {
