@@ -303,7 +303,8 @@ def forked_child_call():
     it inherited: each is refused with an error naming the fork, before anything moves, and
     its exit leaves the parent's communicator alone. Meanwhile rank 1 goes on at once to the
     all-reduce a call of the child would pair with: it gets the right sum, as do the calls
-    after (the exact case: 131,072 elements, 3.0 where 2.0 is right, before the fix)."""
+    after (unrefused, the child's call made rank 1's next call return 3.0 where 2.0 is right in
+    131,072 elements)."""
     import oxccl
 
     comm = oxccl.init()
