@@ -216,10 +216,12 @@ c10::intrusive_ptr<c10::ivalue::Future> newFuture(const Value& v) {
 // (inference mode, grad mode: copies into inference tensors outside inference mode are
 // refused), as gloo's work carries it.
 struct Post {
+  std::function<void()> first;  // before the copies back (a rank's own block into a temporary)
   std::vector<std::pair<at::Tensor, at::Tensor>> backs;  // (the caller's tensor, the temporary)
   std::function<void()> then;
-  bool empty() const { return backs.empty() && !then; }
+  bool empty() const { return !first && backs.empty() && !then; }
   void run() {
+    if (first) first();
     for (auto& b : backs) b.first.copy_(b.second);
     if (then) then();
   }
@@ -1365,12 +1367,7 @@ class BackendOxcclCpp : public c10d::Backend {
       for (int p = 0; p < n; p++)
         if (p != me) ops->push_back(p2pOp(false, p, tmps[p]));
       at::Tensor dst = tmps[me];
-      auto backs = std::move(post.backs);
-      post.backs.clear();
-      post.then = [mine, dst, backs] {
-        dst.copy_(mine.reshape(dst.sizes()));
-        for (auto& b : backs) b.first.copy_(b.second);
-      };
+      post.first = [mine, dst] { dst.copy_(mine.reshape(dst.sizes())); };
       extra.insert(extra.end(), tmps.begin(), tmps.end());
       extra.push_back(mine);
     }
@@ -1421,12 +1418,7 @@ class BackendOxcclCpp : public c10d::Backend {
         if (p != me) ops->push_back(p2pOp(true, p, srcs[p]));
       at::Tensor mine = srcs[me], dst = out.t;
       if (overlap(mine, dst)) mine = mine.clone();
-      auto backs = std::move(post.backs);
-      post.backs.clear();
-      post.then = [mine, dst, backs] {
-        dst.copy_(mine.reshape(dst.sizes()));
-        for (auto& b : backs) b.first.copy_(b.second);
-      };
+      post.first = [mine, dst] { dst.copy_(mine.reshape(dst.sizes())); };
       extra.insert(extra.end(), srcs.begin(), srcs.end());
       extra.push_back(mine);
     }
@@ -1947,14 +1939,7 @@ class BackendOxcclCpp : public c10d::Backend {
     if (mineS.numel() != mineR.numel())
       invalid(std::string(what) + ": this rank sends itself " + std::to_string(mineS.numel()) +
               " elements but receives " + std::to_string(mineR.numel()));
-    auto then = std::move(post.then);
-    auto backs = std::move(post.backs);
-    post = Post();
-    post.then = [mineS, mineR, backs, then] {
-      mineR.copy_(mineS);
-      for (auto& b : backs) b.first.copy_(b.second);
-      if (then) then();
-    };
+    post.first = [mineS, mineR] { mineR.copy_(mineS); };
     std::vector<Call> calls{p2pCall(*ops, oxcclP2pAllToAllv)};
     return run(what, calls, result, type, async, {send, recv}, std::move(post), ops);
   }
