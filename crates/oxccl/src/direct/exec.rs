@@ -5,11 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::base::error::{Error, Result};
+use crate::base::error::{Error, FailureKind, Result};
 use crate::base::wait::{CallId, Waiter, SLEEP_SLICE};
 use crate::direct::link::{Direct, EventRecord};
 use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
-use crate::fault::health::Health;
+use crate::fault::health::{Failure, Health};
 use crate::transport::{Link, LinkError};
 
 /// How long a rank that finds a living peer's buffer gone (EFAULT) looks for the failure
@@ -219,13 +219,19 @@ impl DirectCtx<'_> {
     /// another rank lost, or the communicator's failure, looked for up to
     /// [`FAILURE_SETTLE`] where `e` is EFAULT (at once otherwise).
     fn failure_behind(&self, peer: usize, e: &std::io::Error) -> Option<Error> {
+        let settle = if e.raw_os_error() == Some(libc::EFAULT) {
+            FAILURE_SETTLE
+        } else {
+            Duration::ZERO
+        };
+        self.failure_within(peer, settle)
+    }
+
+    /// The communicator's failure, or a rank other than `peer` lost, looked for up to
+    /// `settle`.
+    fn failure_within(&self, peer: usize, settle: Duration) -> Option<Error> {
         let id = self.wait.id();
-        let until = Instant::now()
-            + if e.raw_os_error() == Some(libc::EFAULT) {
-                FAILURE_SETTLE
-            } else {
-                Duration::ZERO
-            };
+        let until = Instant::now() + settle;
         loop {
             if let Some(h) = self.health.filter(|h| h.is_failed()) {
                 return Some(h.error(id.rank, id.call, id.seq));
@@ -239,6 +245,80 @@ impl DirectCtx<'_> {
                 return None;
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Ends a call in which peers read and write this rank's buffers (single-copy): publishes
+    /// the call's last event, clean where `work` succeeded, else
+    /// [`EventRecord::left_failed`], and returns only once no peer can still touch this
+    /// rank's buffers: each has published that event too, or is gone, or the watchdog
+    /// reported it lost (a stopped process), or the call's time is up. A rank that failed
+    /// mid-call and returned at once would let a living peer, still writing its share of the
+    /// result into this rank's output, write into memory the caller had freed or reused
+    /// since (a corrupted heap, another tensor overwritten).
+    ///
+    /// Returns `work`'s error; else the loss of a peer that left before the event; else, for
+    /// a peer that left failed, the failure behind it (the watchdog's, within
+    /// [`FAILURE_SETTLE`]) or [`Error::Remote`] naming it; else `Ok`.
+    pub(crate) fn finish(&mut self, work: Result<()>) -> Result<()> {
+        let record = match work {
+            Ok(()) => EventRecord::default(),
+            Err(_) => EventRecord::left_failed(),
+        };
+        let e = self.direct.publish(&[], &record);
+        let waited = self.wait_all(e);
+        if waited.is_err() {
+            self.drain(e);
+        }
+        work?;
+        waited?;
+        let me = self.wait.id().rank;
+        let failed =
+            (0..self.nranks).find(|&p| p != me && self.direct.peer_record(p, e).is_left_failed());
+        match failed {
+            Some(p) => Err(self.left_failed(p)),
+            None => Ok(()),
+        }
+    }
+
+    /// After a wait for event `e` that failed: waits on until every peer has published `e`,
+    /// is gone, or is the rank the watchdog reported lost, or the call's time is up.
+    fn drain(&self, e: u64) {
+        let me = self.wait.id().rank;
+        let until = Instant::now() + self.wait.remaining();
+        let reported_lost = |p: usize| {
+            matches!(
+                self.health.and_then(|h| h.failure()),
+                Some(Failure::Lost { peer, .. }) if peer == p
+            )
+        };
+        while Instant::now() < until
+            && (0..self.nranks).any(|p| {
+                p != me
+                    && !self.direct.reached(p, e)
+                    && self.direct.check_alive(p).is_ok()
+                    && !reported_lost(p)
+            })
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The error of a call that `peer` left failed: the failure behind it as it reaches this
+    /// rank (the watchdog passes on the peer's error, or a rank is lost), else
+    /// [`Error::Remote`] naming the peer.
+    fn left_failed(&self, peer: usize) -> Error {
+        if let Some(e) = self.failure_within(peer, FAILURE_SETTLE) {
+            return e;
+        }
+        let id = self.wait.id();
+        Error::Remote {
+            rank: id.rank,
+            call: id.call,
+            seq: id.seq,
+            origin: peer,
+            kind: FailureKind::Other,
+            msg: "it left the call failed".into(),
         }
     }
 

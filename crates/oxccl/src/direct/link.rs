@@ -69,6 +69,25 @@ impl EventRecord {
         }
     }
 
+    /// The record of a call's last event published by a rank that leaves the call failed
+    /// (see [`crate::direct::cma`]): its input word is [`LEFT_FAILED`](Self::LEFT_FAILED), the
+    /// rest zero. A clean last event is all zero.
+    pub fn left_failed() -> Self {
+        EventRecord {
+            input: Self::LEFT_FAILED,
+            ..Default::default()
+        }
+    }
+
+    /// Whether this is the record of [`left_failed`](Self::left_failed).
+    pub fn is_left_failed(&self) -> bool {
+        self.input == Self::LEFT_FAILED && self.input_len == 0
+    }
+
+    /// The input word that marks [`left_failed`](Self::left_failed) ("oxfailed"): never a
+    /// buffer's address with a length of zero in a last event, which carries no buffers.
+    pub const LEFT_FAILED: u64 = u64::from_le_bytes(*b"oxfailed");
+
     /// The record as words: input, output, input length, output length, then the header as
     /// two little-endian words.
     pub fn encode(&self) -> [u64; Self::WORDS] {

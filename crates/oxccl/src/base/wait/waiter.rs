@@ -97,6 +97,13 @@ impl Waiter {
         self.backoff = Backoff::new(spin);
     }
 
+    /// What is left of the call's time: all of it while the call has not slept yet (its
+    /// deadline counts from its first sleep).
+    pub(crate) fn remaining(&self) -> Duration {
+        self.timeout
+            .saturating_sub(self.start.map_or(Duration::ZERO, |s| s.elapsed()))
+    }
+
     /// Call after a round that made progress: spin afresh.
     #[inline]
     pub(crate) fn progressed(&mut self) {

@@ -27,7 +27,10 @@
 //!
 //! Only the owner of a block touches that block of any buffer in a call, so a rank's in-place
 //! buffer is read before it is overwritten, by the same rank. The last event of each call tells
-//! every rank that nobody reads or writes its buffers any more, so it may return.
+//! every rank that nobody reads or writes its buffers any more, so it may return. A rank that
+//! fails publishes it too, marked failed, and still waits for its living peers' (a peer may be
+//! writing into its output): so no rank, however the call ends, returns while a peer may touch
+//! its buffers, and no rank returns success from a call a peer left failed.
 
 use crate::base::buffers::Buffers;
 use crate::base::error::{Error, Result};
@@ -126,7 +129,22 @@ fn check_lengths(cx: &DirectCtx<'_>, c: &Coll, peer: usize, rec: &EventRecord) -
 /// [`EventRecord::buffers`] and its [`regions`](agree::regions) in it). Each peer's buffer is
 /// reached through a mapping where the peer published a shared one, by the kernel's
 /// cross-memory copies otherwise. `tmp` is reused across calls.
+///
+/// Whatever the outcome, the call ends with its last event ([`DirectCtx::finish`]): a rank
+/// that fails returns only once its living peers have stopped writing into its buffers.
 pub(crate) fn run(
+    cx: &mut DirectCtx<'_>,
+    c: &Coll,
+    bufs: &mut Buffers<'_>,
+    tmp: &mut Vec<u64>,
+    agreed: &Agreed,
+) -> Result<()> {
+    let work = work(cx, c, bufs, tmp, agreed);
+    cx.finish(work)
+}
+
+/// This rank's part of the call, between the agreement and the last event.
+fn work(
     cx: &mut DirectCtx<'_>,
     c: &Coll,
     bufs: &mut Buffers<'_>,
@@ -191,8 +209,7 @@ pub(crate) fn run(
         CollKind::Broadcast => broadcast::run(cx_, &call)?,
         _ => unreachable!("cma::run called for {}", c.kind.name()),
     }
-    let done = cx.publish(&[], &EventRecord::default());
-    cx.wait_all(done)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -202,10 +219,47 @@ mod tests {
     use crate::base::error::Error;
     use crate::base::op::ReduceOp;
     use crate::base::wait::{CallId, Spin, Waiter};
-    use crate::direct::link::{mem_group, Direct};
+    use crate::direct::link::{mem_group, Direct, MemDirect};
     use crate::direct::shared_buffer::{Region, SharedBuffer};
     use crate::plan::call_plan::Ask;
     use std::time::Duration;
+
+    /// Rank 0's single-copy all_reduce of `out` (in place) as call `seq` of `n` ranks, from
+    /// its agreement on.
+    fn all_reduce_rank0(mine: &mut MemDirect, n: usize, seq: u64, out: &mut [f32]) -> Result<()> {
+        let c = Coll {
+            kind: CollKind::AllReduce,
+            rank: 0,
+            nranks: n,
+            count: out.len(),
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            root: 0,
+            chunk_bytes: 1 << 20,
+            topo: None,
+            blocks: None,
+        };
+        let id = CallId {
+            rank: 0,
+            call: "all_reduce",
+            seq,
+        };
+        let mut cx = DirectCtx {
+            direct: mine,
+            nranks: n,
+            wait: Waiter::new(id, Spin::new(1), Duration::from_secs(30), false),
+            print: None,
+            health: None,
+            links: None,
+            step_ends: None,
+            nt_bytes: usize::MAX,
+        };
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+        let len = bytes.len();
+        let mut bufs = Buffers::in_place(bytes, 0..len, 0..len);
+        agree::agree(&mut cx, Ask::SingleCopy, &mut bufs)
+            .and_then(|a| run(&mut cx, &c, &mut bufs, &mut Vec::new(), &a))
+    }
 
     /// A peer (buggy or hostile) publishes a shared buffer and a record whose input and output
     /// are 8 bytes long for an all_reduce of 16 KiB: this rank must refuse to touch more than
@@ -240,40 +294,7 @@ mod tests {
         let count = 4096;
         let mut buf = SharedBuffer::new(count * 4, 0).unwrap();
         buf.as_mut_slice::<f32>().fill(1.0);
-        let c = Coll {
-            kind: CollKind::AllReduce,
-            rank: 0,
-            nranks: 2,
-            count,
-            dtype: DataType::F32,
-            op: ReduceOp::Sum,
-            root: 0,
-            chunk_bytes: 1 << 20,
-            topo: None,
-            blocks: None,
-        };
-        let id = CallId {
-            rank: 0,
-            call: "all_reduce",
-            seq: 1,
-        };
-        let res = {
-            let mut cx = DirectCtx {
-                direct: &mut mine,
-                nranks: 2,
-                wait: Waiter::new(id, Spin::new(1), Duration::from_secs(5), false),
-                print: None,
-                health: None,
-                links: None,
-                step_ends: None,
-                nt_bytes: usize::MAX,
-            };
-            let bytes: &mut [u8] = &mut buf;
-            let len = bytes.len();
-            let mut bufs = Buffers::in_place(bytes, 0..len, 0..len);
-            agree::agree(&mut cx, Ask::SingleCopy, &mut bufs)
-                .and_then(|a| run(&mut cx, &c, &mut bufs, &mut Vec::new(), &a))
-        };
+        let res = all_reduce_rank0(&mut mine, 2, 1, buf.as_mut_slice::<f32>());
         hostile.join().unwrap();
         match res {
             Err(Error::Protocol {
@@ -291,5 +312,96 @@ mod tests {
             "the peer's bytes past what it published were written"
         );
         assert!(buf.as_slice::<f32>().iter().all(|&x| x == 1.0));
+    }
+
+    /// Rank 0's call fails after the agreement (rank 2 published short buffers, and then
+    /// left), while rank 1, honest and slow, is still to write its share of the result into
+    /// rank 0's output. Rank 0 must not return before rank 1 has done so and ended the call:
+    /// its caller would free or reuse the output while rank 1 writes into it (across
+    /// processes, a cross-memory write into a freed heap chunk).
+    #[test]
+    fn a_rank_that_fails_mid_call_returns_only_after_its_living_peers_stopped_writing() {
+        let mut g = mem_group(3);
+        let hostile = g.pop().expect("three");
+        let slow = g.pop().expect("three");
+        let mut mine = g.pop().expect("three");
+        let count = 3 * 1024;
+        let mut out = vec![1.0f32; count];
+        // Where rank 1 writes, and what: the first element of its block.
+        let (at, mark) = (1024, 7.0f32);
+        let hostile = std::thread::spawn(move || {
+            let mut peer = hostile;
+            let tiny = [0u64; 1];
+            let p = tiny.as_ptr().cast::<u8>();
+            peer.publish(&[0u8; 64], &EventRecord::buffers(p, 8, p, 8));
+            std::thread::sleep(Duration::from_millis(100));
+            drop(peer);
+        });
+        let writer = std::thread::spawn(move || {
+            let mut peer = slow;
+            let own = vec![1.0f32; count];
+            let p = own.as_ptr().cast::<u8>();
+            let e = peer.publish(
+                &[0u8; 64],
+                &EventRecord::buffers(p, count * 4, p, count * 4),
+            );
+            while !peer.reached(0, e) {
+                std::thread::yield_now();
+            }
+            let theirs = peer.peer_record(0, e).output;
+            std::thread::sleep(Duration::from_millis(300));
+            peer.write_peer(0, theirs + 4 * at as u64, &mark.to_le_bytes())
+                .unwrap();
+            peer.publish(&[], &EventRecord::left_failed());
+            std::thread::sleep(Duration::from_millis(100));
+            drop((peer, own));
+        });
+        let res = all_reduce_rank0(&mut mine, 3, 1, &mut out);
+        // Read as the call returned, before waiting for the peers' threads.
+        let seen = out[at];
+        writer.join().unwrap();
+        hostile.join().unwrap();
+        assert!(
+            matches!(res, Err(Error::Protocol { peer: 2, .. })),
+            "expected the short buffers of rank 2 to fail the call, got {res:?}"
+        );
+        assert_eq!(
+            seen, mark,
+            "the call returned while rank 1 was still to write into its output"
+        );
+    }
+
+    /// A peer that leaves the call failed (its last event says so) fails the call of a rank
+    /// that did its own part: its share of the result is missing.
+    #[test]
+    fn a_call_a_peer_left_failed_is_an_error_not_a_success() {
+        let mut g = mem_group(2);
+        let mut peer = g.pop().expect("two");
+        let mut mine = g.pop().expect("two");
+        let count = 2 * 1024;
+        let mut out = vec![1.0f32; count];
+        let failing = std::thread::spawn(move || {
+            let own = vec![1.0f32; count];
+            let p = own.as_ptr().cast::<u8>();
+            peer.publish(
+                &[0u8; 64],
+                &EventRecord::buffers(p, count * 4, p, count * 4),
+            );
+            // It writes nothing of its block, and leaves failed.
+            peer.publish(&[], &EventRecord::left_failed());
+            std::thread::sleep(Duration::from_millis(100));
+            drop((peer, own));
+        });
+        let res = all_reduce_rank0(&mut mine, 2, 3, &mut out);
+        failing.join().unwrap();
+        match res {
+            Err(Error::Remote {
+                rank: 0,
+                origin: 1,
+                seq: 3,
+                ..
+            }) => {}
+            other => panic!("expected an error naming rank 1, which left failed: {other:?}"),
+        }
     }
 }
