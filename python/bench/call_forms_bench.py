@@ -4,8 +4,10 @@ an oxccl group: oxccl's op, ``dist.all_reduce`` blocking and ``async_op=True`` t
 tensor parallelism and ``torch.compile``d collectives call) and their Python wrapper
 (``torch.distributed._functional_collectives``). Each form runs 2000 times to warm up, then
 5 times 20000 calls; rank 0 prints the best of the 5 means, in microseconds per call.
+``--backend fake`` runs the forms on torch's fake process group, which moves nothing: torch's
+own share of each form's cost.
 
-    torchrun --nproc-per-node 2 python/bench/call_forms_bench.py [--backend oxccl|gloo] [--numel 2]
+    torchrun --nproc-per-node 2 python/bench/call_forms_bench.py [--backend oxccl|gloo|fake] [--numel 2]
 """
 
 import argparse
@@ -26,7 +28,13 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=2, help="float32 elements per call")
     ap.add_argument("--iters", type=int, default=20000)
     a = ap.parse_args()
-    dist.init_process_group(a.backend)
+    if a.backend == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    else:
+        dist.init_process_group(a.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(f"# {a.backend}, {n} ranks, {a.numel} float32; oxccl from {oxccl.__file__}", flush=True)
