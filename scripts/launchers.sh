@@ -57,11 +57,23 @@ check_perf() {
 # report N ranks, and the trained weights must agree: bit for bit at 2 ranks, to rounding at
 # more (gloo and oxccl add the ranks' gradients in different orders).
 same_weights() {
-  local name=$1 n=$2 b d
+  local name=$1 n=$2 b d rc
   shift 2
   for b in gloo oxccl; do
-    "$@" --backend "$b" --out "$TMP/w.$b.pt" > "$TMP/out.$b" 2>&1 || { cat "$TMP/out.$b"; echo "FAIL: $name over $b" >&2; exit 1; }
+    rc=0
+    rm -f "$TMP/w.$b.pt"
+    "$@" --backend "$b" --out "$TMP/w.$b.pt" > "$TMP/out.$b" 2>&1 || rc=$?
     d=$(sed -n "s/^$n ranks over $b (.*): weights \([0-9a-f]*\); done$/\1/p" "$TMP/out.$b")
+    # The reference only: torch 2.15's gloo at times aborts a rank at interpreter exit, after
+    # destroy_process_group returned on every rank ("terminate called without an active
+    # exception"; seen in 1-4 of 20 runs on the 2-core VM, in a venv without oxccl too). Its
+    # weights are saved and its digest printed by then, so its run still serves.
+    if [ "$rc" -ne 0 ] && [ "$b" = gloo ] && [ -n "$d" ] && [ -s "$TMP/w.gloo.pt" ] &&
+      grep -q "^terminate called without an active exception" "$TMP/out.$b"; then
+      echo "note: $name over gloo: a rank aborted at exit after its run (torch's gloo teardown)"
+      rc=0
+    fi
+    [ "$rc" -eq 0 ] || { cat "$TMP/out.$b"; echo "FAIL: $name over $b" >&2; exit 1; }
     [ -n "$d" ] || { cat "$TMP/out.$b"; echo "FAIL: $name over $b: no digest" >&2; exit 1; }
   done
   "$PY" - "$TMP/w.gloo.pt" "$TMP/w.oxccl.pt" "$n" "$name" <<'PYEOF' || exit 1
