@@ -27,17 +27,20 @@ for rate in "${rates[@]}"; do
     scripts/cluster.sh perf 2 1 all_reduce -b 64M -e 64M -n 80 -w 2 -c 0 \
     >"$tmp/$rate.log" 2>&1 || { cat "$tmp/$rate.log" >&2; exit 1; }
   report() { perf report -i "$data" --stdio --no-children -g none --time 50%-100% "$@" 2>/dev/null; }
-  all=$(report --sort comm)
-  mine=$(report --comms oxccl --sort sym)
-  python3 - "$rate" <<EOF
+  report --sort comm >"$tmp/$rate.comm"
+  report --comms oxccl --sort sym >"$tmp/$rate.sym"
+  python3 - "$rate" "$tmp/$rate.comm" "$tmp/$rate.sym" <<'EOF'
 import re, sys
-rate = sys.argv[1]
-comm = {m.group(2): float(m.group(1)) for m in re.finditer(r"^\s*([\d.]+)%\s+(\S+)\s*$", """$all""", re.M)}
+rate, comm_file, sym_file = sys.argv[1:]
+with open(comm_file) as f:
+    comm = {m.group(2): float(m.group(1)) for m in re.finditer(r"^\s*([\d.]+)%\s+(\S+)\s*$", f.read(), re.M)}
 cats = {"send": 0.0, "recv": 0.0, "kernel": 0.0, "reduce": 0.0, "user": 0.0, "fill": 0.0}
 # The benchmark fills its buffers before each placement's loop (out of place, then in place):
 # the fill of the second falls inside the sampled half. Its functions are counted apart.
 fill = ("oxccl::comm::check::", "__fixdfti", "trunc", "__memset")
-for m in re.finditer(r"^\s*([\d.]+)%\s+\[(k|\.)\]\s+(.*?)\s*$", """$mine""", re.M):
+with open(sym_file) as f:
+    syms = f.read()
+for m in re.finditer(r"^\s*([\d.]+)%\s+\[(k|\.)\]\s+(.*?)\s*$", syms, re.M):
     pct, where, sym = float(m.group(1)), m.group(2), m.group(3)
     if where == "k":
         key = "send" if sym == "_copy_from_iter" else "recv" if sym == "_copy_to_iter" else "kernel"

@@ -286,20 +286,20 @@ impl DirectCtx<'_> {
     fn drain(&self, e: u64) {
         let me = self.wait.id().rank;
         let until = Instant::now() + self.wait.remaining();
-        let reported_lost = |p: usize| {
-            matches!(
-                self.health.and_then(|h| h.failure()),
-                Some(Failure::Lost { peer, .. }) if peer == p
-            )
-        };
-        while Instant::now() < until
-            && (0..self.nranks).any(|p| {
+        while Instant::now() < until {
+            let lost = match self.health.and_then(|h| h.failure()) {
+                Some(Failure::Lost { peer, .. }) => Some(peer),
+                _ => None,
+            };
+            let pending = (0..self.nranks).any(|p| {
                 p != me
+                    && Some(p) != lost
                     && !self.direct.reached(p, e)
                     && self.direct.check_alive(p).is_ok()
-                    && !reported_lost(p)
-            })
-        {
+            });
+            if !pending {
+                return;
+            }
             std::thread::sleep(Duration::from_millis(1));
         }
     }
