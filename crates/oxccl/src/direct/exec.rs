@@ -12,10 +12,11 @@ use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
 use crate::fault::health::{Failure, Health};
 use crate::transport::{Link, LinkError};
 
-/// How long a rank that finds a living peer's buffer gone (EFAULT) looks for the failure
-/// that made the peer leave the call, before it reports a bad address: the watchdog's
-/// heartbeat timeout (1.5 s by default) and a peer's relayed failure come within it.
-const FAILURE_SETTLE: Duration = Duration::from_secs(3);
+/// How long a rank that finds a living peer's buffer gone (EFAULT), or its loan withdrawn
+/// (`exec`), looks for the failure that made the peer leave the call, before it names the
+/// peer: the watchdog's heartbeat timeout (1.5 s by default) and a peer's relayed failure
+/// come within it.
+pub(crate) const FAILURE_SETTLE: Duration = Duration::from_secs(3);
 
 /// One call's view of the direct area.
 pub(crate) struct DirectCtx<'a> {

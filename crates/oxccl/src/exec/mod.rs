@@ -27,6 +27,7 @@ use crate::base::error::{Error, Result};
 use crate::base::op::ReduceOp;
 use crate::base::reduce;
 use crate::base::wait::{CallId, Doorbell, Spin, Waiter, NAP, SLEEP_SLICE};
+use crate::direct::exec::FAILURE_SETTLE;
 use crate::fault::fingerprint::{CallPrint, HeaderFlags, HeaderState};
 use crate::fault::health::Health;
 use crate::sched::{Buf, BufRange, Combine, Local, Schedule, Step, Xfer};
@@ -242,14 +243,15 @@ fn run(
         failed_seen: None,
         before: Vec::new(),
     };
-    run.messages_begin()?;
-    for step in &sched.steps {
-        run.step(step)?;
-        if let Some(ends) = run.ctx.guard.step_ends.as_deref_mut() {
-            ends.push(Instant::now());
+    let res = run.steps(sched);
+    if res.is_err() {
+        // A send that lent its memory and never saw the loan end: the caller may reuse that
+        // memory as soon as this returns, so the loan is withdrawn first.
+        for link in run.ctx.links.iter_mut().flatten() {
+            link.withdraw();
         }
     }
-    Ok(())
+    res
 }
 
 struct Runner<'c, 'a, 'm> {
@@ -282,7 +284,30 @@ impl Runner<'_, '_, '_> {
         }
     }
 
+    fn steps(&mut self, sched: &Schedule) -> Result<()> {
+        self.messages_begin()?;
+        for step in &sched.steps {
+            self.step(step)?;
+            if let Some(ends) = self.ctx.guard.step_ends.as_deref_mut() {
+                ends.push(Instant::now());
+            }
+        }
+        Ok(())
+    }
+
+    /// The error of this call when its link to `peer` failed with `e`. A peer that withdrew
+    /// its loan failed its call: its own cause (the watchdog brings it) is looked for up to
+    /// [`FAILURE_SETTLE`] before the peer itself is named.
     fn link_err(&self, peer: usize, e: LinkError) -> Error {
+        if let (LinkError::Withdrawn(_), Some(h)) = (&e, self.ctx.guard.health) {
+            let until = Instant::now() + FAILURE_SETTLE;
+            while Instant::now() < until {
+                if h.is_failed() {
+                    return h.error(self.ctx.rank, self.ctx.call, self.ctx.seq);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         e.into_error(self.ctx.rank, peer, self.ctx.call, self.ctx.seq)
     }
 

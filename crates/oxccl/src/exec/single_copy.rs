@@ -113,23 +113,178 @@ impl Runner<'_, '_, '_> {
                         // scratch that no schedule buffer covers, used only here, by one
                         // transfer at a time.
                         let stage = unsafe { std::slice::from_raw_parts_mut(self.mem.stage.0, k) };
-                        let got = link.try_copy_lent(len, s.done, stage).map_err(link_err)?;
-                        if got {
+                        let got = link.try_copy_lent(len, s.done, stage);
+                        if let Ok(true) = got {
                             // SAFETY: `done + k <= len`: within the destination and the
                             // operand (validated lengths, bounds checked by `ptr`).
                             unsafe {
                                 apply_recv(self.ctx.dtype, self.ctx.op, d, Some(w), s.done, stage)
                             };
                         }
-                        Ok(got)
+                        got
                     }
                 };
-                if copied.map_err(link_err)? {
+                // (A withdrawn loan waits here for the lender's cause: `link_err`.)
+                if copied.map_err(|e| self.link_err(peer, e))? {
                     s.done += k;
                     moved = true;
                 }
             }
         }
         Ok(moved)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::buffers::Buffers;
+    use crate::base::dtype::DataType;
+    use crate::base::error::Error;
+    use crate::base::op::ReduceOp;
+    use crate::base::param::Config;
+    use crate::base::wait::Spin;
+    use crate::bootstrap::local::LocalExchange;
+    use crate::bootstrap::Exchange;
+    use crate::exec::{execute, Ctx, FaultHooks};
+    use crate::sched::{Buf, BufRange, Schedule};
+    use std::time::Duration;
+
+    /// Runs `sched` as `rank` over `links`, single-copy allowed, on `input` and `output`.
+    fn run(
+        rank: usize,
+        links: &mut [Option<Box<dyn Link>>],
+        sched: &Schedule,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        let mut ctx = Ctx {
+            rank,
+            links,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            nranks: 3,
+            spin: Spin::new(1),
+            timeout: Duration::from_secs(10),
+            call: "all_reduce",
+            seq: 4,
+            single_copy: true,
+            guard: FaultHooks::default(),
+            messages: None,
+        };
+        execute(
+            &mut ctx,
+            sched,
+            &mut Buffers::new(input, output),
+            &mut Vec::new(),
+        )
+    }
+
+    /// A rank whose call fails while it lends a message (rank 1: its send to rank 2 is lent,
+    /// then its receive from rank 0 finds rank 0 gone) returns, and its caller reuses the
+    /// memory at once. Rank 2, copying the loan only afterwards, must fail, naming rank 1,
+    /// instead of returning the memory's new bytes as its result: by store and by reduction.
+    #[test]
+    fn a_loan_of_a_rank_whose_call_failed_is_refused_not_read() {
+        const LEN: usize = 1 << 20;
+        for reduce in [false, true] {
+            let mut tag = [0u8; 8];
+            getrandom::fill(&mut tag).unwrap();
+            let tag = u64::from_le_bytes(tag);
+            let pid = std::process::id();
+            let ts: Vec<_> = LocalExchange::group(3)
+                .into_iter()
+                .map(|mut ex| {
+                    std::thread::spawn(move || {
+                        let rank = ex.rank();
+                        let peers: Vec<(usize, u32)> =
+                            (0..3).filter(|&p| p != rank).map(|p| (p, pid)).collect();
+                        let cfg = Config::default();
+                        let mut links: Vec<Option<Box<dyn Link>>> = (0..3).map(|_| None).collect();
+                        for (p, l) in
+                            crate::transport::shm::connect(&mut ex, &peers, tag, &cfg).unwrap()
+                        {
+                            // Wrapped as a communicator's links are (for the status agent).
+                            links[p] = Some(crate::transport::counted::counted(l).0);
+                        }
+                        assert!(links[(rank + 1) % 3]
+                            .as_ref()
+                            .unwrap()
+                            .single_copy(true, LEN));
+                        ex.barrier().unwrap();
+                        if rank == 0 {
+                            drop(links);
+                            for _ in 0..3 {
+                                ex.barrier().unwrap();
+                            }
+                            return None;
+                        }
+                        ex.barrier().unwrap(); // rank 0 is gone
+                        let out = if rank == 1 {
+                            let mut sched = Schedule::new("test");
+                            sched.push_xfers([
+                                Xfer::Send {
+                                    peer: 2,
+                                    src: BufRange::new(Buf::Input, 0, LEN),
+                                },
+                                Xfer::Recv {
+                                    peer: 0,
+                                    dst: BufRange::new(Buf::Output, 0, 8),
+                                    combine: Combine::Store,
+                                },
+                            ]);
+                            let mut input = vec![0u8; LEN];
+                            let res = run(1, &mut links, &sched, &input, &mut [0u8; 8]);
+                            assert!(
+                                matches!(res, Err(Error::PeerLost { peer: 0, .. })),
+                                "{res:?}"
+                            );
+                            // The caller reuses its memory as soon as the call returned.
+                            input.fill(0x41);
+                            ex.barrier().unwrap(); // rank 2 may copy now
+                            ex.barrier().unwrap(); // rank 2 is done with rank 1's memory
+                            drop(input);
+                            None
+                        } else {
+                            ex.barrier().unwrap();
+                            let combine = if reduce {
+                                Combine::Reduce {
+                                    with: BufRange::new(Buf::Input, 0, LEN),
+                                }
+                            } else {
+                                Combine::Store
+                            };
+                            let mut sched = Schedule::new("test");
+                            sched.push_xfers([Xfer::Recv {
+                                peer: 1,
+                                dst: BufRange::new(Buf::Output, 0, LEN),
+                                combine,
+                            }]);
+                            let mut output = vec![0u8; LEN];
+                            let res = run(2, &mut links, &sched, &[0u8; LEN], &mut output);
+                            ex.barrier().unwrap();
+                            Some((res, output.contains(&0x41)))
+                        };
+                        drop(links);
+                        out
+                    })
+                })
+                .collect();
+            let mut res: Vec<_> = ts.into_iter().map(|t| t.join().unwrap()).collect();
+            let (res, read_reused) = res.pop().flatten().expect("rank 2's result");
+            match res {
+                Err(Error::Remote {
+                    rank: 2,
+                    origin: 1,
+                    seq: 4,
+                    ref msg,
+                    ..
+                }) => assert!(msg.contains("still lent"), "{msg}"),
+                other => panic!(
+                    "reduce {reduce}: expected rank 1 named (read its reused memory: \
+                     {read_reused}), got {other:?}"
+                ),
+            }
+        }
     }
 }

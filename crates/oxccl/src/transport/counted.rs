@@ -141,6 +141,10 @@ impl Link for Counted {
         Ok(done)
     }
 
+    fn withdraw(&mut self) {
+        self.inner.withdraw()
+    }
+
     fn send_wait(&self) -> WaitSource<'_> {
         self.inner.send_wait()
     }

@@ -68,6 +68,10 @@ pub enum LinkError {
     /// what, and what to raise.
     #[error("{0}")]
     Resource(String),
+    /// The peer's call failed while it lent this rank a message ([`Link::withdraw`]): the
+    /// memory it named may hold anything now, so the copy out of it is refused.
+    #[error("{0}")]
+    Withdrawn(String),
 }
 
 impl LinkError {
@@ -105,6 +109,14 @@ impl LinkError {
                 call,
                 seq,
                 reason: describe_io(&e),
+            },
+            LinkError::Withdrawn(msg) => Error::Remote {
+                rank,
+                call,
+                seq,
+                origin: peer,
+                kind: crate::base::error::FailureKind::Other,
+                msg,
             },
         }
     }
@@ -183,6 +195,13 @@ pub trait Link: Send {
             self.kind()
         )))
     }
+
+    /// The call failed on this rank: ends a loan still outstanding
+    /// ([`try_lend`](Self::try_lend) not yet true), before the caller may reuse the memory.
+    /// The peer's copy out of it then fails with [`LinkError::Withdrawn`] instead of reading
+    /// whatever the memory holds by then, and the link carries nothing more. The default (a
+    /// link that never lends): nothing to do.
+    fn withdraw(&mut self) {}
 
     /// What to sleep on until [`try_send`](Self::try_send) may accept more bytes.
     fn send_wait(&self) -> WaitSource<'_>;

@@ -702,6 +702,18 @@ impl Link for ShmLink {
             )));
         }
         crate::base::cross_memory::read_remote(self.read_pid, addr + off as u64, dst)?;
+        // Whether the peer withdrew the loan (its call failed, `withdraw`), looked at after
+        // the copy: the peer closes before its caller may write the memory again, so a copy
+        // that saw any such write sees the close here. The fence orders the copy's reads
+        // before the load; `withdraw` has the matching one.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.rx.producer_closed() {
+            return Err(LinkError::Withdrawn(format!(
+                "it left the call with a message of {len} bytes still lent to rank {}; the \
+                 copy out of its memory is refused (that memory may hold anything now)",
+                self.rank
+            )));
+        }
         if off + dst.len() == len {
             // Done with the peer's memory: consuming the descriptor ends the loan.
             self.rx.skip(lend::DESC_BYTES as u64);
@@ -709,6 +721,19 @@ impl Link for ShmLink {
             self.remote.doorbell().ring();
         }
         Ok(true)
+    }
+
+    /// Closes the ring this rank writes while a loan is outstanding: the peer's copy then
+    /// fails (`try_copy_lent` checks the close after each piece). A loan ends only when the
+    /// peer consumed the descriptor, so a close with a descriptor unread means withdrawn.
+    fn withdraw(&mut self) {
+        if self.lending.take().is_some() {
+            self.tx.close();
+            // Orders the close before the caller's next writes into the memory (the receiver
+            // has the matching fence between its copy and its look at the close).
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            self.remote.doorbell().ring();
+        }
     }
 
     fn send_wait(&self) -> WaitSource<'_> {
