@@ -24,8 +24,9 @@
 #                              kill and soak loops at their full counts (OXCCL_STRESS=1, read by
 #                              the tests), the exit loop (scripts/exit_loop.sh) at
 #                              EXIT_LOOP_RUNS runs (default 1000), and the torch property test
-#                              and the allocator, form and p2p tests under AddressSanitizer and
-#                              glibc's malloc checks (scripts/sanitize_torch.sh: SANITIZE_CALLS
+#                              and the allocator, form and p2p tests under AddressSanitizer,
+#                              glibc's malloc checks and a guard allocator that makes freed
+#                              memory inaccessible (scripts/sanitize_torch.sh: SANITIZE_CALLS
 #                              calls per case, default 10000, for SANITIZE_SEEDS random seeds,
 #                              default 3, and one fixed seed); hours on a 2-core machine
 #
