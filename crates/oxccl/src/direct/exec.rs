@@ -9,7 +9,7 @@ use crate::base::error::{Error, FailureKind, Result};
 use crate::base::wait::{CallId, Waiter, SLEEP_SLICE};
 use crate::direct::link::{Direct, EventRecord};
 use crate::fault::fingerprint::{CallPrint, Header, HEADER_BYTES};
-use crate::fault::health::{Failure, Health};
+use crate::fault::health::Health;
 use crate::transport::{Link, LinkError};
 
 /// How long a rank that finds a living peer's buffer gone (EFAULT), or its loan withdrawn
@@ -283,18 +283,16 @@ impl DirectCtx<'_> {
     }
 
     /// After a wait for event `e` that failed: waits on until every peer has published `e`,
-    /// is gone, or is the rank the watchdog reported lost, or the call's time is up.
+    /// is gone, or was reported lost by the watchdog (any such report, not only the
+    /// communicator's first failure: a second rank stopped mid-call), or the call's time is
+    /// up.
     fn drain(&self, e: u64) {
         let me = self.wait.id().rank;
         let until = Instant::now() + self.wait.remaining();
         while Instant::now() < until {
-            let lost = match self.health.and_then(|h| h.failure()) {
-                Some(Failure::Lost { peer, .. }) => Some(peer),
-                _ => None,
-            };
             let pending = (0..self.nranks).any(|p| {
                 p != me
-                    && Some(p) != lost
+                    && !self.health.is_some_and(|h| h.is_lost(p))
                     && !self.direct.reached(p, e)
                     && self.direct.check_alive(p).is_ok()
             });
@@ -670,6 +668,54 @@ mod access_error_tests {
         // Nothing failed: a bad address it is.
         let e = read_error(&mut g[0], Some(&Health::new()), 1);
         assert!(e.to_string().contains("Bad address"), "{e}");
+    }
+}
+
+/// The end of a failed single-copy call: whom the rank still waits for.
+#[cfg(test)]
+mod drain_tests {
+    use super::*;
+    use crate::base::wait::Spin;
+    use crate::direct::link::mem_group;
+    use crate::fault::health::Failure;
+
+    /// Ranks 1 and 2 stopped mid-call (alive, silent), and the watchdog reported both lost:
+    /// rank 1 first (the communicator's failure), rank 2 later. Rank 0, whose call failed,
+    /// waits for neither: before, only the first failure's rank released the wait, and a
+    /// second stopped rank held it until the call's timeout.
+    #[test]
+    fn every_rank_reported_lost_releases_the_drain_not_only_the_first() {
+        let mut g = mem_group(4);
+        let e = g[3].publish(&[], &EventRecord::default());
+        assert_eq!(g[0].publish(&[], &EventRecord::left_failed()), e);
+        let h = Health::new();
+        for peer in [1, 2] {
+            h.fail(Failure::Lost {
+                peer,
+                reason: "no heartbeat".into(),
+            });
+        }
+        let id = CallId {
+            rank: 0,
+            call: "all_reduce",
+            seq: 4,
+        };
+        let timeout = Duration::from_secs(60);
+        let cx = DirectCtx {
+            direct: &mut g[0],
+            nranks: 4,
+            wait: Waiter::new(id, Spin::new(1), timeout, false),
+            print: None,
+            health: Some(&h),
+            links: None,
+            step_ends: None,
+            nt_bytes: 0,
+        };
+        let start = Instant::now();
+        cx.drain(e);
+        // Quiet, it returns at once; held by rank 2 it would take the whole timeout.
+        assert!(start.elapsed() < timeout / 2, "{:?}", start.elapsed());
+        assert!(h.is_lost(2) && !h.is_lost(3));
     }
 }
 

@@ -50,6 +50,8 @@ pub enum Failure {
 pub struct Health {
     failed: AtomicBool,
     why: Mutex<Option<Failure>>,
+    /// Every rank a [`Failure::Lost`] named, the first failure or a later one.
+    lost: Mutex<Vec<usize>>,
     /// The doorbell a call sleeps on now (0: none), rung by [`Health::fail`].
     sleeping_on: Mutex<usize>,
     /// Readable once failed: in every `poll(2)` set of the executor.
@@ -89,6 +91,7 @@ impl Health {
         Health {
             failed: AtomicBool::new(false),
             why: Mutex::new(None),
+            lost: Mutex::new(Vec::new()),
             sleeping_on: Mutex::new(0),
             event,
             dependents: Dependents::default(),
@@ -104,6 +107,12 @@ impl Health {
     /// Records `f` unless a failure is already recorded, and wakes any sleeping call.
     /// Returns true if `f` is the first failure.
     pub fn fail(&self, f: Failure) -> bool {
+        if let Failure::Lost { peer, .. } = f {
+            let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
+            if !lost.contains(&peer) {
+                lost.push(peer);
+            }
+        }
         let first = {
             let mut w = self.why.lock().unwrap_or_else(|e| e.into_inner());
             if w.is_some() {
@@ -145,6 +154,15 @@ impl Health {
         }
         deps.retain(|(h, _)| h.strong_count() > 0);
         deps.push((to, map));
+    }
+
+    /// True once a failure named `peer` lost, whether or not it was the first: a later one
+    /// (a second rank stopped) is not the communicator's failure, but it is known lost.
+    pub(crate) fn is_lost(&self, peer: usize) -> bool {
+        self.lost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&peer)
     }
 
     /// True when [`abort`](crate::Communicator::abort) was called here.
