@@ -97,7 +97,8 @@ for f in python/oxccl/*; do
   case $(basename "$f") in _oxccl*.so | __pycache__) ;; *) ln -s "$PWD/$f" "$ASAN_PY/oxccl/" ;; esac
 done
 cp target/asan-rs/x86_64-unknown-linux-gnu/release/lib_oxccl.so "$ASAN_PY/oxccl/_oxccl.abi3.so"
-if ! nm -D "$ASAN_PY/oxccl/_oxccl.abi3.so" | grep -q " U __asan_init"; then
+# (Read whole first: `grep -q` would end the pipe early, and pipefail would count nm's SIGPIPE.)
+if [[ "$(nm -D "$ASAN_PY/oxccl/_oxccl.abi3.so")" != *" U __asan_init"* ]]; then
   echo "sanitize: the Rust library's ASan build is not instrumented (no __asan_init import)" >&2
   exit 1
 fi
