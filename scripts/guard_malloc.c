@@ -69,10 +69,15 @@ static size_t slot_of(uintptr_t p) { return (p >> 4) * 0x9E3779B97F4A7C15ULL >> 
 
 static void insert_locked(struct entry e);
 
-static void grow_locked(void) {
+// Rehashes without the deleted slots, into a table twice the size only when the live entries
+// fill more than a quarter of it. An insert reuses a deleted slot only where its probe meets
+// one; slots filled and freed by addresses that do not come back would otherwise make the
+// table double while few entries live.
+static void rehash_locked(void) {
   struct entry* old = table;
-  size_t old_cap = table_cap;
-  table_cap *= 2;
+  size_t old_cap = table_cap, live = 0;
+  for (size_t i = 0; i < old_cap; i++) live += old[i].ptr > 1;
+  if (live * 4 > old_cap) table_cap *= 2;
   table = mmap(NULL, table_cap * sizeof(struct entry), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (table == MAP_FAILED) abort();
   table_used = 0;
@@ -82,7 +87,7 @@ static void grow_locked(void) {
 }
 
 static void insert_locked(struct entry e) {
-  if ((table_used + 1) * 2 > table_cap) grow_locked();
+  if ((table_used + 1) * 2 > table_cap) rehash_locked();
   size_t i = slot_of(e.ptr);
   while (table[i].ptr > 1) i = (i + 1) & (table_cap - 1);
   if (table[i].ptr == 0) table_used++;
